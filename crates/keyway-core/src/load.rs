@@ -1,0 +1,316 @@
+//! Turning one file's text into objects or precise errors. Pure: the caller reads the file.
+//!
+//! Each document is handled alone, as a Kubernetes API server handles one apply: it is parsed,
+//! identified (`apiVersion`, `kind`, `metadata.name`), converted to its upstream type and validated.
+//! A failure becomes a [`ConfigError`] naming file, line and field path.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::resource::{Kind, ObjectKey, Resource};
+use crate::validate;
+use crate::yaml::{self, LineIndex, ParsedDoc};
+
+/// Where an object or error came from.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Origin {
+    pub file: String,
+    pub line: u32,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.file, self.line)
+    }
+}
+
+/// One rejected document or broken reference: `file:line: path: message`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ConfigError {
+    pub origin: Origin,
+    /// Field path inside the document (`spec.strategy`); empty for the document as a whole.
+    pub path: String,
+    pub message: String,
+    /// The object concerned, when the document could be identified.
+    pub object: Option<ObjectKey>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "{}: {}", self.origin, self.message)
+        } else {
+            write!(f, "{}: {}: {}", self.origin, self.path, self.message)
+        }
+    }
+}
+
+/// An object that passed parsing and per-object validation.
+#[derive(Clone, Debug)]
+pub struct LoadedObject {
+    pub key: ObjectKey,
+    pub resource: Resource,
+    pub origin: Origin,
+    /// `apiVersion` and `kind` as written (so `XListenerSet` is echoed back as such).
+    pub written_api_version: String,
+    pub written_kind: String,
+    pub lines: Arc<LineIndex>,
+}
+
+impl LoadedObject {
+    /// An error about a field of this object, located at that field's line.
+    pub fn error_at(&self, path: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            origin: Origin {
+                file: self.origin.file.clone(),
+                line: self.lines.line_of(path),
+            },
+            path: path.to_string(),
+            message: message.into(),
+            object: Some(self.key.clone()),
+        }
+    }
+}
+
+/// What became of one document.
+#[derive(Clone, Debug)]
+pub enum DocOutcome {
+    Object(Box<LoadedObject>),
+    Rejected(ConfigError),
+    /// A kind keyway does not serve: a warning, never fatal.
+    Ignored(ConfigError),
+}
+
+/// Everything one file produced.
+#[derive(Clone, Debug, Default)]
+pub struct FileLoad {
+    pub file: String,
+    pub outcomes: Vec<DocOutcome>,
+    /// Warnings about accepted objects (unknown fields).
+    pub warnings: Vec<ConfigError>,
+}
+
+impl FileLoad {
+    /// A file that could not be read at all: one unidentified rejection, so nothing it held is deleted.
+    pub fn unreadable(file: &str, message: &str) -> Self {
+        FileLoad {
+            file: file.to_string(),
+            outcomes: vec![DocOutcome::Rejected(ConfigError {
+                origin: Origin {
+                    file: file.to_string(),
+                    line: 1,
+                },
+                path: String::new(),
+                message: message.to_string(),
+                object: None,
+            })],
+            warnings: Vec::new(),
+        }
+    }
+
+    /// True when a document could not even be identified: the file's other objects must then not
+    /// be treated as deleted, because we cannot tell which object the broken document was.
+    pub fn has_unidentified_rejects(&self) -> bool {
+        self.outcomes
+            .iter()
+            .any(|o| matches!(o, DocOutcome::Rejected(e) if e.object.is_none()))
+    }
+}
+
+/// Whether a path names a file the loader reads (`*.yaml`, `*.yml`, `*.json`).
+pub fn is_manifest_file(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    !name.starts_with('.')
+        && (lower.ends_with(".yaml") || lower.ends_with(".yml") || lower.ends_with(".json"))
+}
+
+/// Parses and validates every document of one file.
+pub fn load_file(file: &str, text: &str) -> FileLoad {
+    let docs = if file.to_ascii_lowercase().ends_with(".json") {
+        yaml::parse_json(text)
+    } else {
+        yaml::parse_yaml_stream(text)
+    };
+    let mut load = FileLoad {
+        file: file.to_string(),
+        ..FileLoad::default()
+    };
+    for doc in docs {
+        match doc {
+            Err(err) => load.outcomes.push(DocOutcome::Rejected(ConfigError {
+                origin: Origin {
+                    file: file.to_string(),
+                    line: err.line,
+                },
+                path: String::new(),
+                message: err.message,
+                object: None,
+            })),
+            Ok(doc) => load_document(file, doc, &mut load),
+        }
+    }
+    load
+}
+
+fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
+    let lines = Arc::new(doc.lines);
+    let err = |path: &str, message: String, object: Option<ObjectKey>| ConfigError {
+        origin: Origin {
+            file: file.to_string(),
+            line: lines.line_of(path),
+        },
+        path: path.to_string(),
+        message,
+        object,
+    };
+    let Value::Object(map) = &doc.value else {
+        load.outcomes.push(DocOutcome::Rejected(err(
+            "",
+            "a manifest must be a mapping with apiVersion and kind".into(),
+            None,
+        )));
+        return;
+    };
+    let api_version = map
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let kind_name = map
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    if kind_name == "List" && api_version == "v1" {
+        let items = map
+            .get("items")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        for (i, item) in items.into_iter().enumerate() {
+            let sub = lines.subtree(&format!("items[{i}]"));
+            let start_line = sub.line_of("");
+            load_document(
+                file,
+                ParsedDoc {
+                    value: item,
+                    lines: sub,
+                    start_line,
+                },
+                load,
+            );
+        }
+        return;
+    }
+    if api_version.is_empty() {
+        load.outcomes.push(DocOutcome::Rejected(err(
+            "apiVersion",
+            "apiVersion is required".into(),
+            None,
+        )));
+        return;
+    }
+    if kind_name.is_empty() {
+        load.outcomes.push(DocOutcome::Rejected(err(
+            "kind",
+            "kind is required".into(),
+            None,
+        )));
+        return;
+    }
+    let Some(kind) = Kind::from_type(&api_version, &kind_name) else {
+        load.outcomes.push(DocOutcome::Ignored(err(
+            "kind",
+            format!("unknown kind {kind_name} in {api_version}; ignored"),
+            None,
+        )));
+        return;
+    };
+    let name = doc
+        .value
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    if name.is_empty() {
+        load.outcomes.push(DocOutcome::Rejected(err(
+            "metadata.name",
+            "metadata.name is required".into(),
+            None,
+        )));
+        return;
+    }
+    let namespace = doc
+        .value
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+        .filter(|ns| !ns.is_empty())
+        .unwrap_or("default")
+        .to_string();
+    let key = ObjectKey::new(kind, namespace.clone(), name);
+
+    // Normalize what a typed conversion must not trip over: the canonical apiVersion/kind (for
+    // XListenerSet and older versions), the defaulted namespace, and no input status.
+    let mut value = doc.value;
+    if let Value::Object(map) = &mut value {
+        map.insert(
+            "apiVersion".into(),
+            Value::String(kind.api_version().into()),
+        );
+        map.insert("kind".into(), Value::String(kind.name().into()));
+        map.remove("status");
+        if kind.is_skupper() || kind.api_version().starts_with("gateway.") {
+            map.entry("spec")
+                .or_insert_with(|| Value::Object(Default::default()));
+        }
+        if let Some(Value::Object(meta)) = map.get_mut("metadata") {
+            if kind.namespaced() {
+                meta.insert("namespace".into(), Value::String(namespace));
+            } else {
+                meta.remove("namespace");
+            }
+        }
+    }
+    let parsed = match Resource::from_value(kind, value) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            load.outcomes
+                .push(DocOutcome::Rejected(err(&e.path, e.message, Some(key))));
+            return;
+        }
+    };
+    let object = LoadedObject {
+        key,
+        resource: parsed.resource,
+        origin: Origin {
+            file: file.to_string(),
+            line: doc.start_line,
+        },
+        written_api_version: api_version,
+        written_kind: kind_name,
+        lines,
+    };
+    for path in parsed
+        .ignored
+        .into_iter()
+        .filter(|p| p != "apiVersion" && p != "kind")
+    {
+        load.warnings
+            .push(object.error_at(&path, "unknown field; ignored"));
+    }
+    let problems = validate::validate(&object.resource);
+    if let Some(first) = problems.first() {
+        let mut e = object.error_at(&first.path, first.message.clone());
+        if problems.len() > 1 {
+            e.message.push_str(&format!(
+                " (and {} more problem(s) in this document)",
+                problems.len() - 1
+            ));
+        }
+        load.outcomes.push(DocOutcome::Rejected(e));
+        return;
+    }
+    load.outcomes.push(DocOutcome::Object(Box::new(object)));
+}

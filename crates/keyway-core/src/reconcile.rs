@@ -1,0 +1,272 @@
+//! From "what the files say now" to "what is in force": SPEC §2's keep-last-valid rule, the
+//! cross-object rules of §2.1, and stable creation timestamps and generations (§2, §4 precedence).
+//!
+//! A rejected document behaves like a rejected `kubectl apply`: the previous valid version of that
+//! object stays. A file with a document we cannot even identify deletes nothing, because we cannot
+//! tell which object that document was.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::index::Index;
+use crate::load::{ConfigError, DocOutcome, FileLoad, LoadedObject};
+use crate::resource::{Kind, ObjectKey, Resource};
+
+/// What the site remembers per object across restarts (its state directory).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ObjectState {
+    #[serde(default)]
+    pub objects: BTreeMap<String, StateEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StateEntry {
+    pub first_seen: Time,
+    pub generation: i64,
+    pub spec_hash: String,
+}
+
+fn state_key(key: &ObjectKey) -> String {
+    format!("{}/{}/{}", key.kind.name(), key.namespace, key.name)
+}
+
+/// The outcome of one reconcile.
+#[derive(Clone, Debug, Default)]
+pub struct Reconciled {
+    /// Rejected documents and cross-object rule violations.
+    pub errors: Vec<ConfigError>,
+    /// Unknown kinds and unknown fields.
+    pub warnings: Vec<ConfigError>,
+    /// Objects added, changed or deleted.
+    pub changed: BTreeSet<ObjectKey>,
+}
+
+/// Brings `index` in line with `files` (every manifest file of the directory) at time `now`.
+pub fn reconcile(
+    index: &mut Index,
+    state: &mut ObjectState,
+    files: &[FileLoad],
+    now: &Time,
+) -> Reconciled {
+    let mut out = Reconciled::default();
+    let mut files: Vec<&FileLoad> = files.iter().collect();
+    files.sort_by(|a, b| a.file.cmp(&b.file));
+
+    // 1. Candidates, first definition wins; remember which keys had a rejected document.
+    let mut candidates: BTreeMap<ObjectKey, LoadedObject> = BTreeMap::new();
+    let mut rejected: HashSet<ObjectKey> = HashSet::new();
+    for file in &files {
+        out.warnings.extend(file.warnings.iter().cloned());
+        for outcome in &file.outcomes {
+            match outcome {
+                DocOutcome::Object(obj) => {
+                    if let Some(first) = candidates.get(&obj.key) {
+                        out.errors.push(obj.error_at(
+                            "metadata.name",
+                            format!("{} is already defined at {}", obj.key, first.origin),
+                        ));
+                    } else {
+                        candidates.insert(obj.key.clone(), (**obj).clone());
+                    }
+                }
+                DocOutcome::Rejected(err) => {
+                    if let Some(key) = &err.object {
+                        rejected.insert(key.clone());
+                    }
+                    out.errors.push(err.clone());
+                }
+                DocOutcome::Ignored(w) => out.warnings.push(w.clone()),
+            }
+        }
+    }
+
+    // 2. Stamp creation time and generation so precedence is stable.
+    for obj in candidates.values_mut() {
+        stamp(obj, state, now);
+    }
+
+    // 3. Cross-object rules; a violator is rejected like a bad document.
+    let mut reject =
+        |candidates: &mut BTreeMap<ObjectKey, LoadedObject>, key: &ObjectKey, err: ConfigError| {
+            candidates.remove(key);
+            rejected.insert(key.clone());
+            out.errors.push(err);
+        };
+    for key in candidates
+        .keys()
+        .filter(|k| k.kind == Kind::MultiKeyListener)
+        .cloned()
+        .collect::<Vec<_>>()
+    {
+        let (Some(Resource::MultiKeyListener(new)), Some(old)) =
+            (candidates.get(&key).map(|o| &o.resource), index.get(&key))
+        else {
+            continue;
+        };
+        let Resource::MultiKeyListener(old_mkl) = &old.resource else {
+            continue;
+        };
+        let (new_kinds, old_kinds) = (new.spec.strategy.kinds(), old_mkl.spec.strategy.kinds());
+        if let (Some(n), Some(o)) = (new_kinds.first(), old_kinds.first())
+            && n.is_priority() != o.is_priority()
+        {
+            let err = candidates[&key].error_at(
+                "spec.strategy",
+                format!(
+                    "the strategy kind cannot change from {} to {}; delete and re-create the MultiKeyListener",
+                    o.field(),
+                    n.field()
+                ),
+            );
+            reject(&mut candidates, &key, err);
+        }
+    }
+    let sites: Vec<ObjectKey> = by_precedence(&candidates, Kind::Site);
+    for extra in sites.iter().skip(1) {
+        let err = candidates[extra].error_at(
+            "metadata.name",
+            format!(
+                "a config directory holds one Site; {} is already it",
+                sites[0]
+            ),
+        );
+        reject(&mut candidates, extra, err);
+    }
+    let mut bound: Vec<(String, i64, ObjectKey)> = Vec::new();
+    let mut listeners = by_precedence(&candidates, Kind::Listener);
+    listeners.extend(by_precedence(&candidates, Kind::MultiKeyListener));
+    listeners.sort_by_key(|k| precedence_of(&candidates[k]));
+    for key in listeners {
+        let Some((host, port)) = host_port(&candidates[&key].resource) else {
+            continue;
+        };
+        if let Some((_, _, holder)) = bound
+            .iter()
+            .find(|(h, p, _)| *p == port && hosts_overlap(h, &host))
+        {
+            let err = candidates[&key].error_at(
+                "spec.port",
+                format!("{host}:{port} is already used by {holder}"),
+            );
+            reject(&mut candidates, &key, err);
+        } else {
+            bound.push((host, port, key));
+        }
+    }
+
+    // 4. Keep the last valid version of every rejected object, and of objects whose file has a
+    //    document that could not be identified.
+    let incomplete: HashSet<&str> = files
+        .iter()
+        .filter(|f| f.has_unidentified_rejects())
+        .map(|f| f.file.as_str())
+        .collect();
+    let previous: Vec<ObjectKey> = index.keys().cloned().collect();
+    for key in previous {
+        if candidates.contains_key(&key) {
+            continue;
+        }
+        let keep = rejected.contains(&key)
+            || index
+                .get(&key)
+                .is_some_and(|o| incomplete.contains(o.origin.file.as_str()));
+        if keep {
+            if let Some(old) = index.get(&key) {
+                let note = format!("; {} keeps its last valid version from {}", key, old.origin);
+                for e in out
+                    .errors
+                    .iter_mut()
+                    .filter(|e| e.object.as_ref() == Some(&key))
+                {
+                    if !e.message.ends_with(&note) {
+                        e.message.push_str(&note);
+                    }
+                }
+            }
+            continue;
+        }
+        index.delete(&key);
+        state.objects.remove(&state_key(&key));
+        out.changed.insert(key);
+    }
+    for (key, obj) in candidates {
+        if index.apply(obj) {
+            out.changed.insert(key);
+        }
+    }
+    out.errors.sort();
+    out.errors.dedup();
+    out.warnings.sort();
+    out.warnings.dedup();
+    out
+}
+
+/// Records first-seen time and generation for an object, filling `metadata` where the manifest
+/// did not set them.
+fn stamp(obj: &mut LoadedObject, state: &mut ObjectState, now: &Time) {
+    let hash = spec_hash(&obj.resource);
+    let entry = state
+        .objects
+        .entry(state_key(&obj.key))
+        .or_insert_with(|| StateEntry {
+            first_seen: now.clone(),
+            generation: 1,
+            spec_hash: hash.clone(),
+        });
+    if entry.spec_hash != hash {
+        entry.generation += 1;
+        entry.spec_hash = hash;
+    }
+    let meta = obj.resource.meta_mut();
+    if meta.creation_timestamp.is_none() {
+        meta.creation_timestamp = Some(entry.first_seen.clone());
+    }
+    if meta.generation.is_none() {
+        meta.generation = Some(entry.generation);
+    }
+}
+
+/// A digest of everything but metadata: a change here is a new generation.
+fn spec_hash(resource: &Resource) -> String {
+    let mut value = resource.to_value();
+    if let Some(map) = value.as_object_mut() {
+        map.remove("metadata");
+        map.remove("status");
+    }
+    let digest = Sha256::digest(value.to_string().as_bytes());
+    digest.iter().take(12).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Creation time, then `namespace/name`: the order in which older objects win (SPEC §4).
+pub fn precedence_of(obj: &LoadedObject) -> (Option<Time>, String, String) {
+    let meta = obj.resource.meta();
+    (
+        meta.creation_timestamp.clone(),
+        obj.key.namespace.clone(),
+        obj.key.name.clone(),
+    )
+}
+
+fn by_precedence(candidates: &BTreeMap<ObjectKey, LoadedObject>, kind: Kind) -> Vec<ObjectKey> {
+    let mut keys: Vec<&LoadedObject> = candidates.values().filter(|o| o.key.kind == kind).collect();
+    keys.sort_by_key(|o| precedence_of(o));
+    keys.into_iter().map(|o| o.key.clone()).collect()
+}
+
+fn host_port(resource: &Resource) -> Option<(String, i64)> {
+    match resource {
+        Resource::Listener(l) => Some((l.spec.host.clone(), l.spec.port)),
+        Resource::MultiKeyListener(m) => Some((m.spec.host.clone(), m.spec.port)),
+        _ => None,
+    }
+}
+
+/// Two listener hosts collide on one port when equal or when either is a wildcard address.
+fn hosts_overlap(a: &str, b: &str) -> bool {
+    let wildcard = |h: &str| matches!(h, "0.0.0.0" | "::" | "[::]");
+    a.eq_ignore_ascii_case(b) || wildcard(a) || wildcard(b)
+}

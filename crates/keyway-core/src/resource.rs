@@ -1,0 +1,241 @@
+//! Every kind keyway understands (SPEC §2), one typed enum over the upstream Rust types, and the
+//! conversion from a JSON value that reports the failing field's path.
+
+use std::fmt;
+
+use gateway_api::apis::experimental::tcproutes::TcpRoute as TCPRoute;
+use gateway_api::apis::standard::gatewayclasses::GatewayClass;
+use gateway_api::apis::standard::gateways::Gateway;
+use gateway_api::apis::standard::grpcroutes::GrpcRoute as GRPCRoute;
+use gateway_api::apis::standard::httproutes::HttpRoute as HTTPRoute;
+use gateway_api::apis::standard::listenersets::ListenerSet;
+use gateway_api::apis::standard::referencegrants::ReferenceGrant;
+use gateway_api::apis::standard::tlsroutes::TlsRoute as TLSRoute;
+use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::Value;
+
+use crate::skupper;
+
+macro_rules! kinds {
+    ($( $kind:ident => $ty:ty, $name:literal, $api:literal, [$($alt:literal),*], $namespaced:literal; )*) => {
+        /// A kind keyway understands. `XListenerSet` is read as [`Kind::ListenerSet`].
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Kind { $($kind,)* }
+
+        impl Kind {
+            pub const ALL: &'static [Kind] = &[$(Kind::$kind,)*];
+
+            /// The kind's name as `kind:` spells it.
+            pub fn name(self) -> &'static str {
+                match self { $(Kind::$kind => $name,)* }
+            }
+
+            /// The apiVersion keyway writes for this kind.
+            pub fn api_version(self) -> &'static str {
+                match self { $(Kind::$kind => $api,)* }
+            }
+
+            /// Whether objects of this kind live in a namespace.
+            pub fn namespaced(self) -> bool {
+                match self { $(Kind::$kind => $namespaced,)* }
+            }
+
+            /// The kind for an `apiVersion` + `kind` pair, if keyway serves it.
+            pub fn from_type(api_version: &str, kind: &str) -> Option<Kind> {
+                if kind == "XListenerSet" && api_version == "gateway.networking.x-k8s.io/v1alpha1" {
+                    return Some(Kind::ListenerSet);
+                }
+                $(
+                    if kind == $name && (api_version == $api $(|| api_version == $alt)*) {
+                        return Some(Kind::$kind);
+                    }
+                )*
+                None
+            }
+
+            /// A kind by name, case-insensitively, also by plural and short names (CLI filters).
+            pub fn parse_cli(text: &str) -> Option<Kind> {
+                let t = text.to_ascii_lowercase();
+                let t = t.split('.').next().unwrap_or_default();
+                Kind::ALL.iter().copied().find(|k| {
+                    let n = k.name().to_ascii_lowercase();
+                    t == n || t == format!("{n}s") || t == format!("{n}es") || k.short_names().contains(&t)
+                })
+            }
+        }
+
+        /// One object of any kind, typed.
+        #[derive(Clone, Debug, PartialEq)]
+        pub enum Resource { $($kind(Box<$ty>),)* }
+
+        impl Resource {
+            pub fn kind(&self) -> Kind {
+                match self { $(Resource::$kind(_) => Kind::$kind,)* }
+            }
+
+            pub fn meta(&self) -> &ObjectMeta {
+                match self { $(Resource::$kind(o) => &o.metadata,)* }
+            }
+
+            pub fn meta_mut(&mut self) -> &mut ObjectMeta {
+                match self { $(Resource::$kind(o) => &mut o.metadata,)* }
+            }
+
+            /// The whole object as JSON (with `apiVersion`/`kind` as keyway writes them).
+            pub fn to_value(&self) -> Value {
+                let v = match self { $(Resource::$kind(o) => serde_json::to_value(o),)* };
+                v.unwrap_or(Value::Null)
+            }
+
+            /// Typed conversion; errors carry the JSON path of the offending field.
+            pub fn from_value(kind: Kind, value: Value) -> Result<Parsed, PathError> {
+                match kind {
+                    $(Kind::$kind => typed::<$ty>(value).map(|(o, ignored)| Parsed {
+                        resource: Resource::$kind(Box::new(o)),
+                        ignored,
+                    }),)*
+                }
+            }
+        }
+    };
+}
+
+kinds! {
+    Site => skupper::Site, "Site", "skupper.io/v2alpha1", [], true;
+    Listener => skupper::Listener, "Listener", "skupper.io/v2alpha1", [], true;
+    Connector => skupper::Connector, "Connector", "skupper.io/v2alpha1", [], true;
+    MultiKeyListener => skupper::MultiKeyListener, "MultiKeyListener", "skupper.io/v2alpha1", [], true;
+    Link => skupper::Link, "Link", "skupper.io/v2alpha1", [], true;
+    RouterAccess => skupper::RouterAccess, "RouterAccess", "skupper.io/v2alpha1", [], true;
+    AccessGrant => skupper::AccessGrant, "AccessGrant", "skupper.io/v2alpha1", [], true;
+    AccessToken => skupper::AccessToken, "AccessToken", "skupper.io/v2alpha1", [], true;
+    GatewayClass => GatewayClass, "GatewayClass", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1beta1"], false;
+    Gateway => Gateway, "Gateway", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1beta1"], true;
+    ListenerSet => ListenerSet, "ListenerSet", "gateway.networking.k8s.io/v1", [], true;
+    HTTPRoute => HTTPRoute, "HTTPRoute", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1beta1"], true;
+    GRPCRoute => GRPCRoute, "GRPCRoute", "gateway.networking.k8s.io/v1", [], true;
+    TLSRoute => TLSRoute, "TLSRoute", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1alpha2", "gateway.networking.k8s.io/v1alpha3"], true;
+    TCPRoute => TCPRoute, "TCPRoute", "gateway.networking.k8s.io/v1alpha2", [], true;
+    ReferenceGrant => ReferenceGrant, "ReferenceGrant", "gateway.networking.k8s.io/v1beta1", ["gateway.networking.k8s.io/v1"], true;
+    Namespace => Namespace, "Namespace", "v1", [], false;
+    Secret => Secret, "Secret", "v1", [], true;
+    Service => Service, "Service", "v1", [], true;
+    EndpointSlice => EndpointSlice, "EndpointSlice", "discovery.k8s.io/v1", [], true;
+}
+
+impl Kind {
+    fn short_names(self) -> &'static [&'static str] {
+        match self {
+            Kind::MultiKeyListener => &["mkl", "multikeylisteners"],
+            Kind::GatewayClass => &["gc", "gatewayclasses"],
+            Kind::Gateway => &["gtw", "gw"],
+            Kind::ListenerSet => &["ls", "xlistenerset", "xlistenersets"],
+            Kind::Namespace => &["ns"],
+            Kind::Service => &["svc"],
+            Kind::AccessGrant => &["grant"],
+            Kind::AccessToken => &["token"],
+            Kind::RouterAccess => &["routeraccesses"],
+            _ => &[],
+        }
+    }
+
+    /// Kinds from the service-network half (skupper.io).
+    pub fn is_skupper(self) -> bool {
+        self.api_version().starts_with("skupper.io/")
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Identity of an object: kind, namespace (empty for cluster-scoped kinds) and name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    pub kind: Kind,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectKey {
+    pub fn new(kind: Kind, namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        let namespace = if kind.namespaced() {
+            namespace.into()
+        } else {
+            String::new()
+        };
+        ObjectKey {
+            kind,
+            namespace,
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.namespace.is_empty() {
+            write!(f, "{} {}", self.kind, self.name)
+        } else {
+            write!(f, "{} {}/{}", self.kind, self.namespace, self.name)
+        }
+    }
+}
+
+/// A typed object plus the fields the types did not know (reported as warnings).
+#[derive(Debug)]
+pub struct Parsed {
+    pub resource: Resource,
+    pub ignored: Vec<String>,
+}
+
+/// A conversion error at a field path (`spec.port`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PathError {
+    pub path: String,
+    pub message: String,
+}
+
+fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>), PathError> {
+    let mut ignored = Vec::new();
+    let mut track = serde_path_to_error::Track::new();
+    let de = serde_path_to_error::Deserializer::new(value, &mut track);
+    let result = serde_ignored::deserialize(de, |path| ignored.push(path.to_string()));
+    match result {
+        Ok(obj) => Ok((obj, ignored)),
+        Err(err) => {
+            let path = track.path().to_string();
+            let mut path = if path == "." { String::new() } else { path };
+            let mut message = tidy_serde_message(&err.to_string());
+            // "missing field `port`" at `spec` reads better as "port is required" at `spec.port`.
+            if let Some(field) = message
+                .strip_prefix("missing field `")
+                .and_then(|m| m.strip_suffix('`'))
+            {
+                path = if path.is_empty() {
+                    field.to_string()
+                } else {
+                    format!("{path}.{field}")
+                };
+                message = format!("{field} is required");
+            }
+            Err(PathError { path, message })
+        }
+    }
+}
+
+/// serde's messages speak Rust ("invalid type: string \"x\", expected i64"); keep them but drop
+/// the Rust-only vocabulary a YAML author cannot act on.
+fn tidy_serde_message(msg: &str) -> String {
+    msg.replace("expected i64", "expected an integer")
+        .replace("expected i32", "expected an integer")
+        .replace("expected u16", "expected an integer")
+        .replace("expected a string", "expected a string")
+        .replace("expected struct ", "expected an object ")
+        .replace("expected a sequence", "expected a list")
+        .replace("expected a map", "expected an object")
+}

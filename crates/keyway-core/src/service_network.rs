@@ -1,0 +1,449 @@
+//! The service-network half of the resolver (SPEC §3): Listeners, MultiKeyListeners and Connectors
+//! become a [`Plan`], and every skupper.io object gets its status (SPEC §3.3).
+//!
+//! Reachability is an input ([`Reachability`]): offline it is "a valid Connector for the key is
+//! configured here"; a running site passes what its health checks and links observe.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use serde_json::{Value, json};
+
+use crate::conditions::{Cond, ready_from};
+use crate::index::Index;
+use crate::load::{ConfigError, LoadedObject};
+use crate::plan::{
+    ClientTls, ConnectorPlan, HealthCheck, KeySelection, ListenerPlan, Plan, ServerTls,
+};
+use crate::resource::{Kind, ObjectKey, Resource};
+use crate::skupper::{self, StrategyKind};
+use crate::tls::{self, TlsMaterial};
+use crate::validate::parse_duration_secs;
+
+/// The plan for the service network plus what could not be configured.
+#[derive(Clone, Debug, Default)]
+pub struct Resolution {
+    pub plan: Plan,
+    /// Broken references (a missing or unusable Secret), located at the referencing field.
+    pub problems: Vec<ConfigError>,
+    /// Per object: why it is not configured.
+    not_configured: BTreeMap<ObjectKey, String>,
+}
+
+/// What is reachable right now, as seen by whoever asks for status.
+#[derive(Clone, Debug, Default)]
+pub struct Reachability {
+    /// Routing keys with at least one healthy target anywhere in the network.
+    pub reachable_keys: BTreeSet<String>,
+    /// Routing keys some listener anywhere in the network uses (for Connector `Matched`).
+    pub listened_keys: BTreeSet<String>,
+    /// Connectors whose target fails health checks, with the reason.
+    pub unhealthy_connectors: BTreeMap<ObjectKey, String>,
+    /// Listeners whose port could not be bound, with the reason.
+    pub bind_errors: BTreeMap<ObjectKey, String>,
+    /// Sites of the network besides this one, with the keys they reach (for Site status).
+    pub remote_sites: Vec<skupper::SiteRecord>,
+    /// Link name → remote site name, for links that are up.
+    pub operational_links: BTreeMap<String, String>,
+    /// Link name → why it is down.
+    pub link_errors: BTreeMap<String, String>,
+}
+
+impl Reachability {
+    /// Offline view: a key is reachable when a configured Connector has it, and listened to when a
+    /// configured listener uses it.
+    pub fn offline(resolution: &Resolution) -> Self {
+        Reachability {
+            reachable_keys: resolution
+                .plan
+                .connectors
+                .iter()
+                .map(|c| c.routing_key.clone())
+                .collect(),
+            listened_keys: resolution
+                .plan
+                .listeners
+                .iter()
+                .flat_map(|l| l.selection.keys().into_iter().map(str::to_string))
+                .collect(),
+            ..Reachability::default()
+        }
+    }
+}
+
+/// Resolves the service network of `index` into a plan.
+pub fn resolve(index: &Index) -> Resolution {
+    let mut res = Resolution {
+        plan: Plan {
+            site_name: index
+                .of_kind(Kind::Site)
+                .next()
+                .map(|s| s.key.name.clone())
+                .unwrap_or_else(|| "default".into()),
+            ..Plan::default()
+        },
+        ..Resolution::default()
+    };
+    for obj in index.iter() {
+        match &obj.resource {
+            Resource::Listener(l) => {
+                let tls = server_tls(
+                    index,
+                    obj,
+                    l.spec.tls_credentials.as_deref(),
+                    l.spec.require_client_cert,
+                    &mut res,
+                );
+                if let (Ok(tls), Ok(port)) = (tls, u16::try_from(l.spec.port)) {
+                    res.plan.listeners.push(ListenerPlan {
+                        id: obj.key.clone(),
+                        host: l.spec.host.clone(),
+                        port,
+                        tls,
+                        selection: KeySelection::Single(l.spec.routing_key.clone()),
+                    });
+                }
+            }
+            Resource::MultiKeyListener(m) => {
+                let tls = server_tls(
+                    index,
+                    obj,
+                    m.spec.tls_credentials.as_deref(),
+                    m.spec.require_client_cert,
+                    &mut res,
+                );
+                let selection = selection_of(&m.spec.strategy);
+                if let (Ok(tls), Ok(port), Some(selection)) =
+                    (tls, u16::try_from(m.spec.port), selection)
+                {
+                    res.plan.listeners.push(ListenerPlan {
+                        id: obj.key.clone(),
+                        host: m.spec.host.clone(),
+                        port,
+                        tls,
+                        selection,
+                    });
+                }
+            }
+            Resource::Connector(c) => {
+                let tls = match c.spec.tls_credentials.as_deref() {
+                    None => Ok(None),
+                    Some(name) => {
+                        secret_material(index, obj, name, c.spec.use_client_cert, &mut res).map(
+                            |material| {
+                                Some(ClientTls {
+                                    material,
+                                    use_client_cert: c.spec.use_client_cert,
+                                    verify_hostname: c.spec.verify_hostname,
+                                })
+                            },
+                        )
+                    }
+                };
+                let health = match health_of(&c.spec.settings) {
+                    Ok(h) => Some(h),
+                    Err((setting, msg)) => {
+                        let e = obj.error_at(&format!("spec.settings.{setting}"), msg);
+                        res.not_configured
+                            .insert(obj.key.clone(), e.message.clone());
+                        res.problems.push(e);
+                        None
+                    }
+                };
+                if let (Ok(tls), Ok(port), Some(host), Some(health)) =
+                    (tls, u16::try_from(c.spec.port), c.spec.host.clone(), health)
+                {
+                    res.plan.connectors.push(ConnectorPlan {
+                        id: obj.key.clone(),
+                        routing_key: c.spec.routing_key.clone(),
+                        host,
+                        port,
+                        tls,
+                        health,
+                    });
+                }
+            }
+            Resource::Link(l) => {
+                if let Some(name) = l.spec.tls_credentials.as_deref() {
+                    let _ = secret_material(index, obj, name, true, &mut res);
+                }
+            }
+            Resource::RouterAccess(r) => {
+                let _ = secret_material(index, obj, &r.spec.tls_credentials, true, &mut res);
+            }
+            _ => {}
+        }
+    }
+    res.problems.sort();
+    res
+}
+
+fn selection_of(strategy: &skupper::MultiKeyListenerStrategy) -> Option<KeySelection> {
+    if let Some(p) = strategy
+        .priority_failover
+        .as_ref()
+        .or(strategy.priority.as_ref())
+    {
+        return Some(KeySelection::Priority(p.routing_keys.clone()));
+    }
+    let w = strategy.weighted.as_ref()?;
+    Some(KeySelection::Weighted(
+        w.routing_keys
+            .iter()
+            .map(|(k, weight)| (k.clone(), u32::try_from(*weight).unwrap_or(u32::MAX)))
+            .collect(),
+    ))
+}
+
+fn server_tls(
+    index: &Index,
+    obj: &LoadedObject,
+    secret: Option<&str>,
+    require_client_cert: bool,
+    res: &mut Resolution,
+) -> Result<Option<ServerTls>, ()> {
+    let Some(name) = secret else { return Ok(None) };
+    let material = secret_material(index, obj, name, true, res)?;
+    if require_client_cert && material.ca.is_empty() {
+        let e = obj.error_at(
+            "spec.requireClientCert",
+            format!("Secret {name} needs ca.crt to verify client certificates"),
+        );
+        res.not_configured
+            .insert(obj.key.clone(), e.message.clone());
+        res.problems.push(e);
+        return Err(());
+    }
+    Ok(Some(ServerTls {
+        material,
+        require_client_cert,
+    }))
+}
+
+fn secret_material(
+    index: &Index,
+    obj: &LoadedObject,
+    name: &str,
+    need_key: bool,
+    res: &mut Resolution,
+) -> Result<TlsMaterial, ()> {
+    let found = index.resource(Kind::Secret, &obj.key.namespace, name);
+    let result = match found {
+        Some(Resource::Secret(secret)) => tls::material_from_secret(secret, need_key),
+        _ => Err(format!("Secret {}/{} not found", obj.key.namespace, name)),
+    };
+    result.map_err(|msg| {
+        let e = obj.error_at("spec.tlsCredentials", msg);
+        res.not_configured
+            .insert(obj.key.clone(), e.message.clone());
+        res.problems.push(e);
+    })
+}
+
+/// Reads the health-check settings of a Connector; an unparsable value names its setting.
+pub fn health_of(settings: &BTreeMap<String, String>) -> Result<HealthCheck, (String, String)> {
+    let mut h = HealthCheck::default();
+    for (k, v) in settings {
+        let bad = |what: &str| Err((k.clone(), format!("`{v}` is not {what}")));
+        match k.as_str() {
+            "health-check" => match v.as_str() {
+                "true" | "on" => h.enabled = true,
+                "false" | "off" => h.enabled = false,
+                _ => return bad("true or false"),
+            },
+            "health-check-interval" | "health-check-timeout" => {
+                let Some(ms) = parse_duration_ms(v).filter(|ms| *ms >= 10) else {
+                    return bad("a duration like 500ms or 2s");
+                };
+                if k == "health-check-interval" {
+                    h.interval_ms = ms;
+                } else {
+                    h.timeout_ms = ms;
+                }
+            }
+            "health-check-failures" => match v.parse::<u32>() {
+                Ok(n) if n >= 1 => h.failures = n,
+                _ => return bad("a positive integer"),
+            },
+            _ => {}
+        }
+    }
+    Ok(h)
+}
+
+/// `250ms`, `2s`, `1m`.
+pub fn parse_duration_ms(text: &str) -> Option<u64> {
+    if let Some(ms) = text.strip_suffix("ms") {
+        return ms.parse().ok();
+    }
+    parse_duration_secs(text).map(|s| s * 1000)
+}
+
+/// Status of every skupper.io object (SPEC §3.3), as the `status` JSON of each object.
+pub fn statuses(
+    index: &Index,
+    res: &Resolution,
+    reach: &Reachability,
+    now: &Time,
+) -> BTreeMap<ObjectKey, Value> {
+    let mut out = BTreeMap::new();
+    let configured = |key: &ObjectKey| -> Cond {
+        match res
+            .not_configured
+            .get(key)
+            .or_else(|| reach.bind_errors.get(key))
+        {
+            Some(msg) => Cond::error("Configured", msg),
+            None => Cond::ready("Configured"),
+        }
+    };
+    for obj in index.iter() {
+        let generation = obj.resource.meta().generation.unwrap_or(1);
+        let key = &obj.key;
+        let status = match &obj.resource {
+            Resource::Listener(l) => {
+                let has = reach.reachable_keys.contains(&l.spec.routing_key);
+                let conds = vec![
+                    configured(key),
+                    Cond::ready_or_pending("Matched", has, "No matching connectors"),
+                ];
+                let mut v = ready_from(conds, generation, now);
+                v["hasMatchingConnector"] = json!(has);
+                v
+            }
+            Resource::Connector(c) => {
+                let has = reach.listened_keys.contains(&c.spec.routing_key);
+                let mut conds = vec![
+                    configured(key),
+                    Cond::ready_or_pending("Matched", has, "No matching listeners"),
+                ];
+                if let Some(why) = reach.unhealthy_connectors.get(key) {
+                    conds.push(Cond::error("Healthy", why));
+                }
+                let mut v = ready_from(conds, generation, now);
+                v["hasMatchingListener"] = json!(has);
+                v
+            }
+            Resource::MultiKeyListener(m) => {
+                let keys = m.spec.strategy.routing_keys();
+                let reachable: Vec<String> = keys
+                    .iter()
+                    .filter(|k| reach.reachable_keys.contains(**k))
+                    .map(|k| k.to_string())
+                    .collect();
+                let has = !reachable.is_empty();
+                let conds = vec![
+                    configured(key),
+                    Cond::ready_or_pending("Operational", has, "No matching connectors"),
+                ];
+                let mut v = ready_from(conds, generation, now);
+                v["hasDestination"] = json!(has);
+                let kind = m
+                    .spec
+                    .strategy
+                    .kinds()
+                    .first()
+                    .copied()
+                    .unwrap_or(StrategyKind::PriorityFailover);
+                let mut strategy = json!({ "routingKeysReachable": reachable });
+                if kind.is_priority()
+                    && let Some(active) = reachable.first()
+                {
+                    strategy["activeRoutingKey"] = json!(active);
+                }
+                v["strategy"] = json!({ kind.field(): strategy });
+                v
+            }
+            Resource::Site(_) => site_status(index, res, reach, generation, now),
+            Resource::Link(l) => {
+                let name = &key.name;
+                let up = reach.operational_links.get(name);
+                let why = reach
+                    .link_errors
+                    .get(name)
+                    .cloned()
+                    .unwrap_or_else(|| "Not operational".into());
+                let operational = match up {
+                    Some(_) => Cond::ready("Operational"),
+                    None => Cond::pending("Operational", &why),
+                };
+                let mut v = ready_from(vec![configured(key), operational], generation, now);
+                if let Some(remote) = up {
+                    v["remoteSiteName"] = json!(remote);
+                }
+                let _ = l;
+                v
+            }
+            Resource::RouterAccess(r) => {
+                let bind = r.spec.bind_host.clone().unwrap_or_else(|| "0.0.0.0".into());
+                let resolved = Cond::ready("Resolved");
+                let mut v = ready_from(vec![configured(key), resolved], generation, now);
+                v["endpoints"] = json!(r
+                    .spec
+                    .roles
+                    .iter()
+                    .map(|role| json!({"name": role.name, "host": bind, "port": role.effective_port().to_string()}))
+                    .collect::<Vec<_>>());
+                v
+            }
+            _ => continue,
+        };
+        out.insert(key.clone(), status);
+    }
+    out
+}
+
+fn site_status(
+    index: &Index,
+    res: &Resolution,
+    reach: &Reachability,
+    generation: i64,
+    now: &Time,
+) -> Value {
+    let mut services: BTreeMap<String, skupper::ServiceRecord> = BTreeMap::new();
+    for c in &res.plan.connectors {
+        let rec = services
+            .entry(c.routing_key.clone())
+            .or_insert_with(|| skupper::ServiceRecord {
+                routing_key: c.routing_key.clone(),
+                ..Default::default()
+            });
+        rec.connectors.push(format!("{}:{}", c.host, c.port));
+    }
+    for l in &res.plan.listeners {
+        for k in l.selection.keys() {
+            let rec = services
+                .entry(k.to_string())
+                .or_insert_with(|| skupper::ServiceRecord {
+                    routing_key: k.to_string(),
+                    ..Default::default()
+                });
+            rec.listeners.push(format!("{}:{}", l.host, l.port));
+        }
+    }
+    let links = index
+        .of_kind(Kind::Link)
+        .map(|l| skupper::LinkRecord {
+            name: Some(l.key.name.clone()),
+            remote_site_name: reach.operational_links.get(&l.key.name).cloned(),
+            operational: reach.operational_links.contains_key(&l.key.name),
+        })
+        .collect();
+    let here = skupper::SiteRecord {
+        name: Some(res.plan.site_name.clone()),
+        platform: Some("keyway".into()),
+        links,
+        services: services.into_values().collect(),
+        ..Default::default()
+    };
+    let mut network = vec![here];
+    network.extend(reach.remote_sites.iter().cloned());
+    let mut v = ready_from(
+        vec![Cond::ready("Configured"), Cond::ready("Running")],
+        generation,
+        now,
+    );
+    v["sitesInNetwork"] = json!(network.len());
+    v["network"] = serde_json::to_value(&network).unwrap_or(Value::Null);
+    v
+}

@@ -1,0 +1,163 @@
+//! PEM material from Secrets, parsed once in the core so that bad certificates are reported as
+//! configuration errors and the data plane receives DER it can hand to rustls directly.
+
+use k8s_openapi::api::core::v1::Secret;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use serde::Serialize;
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum PemError {
+    #[error("no PEM certificate found")]
+    NoCertificate,
+    #[error("no PEM private key found")]
+    NoKey,
+    #[error("malformed PEM: {0}")]
+    Malformed(String),
+}
+
+/// Every certificate of a PEM bundle (at least one).
+pub fn parse_certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, PemError> {
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
+    let certs = certs.map_err(|e| PemError::Malformed(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(PemError::NoCertificate);
+    }
+    for cert in &certs {
+        check_der_sequence(cert.as_ref())?;
+    }
+    Ok(certs)
+}
+
+/// The first private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
+pub fn parse_private_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, PemError> {
+    match PrivateKeyDer::from_pem_slice(pem) {
+        Ok(key) => {
+            check_der_sequence(key.secret_der())?;
+            Ok(key)
+        }
+        Err(rustls_pki_types::pem::Error::NoItemsFound) => Err(PemError::NoKey),
+        Err(e) => Err(PemError::Malformed(e.to_string())),
+    }
+}
+
+/// A cheap structural check: DER certificates and keys are a SEQUENCE whose length covers the
+/// whole buffer. It catches base64 that decodes to garbage without a full X.509 parser here;
+/// rustls does the full check when the data plane loads it.
+fn check_der_sequence(der: &[u8]) -> Result<(), PemError> {
+    let bad = || PemError::Malformed("content is not a DER structure".into());
+    if der.len() < 2 || der[0] != 0x30 {
+        return Err(bad());
+    }
+    let (len, header) = match der[1] {
+        n if n < 0x80 => (n as usize, 2),
+        0x81 if der.len() > 2 => (der[2] as usize, 3),
+        0x82 if der.len() > 3 => (((der[2] as usize) << 8) | der[3] as usize, 4),
+        0x83 if der.len() > 4 => (
+            ((der[2] as usize) << 16) | ((der[3] as usize) << 8) | der[4] as usize,
+            5,
+        ),
+        _ => return Err(bad()),
+    };
+    if header + len != der.len() {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// TLS material from one Secret (`tls.crt`, `tls.key`, optional `ca.crt`), as DER.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TlsMaterial {
+    /// Secret `namespace/name`, for messages and `/config`.
+    pub secret: String,
+    #[serde(skip)]
+    pub cert_chain: Vec<CertificateDer<'static>>,
+    #[serde(skip)]
+    pub key: Option<PrivateKeyDerClone>,
+    #[serde(skip)]
+    pub ca: Vec<CertificateDer<'static>>,
+    pub has_key: bool,
+    pub has_ca: bool,
+}
+
+/// `PrivateKeyDer` is deliberately not `Clone`; plans are cloned, so keep the DER bytes and rebuild.
+#[derive(Clone, PartialEq)]
+pub struct PrivateKeyDerClone(Vec<u8>, u8);
+
+impl std::fmt::Debug for PrivateKeyDerClone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrivateKey(redacted)")
+    }
+}
+
+impl PrivateKeyDerClone {
+    fn new(key: &PrivateKeyDer<'_>) -> Self {
+        let tag = match key {
+            PrivateKeyDer::Pkcs1(_) => 1,
+            PrivateKeyDer::Sec1(_) => 2,
+            _ => 8,
+        };
+        PrivateKeyDerClone(key.secret_der().to_vec(), tag)
+    }
+
+    pub fn to_key(&self) -> PrivateKeyDer<'static> {
+        match self.1 {
+            1 => PrivateKeyDer::Pkcs1(self.0.clone().into()),
+            2 => PrivateKeyDer::Sec1(self.0.clone().into()),
+            _ => PrivateKeyDer::Pkcs8(self.0.clone().into()),
+        }
+    }
+}
+
+/// Value of a Secret key from `stringData` (preferred, as the API server merges it) or `data`.
+pub fn secret_value(secret: &Secret, key: &str) -> Option<Vec<u8>> {
+    secret
+        .string_data
+        .as_ref()
+        .and_then(|m| m.get(key))
+        .map(|v| v.as_bytes().to_vec())
+        .or_else(|| {
+            secret
+                .data
+                .as_ref()
+                .and_then(|m| m.get(key))
+                .map(|b| b.0.clone())
+        })
+}
+
+/// Extracts TLS material. `need_key` asks for `tls.crt` + `tls.key` (a serving or client identity);
+/// without it, a Secret holding only `ca.crt` is enough (verifying peers).
+pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMaterial, String> {
+    let id = format!(
+        "{}/{}",
+        secret.metadata.namespace.as_deref().unwrap_or("default"),
+        secret.metadata.name.as_deref().unwrap_or_default()
+    );
+    let cert_chain = match secret_value(secret, "tls.crt") {
+        Some(pem) => parse_certificates(&pem).map_err(|e| format!("Secret {id}: tls.crt: {e}"))?,
+        None if need_key => return Err(format!("Secret {id} has no tls.crt")),
+        None => Vec::new(),
+    };
+    let key = match secret_value(secret, "tls.key") {
+        Some(pem) => Some(PrivateKeyDerClone::new(
+            &parse_private_key(&pem).map_err(|e| format!("Secret {id}: tls.key: {e}"))?,
+        )),
+        None if need_key => return Err(format!("Secret {id} has no tls.key")),
+        None => None,
+    };
+    let ca = match secret_value(secret, "ca.crt") {
+        Some(pem) => parse_certificates(&pem).map_err(|e| format!("Secret {id}: ca.crt: {e}"))?,
+        None => Vec::new(),
+    };
+    if !need_key && ca.is_empty() && cert_chain.is_empty() {
+        return Err(format!("Secret {id} has neither ca.crt nor tls.crt"));
+    }
+    Ok(TlsMaterial {
+        secret: id,
+        has_key: key.is_some(),
+        has_ca: !ca.is_empty(),
+        cert_chain,
+        key,
+        ca,
+    })
+}

@@ -1,0 +1,761 @@
+//! Per-object validation: what the upstream CRDs and the Kubernetes API server enforce (required
+//! fields, patterns, enums, list limits, the CEL rules) plus SPEC §2.1 for MultiKeyListener.
+//!
+//! Rules that need other objects (host:port clashes, a strategy-kind change, references) live in
+//! [`crate::reconcile`] and the resolver. Gateway API objects are checked on their JSON form, so one
+//! listener rule serves both the Gateway's and the ListenerSet's listener types.
+
+use std::collections::HashSet;
+
+use serde_json::Value;
+
+use crate::resource::Resource;
+use crate::skupper;
+
+/// One problem at a field path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    pub path: String,
+    pub message: String,
+}
+
+#[derive(Default)]
+struct Problems(Vec<Problem>);
+
+impl Problems {
+    fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+}
+
+/// Upper bound on keys of a MultiKeyListener (SPEC §2.1, upstream `MaxItems=256`).
+pub const MAX_ROUTING_KEYS: usize = 256;
+
+/// Validates one object on its own. An empty result means it is accepted.
+pub fn validate(resource: &Resource) -> Vec<Problem> {
+    let mut p = Problems::default();
+    let meta = resource.meta();
+    let name = meta.name.as_deref().unwrap_or_default();
+    let kind = resource.kind();
+    if kind == crate::resource::Kind::Namespace {
+        check_dns_label(&mut p, "metadata.name", name);
+    } else {
+        check_dns_subdomain(&mut p, "metadata.name", name);
+    }
+    if let Some(ns) = meta.namespace.as_deref() {
+        check_dns_label(&mut p, "metadata.namespace", ns);
+    }
+    if let Some(labels) = &meta.labels {
+        for (k, v) in labels {
+            check_label_key(&mut p, &format!("metadata.labels.{k}"), k);
+            check_label_value(&mut p, &format!("metadata.labels.{k}"), v);
+        }
+    }
+    match resource {
+        Resource::Listener(l) => {
+            check_routing_key(&mut p, "spec.routingKey", &l.spec.routing_key);
+            check_host(&mut p, "spec.host", &l.spec.host);
+            check_port(&mut p, "spec.port", l.spec.port);
+            check_type(&mut p, "spec.type", l.spec.type_.as_deref());
+            check_secret_name(
+                &mut p,
+                "spec.tlsCredentials",
+                l.spec.tls_credentials.as_deref(),
+            );
+            if l.spec.require_client_cert && l.spec.tls_credentials.is_none() {
+                p.add(
+                    "spec.requireClientCert",
+                    "requireClientCert needs tlsCredentials",
+                );
+            }
+        }
+        Resource::Connector(c) => {
+            check_routing_key(&mut p, "spec.routingKey", &c.spec.routing_key);
+            check_port(&mut p, "spec.port", c.spec.port);
+            check_type(&mut p, "spec.type", c.spec.type_.as_deref());
+            check_secret_name(
+                &mut p,
+                "spec.tlsCredentials",
+                c.spec.tls_credentials.as_deref(),
+            );
+            match (&c.spec.host, &c.spec.selector) {
+                (Some(h), _) => check_host(&mut p, "spec.host", h),
+                (None, Some(_)) => p.add(
+                    "spec.selector",
+                    "selector needs Kubernetes pods; a standalone site needs spec.host",
+                ),
+                (None, None) => p.add("spec.host", "host is required"),
+            }
+        }
+        Resource::MultiKeyListener(m) => {
+            check_host(&mut p, "spec.host", &m.spec.host);
+            check_port(&mut p, "spec.port", m.spec.port);
+            check_secret_name(
+                &mut p,
+                "spec.tlsCredentials",
+                m.spec.tls_credentials.as_deref(),
+            );
+            if m.spec.require_client_cert && m.spec.tls_credentials.is_none() {
+                p.add(
+                    "spec.requireClientCert",
+                    "requireClientCert needs tlsCredentials",
+                );
+            }
+            check_strategy(&mut p, &m.spec.strategy);
+        }
+        Resource::Link(l) => {
+            if l.spec.endpoints.is_empty() {
+                p.add("spec.endpoints", "at least one endpoint is required");
+            }
+            for (i, e) in l.spec.endpoints.iter().enumerate() {
+                let at = format!("spec.endpoints[{i}]");
+                match e.host.as_deref() {
+                    Some(h) if !h.is_empty() => check_host(&mut p, &format!("{at}.host"), h),
+                    _ => p.add(format!("{at}.host"), "host is required"),
+                }
+                match e.port.as_ref().map(|s| s.0.parse::<i64>()) {
+                    Some(Ok(port)) => check_port(&mut p, &format!("{at}.port"), port),
+                    Some(Err(_)) => p.add(format!("{at}.port"), "port must be a number"),
+                    None => p.add(format!("{at}.port"), "port is required"),
+                }
+            }
+            if let Some(cost) = l.spec.cost
+                && cost < 0
+            {
+                p.add("spec.cost", "cost must not be negative");
+            }
+            check_secret_name(
+                &mut p,
+                "spec.tlsCredentials",
+                l.spec.tls_credentials.as_deref(),
+            );
+        }
+        Resource::RouterAccess(r) => {
+            if r.spec.roles.is_empty() {
+                p.add("spec.roles", "at least one role is required");
+            }
+            let mut seen = HashSet::new();
+            for (i, role) in r.spec.roles.iter().enumerate() {
+                if !matches!(role.name.as_str(), "inter-router" | "edge") {
+                    p.add(
+                        format!("spec.roles[{i}].name"),
+                        "role must be inter-router or edge",
+                    );
+                }
+                if !seen.insert(role.name.as_str()) {
+                    p.add(
+                        format!("spec.roles[{i}].name"),
+                        format!("duplicate role {}", role.name),
+                    );
+                }
+                check_port(
+                    &mut p,
+                    &format!("spec.roles[{i}].port"),
+                    role.effective_port(),
+                );
+            }
+            check_secret_name(&mut p, "spec.tlsCredentials", Some(&r.spec.tls_credentials));
+        }
+        Resource::AccessGrant(g) => {
+            if let Some(n) = g.spec.redemptions_allowed
+                && n < 0
+            {
+                p.add("spec.redemptionsAllowed", "must not be negative");
+            }
+            if let Some(w) = &g.spec.expiration_window
+                && parse_duration_secs(w).is_none()
+            {
+                p.add(
+                    "spec.expirationWindow",
+                    format!("`{w}` is not a duration like 15m or 1h30m"),
+                );
+            }
+        }
+        Resource::AccessToken(t) => {
+            if !t.spec.url.starts_with("https://") {
+                p.add("spec.url", "url must be an https:// URL");
+            }
+            if t.spec.code.is_empty() {
+                p.add("spec.code", "code is required");
+            }
+            if t.spec.ca.is_empty() {
+                p.add("spec.ca", "ca is required");
+            }
+        }
+        Resource::Secret(s) => check_secret(&mut p, s),
+        Resource::Gateway(g) => {
+            let v = resource.to_value();
+            if g.spec.gateway_class_name.is_empty() {
+                p.add("spec.gatewayClassName", "gatewayClassName is required");
+            }
+            check_listeners(&mut p, &v["spec"]["listeners"], "spec.listeners", true);
+            check_selector(
+                &mut p,
+                &v["spec"]["allowedListeners"]["namespaces"],
+                "spec.allowedListeners.namespaces",
+            );
+        }
+        Resource::ListenerSet(ls) => {
+            let v = resource.to_value();
+            check_listeners(&mut p, &v["spec"]["listeners"], "spec.listeners", true);
+            if ls.spec.parent_ref.name.is_empty() {
+                p.add("spec.parentRef.name", "name is required");
+            }
+            if let Some(k) = &ls.spec.parent_ref.kind
+                && k != "Gateway"
+            {
+                p.add("spec.parentRef.kind", "parentRef must be a Gateway");
+            }
+        }
+        Resource::HTTPRoute(_)
+        | Resource::GRPCRoute(_)
+        | Resource::TLSRoute(_)
+        | Resource::TCPRoute(_) => {
+            check_route(&mut p, &resource.to_value(), kind);
+        }
+        Resource::ReferenceGrant(_) => {
+            let v = resource.to_value();
+            for side in ["from", "to"] {
+                let n = v["spec"][side].as_array().map_or(0, Vec::len);
+                if !(1..=16).contains(&n) {
+                    p.add(format!("spec.{side}"), "must have between 1 and 16 entries");
+                }
+            }
+        }
+        Resource::Service(s) => {
+            if let Some(spec) = &s.spec {
+                for (i, port) in spec.ports.iter().flatten().enumerate() {
+                    check_port(
+                        &mut p,
+                        &format!("spec.ports[{i}].port"),
+                        i64::from(port.port),
+                    );
+                }
+            }
+        }
+        Resource::EndpointSlice(e) => {
+            if !matches!(e.address_type.as_str(), "IPv4" | "IPv6" | "FQDN") {
+                p.add("addressType", "addressType must be IPv4, IPv6 or FQDN");
+            }
+            for (i, ep) in e.endpoints.iter().flatten().enumerate() {
+                if ep.addresses.is_empty() {
+                    p.add(
+                        format!("endpoints[{i}].addresses"),
+                        "at least one address is required",
+                    );
+                }
+                for (j, a) in ep.addresses.iter().enumerate() {
+                    let ok = match e.address_type.as_str() {
+                        "IPv4" => a.parse::<std::net::Ipv4Addr>().is_ok(),
+                        "IPv6" => a.parse::<std::net::Ipv6Addr>().is_ok(),
+                        _ => is_dns_subdomain(a),
+                    };
+                    if !ok {
+                        p.add(
+                            format!("endpoints[{i}].addresses[{j}]"),
+                            format!("`{a}` is not a valid {} address", e.address_type),
+                        );
+                    }
+                }
+            }
+            for (i, port) in e.ports.iter().flatten().enumerate() {
+                if let Some(n) = port.port {
+                    check_port(&mut p, &format!("ports[{i}].port"), i64::from(n));
+                }
+            }
+        }
+        Resource::Site(_) | Resource::GatewayClass(_) | Resource::Namespace(_) => {}
+    }
+    p.0
+}
+
+fn check_strategy(p: &mut Problems, s: &skupper::MultiKeyListenerStrategy) {
+    let kinds = s.kinds();
+    match kinds.len() {
+        0 => {
+            p.add(
+                "spec.strategy",
+                "exactly one strategy is required: priorityFailover (or priority) or weighted",
+            );
+            return;
+        }
+        1 => {}
+        _ => {
+            let names: Vec<_> = kinds.iter().map(|k| k.field()).collect();
+            p.add(
+                "spec.strategy",
+                format!(
+                    "exactly one strategy is allowed, found {}",
+                    names.join(" and ")
+                ),
+            );
+            return;
+        }
+    }
+    let field = kinds[0].field();
+    let keys = s.routing_keys();
+    let at = format!("spec.strategy.{field}.routingKeys");
+    if keys.is_empty() {
+        p.add(&at, "at least one routing key is required");
+    } else if keys.len() > MAX_ROUTING_KEYS {
+        p.add(
+            &at,
+            format!(
+                "at most {MAX_ROUTING_KEYS} routing keys are allowed, found {}",
+                keys.len()
+            ),
+        );
+    }
+    let mut seen = HashSet::new();
+    for (i, key) in keys.iter().enumerate() {
+        let path = if kinds[0].is_priority() {
+            format!("{at}[{i}]")
+        } else {
+            format!("{at}.{key}")
+        };
+        if key.is_empty() {
+            p.add(&path, "routing key must not be empty");
+        } else if !seen.insert(*key) {
+            p.add(&path, format!("duplicate routing key `{key}`"));
+        } else {
+            check_routing_key(p, &path, key);
+        }
+    }
+    if let Some(w) = &s.weighted {
+        for (key, weight) in &w.routing_keys {
+            if *weight < 1 {
+                p.add(
+                    format!("{at}.{key}"),
+                    format!("weight must be a positive integer, found {weight}"),
+                );
+            }
+        }
+    }
+}
+
+fn check_routing_key(p: &mut Problems, path: &str, key: &str) {
+    if key.is_empty() {
+        p.add(path, "routing key must not be empty");
+    } else if key.len() > 253 || key.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        p.add(
+            path,
+            "routing key must be at most 253 characters without spaces",
+        );
+    }
+}
+
+fn check_port(p: &mut Problems, path: &str, port: i64) {
+    if !(1..=65535).contains(&port) {
+        p.add(
+            path,
+            format!("port must be between 1 and 65535, found {port}"),
+        );
+    }
+}
+
+fn check_host(p: &mut Problems, path: &str, host: &str) {
+    if host.is_empty() {
+        p.add(path, "host is required");
+    } else if host.parse::<std::net::IpAddr>().is_err()
+        && !is_dns_subdomain(&host.to_ascii_lowercase())
+    {
+        p.add(path, format!("`{host}` is not an IP address or DNS name"));
+    }
+}
+
+fn check_type(p: &mut Problems, path: &str, t: Option<&str>) {
+    if let Some(t) = t
+        && !matches!(t, "tcp" | "")
+    {
+        p.add(path, format!("type `{t}` is not supported; only tcp"));
+    }
+}
+
+fn check_secret_name(p: &mut Problems, path: &str, name: Option<&str>) {
+    if let Some(n) = name
+        && !is_dns_subdomain(n)
+    {
+        p.add(path, format!("`{n}` is not a valid Secret name"));
+    }
+}
+
+fn check_secret(p: &mut Problems, s: &k8s_openapi::api::core::v1::Secret) {
+    let get = |key: &str| -> Option<Vec<u8>> {
+        s.string_data
+            .as_ref()
+            .and_then(|m| m.get(key))
+            .map(|v| v.as_bytes().to_vec())
+            .or_else(|| {
+                s.data
+                    .as_ref()
+                    .and_then(|m| m.get(key))
+                    .map(|b| b.0.clone())
+            })
+    };
+    let field = |key: &str| -> String {
+        if s.string_data.as_ref().is_some_and(|m| m.contains_key(key)) {
+            format!("stringData.{key}")
+        } else {
+            format!("data.{key}")
+        }
+    };
+    if s.type_.as_deref() == Some("kubernetes.io/tls") {
+        for key in ["tls.crt", "tls.key"] {
+            if get(key).is_none() {
+                p.add("data", format!("a kubernetes.io/tls Secret needs `{key}`"));
+            }
+        }
+    }
+    for key in ["tls.crt", "ca.crt"] {
+        if let Some(bytes) = get(key)
+            && let Err(e) = crate::tls::parse_certificates(&bytes)
+        {
+            p.add(field(key), e.to_string());
+        }
+    }
+    if let Some(bytes) = get("tls.key")
+        && let Err(e) = crate::tls::parse_private_key(&bytes)
+    {
+        p.add(field("tls.key"), e.to_string());
+    }
+}
+
+/// Listener rules shared by Gateway and ListenerSet: limits, patterns and the CEL rules.
+fn check_listeners(p: &mut Problems, listeners: &Value, at: &str, required: bool) {
+    let list = listeners.as_array().map(Vec::as_slice).unwrap_or_default();
+    if required && list.is_empty() {
+        p.add(at, "at least one listener is required");
+    }
+    if list.len() > 64 {
+        p.add(
+            at,
+            format!("at most 64 listeners are allowed, found {}", list.len()),
+        );
+    }
+    let mut names = HashSet::new();
+    let mut combos = HashSet::new();
+    for (i, l) in list.iter().enumerate() {
+        let path = format!("{at}[{i}]");
+        let name = l["name"].as_str().unwrap_or_default();
+        if !is_section_name(name) {
+            p.add(
+                format!("{path}.name"),
+                format!(
+                    "`{name}` is not a valid listener name (lowercase letters, digits and '-')"
+                ),
+            );
+        } else if !names.insert(name.to_string()) {
+            p.add(
+                format!("{path}.name"),
+                format!("listener name `{name}` must be unique"),
+            );
+        }
+        let port = l["port"].as_i64().unwrap_or(0);
+        check_port(p, &format!("{path}.port"), port);
+        let protocol = l["protocol"].as_str().unwrap_or_default();
+        if protocol.is_empty() {
+            p.add(format!("{path}.protocol"), "protocol is required");
+        }
+        let hostname = l["hostname"].as_str();
+        if let Some(h) = hostname
+            && !is_gateway_hostname(h)
+        {
+            p.add(format!("{path}.hostname"), format!("`{h}` is not a valid hostname (lowercase DNS name, optionally starting with `*.`)"));
+        }
+        if matches!(protocol, "HTTP" | "TCP" | "UDP") && !l["tls"].is_null() {
+            p.add(
+                format!("{path}.tls"),
+                format!("tls must not be specified for protocol {protocol}"),
+            );
+        }
+        if matches!(protocol, "TCP" | "UDP") && hostname.is_some() {
+            p.add(
+                format!("{path}.hostname"),
+                format!("hostname must not be specified for protocol {protocol}"),
+            );
+        }
+        if !combos.insert((
+            port,
+            protocol.to_string(),
+            hostname.unwrap_or_default().to_string(),
+        )) {
+            p.add(
+                path.clone(),
+                "combination of port, protocol and hostname must be unique for each listener",
+            );
+        }
+        let refs = l["tls"]["certificateRefs"].as_array().map_or(0, Vec::len);
+        if refs > 64 {
+            p.add(
+                format!("{path}.tls.certificateRefs"),
+                "at most 64 certificateRefs are allowed",
+            );
+        }
+        if l["allowedRoutes"]["kinds"].as_array().map_or(0, Vec::len) > 8 {
+            p.add(
+                format!("{path}.allowedRoutes.kinds"),
+                "at most 8 kinds are allowed",
+            );
+        }
+        check_selector(
+            p,
+            &l["allowedRoutes"]["namespaces"],
+            &format!("{path}.allowedRoutes.namespaces"),
+        );
+    }
+}
+
+/// `from: Selector` needs a selector (CEL rule upstream).
+fn check_selector(p: &mut Problems, namespaces: &Value, at: &str) {
+    if namespaces["from"].as_str() == Some("Selector") && namespaces["selector"].is_null() {
+        p.add(
+            format!("{at}.selector"),
+            "selector is required when from is Selector",
+        );
+    }
+    for (i, e) in namespaces["selector"]["matchExpressions"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        let op = e["operator"].as_str().unwrap_or_default();
+        if !matches!(op, "In" | "NotIn" | "Exists" | "DoesNotExist") {
+            p.add(
+                format!("{at}.selector.matchExpressions[{i}].operator"),
+                format!("`{op}` is not In, NotIn, Exists or DoesNotExist"),
+            );
+        }
+    }
+}
+
+fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
+    let spec = &v["spec"];
+    let parents = spec["parentRefs"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if parents.len() > 32 {
+        p.add("spec.parentRefs", "at most 32 parentRefs are allowed");
+    }
+    for (i, r) in parents.iter().enumerate() {
+        if r["name"].as_str().unwrap_or_default().is_empty() {
+            p.add(format!("spec.parentRefs[{i}].name"), "name is required");
+        }
+        if let Some(port) = r["port"].as_i64() {
+            check_port(p, &format!("spec.parentRefs[{i}].port"), port);
+        }
+    }
+    let hostnames = spec["hostnames"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if hostnames.len() > 16 {
+        p.add("spec.hostnames", "at most 16 hostnames are allowed");
+    }
+    for (i, h) in hostnames.iter().enumerate() {
+        let h = h.as_str().unwrap_or_default();
+        if !is_gateway_hostname(h) {
+            p.add(
+                format!("spec.hostnames[{i}]"),
+                format!("`{h}` is not a valid hostname"),
+            );
+        }
+    }
+    let rules = spec["rules"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if rules.len() > 16 {
+        p.add("spec.rules", "at most 16 rules are allowed");
+    }
+    if matches!(
+        kind,
+        crate::resource::Kind::TLSRoute | crate::resource::Kind::TCPRoute
+    ) && rules.is_empty()
+    {
+        p.add("spec.rules", "at least one rule is required");
+    }
+    for (i, rule) in rules.iter().enumerate() {
+        let at = format!("spec.rules[{i}]");
+        for (j, m) in rule["matches"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+        {
+            let path = &m["path"];
+            let t = path["type"].as_str().unwrap_or("PathPrefix");
+            if let Some(value) = path["value"].as_str() {
+                if matches!(t, "Exact" | "PathPrefix") && !value.starts_with('/') {
+                    p.add(
+                        format!("{at}.matches[{j}].path.value"),
+                        "path must be absolute (start with '/')",
+                    );
+                }
+                if t == "RegularExpression" && value.is_empty() {
+                    p.add(
+                        format!("{at}.matches[{j}].path.value"),
+                        "regular expression must not be empty",
+                    );
+                }
+            }
+            let mut header_names = HashSet::new();
+            for (k, h) in m["headers"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+                .iter()
+                .enumerate()
+            {
+                let name = h["name"].as_str().unwrap_or_default().to_ascii_lowercase();
+                if !header_names.insert(name.clone()) {
+                    p.add(
+                        format!("{at}.matches[{j}].headers[{k}].name"),
+                        format!("header `{name}` is matched twice"),
+                    );
+                }
+            }
+        }
+        let filters = rule["filters"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let has = |t: &str| filters.iter().any(|f| f["type"].as_str() == Some(t));
+        if has("RequestRedirect") && has("URLRewrite") {
+            p.add(
+                format!("{at}.filters"),
+                "RequestRedirect and URLRewrite cannot be used together",
+            );
+        }
+        for (j, b) in rule["backendRefs"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+        {
+            let bk = b["kind"].as_str().unwrap_or("Service");
+            let bg = b["group"].as_str().unwrap_or("");
+            if bk == "Service" && bg.is_empty() && b["port"].is_null() {
+                p.add(
+                    format!("{at}.backendRefs[{j}].port"),
+                    "port is required for a Service backend",
+                );
+            }
+            if let Some(w) = b["weight"].as_i64()
+                && !(0..=1_000_000).contains(&w)
+            {
+                p.add(
+                    format!("{at}.backendRefs[{j}].weight"),
+                    "weight must be between 0 and 1000000",
+                );
+            }
+        }
+    }
+}
+
+fn check_dns_subdomain(p: &mut Problems, path: &str, name: &str) {
+    if !is_dns_subdomain(name) {
+        p.add(
+            path,
+            format!(
+                "`{name}` must be a lowercase RFC 1123 subdomain (letters, digits, '-' and '.')"
+            ),
+        );
+    }
+}
+
+fn check_dns_label(p: &mut Problems, path: &str, name: &str) {
+    if !is_dns_label(name) {
+        p.add(
+            path,
+            format!(
+                "`{name}` must be a lowercase RFC 1123 label (letters, digits and '-', at most 63)"
+            ),
+        );
+    }
+}
+
+fn check_label_key(p: &mut Problems, path: &str, key: &str) {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((pre, n)) => (Some(pre), n),
+        None => (None, key),
+    };
+    if prefix.is_some_and(|pre| !is_dns_subdomain(pre)) || !is_label_value(name) || name.is_empty()
+    {
+        p.add(path, format!("`{key}` is not a valid label key"));
+    }
+}
+
+fn check_label_value(p: &mut Problems, path: &str, value: &str) {
+    if !is_label_value(value) {
+        p.add(path, format!("`{value}` is not a valid label value"));
+    }
+}
+
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+pub fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
+fn is_section_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && is_dns_subdomain(s)
+}
+
+fn is_label_value(s: &str) -> bool {
+    s.is_empty()
+        || (s.len() <= 63
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && s.as_bytes()[0].is_ascii_alphanumeric()
+            && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric())
+}
+
+/// Gateway API `Hostname`: a DNS name, optionally with a leading `*.` label; no IPs, no port.
+pub fn is_gateway_hostname(s: &str) -> bool {
+    let rest = s.strip_prefix("*.").unwrap_or(s);
+    is_dns_subdomain(rest) && rest.parse::<std::net::Ipv4Addr>().is_err()
+}
+
+/// Parses `90s`, `15m`, `1h30m`, `2d` into seconds (AccessGrant `expirationWindow`).
+pub fn parse_duration_secs(text: &str) -> Option<u64> {
+    let mut total = 0u64;
+    let mut digits = String::new();
+    if text.is_empty() {
+        return None;
+    }
+    for c in text.chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+            continue;
+        }
+        let n: u64 = digits.parse().ok()?;
+        digits.clear();
+        let unit = match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3600,
+            'd' => 86400,
+            _ => return None,
+        };
+        total = total.checked_add(n.checked_mul(unit)?)?;
+    }
+    if !digits.is_empty() {
+        return None;
+    }
+    Some(total)
+}

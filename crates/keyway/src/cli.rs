@@ -1,0 +1,206 @@
+//! Command-line interface (SPEC §5). Exit codes: 0 ok, 1 invalid input, 2 usage, 3 other failures.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use keyway_core::offline::{self, Compiled};
+use keyway_core::report::{self, Filter};
+use keyway_core::{Kind, Time, jiff};
+
+use crate::{source, state};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "keyway",
+    version,
+    about = "A service-network gateway: Skupper-style sites and multi-key listeners, Gateway API ListenerSets."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Check a config directory; print file:line: path: message for every problem.
+    Validate {
+        /// Config directory.
+        #[arg(long, default_value = "./keyway.d")]
+        config: PathBuf,
+    },
+    /// Show every object with its status, computed offline from --config or read from a running site.
+    Status {
+        /// Config directory (offline view).
+        #[arg(long, default_value = "./keyway.d", conflicts_with = "admin")]
+        config: PathBuf,
+        /// Admin address of a running site.
+        #[arg(long)]
+        admin: Option<String>,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+        output: Output,
+        /// Only this namespace.
+        #[arg(short = 'n', long = "namespace")]
+        namespace: Option<String>,
+        /// Only this kind (Listener, mkl, gateway, listenerset, ...).
+        kind: Option<String>,
+        /// Only this name.
+        name: Option<String>,
+    },
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+enum Output {
+    Table,
+    Yaml,
+    Json,
+}
+
+/// Exit code for invalid input.
+const INVALID: u8 = 1;
+/// Exit code for failures other than invalid input.
+const FAILURE: u8 = 3;
+
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    let result = match cli.command {
+        Command::Validate { config } => validate(&config),
+        Command::Status {
+            config,
+            admin,
+            output,
+            namespace,
+            kind,
+            name,
+        } => status(&config, admin.as_deref(), output, namespace, kind, name),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(FAILURE)
+        }
+    }
+}
+
+pub fn now() -> Time {
+    Time(jiff::Timestamp::now())
+}
+
+/// The state directory a site uses for `config` (SPEC §5 default).
+pub fn default_state_dir(config: &Path) -> PathBuf {
+    config.join(".keyway-state")
+}
+
+/// Compiles a directory offline, reading (never writing) its state directory.
+fn compile_dir(config: &Path) -> Result<Compiled> {
+    if !config.is_dir() {
+        anyhow::bail!(
+            "config directory {} does not exist; pass --config DIR (try --config examples/quickstart)",
+            config.display()
+        );
+    }
+    let files = source::load_dir(config)?;
+    let mut objects = state::load(&default_state_dir(config))?;
+    Ok(offline::compile(&files, &mut objects, &now()))
+}
+
+fn validate(config: &Path) -> Result<ExitCode> {
+    let compiled = compile_dir(config)?;
+    for w in &compiled.reconciled.warnings {
+        eprintln!("warning: {w}");
+    }
+    let errors = compiled.errors();
+    for e in &errors {
+        println!("{e}");
+    }
+    if errors.is_empty() {
+        println!(
+            "{}: {} objects valid",
+            config.display(),
+            compiled.index.len()
+        );
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!(
+            "{} error(s); {} valid objects",
+            errors.len(),
+            compiled.index.len()
+        );
+        Ok(ExitCode::from(INVALID))
+    }
+}
+
+fn status(
+    config: &Path,
+    admin: Option<&str>,
+    output: Output,
+    namespace: Option<String>,
+    kind: Option<String>,
+    name: Option<String>,
+) -> Result<ExitCode> {
+    let kind = match kind {
+        Some(k) => match Kind::parse_cli(&k) {
+            Some(kind) => Some(kind),
+            None => {
+                eprintln!(
+                    "error: unknown kind `{k}`; try one of: {}",
+                    Kind::ALL
+                        .iter()
+                        .map(|k| k.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                return Ok(ExitCode::from(2));
+            }
+        },
+        None => None,
+    };
+    let filter = Filter {
+        kind,
+        name,
+        namespace,
+    };
+    if let Some(addr) = admin {
+        anyhow::bail!(
+            "reading status from a running site at {addr} needs `keyway run`'s admin endpoint, which this build does not have yet"
+        );
+    }
+    let compiled = compile_dir(config)?;
+    let errors = compiled.errors();
+    for e in &errors {
+        eprintln!("error: {e}");
+    }
+    let items = report::objects(&compiled.index, &compiled.statuses, &filter);
+    print_items(items, output)?;
+    Ok(if errors.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(INVALID)
+    })
+}
+
+fn print_items(items: Vec<serde_json::Value>, output: Output) -> Result<()> {
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&report::as_list(items))?),
+        Output::Yaml => {
+            for item in &items {
+                let text = serde_saphyr::to_string(item).context("cannot render YAML")?;
+                print!("---\n{text}");
+                if !text.ends_with('\n') {
+                    println!();
+                }
+            }
+        }
+        Output::Table => print!("{}", report::tables(&items)),
+    }
+    Ok(())
+}
