@@ -231,10 +231,24 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>
 /// serde's messages speak Rust ("invalid type: string \"x\", expected i64"); keep them but drop
 /// the Rust-only vocabulary a YAML author cannot act on.
 fn tidy_serde_message(msg: &str) -> String {
+    // Secret `data` values: the base64 crate's errors do not say what was being decoded.
+    if [
+        "Invalid symbol",
+        "Invalid last symbol",
+        "Invalid input length",
+        "Invalid padding",
+    ]
+    .iter()
+    .any(|p| msg.starts_with(p))
+    {
+        return format!(
+            "invalid base64 ({}); put plain text under stringData instead",
+            msg.trim_end_matches('.')
+        );
+    }
     msg.replace("expected i64", "expected an integer")
         .replace("expected i32", "expected an integer")
         .replace("expected u16", "expected an integer")
-        .replace("expected a string", "expected a string")
         .replace("expected struct ", "expected an object ")
         .replace("expected a sequence", "expected a list")
         .replace("expected a map", "expected an object")

@@ -403,9 +403,15 @@ fn check_secret(p: &mut Problems, s: &k8s_openapi::api::core::v1::Secret) {
         }
     };
     if s.type_.as_deref() == Some("kubernetes.io/tls") {
+        // Point at the map the user wrote (a Secret with only stringData has no `data` line).
+        let map = if s.data.is_none() && s.string_data.is_some() {
+            "stringData"
+        } else {
+            "data"
+        };
         for key in ["tls.crt", "tls.key"] {
             if get(key).is_none() {
-                p.add("data", format!("a kubernetes.io/tls Secret needs `{key}`"));
+                p.add(map, format!("a kubernetes.io/tls Secret needs `{key}`"));
             }
         }
     }

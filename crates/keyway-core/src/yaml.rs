@@ -337,11 +337,29 @@ fn parse_chunk(chunk: &Chunk) -> Result<ParsedDoc, SyntaxError> {
 }
 
 /// serde-saphyr renders a source snippet under the message; an error line needs only the message.
+/// Its first line reads `error: line L column C: message`, where L counts from the start of the
+/// `---` chunk, not the file: drop that prefix (the caller prints the file line) and keep the column.
 fn first_line(message: &str) -> String {
-    let msg = message.lines().next().unwrap_or("invalid YAML").trim();
+    let mut msg = message.lines().next().unwrap_or("invalid YAML").trim();
+    msg = msg.strip_prefix("error: ").unwrap_or(msg);
+    let mut column = None;
+    if let Some(rest) = msg.strip_prefix("line ")
+        && let Some((position, tail)) = rest.split_once(": ")
+        && let Some((_, col)) = position.split_once(" column ")
+    {
+        column = Some(col);
+        msg = tail;
+    }
     // Drop a trailing "at line X column Y": the caller prints the line itself.
-    match msg.find(" at line ") {
-        Some(cut) => msg[..cut].to_string(),
+    if let Some(cut) = msg.find(" at line ") {
+        msg = &msg[..cut];
+    }
+    // A hint at the Rust API, not something a YAML author can act on.
+    if let Some(cut) = msg.find(", set DuplicateKeyPolicy") {
+        msg = &msg[..cut];
+    }
+    match column {
+        Some(col) => format!("{msg} (column {col})"),
         None => msg.to_string(),
     }
 }
@@ -352,11 +370,25 @@ pub fn parse_yaml_stream(text: &str) -> Vec<Result<ParsedDoc, SyntaxError>> {
     split_documents(text).iter().map(parse_chunk).collect()
 }
 
-/// Parses a JSON file: through the located YAML parser when it can (JSON is YAML), else with
-/// serde_json (tabs and other JSON-only spellings), with every path on the document's first line.
+/// Parses a JSON file. It must be strict JSON without duplicate keys (a YAML parser would also take
+/// trailing commas, comments and single quotes, and serde_json silently keeps the last duplicate).
+/// Lines come from the located YAML parser when it can read the text (JSON is YAML), else every
+/// path is on the document's first line (tabs and other JSON-only spellings).
 pub fn parse_json(text: &str) -> Vec<Result<ParsedDoc, SyntaxError>> {
     if text.trim().is_empty() {
         return Vec::new();
+    }
+    let json_error = |err: serde_json::Error| SyntaxError {
+        line: u32::try_from(err.line()).unwrap_or(0).max(1),
+        message: format!("invalid JSON: {err}"),
+    };
+    let value = match serde_json::from_str::<Value>(text) {
+        Ok(value) => value,
+        Err(err) => return vec![Err(json_error(err))],
+    };
+    let mut de = serde_json::Deserializer::from_str(text);
+    if let Err(err) = NoDuplicateKeys::deserialize(&mut de) {
+        return vec![Err(json_error(err))];
     }
     if let Ok(node) = serde_saphyr::from_str::<Spanned<Node>>(text) {
         let mut lines = HashMap::new();
@@ -367,16 +399,58 @@ pub fn parse_json(text: &str) -> Vec<Result<ParsedDoc, SyntaxError>> {
             start_line: 1,
         })];
     }
-    match serde_json::from_str::<Value>(text) {
-        Ok(value) => vec![Ok(ParsedDoc {
-            value,
-            lines: LineIndex::flat(1),
-            start_line: 1,
-        })],
-        Err(err) => vec![Err(SyntaxError {
-            line: err.line() as u32,
-            message: format!("invalid JSON: {err}"),
-        })],
+    vec![Ok(ParsedDoc {
+        value,
+        lines: LineIndex::flat(1),
+        start_line: 1,
+    })]
+}
+
+/// Walks a JSON document and fails on the first object with a repeated key.
+struct NoDuplicateKeys;
+
+impl<'de> Deserialize<'de> for NoDuplicateKeys {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = NoDuplicateKeys;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_unit<E>(self) -> Result<NoDuplicateKeys, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<NoDuplicateKeys, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<NoDuplicateKeys, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<NoDuplicateKeys, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<NoDuplicateKeys, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<NoDuplicateKeys, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NoDuplicateKeys, A::Error> {
+                while seq.next_element::<NoDuplicateKeys>()?.is_some() {}
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NoDuplicateKeys, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(de::Error::custom(format!("duplicate key `{key}`")));
+                    }
+                    map.next_value::<NoDuplicateKeys>()?;
+                }
+                Ok(NoDuplicateKeys)
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -436,5 +510,28 @@ mod tests {
         let docs = parse_json("{\n\t\"kind\": \"Secret\"\n}");
         assert_eq!(docs[0].as_ref().unwrap().value["kind"], "Secret");
         assert!(parse_json("{ nope").first().unwrap().is_err());
+    }
+
+    #[test]
+    fn json_is_strict() {
+        let err = parse_json("{\n  \"a\": 1,\n}\n").remove(0).unwrap_err();
+        assert_eq!(err.line, 3, "{err:?}");
+        let err = parse_json("{\n  \"a\": 1,\n  \"a\": 2\n}\n")
+            .remove(0)
+            .unwrap_err();
+        assert!(err.message.contains("duplicate key `a`"), "{err:?}");
+        assert_eq!(err.line, 3, "{err:?}");
+    }
+
+    #[test]
+    fn syntax_errors_name_the_file_line_not_the_chunk_line() {
+        let docs = parse_yaml_stream("a: 1\n---\nb: [unclosed\n");
+        let err = docs[1].as_ref().unwrap_err();
+        assert_eq!(err.line, 3);
+        assert!(!err.message.contains("line"), "{err:?}");
+        assert!(err.message.starts_with("unclosed bracket"), "{err:?}");
+        let docs = parse_yaml_stream("a: 1\na: 2\n");
+        let err = docs[0].as_ref().unwrap_err();
+        assert!(!err.message.contains("DuplicateKeyPolicy"), "{err:?}");
     }
 }

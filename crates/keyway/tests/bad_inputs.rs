@@ -1,0 +1,793 @@
+//! A table of bad inputs, each run through the real `keyway` binary.
+//!
+//! Every case is a small config directory: one valid Listener + Connector (`a-good.yaml`) and one
+//! bad file. `keyway validate` must exit 1 and print exactly one `file:line: path: message` line,
+//! and `keyway status -o json` must still list the valid objects beside the bad one (and exit 1).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+const GOOD: &str = "\
+apiVersion: skupper.io/v2alpha1
+kind: Listener
+metadata:
+  name: good-listener
+spec:
+  routingKey: good
+  host: 127.0.0.1
+  port: 17001
+---
+apiVersion: skupper.io/v2alpha1
+kind: Connector
+metadata:
+  name: good-connector
+spec:
+  routingKey: good
+  host: 127.0.0.1
+  port: 17002
+";
+
+/// A self-signed test certificate (P-256), valid PEM.
+const CERT: &str = "\
+-----BEGIN CERTIFICATE-----
+MIIBdDCCARmgAwIBAgIUdHNKZTorm0yS3BLsOd4HivFFHigwCgYIKoZIzj0EAwIw
+DzENMAsGA1UEAwwEdGVzdDAeFw0yNjExMjkwOTE0NDJaFw0zNjExMjYwOTE0NDJa
+MA8xDTALBgNVBAMMBHRlc3QwWTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAAT2qJkB
+RiI71UItG55ImQ+q5jNgfT4ZHq+D1CWJGZ18qJW/K3TwqJfhZtAcKf8kobeKHvtV
+NRrRrPzdClmnaufDo1MwUTAdBgNVHQ4EFgQUEAJsOTn0eqpV9qfl8H0WEj9iRLMw
+HwYDVR0jBBgwFoAUEAJsOTn0eqpV9qfl8H0WEj9iRLMwDwYDVR0TAQH/BAUwAwEB
+/zAKBggqhkjOPQQDAgNJADBGAiEAhRh26cLxA+eegH+LqTDXTpc2soDGx7KAQgEV
+NH1zP30CIQD3sxwTdDmOk2dqmvJDAwUdhmK1PKfsxApdWOyXqJHEhQ==
+-----END CERTIFICATE-----
+";
+
+struct Case {
+    name: &'static str,
+    /// File name of the bad file inside the config directory.
+    file: &'static str,
+    text: String,
+    /// Expected line of the error in `file`.
+    line: u32,
+    /// Expected field path; empty for a document-level (syntax) error.
+    path: &'static str,
+    /// A fragment the message must contain.
+    message: &'static str,
+    /// Valid objects in the bad file itself that must still be listed by `status`.
+    also_valid: &'static [(&'static str, &'static str)],
+}
+
+fn case(
+    name: &'static str,
+    text: impl Into<String>,
+    line: u32,
+    path: &'static str,
+    message: &'static str,
+) -> Case {
+    Case {
+        name,
+        file: "bad.yaml",
+        text: text.into(),
+        line,
+        path,
+        message,
+        also_valid: &[],
+    }
+}
+
+fn json(
+    name: &'static str,
+    text: &str,
+    line: u32,
+    path: &'static str,
+    message: &'static str,
+) -> Case {
+    Case {
+        file: "bad.json",
+        ..case(name, text, line, path, message)
+    }
+}
+
+/// A MultiKeyListener `m` on 127.0.0.1:18000 with the given lines after `port:` (line 8 onward).
+fn mkl(rest: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: m\nspec:\n  host: 127.0.0.1\n  port: 18000\n{rest}"
+    )
+}
+
+/// A skupper object of `kind` named `x` with the given spec lines (spec starts on line 6).
+fn skupper(kind: &str, spec: &str) -> String {
+    format!("apiVersion: skupper.io/v2alpha1\nkind: {kind}\nmetadata:\n  name: x\nspec:\n{spec}")
+}
+
+/// A Gateway `g` of class keyway with the given listener lines (first listener on line 8).
+fn gateway(listeners: &str) -> String {
+    format!(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: g\nspec:\n  gatewayClassName: keyway\n  listeners:\n{listeners}"
+    )
+}
+
+fn indent(text: &str, n: usize) -> String {
+    text.lines()
+        .map(|l| format!("{}{l}\n", " ".repeat(n)))
+        .collect()
+}
+
+fn cases() -> Vec<Case> {
+    let many_keys: String = (1..=257).map(|i| format!("      - k{i}\n")).collect();
+    vec![
+        // --- Malformed YAML and JSON ---------------------------------------------------------
+        case(
+            "yaml-unclosed-flow",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: x\nspec:\n  port: 1\n",
+            4,
+            "",
+            "while parsing a flow mapping, did not find expected ',' or '}' (column 5)",
+        ),
+        case(
+            "yaml-bad-indentation",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: x\n spec:\n  port: 1\n",
+            5,
+            "",
+            "did not find expected key",
+        ),
+        case(
+            "yaml-tab-indentation",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n\tname: x\n",
+            4,
+            "",
+            "tabs disallowed within this context (block indentation) (column 2)",
+        ),
+        case(
+            "yaml-duplicate-key",
+            skupper(
+                "Listener",
+                "  routingKey: a\n  host: 127.0.0.1\n  port: 1\n  port: 2\n",
+            ),
+            9,
+            "",
+            "duplicate mapping key: port (column 3)",
+        ),
+        case(
+            "yaml-duplicate-weighted-key",
+            mkl("  strategy:\n    weighted:\n      routingKeys:\n        a: 1\n        a: 2\n"),
+            12,
+            "",
+            "duplicate mapping key",
+        ),
+        json(
+            "json-missing-comma",
+            "{\n  \"apiVersion\": \"skupper.io/v2alpha1\",\n  \"kind\": \"Listener\"\n  \"metadata\": {\"name\": \"x\"}\n}\n",
+            4,
+            "",
+            "invalid JSON",
+        ),
+        json(
+            "json-trailing-comma",
+            "{\n  \"apiVersion\": \"skupper.io/v2alpha1\",\n  \"kind\": \"Listener\",\n  \"metadata\": {\"name\": \"x\"},\n  \"spec\": {\"routingKey\": \"a\", \"host\": \"127.0.0.1\", \"port\": 1,}\n}\n",
+            5,
+            "",
+            "invalid JSON",
+        ),
+        json(
+            "json-duplicate-key",
+            "{\n  \"apiVersion\": \"skupper.io/v2alpha1\",\n  \"kind\": \"Listener\",\n  \"metadata\": {\"name\": \"x\"},\n  \"spec\": {\"routingKey\": \"a\", \"host\": \"127.0.0.1\", \"port\": 1, \"port\": 2}\n}\n",
+            5,
+            "",
+            "invalid JSON: duplicate key `port`",
+        ),
+        json(
+            "json-wrong-type",
+            "{\n  \"apiVersion\": \"skupper.io/v2alpha1\",\n  \"kind\": \"Listener\",\n  \"metadata\": {\"name\": \"x\"},\n  \"spec\": {\n    \"routingKey\": \"a\",\n    \"host\": \"127.0.0.1\",\n    \"port\": \"http\"\n  }\n}\n",
+            8,
+            "spec.port",
+            "expected an integer",
+        ),
+        // --- Wrong types -----------------------------------------------------------------------
+        case(
+            "listener-port-not-numeric",
+            skupper(
+                "Listener",
+                "  routingKey: a\n  host: 127.0.0.1\n  port: http\n",
+            ),
+            8,
+            "spec.port",
+            "invalid type: string \"http\", expected an integer",
+        ),
+        case(
+            "mkl-priority-routingKeys-as-map",
+            mkl("  strategy:\n    priority:\n      routingKeys:\n        a: 1\n"),
+            11,
+            "spec.strategy.priority.routingKeys",
+            "expected a list",
+        ),
+        case(
+            "mkl-weight-as-string",
+            mkl("  strategy:\n    weighted:\n      routingKeys:\n        a: heavy\n"),
+            11,
+            "spec.strategy.weighted.routingKeys.a",
+            "expected an integer",
+        ),
+        case(
+            "link-port-not-a-number",
+            skupper(
+                "Link",
+                "  endpoints:\n  - name: inter-router\n    host: peer.example.com\n    port: abc\n",
+            ),
+            9,
+            "spec.endpoints[0].port",
+            "port must be a number",
+        ),
+        // --- Missing required fields -----------------------------------------------------------
+        case(
+            "listener-missing-routingKey",
+            skupper("Listener", "  host: 127.0.0.1\n  port: 9\n"),
+            6,
+            "spec.routingKey",
+            "routingKey is required",
+        ),
+        case(
+            "listener-missing-host",
+            skupper("Listener", "  routingKey: a\n  port: 9\n"),
+            6,
+            "spec.host",
+            "host is required",
+        ),
+        case(
+            "listener-missing-port",
+            skupper("Listener", "  routingKey: a\n  host: 127.0.0.1\n"),
+            6,
+            "spec.port",
+            "port is required",
+        ),
+        case(
+            "connector-missing-routingKey",
+            skupper("Connector", "  host: 127.0.0.1\n  port: 9\n"),
+            6,
+            "spec.routingKey",
+            "routingKey is required",
+        ),
+        case(
+            "connector-missing-port",
+            skupper("Connector", "  routingKey: a\n  host: 127.0.0.1\n"),
+            6,
+            "spec.port",
+            "port is required",
+        ),
+        case(
+            "connector-missing-host",
+            skupper("Connector", "  routingKey: a\n  port: 9\n"),
+            6,
+            "spec.host",
+            "host is required",
+        ),
+        case(
+            "link-missing-endpoints",
+            skupper("Link", "  cost: 1\n"),
+            6,
+            "spec.endpoints",
+            "endpoints is required",
+        ),
+        case(
+            "link-empty-endpoints",
+            skupper("Link", "  endpoints: []\n"),
+            6,
+            "spec.endpoints",
+            "at least one endpoint is required",
+        ),
+        case(
+            "routeraccess-missing-roles",
+            skupper("RouterAccess", "  tlsCredentials: s\n"),
+            6,
+            "spec.roles",
+            "roles is required",
+        ),
+        case(
+            "routeraccess-missing-tlsCredentials",
+            skupper(
+                "RouterAccess",
+                "  roles:\n  - name: inter-router\n    port: 55671\n",
+            ),
+            6,
+            "spec.tlsCredentials",
+            "tlsCredentials is required",
+        ),
+        case(
+            "gateway-missing-gatewayClassName",
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: g\nspec:\n  listeners:\n  - name: http\n    port: 8080\n    protocol: HTTP\n",
+            6,
+            "spec.gatewayClassName",
+            "gatewayClassName is required",
+        ),
+        case(
+            "listenerset-missing-parentRef",
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata:\n  name: ls\nspec:\n  listeners:\n  - name: http\n    port: 8080\n    protocol: HTTP\n",
+            6,
+            "spec.parentRef",
+            "parentRef is required",
+        ),
+        case(
+            "xlistenerset-parentRef-without-name",
+            "apiVersion: gateway.networking.x-k8s.io/v1alpha1\nkind: XListenerSet\nmetadata:\n  name: ls\nspec:\n  parentRef:\n    kind: Gateway\n  listeners:\n  - name: http\n    port: 8080\n    protocol: HTTP\n",
+            7,
+            "spec.parentRef.name",
+            "name is required",
+        ),
+        // --- MultiKeyListener rules (SPEC §2.1) ------------------------------------------------
+        case(
+            "mkl-no-strategy",
+            mkl(""),
+            6,
+            "spec.strategy",
+            "strategy is required",
+        ),
+        case(
+            "mkl-empty-strategy",
+            mkl("  strategy: {}\n"),
+            8,
+            "spec.strategy",
+            "exactly one strategy is required",
+        ),
+        case(
+            "mkl-two-strategies",
+            mkl(
+                "  strategy:\n    priority:\n      routingKeys: [a]\n    weighted:\n      routingKeys: {b: 1}\n",
+            ),
+            9,
+            "spec.strategy",
+            "exactly one strategy is allowed, found priority and weighted",
+        ),
+        case(
+            "mkl-priorityFailover-no-keys",
+            mkl("  strategy:\n    priorityFailover:\n      routingKeys: []\n"),
+            10,
+            "spec.strategy.priorityFailover.routingKeys",
+            "at least one routing key is required",
+        ),
+        case(
+            "mkl-weighted-no-keys",
+            mkl("  strategy:\n    weighted:\n      routingKeys: {}\n"),
+            10,
+            "spec.strategy.weighted.routingKeys",
+            "at least one routing key is required",
+        ),
+        case(
+            "mkl-257-keys",
+            mkl(&format!(
+                "  strategy:\n    priorityFailover:\n      routingKeys:\n{many_keys}"
+            )),
+            11,
+            "spec.strategy.priorityFailover.routingKeys",
+            "at most 256 routing keys are allowed, found 257",
+        ),
+        case(
+            "mkl-empty-key",
+            mkl(
+                "  strategy:\n    priorityFailover:\n      routingKeys:\n      - a\n      - \"\"\n",
+            ),
+            12,
+            "spec.strategy.priorityFailover.routingKeys[1]",
+            "routing key must not be empty",
+        ),
+        case(
+            "mkl-duplicate-key-priorityFailover",
+            mkl(
+                "  strategy:\n    priorityFailover:\n      routingKeys:\n      - a\n      - b\n      - a\n",
+            ),
+            13,
+            "spec.strategy.priorityFailover.routingKeys[2]",
+            "duplicate routing key `a`",
+        ),
+        case(
+            "mkl-duplicate-key-priority",
+            mkl("  strategy:\n    priority:\n      routingKeys:\n      - a\n      - a\n"),
+            12,
+            "spec.strategy.priority.routingKeys[1]",
+            "duplicate routing key `a`",
+        ),
+        case(
+            "mkl-weight-zero",
+            mkl("  strategy:\n    weighted:\n      routingKeys:\n        a: 1\n        b: 0\n"),
+            12,
+            "spec.strategy.weighted.routingKeys.b",
+            "weight must be a positive integer, found 0",
+        ),
+        case(
+            "mkl-weight-negative",
+            mkl("  strategy:\n    weighted:\n      routingKeys:\n        a: -3\n"),
+            11,
+            "spec.strategy.weighted.routingKeys.a",
+            "weight must be a positive integer, found -3",
+        ),
+        case(
+            "mkl-host-port-used-by-listener",
+            "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: m\nspec:\n  host: 127.0.0.1\n  port: 17001\n  strategy:\n    priority:\n      routingKeys: [good]\n",
+            7,
+            "spec.port",
+            "127.0.0.1:17001 is already used by Listener default/good-listener",
+        ),
+        Case {
+            also_valid: &[("MultiKeyListener", "m1")],
+            ..case(
+                "mkl-host-port-used-by-mkl",
+                format!(
+                    "{}---\n{}",
+                    mkl("  strategy:\n    priority:\n      routingKeys: [good]\n")
+                        .replace("name: m\n", "name: m1\n"),
+                    mkl("  strategy:\n    weighted:\n      routingKeys: {good: 1}\n")
+                        .replace("name: m\n", "name: m2\n"),
+                ),
+                18,
+                "spec.port",
+                "127.0.0.1:18000 is already used by MultiKeyListener default/m1",
+            )
+        },
+        case(
+            "listener-wildcard-host-clashes",
+            skupper(
+                "Listener",
+                "  routingKey: good\n  host: 0.0.0.0\n  port: 17001\n",
+            ),
+            8,
+            "spec.port",
+            "0.0.0.0:17001 is already used by Listener default/good-listener",
+        ),
+        // --- Ports, names, identity ------------------------------------------------------------
+        case(
+            "listener-port-out-of-range",
+            skupper(
+                "Listener",
+                "  routingKey: a\n  host: 127.0.0.1\n  port: 70000\n",
+            ),
+            8,
+            "spec.port",
+            "port must be between 1 and 65535, found 70000",
+        ),
+        case(
+            "connector-port-zero",
+            skupper(
+                "Connector",
+                "  routingKey: a\n  host: 127.0.0.1\n  port: 0\n",
+            ),
+            8,
+            "spec.port",
+            "port must be between 1 and 65535, found 0",
+        ),
+        case(
+            "invalid-metadata-name",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: My_Listener\nspec:\n  routingKey: a\n  host: 127.0.0.1\n  port: 9\n",
+            4,
+            "metadata.name",
+            "`My_Listener` must be a lowercase RFC 1123 subdomain",
+        ),
+        case(
+            "missing-apiVersion",
+            "kind: Listener\nmetadata:\n  name: x\nspec:\n  routingKey: a\n  host: 127.0.0.1\n  port: 9\n",
+            1,
+            "apiVersion",
+            "apiVersion is required",
+        ),
+        case(
+            "missing-kind",
+            "apiVersion: skupper.io/v2alpha1\nmetadata:\n  name: x\n",
+            1,
+            "kind",
+            "kind is required",
+        ),
+        case(
+            "missing-metadata-name",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  namespace: foo\nspec: {}\n",
+            4,
+            "metadata.name",
+            "metadata.name is required",
+        ),
+        // --- Secrets -------------------------------------------------------------------------
+        case(
+            "secret-tls-crt-not-pem",
+            format!(
+                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: not a certificate\n  tls.key: |\n{}",
+                indent(CERT, 4).replace("CERTIFICATE", "PRIVATE KEY")
+            ),
+            7,
+            "stringData.tls.crt",
+            "no PEM certificate found",
+        ),
+        case(
+            "secret-tls-key-garbage",
+            format!(
+                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: garbage\n",
+                indent(CERT, 4)
+            ),
+            18,
+            "stringData.tls.key",
+            "no PEM private key found",
+        ),
+        case(
+            "secret-invalid-base64",
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ndata:\n  tls.crt: \"!!!not base64!!!\"\n",
+            6,
+            "data.tls.crt",
+            "invalid base64 (Invalid symbol 33, offset 0)",
+        ),
+        case(
+            "secret-tls-missing-key",
+            format!(
+                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}",
+                indent(CERT, 4)
+            ),
+            7,
+            "stringData",
+            "a kubernetes.io/tls Secret needs `tls.key`",
+        ),
+        case(
+            "listener-missing-secret",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: tls-listener\nspec:\n  routingKey: good\n  host: 127.0.0.1\n  port: 17003\n  tlsCredentials: nope\n",
+            9,
+            "spec.tlsCredentials",
+            "Secret default/nope not found",
+        ),
+        // --- Cross-object rules --------------------------------------------------------------
+        Case {
+            also_valid: &[("Site", "one")],
+            ..case(
+                "two-sites",
+                "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: one\n---\napiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: two\n",
+                9,
+                "metadata.name",
+                "a config directory holds one Site; Site default/one is already it",
+            )
+        },
+        case(
+            "duplicate-definition-across-files",
+            skupper(
+                "Connector",
+                "  routingKey: other\n  host: 127.0.0.1\n  port: 17009\n",
+            )
+            .replace("name: x", "name: good-connector"),
+            4,
+            "metadata.name",
+            "Connector default/good-connector is already defined at ",
+        ),
+        // --- Gateway listener rules ----------------------------------------------------------
+        case(
+            "gateway-duplicate-listener-names",
+            gateway(
+                "  - name: web\n    port: 8080\n    protocol: HTTP\n  - name: web\n    port: 8081\n    protocol: HTTP\n",
+            ),
+            11,
+            "spec.listeners[1].name",
+            "listener name `web` must be unique",
+        ),
+        case(
+            "gateway-invalid-hostname",
+            gateway("  - name: web\n    port: 8080\n    protocol: HTTP\n    hostname: Bad_Host!\n"),
+            11,
+            "spec.listeners[0].hostname",
+            "`Bad_Host!` is not a valid hostname",
+        ),
+        case(
+            "gateway-ip-hostname",
+            gateway("  - name: web\n    port: 8080\n    protocol: HTTP\n    hostname: 10.0.0.1\n"),
+            11,
+            "spec.listeners[0].hostname",
+            "`10.0.0.1` is not a valid hostname",
+        ),
+        case(
+            "gateway-tls-on-http",
+            gateway(
+                "  - name: web\n    port: 8080\n    protocol: HTTP\n    tls:\n      mode: Terminate\n",
+            ),
+            12,
+            "spec.listeners[0].tls",
+            "tls must not be specified for protocol HTTP",
+        ),
+        case(
+            "listenerset-duplicate-listener-names",
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata:\n  name: ls\nspec:\n  parentRef:\n    name: g\n  listeners:\n  - name: web\n    port: 8080\n    protocol: HTTP\n  - name: web\n    port: 8081\n    protocol: HTTP\n",
+            12,
+            "spec.listeners[1].name",
+            "listener name `web` must be unique",
+        ),
+        // --- One broken document among valid ones in the same file ---------------------------
+        Case {
+            also_valid: &[
+                ("Connector", "same-file-before"),
+                ("Connector", "same-file-after"),
+            ],
+            ..case(
+                "broken-document-between-valid-ones",
+                "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: same-file-before\nspec:\n  routingKey: b\n  host: 127.0.0.1\n  port: 9\n---\nkind: [unclosed\n---\napiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: same-file-after\nspec:\n  routingKey: c\n  host: 127.0.0.1\n  port: 9\n",
+                10,
+                "",
+                "unclosed bracket '[' (column 7)",
+            )
+        },
+        Case {
+            also_valid: &[("Connector", "list-ok")],
+            ..case(
+                "list-with-one-bad-item",
+                "apiVersion: v1\nkind: List\nitems:\n- apiVersion: skupper.io/v2alpha1\n  kind: Connector\n  metadata:\n    name: list-ok\n  spec:\n    routingKey: b\n    host: 127.0.0.1\n    port: 9\n- apiVersion: skupper.io/v2alpha1\n  kind: Connector\n  metadata:\n    name: list-bad\n  spec:\n    routingKey: b\n    host: 127.0.0.1\n    port: nine\n",
+                19,
+                "spec.port",
+                "expected an integer",
+            )
+        },
+    ]
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A fresh, empty directory under the system temp dir.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "keyway-bad-inputs-{}-{}-{name}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    dir
+}
+
+fn keyway(args: &[&str], config: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .expect("run keyway")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs one case; returns a description of every way it failed.
+fn check(c: &Case) -> Vec<String> {
+    let mut problems = Vec::new();
+    let dir = temp_dir(c.name);
+    std::fs::write(dir.join("a-good.yaml"), GOOD).unwrap();
+    std::fs::write(dir.join(c.file), &c.text).unwrap();
+
+    let out = keyway(&["validate"], &dir);
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    if out.status.code() != Some(1) {
+        problems.push(format!(
+            "validate exited {:?}, want 1\nstdout: {stdout}\nstderr: {stderr}",
+            out.status.code()
+        ));
+    }
+    let lines: Vec<&str> = stdout.lines().collect();
+    let prefix = if c.path.is_empty() {
+        format!("{}:{}: ", dir.join(c.file).display(), c.line)
+    } else {
+        format!("{}:{}: {}: ", dir.join(c.file).display(), c.line, c.path)
+    };
+    match lines.as_slice() {
+        [line] => {
+            if !line.starts_with(&prefix) {
+                problems.push(format!(
+                    "error line {line:?} does not start with {prefix:?}"
+                ));
+            } else {
+                let message = &line[prefix.len()..];
+                if !message.contains(c.message) {
+                    problems.push(format!(
+                        "message {message:?} does not contain {:?}",
+                        c.message
+                    ));
+                }
+                if c.path.is_empty() && message.starts_with("error:") {
+                    problems.push(format!("message {message:?} repeats `error:`"));
+                }
+            }
+        }
+        _ => problems.push(format!(
+            "want exactly one error line on stdout, got {}:\n{stdout}",
+            lines.len()
+        )),
+    }
+    if stderr.contains("panicked") {
+        problems.push(format!("validate panicked: {stderr}"));
+    }
+
+    // `status` still shows every valid object, and exits 1 because of the error.
+    let out = keyway(&["status", "-o", "json"], &dir);
+    if out.status.code() != Some(1) {
+        problems.push(format!("status exited {:?}, want 1", out.status.code()));
+    }
+    match serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+        Ok(list) => {
+            let items = list["items"].as_array().cloned().unwrap_or_default();
+            let has = |kind: &str, name: &str| {
+                items
+                    .iter()
+                    .any(|i| i["kind"] == kind && i["metadata"]["name"] == name)
+            };
+            let mut want = vec![
+                ("Listener", "good-listener"),
+                ("Connector", "good-connector"),
+            ];
+            want.extend(c.also_valid.iter().copied());
+            for (kind, name) in want {
+                if !has(kind, name) {
+                    problems.push(format!("status does not list {kind} {name}"));
+                }
+            }
+            if !items
+                .iter()
+                .any(|i| i["kind"] == "Listener" && i["status"]["status"] == "Ready")
+            {
+                problems.push("status: good-listener is not Ready".into());
+            }
+        }
+        Err(e) => problems.push(format!(
+            "status -o json is not JSON ({e}): {}",
+            text(&out.stdout)
+        )),
+    }
+    if problems.is_empty() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    problems
+}
+
+#[test]
+fn every_bad_input_is_reported_with_file_line_and_path() {
+    let cases = cases();
+    assert!(cases.len() >= 35, "only {} cases", cases.len());
+    let mut names = std::collections::HashSet::new();
+    for c in &cases {
+        assert!(names.insert(c.name), "duplicate case name {}", c.name);
+    }
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|c| {
+            let problems = check(c);
+            (!problems.is_empty()).then(|| format!("[{}]\n  {}", c.name, problems.join("\n  ")))
+        })
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn unknown_kind_is_a_warning_and_exit_0() {
+    let dir = temp_dir("unknown-kind");
+    std::fs::write(dir.join("a-good.yaml"), GOOD).unwrap();
+    std::fs::write(
+        dir.join("widget.yaml"),
+        "apiVersion: example.com/v1\nkind: Widget\nmetadata:\n  name: w\n",
+    )
+    .unwrap();
+    let out = keyway(&["validate"], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
+    let want = format!(
+        "warning: {}:2: kind: unknown kind Widget in example.com/v1",
+        dir.join("widget.yaml").display()
+    );
+    assert!(stderr.contains(&want), "stderr {stderr:?} lacks {want:?}");
+    assert!(text(&out.stdout).contains("2 objects valid"));
+    let out = keyway(&["status", "-o", "json"], &dir);
+    assert_eq!(out.status.code(), Some(0));
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list["items"].as_array().map(Vec::len), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn valid_directory_exits_0() {
+    let dir = temp_dir("all-good");
+    std::fs::write(dir.join("a-good.yaml"), GOOD).unwrap();
+    let out = keyway(&["validate"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
+    assert_eq!(text(&out.stdout).lines().count(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
