@@ -18,6 +18,19 @@ pub struct Filter {
 }
 
 impl Filter {
+    /// The same test on an object already rendered as JSON (status read from a running site).
+    pub fn matches_value(&self, item: &Value) -> bool {
+        let kind = item["kind"].as_str().and_then(Kind::parse_cli);
+        let name = item["metadata"]["name"].as_str().unwrap_or_default();
+        let namespace = item["metadata"]["namespace"].as_str().unwrap_or_default();
+        self.kind.is_none_or(|k| Some(k) == kind)
+            && self.name.as_deref().is_none_or(|n| n == name)
+            && self
+                .namespace
+                .as_deref()
+                .is_none_or(|ns| namespace.is_empty() || ns == namespace)
+    }
+
     pub fn matches(&self, key: &ObjectKey) -> bool {
         self.kind.is_none_or(|k| k == key.kind)
             && self.name.as_deref().is_none_or(|n| n == key.name)

@@ -24,6 +24,21 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run a site: bind listeners, forward traffic, hot-reload the config directory.
+    Run {
+        /// Config directory.
+        #[arg(long, default_value = "./keyway.d")]
+        config: PathBuf,
+        /// State directory (first-seen times and generations); default <config>/.keyway-state.
+        #[arg(long)]
+        state: Option<PathBuf>,
+        /// Admin endpoint address (/status, /metrics, /config, /healthz, /readyz).
+        #[arg(long, default_value = "127.0.0.1:9901")]
+        admin: String,
+        /// Seconds to let open connections finish on SIGINT/SIGTERM.
+        #[arg(long, default_value_t = 10)]
+        drain_timeout: u64,
+    },
     /// Check a config directory; print file:line: path: message for every problem.
     Validate {
         /// Config directory.
@@ -72,6 +87,20 @@ pub fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
+        Command::Run {
+            config,
+            state,
+            admin,
+            drain_timeout,
+        } => {
+            let state = state.unwrap_or_else(|| default_state_dir(&config));
+            crate::run::run(
+                config,
+                state,
+                &admin,
+                std::time::Duration::from_secs(drain_timeout),
+            )
+        }
         Command::Validate { config } => validate(&config),
         Command::Status {
             config,
@@ -170,9 +199,25 @@ fn status(
         namespace,
     };
     if let Some(addr) = admin {
-        anyhow::bail!(
-            "reading status from a running site at {addr} needs `keyway run`'s admin endpoint, which this build does not have yet"
-        );
+        let body = crate::admin::fetch(addr, "/status")?;
+        let list: serde_json::Value =
+            serde_json::from_str(&body).context("the site's /status is not JSON")?;
+        let items: Vec<serde_json::Value> = list["items"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|item| filter.matches_value(item))
+            .collect();
+        for e in list["metadata"]["configErrors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            eprintln!("error: {}", e.as_str().unwrap_or_default());
+        }
+        print_items(items, output)?;
+        return Ok(ExitCode::SUCCESS);
     }
     let compiled = compile_dir(config)?;
     let errors = compiled.errors();

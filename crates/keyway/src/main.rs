@@ -1,9 +1,13 @@
 //! The `keyway` binary: command line, admin endpoint and wiring. It holds no semantics; the core
 //! decides, the data plane carries traffic.
 
+mod admin;
 mod cli;
+mod run;
+mod site;
 mod source;
 mod state;
+mod watch;
 
 use std::process::ExitCode;
 

@@ -1,0 +1,236 @@
+//! keyway's data plane: runs a [`Plan`] — binds listeners, health-checks connector targets, and
+//! forwards each connection to the best reachable target (SPEC §3.1).
+//!
+//! [`DataPlane::apply`] takes a whole new plan and changes only what differs: a listener whose
+//! host:port is unchanged keeps its socket (its key selection and TLS are swapped in place), a
+//! connector whose spec is unchanged keeps its health state, and no open connection is touched.
+
+pub mod copy;
+pub mod listener;
+pub mod metrics;
+pub mod targets;
+pub mod tls;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keyway_core::ObjectKey;
+use keyway_core::plan::Plan;
+use tokio::sync::Notify;
+use tokio_rustls::TlsAcceptor;
+
+use crate::listener::{ListenerHandle, ListenerRuntime};
+use crate::metrics::Metrics;
+use crate::targets::{Health, Registry};
+
+/// State every connection task shares.
+pub struct Shared {
+    pub registry: Arc<Registry>,
+    pub metrics: Arc<Metrics>,
+    tracker: Tracker,
+}
+
+/// Counts open connections so shutdown can wait for them to drain.
+#[derive(Default)]
+struct Tracker {
+    open: Arc<AtomicUsize>,
+    drained: Arc<Notify>,
+}
+
+impl Tracker {
+    fn track(&self) -> ConnectionTracker {
+        self.open.fetch_add(1, Ordering::AcqRel);
+        ConnectionTracker {
+            open: self.open.clone(),
+            drained: self.drained.clone(),
+        }
+    }
+}
+
+/// Held by each connection task; its drop may complete a drain.
+pub struct ConnectionTracker {
+    open: Arc<AtomicUsize>,
+    drained: Arc<Notify>,
+}
+
+impl Drop for ConnectionTracker {
+    fn drop(&mut self) {
+        if self.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.drained.notify_waiters();
+        }
+    }
+}
+
+/// What the data plane observes, for status (SPEC §3.3) and `/readyz`.
+#[derive(Clone, Debug, Default)]
+pub struct Observation {
+    pub reachable_keys: BTreeSet<String>,
+    pub unhealthy_connectors: BTreeMap<ObjectKey, String>,
+    pub bind_errors: BTreeMap<ObjectKey, String>,
+    /// Listeners whose socket is open now.
+    pub listening: BTreeSet<ObjectKey>,
+    pub open_connections: usize,
+}
+
+pub struct DataPlane {
+    shared: Arc<Shared>,
+    listeners: Mutex<HashMap<ObjectKey, ListenerHandle>>,
+    /// TLS set-up failures of the last apply, per object.
+    tls_errors: Mutex<BTreeMap<ObjectKey, String>>,
+}
+
+impl DataPlane {
+    /// A data plane with no listeners. Must be used from within a tokio runtime.
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        DataPlane {
+            shared: Arc::new(Shared {
+                registry: Registry::new(metrics.clone()),
+                metrics,
+                tracker: Tracker::default(),
+            }),
+            listeners: Mutex::new(HashMap::new()),
+            tls_errors: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
+
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.shared.registry
+    }
+
+    /// Runs `plan` from now on, changing only what differs from the running plan.
+    pub fn apply(&self, plan: &Plan) {
+        let mut tls_errors = BTreeMap::new();
+        let client_tls = |c: &keyway_core::plan::ConnectorPlan| {
+            let tls = c.tls.as_ref()?;
+            match tls::client_config(tls, &c.host) {
+                Ok(cfg) => Some(Arc::new(cfg)),
+                Err(e) => {
+                    tracing::warn!(connector = %c.id.name, "{e}");
+                    None
+                }
+            }
+        };
+        // Connectors whose TLS cannot be set up are left out rather than sent in the clear.
+        let connectors: Vec<_> = plan
+            .connectors
+            .iter()
+            .filter(|c| match &c.tls {
+                Some(tls) => match tls::client_config(tls, &c.host) {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tls_errors.insert(c.id.clone(), e.to_string());
+                        false
+                    }
+                },
+                None => true,
+            })
+            .cloned()
+            .collect();
+        self.shared.registry.apply(&connectors, &client_tls);
+
+        let mut listeners = match self.listeners.lock() {
+            Ok(l) => l,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut next: HashMap<ObjectKey, ListenerHandle> = HashMap::new();
+        for lp in &plan.listeners {
+            let acceptor = match &lp.tls {
+                None => None,
+                Some(t) => match tls::server_config(t, &[]) {
+                    Ok(cfg) => Some(TlsAcceptor::from(cfg)),
+                    Err(e) => {
+                        tls_errors.insert(lp.id.clone(), e.to_string());
+                        continue;
+                    }
+                },
+            };
+            let runtime = ListenerRuntime {
+                plan: lp.clone(),
+                tls: acceptor,
+                label: format!("{}/{}", lp.id.namespace, lp.id.name),
+            };
+            match listeners.remove(&lp.id) {
+                Some(handle) if handle.host == lp.host && handle.port == lp.port => {
+                    handle.runtime.store(Arc::new(runtime));
+                    next.insert(lp.id.clone(), handle);
+                }
+                old => {
+                    drop(old);
+                    next.insert(
+                        lp.id.clone(),
+                        ListenerHandle::start(self.shared.clone(), runtime),
+                    );
+                }
+            }
+        }
+        // Listeners no longer in the plan stop accepting; their connections run on.
+        listeners.clear();
+        *listeners = next;
+        if let Ok(mut e) = self.tls_errors.lock() {
+            *e = tls_errors;
+        }
+    }
+
+    /// Reachability, health and socket state right now.
+    pub fn observe(&self) -> Observation {
+        let mut obs = Observation {
+            open_connections: self.shared.tracker.open.load(Ordering::Acquire),
+            ..Default::default()
+        };
+        for t in self.shared.registry.all() {
+            if t.usable() {
+                obs.reachable_keys.insert(t.routing_key.clone());
+            }
+            if t.health() == Health::Unhealthy {
+                let why = t
+                    .last_error()
+                    .unwrap_or_else(|| format!("target {} is unhealthy", t.address()));
+                obs.unhealthy_connectors.insert(t.connector.clone(), why);
+            }
+        }
+        if let Ok(listeners) = self.listeners.lock() {
+            for (id, h) in listeners.iter() {
+                if let Some(e) = h.state.error() {
+                    obs.bind_errors.insert(id.clone(), e);
+                }
+                if h.state.listening.load(Ordering::Acquire) {
+                    obs.listening.insert(id.clone());
+                }
+            }
+        }
+        if let Ok(errors) = self.tls_errors.lock() {
+            for (id, e) in errors.iter() {
+                obs.bind_errors.insert(id.clone(), e.clone());
+            }
+        }
+        obs
+    }
+
+    /// Graceful shutdown: stop accepting everywhere, then wait up to `drain` for open
+    /// connections to finish. Returns how many were still open when it gave up.
+    pub async fn shutdown(&self, drain: Duration) -> usize {
+        if let Ok(mut listeners) = self.listeners.lock() {
+            listeners.clear();
+        }
+        let tracker = &self.shared.tracker;
+        let deadline = tokio::time::Instant::now() + drain;
+        loop {
+            let notified = tracker.drained.notified();
+            let open = tracker.open.load(Ordering::Acquire);
+            if open == 0 {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                break;
+            }
+        }
+        self.shared.registry.stop();
+        tracker.open.load(Ordering::Acquire)
+    }
+}

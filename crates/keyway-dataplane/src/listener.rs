@@ -1,0 +1,354 @@
+//! One accept task per Listener / MultiKeyListener (SPEC §3.1).
+//!
+//! The socket is open only while at least one of the listener's keys is reachable: with nothing
+//! to reach, clients get "connection refused" (as upstream Skupper closes its socket), and the port
+//! reopens as soon as a key returns. The routing key is chosen per connection at accept time and
+//! pinned for the connection's life; a failed connect marks the target unhealthy and tries the
+//! next target, then the next key, before giving up on the client.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use keyway_core::plan::{KeySelection, ListenerPlan};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use crate::copy;
+use crate::metrics::Metrics;
+use crate::targets::{Registry, Target};
+use crate::{ConnectionTracker, Shared};
+
+/// What a listener runs with; swapped in place on reload without touching the socket.
+pub struct ListenerRuntime {
+    pub plan: ListenerPlan,
+    pub tls: Option<TlsAcceptor>,
+    /// `namespace/name`, the metrics label.
+    pub label: String,
+}
+
+/// Observable state of a listener's socket.
+#[derive(Default)]
+pub struct ListenerState {
+    pub listening: AtomicBool,
+    pub bind_error: Mutex<Option<String>>,
+}
+
+impl ListenerState {
+    fn set_error(&self, e: Option<String>) {
+        if let Ok(mut g) = self.bind_error.lock() {
+            *g = e;
+        }
+    }
+
+    pub fn error(&self) -> Option<String> {
+        self.bind_error.lock().ok().and_then(|g| g.clone())
+    }
+}
+
+/// A running listener.
+pub struct ListenerHandle {
+    pub host: String,
+    pub port: u16,
+    pub runtime: Arc<ArcSwap<ListenerRuntime>>,
+    pub state: Arc<ListenerState>,
+    stop: watch::Sender<bool>,
+}
+
+impl ListenerHandle {
+    pub fn start(shared: Arc<Shared>, runtime: ListenerRuntime) -> Self {
+        let host = runtime.plan.host.clone();
+        let port = runtime.plan.port;
+        let runtime = Arc::new(ArcSwap::from_pointee(runtime));
+        let state = Arc::new(ListenerState::default());
+        let (stop, stop_rx) = watch::channel(false);
+        tokio::spawn(accept_loop(shared, runtime.clone(), state.clone(), stop_rx));
+        ListenerHandle {
+            host,
+            port,
+            runtime,
+            state,
+            stop,
+        }
+    }
+
+    /// Stops accepting; connections already open run on.
+    pub fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+}
+
+impl Drop for ListenerHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn accept_loop(
+    shared: Arc<Shared>,
+    runtime: Arc<ArcSwap<ListenerRuntime>>,
+    state: Arc<ListenerState>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut changes = shared.registry.subscribe();
+    let mut socket: Option<TcpListener> = None;
+    let mut bind_failures = 0u32;
+    loop {
+        if *stop.borrow_and_update() {
+            break;
+        }
+        changes.borrow_and_update();
+        let rt = runtime.load_full();
+        let reachable = rt
+            .plan
+            .selection
+            .keys()
+            .iter()
+            .any(|k| shared.registry.is_reachable(k));
+        if !reachable {
+            if socket.take().is_some() {
+                tracing::info!(listener = %rt.label, "no routing key reachable: closing the port");
+            }
+            state.listening.store(false, Ordering::Release);
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = stop.changed() => {}
+            }
+            continue;
+        }
+        let Some(listener) = socket.as_ref() else {
+            match TcpListener::bind((rt.plan.host.as_str(), rt.plan.port)).await {
+                Ok(l) => {
+                    tracing::info!(listener = %rt.label, addr = ?l.local_addr().ok(), "listening");
+                    socket = Some(l);
+                    bind_failures = 0;
+                    state.set_error(None);
+                    state.listening.store(true, Ordering::Release);
+                }
+                Err(e) => {
+                    bind_failures += 1;
+                    let msg = format!("cannot bind {}:{}: {e}", rt.plan.host, rt.plan.port);
+                    if bind_failures == 1 || bind_failures.is_multiple_of(30) {
+                        tracing::warn!(listener = %rt.label, "{msg}");
+                    }
+                    state.set_error(Some(msg));
+                    // Retry quickly at first (a port being released by a reload), then every second.
+                    let wait = if bind_failures < 10 { 100 } else { 1000 };
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
+                        _ = stop.changed() => {}
+                    }
+                }
+            }
+            continue;
+        };
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let guard = shared.tracker.track();
+                    tokio::spawn(serve(shared.clone(), runtime.load_full(), stream, peer, guard));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(listener = %rt.label, "accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = changes.changed() => {}
+            _ = stop.changed() => {}
+        }
+    }
+    state.listening.store(false, Ordering::Release);
+}
+
+/// Keys to try for one new connection, best first (SPEC §3.1).
+pub fn key_order(selection: &KeySelection, registry: &Registry) -> Vec<String> {
+    match selection {
+        KeySelection::Single(k) => vec![k.clone()],
+        KeySelection::Priority(keys) => keys
+            .iter()
+            .filter(|k| registry.is_reachable(k))
+            .cloned()
+            .collect(),
+        KeySelection::Weighted(weights) => {
+            let mut pool: Vec<(String, u64)> = weights
+                .iter()
+                .filter(|(k, w)| *w > 0 && registry.is_reachable(k))
+                .map(|(k, w)| (k.clone(), u64::from(*w)))
+                .collect();
+            let mut order = Vec::with_capacity(pool.len());
+            // Draw without replacement: the first draw is the weighted choice; the rest are the
+            // fallbacks should its targets all fail.
+            while !pool.is_empty() {
+                let total: u64 = pool.iter().map(|(_, w)| w).sum();
+                let mut pick = fastrand::u64(0..total);
+                let idx = pool
+                    .iter()
+                    .position(|(_, w)| {
+                        if pick < *w {
+                            true
+                        } else {
+                            pick -= w;
+                            false
+                        }
+                    })
+                    .unwrap_or(0);
+                order.push(pool.remove(idx).0);
+            }
+            order
+        }
+    }
+}
+
+/// A connection to a target, plain or TLS.
+enum Upstream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+/// Connects to the best reachable target, failing over across targets and keys.
+async fn connect(
+    shared: &Shared,
+    rt: &ListenerRuntime,
+) -> Option<(String, Arc<Target>, Upstream, bool)> {
+    let keys = key_order(&rt.plan.selection, &shared.registry);
+    let preferred = match &rt.plan.selection {
+        KeySelection::Priority(keys) => keys.first().cloned(),
+        _ => keys.first().cloned(),
+    };
+    let mut attempts = 0;
+    for key in keys {
+        for target in shared.registry.candidates(&key) {
+            attempts += 1;
+            let timeout = Duration::from_millis(target.health_check.timeout_ms.max(100));
+            let stream = match tokio::time::timeout(
+                timeout,
+                TcpStream::connect((target.host.as_str(), target.port)),
+            )
+            .await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    shared.registry.connect_failed(
+                        &target,
+                        &format!("connect to {} failed: {e}", target.address()),
+                    );
+                    continue;
+                }
+                Err(_) => {
+                    shared.registry.connect_failed(
+                        &target,
+                        &format!("connect to {} timed out", target.address()),
+                    );
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let upstream = match &target.tls {
+                None => Upstream::Plain(stream),
+                Some(tls) => {
+                    let connector = TlsConnector::from(tls.config.clone());
+                    match connector.connect(tls.server_name.clone(), stream).await {
+                        Ok(s) => Upstream::Tls(Box::new(s)),
+                        Err(e) => {
+                            tracing::warn!(target = %target.address(), "TLS to target failed: {e}");
+                            continue;
+                        }
+                    }
+                }
+            };
+            let failover = attempts > 1 || preferred.as_deref() != Some(key.as_str());
+            return Some((key, target, upstream, failover));
+        }
+    }
+    None
+}
+
+async fn serve(
+    shared: Arc<Shared>,
+    rt: Arc<ListenerRuntime>,
+    client: TcpStream,
+    peer: SocketAddr,
+    _guard: ConnectionTracker,
+) {
+    let _ = client.set_nodelay(true);
+    // Terminate TLS first: the handshake needs no target, and a client that fails it never
+    // costs a connect to a workload.
+    let client = match &rt.tls {
+        None => Downstream::Plain(client),
+        Some(acceptor) => {
+            match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(client)).await {
+                Ok(Ok(s)) => Downstream::Tls(Box::new(s)),
+                Ok(Err(e)) => {
+                    tracing::debug!(listener = %rt.label, %peer, "TLS handshake failed: {e}");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(listener = %rt.label, %peer, "TLS handshake timed out");
+                    return;
+                }
+            }
+        }
+    };
+    let Some((key, target, upstream, failover)) = connect(&shared, &rt).await else {
+        shared
+            .metrics
+            .refused
+            .get_or_create(&Metrics::listener_labels(&rt.label))
+            .inc();
+        tracing::debug!(listener = %rt.label, %peer, "no target reachable: closing");
+        return;
+    };
+    if failover {
+        shared
+            .metrics
+            .failovers
+            .get_or_create(&Metrics::listener_labels(&rt.label))
+            .inc();
+    }
+    let _open = target.open_guard();
+    let labels = Metrics::connection_labels(&rt.label, &key, &target);
+    shared
+        .metrics
+        .connections_opened
+        .get_or_create(&labels)
+        .inc();
+    let active = shared
+        .metrics
+        .connections_active
+        .get_or_create(&labels)
+        .clone();
+    active.inc();
+    let mut in_labels = labels.clone();
+    in_labels.push(("direction", "in".into()));
+    let mut out_labels = labels;
+    out_labels.push(("direction", "out".into()));
+    let bytes_in = shared.metrics.bytes.get_or_create(&in_labels).clone();
+    let bytes_out = shared.metrics.bytes.get_or_create(&out_labels).clone();
+    let result = match (client, upstream) {
+        (Downstream::Plain(mut c), Upstream::Plain(mut u)) => {
+            copy::bidirectional_tcp(&mut c, &mut u, &bytes_in, &bytes_out).await
+        }
+        (Downstream::Plain(c), Upstream::Tls(u)) => {
+            copy::bidirectional(c, u, &bytes_in, &bytes_out).await
+        }
+        (Downstream::Tls(c), Upstream::Plain(u)) => {
+            copy::bidirectional(c, u, &bytes_in, &bytes_out).await
+        }
+        (Downstream::Tls(c), Upstream::Tls(u)) => {
+            copy::bidirectional(c, u, &bytes_in, &bytes_out).await
+        }
+    };
+    active.dec();
+    if let Err(e) = result {
+        tracing::debug!(listener = %rt.label, %peer, "connection ended with error: {e}");
+    }
+}
+
+enum Downstream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}

@@ -1,0 +1,134 @@
+//! Prometheus metrics (SPEC §6): connections and bytes per listener, routing key and target;
+//! failovers and refusals per listener; target health; config errors and reloads.
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::targets::Target;
+
+type Labels = Vec<(&'static str, String)>;
+
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    pub connections_opened: Family<Labels, Counter>,
+    pub connections_active: Family<Labels, Gauge>,
+    pub bytes: Family<Labels, Counter>,
+    pub failovers: Family<Labels, Counter>,
+    pub refused: Family<Labels, Counter>,
+    pub target_healthy: Family<Labels, Gauge>,
+    pub config_errors: Gauge,
+    pub reloads: Counter,
+    pub reload_failures: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("keyway");
+        let m = Metrics {
+            registry: Mutex::new(Registry::default()),
+            connections_opened: Family::default(),
+            connections_active: Family::default(),
+            bytes: Family::default(),
+            failovers: Family::default(),
+            refused: Family::default(),
+            target_healthy: Family::default(),
+            config_errors: Gauge::default(),
+            reloads: Counter::default(),
+            reload_failures: Counter::default(),
+        };
+        registry.register(
+            "connections_opened",
+            "Connections accepted and forwarded, by listener, routing key and target",
+            m.connections_opened.clone(),
+        );
+        registry.register(
+            "connections_active",
+            "Connections open now, by listener, routing key and target",
+            m.connections_active.clone(),
+        );
+        registry.register(
+            "bytes",
+            "Bytes forwarded, by listener, routing key, target and direction (in = from client)",
+            m.bytes.clone(),
+        );
+        registry.register("failovers", "Connections that went to other than the first choice (another key or target), by listener", m.failovers.clone());
+        registry.register(
+            "connections_refused",
+            "Accepted connections closed because no target could be reached, by listener",
+            m.refused.clone(),
+        );
+        registry.register(
+            "target_healthy",
+            "1 while a connector target passes health checks",
+            m.target_healthy.clone(),
+        );
+        registry.register(
+            "config_errors",
+            "Configuration documents rejected or references broken in the current config",
+            m.config_errors.clone(),
+        );
+        registry.register(
+            "config_reloads",
+            "Configuration reloads applied",
+            m.reloads.clone(),
+        );
+        registry.register(
+            "config_reload_failures",
+            "Configuration reloads that could not be applied",
+            m.reload_failures.clone(),
+        );
+        if let Ok(mut r) = m.registry.lock() {
+            *r = registry;
+        }
+        m
+    }
+}
+
+impl Metrics {
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Ok(registry) = self.registry.lock() {
+            let _ = encode(&mut out, &registry);
+        }
+        out
+    }
+
+    pub fn connection_labels(listener: &str, key: &str, target: &Target) -> Labels {
+        vec![
+            ("listener", listener.to_string()),
+            ("routing_key", key.to_string()),
+            ("target", target.address()),
+        ]
+    }
+
+    pub fn listener_labels(listener: &str) -> Labels {
+        vec![("listener", listener.to_string())]
+    }
+
+    fn target_labels(target: &Target) -> Labels {
+        vec![
+            (
+                "connector",
+                format!("{}/{}", target.connector.namespace, target.connector.name),
+            ),
+            ("routing_key", target.routing_key.clone()),
+            ("target", target.address()),
+        ]
+    }
+
+    pub fn target_health(&self, target: &Target, healthy: bool) {
+        self.target_healthy
+            .get_or_create(&Self::target_labels(target))
+            .set(i64::from(healthy));
+    }
+
+    pub fn forget_target(&self, target: &Target) {
+        self.target_healthy.remove(&Self::target_labels(target));
+    }
+}

@@ -1,0 +1,308 @@
+//! Connector targets: where each routing key's traffic can go, whether each target is healthy, and
+//! which one a new connection should use (lowest `open connections + path cost`, ties rotate).
+//!
+//! Reachability changes (a target turning healthy or unhealthy, targets added or removed) bump a
+//! watch counter so listeners can close or reopen their sockets at once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use keyway_core::ObjectKey;
+use keyway_core::plan::{ConnectorPlan, HealthCheck};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::metrics::Metrics;
+use crate::tls::ClientTlsConfig;
+
+/// Health of a target, as last observed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Not probed yet: counts as healthy so a fresh site serves at once; the first probe decides.
+    Unknown,
+    Healthy,
+    Unhealthy,
+}
+
+/// One connector target at this site.
+pub struct Target {
+    pub connector: ObjectKey,
+    pub routing_key: String,
+    pub host: String,
+    pub port: u16,
+    pub tls: Option<Arc<ClientTlsConfig>>,
+    pub health_check: HealthCheck,
+    /// Sum of link costs to reach it; 0 for a local target.
+    pub cost: u64,
+    plan: ConnectorPlan,
+    state: AtomicU32,
+    failures: AtomicU32,
+    open: AtomicUsize,
+    last_error: Mutex<Option<String>>,
+    retired: AtomicBool,
+}
+
+impl Target {
+    fn new(plan: &ConnectorPlan, tls: Option<Arc<ClientTlsConfig>>) -> Self {
+        Target {
+            connector: plan.id.clone(),
+            routing_key: plan.routing_key.clone(),
+            host: plan.host.clone(),
+            port: plan.port,
+            tls,
+            health_check: plan.health.clone(),
+            cost: 0,
+            plan: plan.clone(),
+            state: AtomicU32::new(Health::Unknown as u32),
+            failures: AtomicU32::new(0),
+            open: AtomicUsize::new(0),
+            last_error: Mutex::new(None),
+            retired: AtomicBool::new(false),
+        }
+    }
+
+    pub fn health(&self) -> Health {
+        match self.state.load(Ordering::Acquire) {
+            1 => Health::Healthy,
+            2 => Health::Unhealthy,
+            _ => Health::Unknown,
+        }
+    }
+
+    /// Whether new connections may use this target.
+    pub fn usable(&self) -> bool {
+        !self.retired.load(Ordering::Acquire) && self.health() != Health::Unhealthy
+    }
+
+    pub fn open_connections(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    pub fn address(&self) -> String {
+        if self.host.contains(':') && !self.host.starts_with('[') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().ok().and_then(|e| e.clone())
+    }
+
+    /// Counts a connection as open until the guard drops.
+    pub fn open_guard(self: &Arc<Self>) -> OpenGuard {
+        self.open.fetch_add(1, Ordering::AcqRel);
+        OpenGuard(self.clone())
+    }
+}
+
+/// Decrements a target's open-connection count on drop.
+pub struct OpenGuard(Arc<Target>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Each connector's target and its health-check task.
+type Checkers = BTreeMap<ObjectKey, (Arc<Target>, JoinHandle<()>)>;
+
+/// All targets by routing key, swapped atomically on reload.
+pub struct Registry {
+    by_key: ArcSwap<HashMap<String, Vec<Arc<Target>>>>,
+    checkers: Mutex<Checkers>,
+    rotate: AtomicUsize,
+    version: watch::Sender<u64>,
+    counter: AtomicU64,
+    metrics: Arc<Metrics>,
+}
+
+impl Registry {
+    pub fn new(metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Registry {
+            by_key: ArcSwap::from_pointee(HashMap::new()),
+            checkers: Mutex::new(BTreeMap::new()),
+            rotate: AtomicUsize::new(0),
+            version: watch::channel(0).0,
+            counter: AtomicU64::new(0),
+            metrics,
+        })
+    }
+
+    /// A receiver that changes whenever reachability may have changed.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    fn bump(&self) {
+        let n = self.counter.fetch_add(1, Ordering::AcqRel) + 1;
+        self.version.send_replace(n);
+    }
+
+    /// Replaces the set of local targets. Unchanged connectors keep their health state and
+    /// checker; removed ones stop taking new connections (open ones run on).
+    pub fn apply(
+        self: &Arc<Self>,
+        connectors: &[ConnectorPlan],
+        tls: &dyn Fn(&ConnectorPlan) -> Option<Arc<ClientTlsConfig>>,
+    ) {
+        let mut checkers = match self.checkers.lock() {
+            Ok(c) => c,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut next: Checkers = BTreeMap::new();
+        for plan in connectors {
+            match checkers.remove(&plan.id) {
+                Some((target, handle)) if target.plan == *plan => {
+                    next.insert(plan.id.clone(), (target, handle));
+                }
+                old => {
+                    if let Some((target, handle)) = old {
+                        target.retired.store(true, Ordering::Release);
+                        handle.abort();
+                    }
+                    let target = Arc::new(Target::new(plan, tls(plan)));
+                    let handle = tokio::spawn(health_loop(Arc::downgrade(self), target.clone()));
+                    next.insert(plan.id.clone(), (target, handle));
+                }
+            }
+        }
+        for (_, (target, handle)) in std::mem::take(&mut *checkers) {
+            target.retired.store(true, Ordering::Release);
+            handle.abort();
+            self.metrics.forget_target(&target);
+        }
+        let mut by_key: HashMap<String, Vec<Arc<Target>>> = HashMap::new();
+        for (target, _) in next.values() {
+            by_key
+                .entry(target.routing_key.clone())
+                .or_default()
+                .push(target.clone());
+        }
+        *checkers = next;
+        self.by_key.store(Arc::new(by_key));
+        drop(checkers);
+        self.bump();
+    }
+
+    /// Whether a key has at least one usable target.
+    pub fn is_reachable(&self, key: &str) -> bool {
+        self.by_key
+            .load()
+            .get(key)
+            .is_some_and(|ts| ts.iter().any(|t| t.usable()))
+    }
+
+    /// Usable targets of a key, best first: lowest `open + cost`; ties rotate between calls.
+    pub fn candidates(&self, key: &str) -> Vec<Arc<Target>> {
+        let map = self.by_key.load();
+        let Some(all) = map.get(key) else {
+            return Vec::new();
+        };
+        let mut usable: Vec<Arc<Target>> = all.iter().filter(|t| t.usable()).cloned().collect();
+        if usable.len() > 1 {
+            let shift = self.rotate.fetch_add(1, Ordering::Relaxed) % usable.len();
+            usable.rotate_left(shift);
+            // Stable sort keeps the rotated order among equal scores.
+            usable.sort_by_key(|t| t.open_connections() as u64 + t.cost);
+        }
+        usable
+    }
+
+    /// Every target, for status and metrics.
+    pub fn all(&self) -> Vec<Arc<Target>> {
+        let mut v: Vec<Arc<Target>> = self.by_key.load().values().flatten().cloned().collect();
+        v.sort_by(|a, b| a.connector.cmp(&b.connector));
+        v
+    }
+
+    /// Records a failed data connection: the target is unhealthy at once (SPEC §3.1).
+    pub fn connect_failed(&self, target: &Target, error: &str) {
+        target
+            .failures
+            .store(target.health_check.failures, Ordering::Release);
+        self.set_health(target, Health::Unhealthy, Some(error.to_string()));
+    }
+
+    fn set_health(&self, target: &Target, health: Health, error: Option<String>) {
+        if let Ok(mut e) = target.last_error.lock() {
+            *e = error;
+        }
+        let old = target.state.swap(health as u32, Ordering::AcqRel);
+        self.metrics
+            .target_health(target, health != Health::Unhealthy);
+        if old != health as u32 {
+            if health == Health::Unhealthy {
+                tracing::warn!(target = %target.address(), connector = %target.connector.name, "target unhealthy");
+            } else if old == Health::Unhealthy as u32 {
+                tracing::info!(target = %target.address(), connector = %target.connector.name, "target healthy again");
+            }
+            self.bump();
+        }
+    }
+
+    /// Stops every health checker (shutdown).
+    pub fn stop(&self) {
+        if let Ok(mut checkers) = self.checkers.lock() {
+            for (_, (_, handle)) in std::mem::take(&mut *checkers) {
+                handle.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Probes a target with a TCP connect every interval. A success makes it healthy at once; it
+/// turns unhealthy after `failures` consecutive failures (or at once when its state is unknown).
+async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
+    let hc = target.health_check.clone();
+    if !hc.enabled {
+        if let Some(r) = registry.upgrade() {
+            r.set_health(&target, Health::Healthy, None);
+        }
+        return;
+    }
+    let interval = Duration::from_millis(hc.interval_ms.max(10));
+    let timeout = Duration::from_millis(hc.timeout_ms.max(10));
+    loop {
+        let result = tokio::time::timeout(
+            timeout,
+            TcpStream::connect((target.host.as_str(), target.port)),
+        )
+        .await;
+        let Some(registry) = registry.upgrade() else {
+            return;
+        };
+        match result {
+            Ok(Ok(_stream)) => {
+                target.failures.store(0, Ordering::Release);
+                registry.set_health(&target, Health::Healthy, None);
+            }
+            other => {
+                let why = match other {
+                    Ok(Err(e)) => {
+                        format!("health check: connect to {} failed: {e}", target.address())
+                    }
+                    _ => format!("health check: connect to {} timed out", target.address()),
+                };
+                let n = target.failures.fetch_add(1, Ordering::AcqRel) + 1;
+                if n >= hc.failures || target.health() == Health::Unknown {
+                    registry.set_health(&target, Health::Unhealthy, Some(why));
+                }
+            }
+        }
+        drop(registry);
+        tokio::time::sleep(interval).await;
+    }
+}

@@ -1,0 +1,95 @@
+//! `keyway run`: wires the source, the site, the data plane and the admin endpoint together, and
+//! shuts down gracefully on SIGINT/SIGTERM.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use keyway_dataplane::DataPlane;
+use keyway_dataplane::metrics::Metrics;
+use tokio::sync::mpsc;
+
+use crate::site::Site;
+use crate::{admin, watch};
+
+pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -> Result<ExitCode> {
+    init_tracing();
+    if !config.is_dir() {
+        anyhow::bail!(
+            "config directory {} does not exist; create it or pass --config DIR",
+            config.display()
+        );
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("keyway-data")
+        .build()
+        .context("cannot start the runtime")?;
+    runtime.block_on(async move {
+        let dataplane = DataPlane::new(Arc::new(Metrics::default()));
+        let site = Arc::new(Site::new(config.clone(), state, dataplane)?);
+        site.reload();
+        let admin = admin::start(admin_addr, site.clone())?;
+        tracing::info!(config = %config.display(), admin = %admin, "site running");
+
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let _watch = watch::watch(&config, tx).context("cannot watch the config directory")?;
+        let reloader = {
+            let site = site.clone();
+            tokio::spawn(async move {
+                while rx.recv().await.is_some() {
+                    // Coalesce whatever else arrived while we were busy.
+                    while rx.try_recv().is_ok() {}
+                    let site = site.clone();
+                    let _ = tokio::task::spawn_blocking(move || site.reload()).await;
+                }
+            })
+        };
+
+        shutdown_signal().await;
+        tracing::info!(
+            drain_secs = drain.as_secs(),
+            "shutting down: no longer accepting, draining open connections"
+        );
+        reloader.abort();
+        let left = site.dataplane.shutdown(drain).await;
+        if left > 0 {
+            tracing::warn!(open = left, "drain timeout: closing remaining connections");
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

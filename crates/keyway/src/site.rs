@@ -1,0 +1,170 @@
+//! A running site: the config directory feeds the index, the core resolves it, the data plane runs
+//! the plan. Reloads reconcile against the index in force, so a bad file keeps the last valid
+//! objects (SPEC §2) and nothing already serving stops.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use keyway_core::conditions::carry_transition_times;
+use keyway_core::load::ConfigError;
+use keyway_core::report::{self, Filter};
+use keyway_core::service_network::{self, Reachability, Resolution};
+use keyway_core::{Index, ObjectKey, ObjectState, Reconciled, reconcile};
+use keyway_dataplane::DataPlane;
+use serde_json::Value;
+
+use crate::{cli, source, state};
+
+/// Everything derived from the config in force.
+#[derive(Default)]
+struct Current {
+    index: Index,
+    objects: ObjectState,
+    reconciled: Reconciled,
+    resolution: Resolution,
+    /// Last status served, to keep condition transition times stable.
+    last_status: BTreeMap<ObjectKey, Value>,
+}
+
+pub struct Site {
+    pub config: PathBuf,
+    pub state_dir: PathBuf,
+    pub dataplane: DataPlane,
+    current: Mutex<Current>,
+    applied: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Site {
+    pub fn new(config: PathBuf, state_dir: PathBuf, dataplane: DataPlane) -> anyhow::Result<Self> {
+        let objects = state::load(&state_dir)?;
+        Ok(Site {
+            config,
+            state_dir,
+            dataplane,
+            current: Mutex::new(Current {
+                objects,
+                ..Current::default()
+            }),
+            applied: AtomicBool::new(false),
+        })
+    }
+
+    /// Reads the directory, reconciles, resolves and applies. A directory that cannot be read
+    /// changes nothing.
+    pub fn reload(&self) {
+        let metrics = self.dataplane.metrics();
+        let files = match source::load_dir(&self.config) {
+            Ok(files) => files,
+            Err(e) => {
+                tracing::error!("reload skipped, keeping the running config: {e:#}");
+                metrics.reload_failures.inc();
+                return;
+            }
+        };
+        let mut current = lock(&self.current);
+        let previous_errors: Vec<ConfigError> = all_errors(&current);
+        let mut index = current.index.clone();
+        let mut objects = current.objects.clone();
+        let reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
+        let resolution = service_network::resolve(&index);
+        self.dataplane.apply(&resolution.plan);
+        for w in &reconciled.warnings {
+            tracing::warn!("{w}");
+        }
+        current.index = index;
+        current.objects = objects;
+        current.reconciled = reconciled;
+        current.resolution = resolution;
+        let errors = all_errors(&current);
+        for e in &errors {
+            if !previous_errors.contains(e) {
+                tracing::error!("{e}");
+            }
+        }
+        metrics.config_errors.set(errors.len() as i64);
+        metrics.reloads.inc();
+        if let Err(e) = state::save(&self.state_dir, &current.objects) {
+            tracing::warn!("cannot save state: {e:#}");
+        }
+        tracing::info!(
+            objects = current.index.len(),
+            changed = current.reconciled.changed.len(),
+            errors = errors.len(),
+            listeners = current.resolution.plan.listeners.len(),
+            connectors = current.resolution.plan.connectors.len(),
+            "config applied"
+        );
+        self.applied.store(true, Ordering::Release);
+    }
+
+    /// Live status of every object (SPEC §6 `/status`), as a `List`.
+    pub fn status(&self) -> Value {
+        let obs = self.dataplane.observe();
+        let mut current = lock(&self.current);
+        let reach = Reachability {
+            reachable_keys: obs.reachable_keys,
+            listened_keys: current
+                .resolution
+                .plan
+                .listeners
+                .iter()
+                .flat_map(|l| l.selection.keys().into_iter().map(str::to_string))
+                .collect(),
+            unhealthy_connectors: obs.unhealthy_connectors,
+            bind_errors: obs.bind_errors,
+            ..Reachability::default()
+        };
+        let mut statuses =
+            service_network::statuses(&current.index, &current.resolution, &reach, &cli::now());
+        for (key, status) in statuses.iter_mut() {
+            if let Some(prev) = current.last_status.get(key) {
+                carry_transition_times(prev, status);
+            }
+        }
+        current.last_status = statuses.clone();
+        let mut list = report::as_list(report::objects(
+            &current.index,
+            &statuses,
+            &Filter::default(),
+        ));
+        let errors: Vec<String> = all_errors(&current)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        list["metadata"] = serde_json::json!({ "configErrors": errors });
+        list
+    }
+
+    /// The plan the data plane runs (SPEC §6 `/config`).
+    pub fn config(&self) -> Value {
+        serde_json::to_value(&lock(&self.current).resolution.plan).unwrap_or(Value::Null)
+    }
+
+    /// Ready once the first config is applied and every listener that should listen does.
+    pub fn ready(&self) -> Result<(), String> {
+        if !self.applied.load(Ordering::Acquire) {
+            return Err("config not applied yet".into());
+        }
+        let obs = self.dataplane.observe();
+        match obs.bind_errors.iter().next() {
+            Some((key, e)) => Err(format!("{key}: {e}")),
+            None => Ok(()),
+        }
+    }
+}
+
+fn all_errors(current: &Current) -> Vec<ConfigError> {
+    let mut all = current.reconciled.errors.clone();
+    for p in &current.resolution.problems {
+        if !all.contains(p) {
+            all.push(p.clone());
+        }
+    }
+    all
+}
