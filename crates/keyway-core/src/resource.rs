@@ -86,7 +86,15 @@ macro_rules! kinds {
             /// The whole object as JSON (with `apiVersion`/`kind` as keyway writes them).
             pub fn to_value(&self) -> Value {
                 let v = match self { $(Resource::$kind(o) => serde_json::to_value(o),)* };
-                v.unwrap_or(Value::Null)
+                let mut v = v.unwrap_or(Value::Null);
+                // The upstream type serializes its own version (ReferenceGrant says v1); write
+                // the one keyway reads it under (SPEC §2), as `Kind::api_version` does.
+                if let Value::Object(map) = &mut v {
+                    let kind = self.kind();
+                    map.insert("apiVersion".into(), Value::String(kind.api_version().into()));
+                    map.insert("kind".into(), Value::String(kind.name().into()));
+                }
+                v
             }
 
             /// Typed conversion; errors carry the JSON path of the offending field.

@@ -1,0 +1,440 @@
+//! Every kind of SPEC §2 loads from YAML, and `Resource::to_value()` re-loads (as JSON and as YAML)
+//! to an equal Resource. Also JSON files, `kind: List`, multi-document files and unknown kinds.
+
+use keyway_core::load::{DocOutcome, FileLoad, LoadedObject, load_file};
+use keyway_core::{Kind, Resource};
+
+const CERT: &str = "-----BEGIN CERTIFICATE-----
+MIIBdDCCARmgAwIBAgIUdHNKZTorm0yS3BLsOd4HivFFHigwCgYIKoZIzj0EAwIw
+DzENMAsGA1UEAwwEdGVzdDAeFw0yNjExMjkwOTE0NDJaFw0zNjExMjYwOTE0NDJa
+MA8xDTALBgNVBAMMBHRlc3QwWTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAAT2qJkB
+RiI71UItG55ImQ+q5jNgfT4ZHq+D1CWJGZ18qJW/K3TwqJfhZtAcKf8kobeKHvtV
+NRrRrPzdClmnaufDo1MwUTAdBgNVHQ4EFgQUEAJsOTn0eqpV9qfl8H0WEj9iRLMw
+HwYDVR0jBBgwFoAUEAJsOTn0eqpV9qfl8H0WEj9iRLMwDwYDVR0TAQH/BAUwAwEB
+/zAKBggqhkjOPQQDAgNJADBGAiEAhRh26cLxA+eegH+LqTDXTpc2soDGx7KAQgEV
+NH1zP30CIQD3sxwTdDmOk2dqmvJDAwUdhmK1PKfsxApdWOyXqJHEhQ==
+-----END CERTIFICATE-----
+";
+
+const KEY: &str = "-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgVHVucj8QxC+B4T5z
+ZRVs74F1R0akAHkvyq8GerJD/QahRANCAAT2qJkBRiI71UItG55ImQ+q5jNgfT4Z
+Hq+D1CWJGZ18qJW/K3TwqJfhZtAcKf8kobeKHvtVNRrRrPzdClmnaufD
+-----END PRIVATE KEY-----
+";
+
+fn b64(s: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
+
+fn indent(text: &str, n: usize) -> String {
+    text.lines()
+        .map(|l| format!("{}{l}\n", " ".repeat(n)))
+        .collect()
+}
+
+/// Every accepted object of a file; panics on rejections and warnings.
+fn objects(file: &str, text: &str) -> Vec<LoadedObject> {
+    let load = load_file(file, text);
+    assert!(
+        load.warnings.is_empty(),
+        "{file}: unexpected warnings {:?}",
+        load.warnings
+    );
+    load.outcomes
+        .into_iter()
+        .map(|o| match o {
+            DocOutcome::Object(obj) => *obj,
+            other => panic!("{file}: expected an object, got {other:?}\n{text}"),
+        })
+        .collect()
+}
+
+fn one(file: &str, text: &str) -> LoadedObject {
+    let mut all = objects(file, text);
+    assert_eq!(all.len(), 1, "{file}: want one object");
+    all.remove(0)
+}
+
+/// Loads `yaml`, checks its kind, and re-loads `to_value()` as JSON and as YAML.
+fn round_trip(yaml: &str, kind: Kind) -> Resource {
+    let obj = one("in.yaml", yaml);
+    assert_eq!(obj.key.kind, kind);
+    assert_eq!(obj.resource.kind(), kind);
+    let value = obj.resource.to_value();
+    assert_eq!(value["apiVersion"], kind.api_version(), "{value}");
+    assert_eq!(value["kind"], kind.name(), "{value}");
+    assert!(value.get("status").is_none_or(|s| s.is_null()), "{value}");
+
+    let json_text = serde_json::to_string_pretty(&value).unwrap();
+    let again = one("again.json", &json_text);
+    assert_eq!(
+        again.resource, obj.resource,
+        "JSON round trip of {kind}:\n{json_text}"
+    );
+    assert_eq!(again.key, obj.key);
+
+    let yaml_text = serde_saphyr::to_string(&value).unwrap();
+    let again = one("again.yaml", &yaml_text);
+    assert_eq!(
+        again.resource, obj.resource,
+        "YAML round trip of {kind}:\n{yaml_text}"
+    );
+    obj.resource
+}
+
+#[test]
+fn site() {
+    round_trip(
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n  namespace: ns1\nspec:\n  linkAccess: default\n  settings:\n    name: west\n",
+        Kind::Site,
+    );
+}
+
+#[test]
+fn listener_and_connector() {
+    let r = round_trip(
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: db\n  labels:\n    app: db\nspec:\n  routingKey: db\n  host: 127.0.0.1\n  port: 5432\n  type: tcp\n  tlsCredentials: db-tls\n  requireClientCert: true\n  settings:\n    a: b\n",
+        Kind::Listener,
+    );
+    let Resource::Listener(l) = r else { panic!() };
+    assert_eq!(l.spec.port, 5432);
+    assert!(l.spec.require_client_cert);
+    let r = round_trip(
+        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: db\nspec:\n  routingKey: db\n  host: db.internal\n  port: 5432\n  tlsCredentials: db-client\n  useClientCert: true\n  verifyHostname: true\n  settings:\n    health-check-interval: 500ms\n",
+        Kind::Connector,
+    );
+    let Resource::Connector(c) = r else { panic!() };
+    assert_eq!(c.spec.host.as_deref(), Some("db.internal"));
+}
+
+fn mkl(strategy: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: backend\nspec:\n  host: 0.0.0.0\n  port: 8080\n  strategy:\n{}",
+        indent(strategy, 4)
+    )
+}
+
+#[test]
+fn multikeylistener_priority_failover() {
+    let r = round_trip(
+        &mkl("priorityFailover:\n  routingKeys: [east, west, all]"),
+        Kind::MultiKeyListener,
+    );
+    let Resource::MultiKeyListener(m) = r else {
+        panic!()
+    };
+    assert_eq!(m.spec.strategy.routing_keys(), ["east", "west", "all"]);
+    assert!(m.spec.strategy.priority_failover.is_some());
+    assert!(m.spec.strategy.priority.is_none());
+}
+
+#[test]
+fn multikeylistener_priority_dialect_is_kept() {
+    let r = round_trip(
+        &mkl("priority:\n  routingKeys:\n  - east\n  - west"),
+        Kind::MultiKeyListener,
+    );
+    let Resource::MultiKeyListener(m) = &r else {
+        panic!()
+    };
+    assert!(m.spec.strategy.priority.is_some());
+    assert!(m.spec.strategy.priority_failover.is_none());
+    assert!(r.to_value()["spec"]["strategy"].get("priority").is_some());
+}
+
+#[test]
+fn multikeylistener_weighted_keeps_written_order() {
+    let r = round_trip(
+        &mkl("weighted:\n  routingKeys:\n    zeta: 3\n    alpha: 1\n    mid: 10"),
+        Kind::MultiKeyListener,
+    );
+    let Resource::MultiKeyListener(m) = &r else {
+        panic!()
+    };
+    let w = m.spec.strategy.weighted.as_ref().unwrap();
+    assert_eq!(
+        w.routing_keys,
+        vec![
+            ("zeta".to_string(), 3),
+            ("alpha".to_string(), 1),
+            ("mid".to_string(), 10)
+        ]
+    );
+    let value = r.to_value();
+    let keys: Vec<&String> = value["spec"]["strategy"]["weighted"]["routingKeys"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .collect();
+    assert_eq!(keys, ["zeta", "alpha", "mid"]);
+}
+
+#[test]
+fn link_port_as_string_and_as_number() {
+    let link = |port: &str| {
+        format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: {port}\n  - name: edge\n    host: east.example.com\n    port: {port}\n  tlsCredentials: link-east\n  cost: 3\n"
+        )
+    };
+    let as_string = round_trip(&link("\"55671\""), Kind::Link);
+    let as_number = round_trip(&link("55671"), Kind::Link);
+    assert_eq!(as_string, as_number);
+    let Resource::Link(l) = &as_number else {
+        panic!()
+    };
+    assert_eq!(l.spec.endpoints[0].port.as_ref().unwrap().0, "55671");
+    assert_eq!(l.spec.cost, Some(3));
+    // Written back as upstream's string.
+    assert_eq!(
+        as_number.to_value()["spec"]["endpoints"][0]["port"],
+        "55671"
+    );
+}
+
+#[test]
+fn router_access_grant_token() {
+    let r = round_trip(
+        "apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: skupper-router\nspec:\n  roles:\n  - name: inter-router\n    port: 55671\n  - name: edge\n  tlsCredentials: skupper-site-server\n  bindHost: 0.0.0.0\n  subjectAlternativeNames: [west.example.com]\n",
+        Kind::RouterAccess,
+    );
+    let Resource::RouterAccess(ra) = r else {
+        panic!()
+    };
+    assert_eq!(ra.spec.roles[1].effective_port(), 45671);
+    round_trip(
+        "apiVersion: skupper.io/v2alpha1\nkind: AccessGrant\nmetadata:\n  name: grant\nspec:\n  redemptionsAllowed: 2\n  expirationWindow: 1h30m\n",
+        Kind::AccessGrant,
+    );
+    round_trip(
+        "apiVersion: skupper.io/v2alpha1\nkind: AccessToken\nmetadata:\n  name: token\nspec:\n  url: https://west.example.com:9090/abc\n  code: secret-code\n  ca: |\n    -----BEGIN CERTIFICATE-----\n    x\n    -----END CERTIFICATE-----\n  linkCost: 2\n",
+        Kind::AccessToken,
+    );
+}
+
+#[test]
+fn gateway_class_and_gateway() {
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata:\n  name: keyway\nspec:\n  controllerName: keyway.io/gateway-controller\n",
+        Kind::GatewayClass,
+    );
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: shared\n  namespace: infra\nspec:\n  gatewayClassName: keyway\n  allowedListeners:\n    namespaces:\n      from: Selector\n      selector:\n        matchLabels:\n          team: apps\n  listeners:\n  - name: http\n    port: 8080\n    protocol: HTTP\n    hostname: \"*.example.com\"\n    allowedRoutes:\n      namespaces:\n        from: Same\n  - name: https\n    port: 8443\n    protocol: HTTPS\n    tls:\n      mode: Terminate\n      certificateRefs:\n      - name: wildcard\n",
+        Kind::Gateway,
+    );
+}
+
+#[test]
+fn listener_set_and_xlistener_set_are_one_kind() {
+    let body = "metadata:\n  name: team-a\n  namespace: apps\nspec:\n  parentRef:\n    name: shared\n    namespace: infra\n    kind: Gateway\n    group: gateway.networking.k8s.io\n  listeners:\n  - name: foo\n    port: 8443\n    protocol: HTTPS\n    hostname: foo.example.com\n    tls:\n      mode: Terminate\n      certificateRefs:\n      - name: foo-cert\n";
+    let v1 = round_trip(
+        &format!("apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\n{body}"),
+        Kind::ListenerSet,
+    );
+    let x = round_trip(
+        &format!("apiVersion: gateway.networking.x-k8s.io/v1alpha1\nkind: XListenerSet\n{body}"),
+        Kind::ListenerSet,
+    );
+    assert_eq!(v1, x);
+    let obj = one(
+        "x.yaml",
+        &format!("apiVersion: gateway.networking.x-k8s.io/v1alpha1\nkind: XListenerSet\n{body}"),
+    );
+    assert_eq!(obj.written_kind, "XListenerSet");
+    assert_eq!(
+        obj.written_api_version,
+        "gateway.networking.x-k8s.io/v1alpha1"
+    );
+}
+
+#[test]
+fn routes() {
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata:\n  name: web\nspec:\n  parentRefs:\n  - name: shared\n    namespace: infra\n    sectionName: http\n  - kind: ListenerSet\n    name: team-a\n  hostnames: [foo.example.com]\n  rules:\n  - matches:\n    - path:\n        type: PathPrefix\n        value: /api\n      headers:\n      - name: x-env\n        value: prod\n    filters:\n    - type: RequestHeaderModifier\n      requestHeaderModifier:\n        add:\n        - name: x-via\n          value: keyway\n    backendRefs:\n    - name: api\n      port: 8080\n      weight: 3\n    - group: skupper.io\n      kind: MultiKeyListener\n      name: backend\n",
+        Kind::HTTPRoute,
+    );
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata:\n  name: grpc\nspec:\n  parentRefs:\n  - name: shared\n  rules:\n  - matches:\n    - method:\n        service: helloworld.Greeter\n        method: SayHello\n    backendRefs:\n    - name: greeter\n      port: 50051\n",
+        Kind::GRPCRoute,
+    );
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: TLSRoute\nmetadata:\n  name: pass\nspec:\n  parentRefs:\n  - name: shared\n    sectionName: tls\n  hostnames: [db.example.com]\n  rules:\n  - backendRefs:\n    - name: db\n      port: 5432\n",
+        Kind::TLSRoute,
+    );
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TCPRoute\nmetadata:\n  name: tcp\nspec:\n  parentRefs:\n  - name: shared\n    port: 9000\n  rules:\n  - backendRefs:\n    - name: raw\n      port: 9000\n",
+        Kind::TCPRoute,
+    );
+}
+
+#[test]
+fn reference_grant_and_namespace() {
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata:\n  name: allow\n  namespace: certs\nspec:\n  from:\n  - group: gateway.networking.k8s.io\n    kind: ListenerSet\n    namespace: apps\n  to:\n  - group: \"\"\n    kind: Secret\n    name: foo-cert\n",
+        Kind::ReferenceGrant,
+    );
+    let ns = round_trip(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: apps\n  labels:\n    team: apps\n",
+        Kind::Namespace,
+    );
+    // Cluster-scoped: no namespace is invented.
+    assert_eq!(ns.meta().namespace, None);
+}
+
+#[test]
+fn secret_data_and_string_data() {
+    let data = round_trip(
+        &format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: tls\ntype: kubernetes.io/tls\ndata:\n  tls.crt: {}\n  tls.key: {}\n  ca.crt: {}\n",
+            b64(CERT),
+            b64(KEY),
+            b64(CERT)
+        ),
+        Kind::Secret,
+    );
+    let string_data = round_trip(
+        &format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: tls\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}",
+            indent(CERT, 4),
+            indent(KEY, 4),
+            indent(CERT, 4)
+        ),
+        Kind::Secret,
+    );
+    let (Resource::Secret(d), Resource::Secret(s)) = (&data, &string_data) else {
+        panic!()
+    };
+    let decoded = &d.data.as_ref().unwrap()["tls.crt"].0;
+    assert_eq!(decoded.as_slice(), CERT.as_bytes());
+    assert_eq!(s.string_data.as_ref().unwrap()["tls.key"], KEY);
+    // Both give the same TLS material.
+    let a = keyway_core::tls::material_from_secret(d, true).unwrap();
+    let b = keyway_core::tls::material_from_secret(s, true).unwrap();
+    assert_eq!(a, b);
+    assert!(a.has_key && a.has_ca);
+}
+
+#[test]
+fn service_target_port_int_or_string() {
+    let svc = |target: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: api\nspec:\n  selector:\n    app: api\n  ports:\n  - name: http\n    port: 80\n    targetPort: {target}\n    protocol: TCP\n"
+        )
+    };
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let by_number = round_trip(&svc("8080"), Kind::Service);
+    let by_name = round_trip(&svc("http"), Kind::Service);
+    let target = |r: &Resource| match r {
+        Resource::Service(s) => s.spec.as_ref().unwrap().ports.as_ref().unwrap()[0]
+            .target_port
+            .clone(),
+        _ => panic!(),
+    };
+    assert_eq!(target(&by_number), Some(IntOrString::Int(8080)));
+    assert_eq!(target(&by_name), Some(IntOrString::String("http".into())));
+}
+
+#[test]
+fn endpoint_slice() {
+    round_trip(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: api-1\n  labels:\n    kubernetes.io/service-name: api\naddressType: IPv4\nendpoints:\n- addresses: [127.0.0.1]\n  conditions:\n    ready: true\n- addresses: [127.0.0.2]\nports:\n- name: http\n  port: 8080\n  protocol: TCP\n",
+        Kind::EndpointSlice,
+    );
+}
+
+#[test]
+fn every_kind_is_covered_by_these_tests() {
+    // A reminder to extend this file when a kind is added.
+    assert_eq!(Kind::ALL.len(), 20);
+}
+
+#[test]
+fn namespace_defaults_to_default() {
+    let obj = one(
+        "a.yaml",
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: s\n",
+    );
+    assert_eq!(obj.key.namespace, "default");
+    assert_eq!(obj.resource.meta().namespace.as_deref(), Some("default"));
+}
+
+#[test]
+fn json_files_load_with_lines() {
+    let text = r#"{
+  "apiVersion": "skupper.io/v2alpha1",
+  "kind": "Connector",
+  "metadata": {"name": "db", "namespace": "data"},
+  "spec": {
+    "routingKey": "db",
+    "host": "127.0.0.1",
+    "port": 5432
+  }
+}
+"#;
+    let obj = one("c.json", text);
+    assert_eq!(obj.key.to_string(), "Connector data/db");
+    assert_eq!(obj.lines.line_of("spec.port"), 8);
+    // Tabs (not YAML, but fine JSON) still load.
+    let obj = one("tabs.json", &text.replace("  ", "\t"));
+    assert_eq!(obj.key.name, "db");
+}
+
+#[test]
+fn json_list_and_yaml_list() {
+    let json = r#"{"apiVersion": "v1", "kind": "List", "items": [
+  {"apiVersion": "skupper.io/v2alpha1", "kind": "Listener", "metadata": {"name": "a"},
+   "spec": {"routingKey": "a", "host": "127.0.0.1", "port": 1}},
+  {"apiVersion": "skupper.io/v2alpha1", "kind": "Connector", "metadata": {"name": "a"},
+   "spec": {"routingKey": "a", "host": "127.0.0.1", "port": 2}}
+]}"#;
+    let objs = objects("list.json", json);
+    let keys: Vec<String> = objs.iter().map(|o| o.key.to_string()).collect();
+    assert_eq!(keys, ["Listener default/a", "Connector default/a"]);
+
+    let yaml = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: skupper.io/v2alpha1\n  kind: Listener\n  metadata:\n    name: a\n  spec:\n    routingKey: a\n    host: 127.0.0.1\n    port: 1\n- apiVersion: skupper.io/v2alpha1\n  kind: Connector\n  metadata:\n    name: b\n  spec:\n    routingKey: a\n    host: 127.0.0.1\n    port: 2\n";
+    let objs = objects("list.yaml", yaml);
+    assert_eq!(objs.len(), 2);
+    assert_eq!(objs[1].key.name, "b");
+    // Lines of list items are file lines.
+    assert_eq!(objs[1].lines.line_of("spec.port"), 19);
+    assert_eq!(objs[1].origin.line, 12);
+}
+
+#[test]
+fn multi_document_files() {
+    let text = "# header comment\n---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: a\nspec:\n  routingKey: a\n  host: 127.0.0.1\n  port: 1\n---\n# only a comment\n---\napiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: a\nspec:\n  routingKey: a\n  host: 127.0.0.1\n  port: 2\n...\n";
+    let objs = objects("multi.yaml", text);
+    assert_eq!(objs.len(), 2);
+    assert_eq!(objs[0].origin.line, 3);
+    assert_eq!(objs[1].origin.line, 14);
+    assert_eq!(objs[1].lines.line_of("spec.port"), 21);
+}
+
+#[test]
+fn unknown_kinds_and_fields_warn() {
+    let load: FileLoad = load_file(
+        "mixed.yaml",
+        "apiVersion: example.com/v1\nkind: Widget\nmetadata:\n  name: w\n---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: a\nspec:\n  routingKey: a\n  host: 127.0.0.1\n  port: 1\n  colour: blue\n",
+    );
+    assert_eq!(load.outcomes.len(), 2);
+    match &load.outcomes[0] {
+        DocOutcome::Ignored(w) => {
+            assert_eq!(w.origin.line, 2);
+            assert!(w.message.contains("unknown kind Widget"), "{w}");
+        }
+        other => panic!("want Ignored, got {other:?}"),
+    }
+    assert!(matches!(load.outcomes[1], DocOutcome::Object(_)));
+    assert_eq!(load.warnings.len(), 1, "{:?}", load.warnings);
+    assert_eq!(
+        load.warnings[0].to_string(),
+        "mixed.yaml:14: spec.colour: unknown field; ignored"
+    );
+    // A known kind under an unknown apiVersion is unknown too.
+    let load = load_file(
+        "v9.yaml",
+        "apiVersion: skupper.io/v9\nkind: Listener\nmetadata:\n  name: a\n",
+    );
+    assert!(matches!(load.outcomes[0], DocOutcome::Ignored(_)));
+}
