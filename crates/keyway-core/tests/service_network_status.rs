@@ -1,0 +1,442 @@
+//! Skupper status (SPEC §3.3) as `service_network::statuses` computes it, offline and with custom
+//! reachability sets standing in for what a running site observes.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use keyway_core::service_network::{self, Reachability, Resolution};
+use keyway_core::{Index, Kind, ObjectKey, ObjectState, Time, jiff, load_file, reconcile};
+use serde_json::Value;
+
+fn now() -> Time {
+    Time(jiff::Timestamp::from_second(1_700_000_000).unwrap())
+}
+
+fn index_of(yaml: &str) -> Index {
+    let mut index = Index::default();
+    let mut state = ObjectState::default();
+    let r = reconcile(&mut index, &mut state, &[load_file("t.yaml", yaml)], &now());
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    index
+}
+
+fn keys(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// Status of every object with the given reachability (or the offline one when `None`).
+fn statuses(
+    index: &Index,
+    reach: Option<Reachability>,
+) -> (Resolution, BTreeMap<ObjectKey, Value>) {
+    let res = service_network::resolve(index);
+    let reach = reach.unwrap_or_else(|| Reachability::offline(&res));
+    let st = service_network::statuses(index, &res, &reach, &now());
+    (res, st)
+}
+
+fn status_of<'a>(st: &'a BTreeMap<ObjectKey, Value>, kind: Kind, name: &str) -> &'a Value {
+    st.get(&ObjectKey::new(kind, "default", name))
+        .unwrap_or_else(|| panic!("no status for {kind} {name}: {st:#?}"))
+}
+
+fn cond<'a>(status: &'a Value, type_: &str) -> &'a Value {
+    status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == type_)
+        .unwrap_or_else(|| panic!("no {type_} condition in {status:#}"))
+}
+
+fn cond_types(status: &Value) -> Vec<&str> {
+    status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["type"].as_str().unwrap())
+        .collect()
+}
+
+fn mkl(name: &str, port: u16, strategy: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: {name}\nspec:\n  host: 127.0.0.1\n  port: {port}\n  strategy:\n{strategy}---\n"
+    )
+}
+
+fn listener(name: &str, key: &str, port: u16, extra: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: {name}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {port}\n{extra}---\n"
+    )
+}
+
+fn connector(name: &str, key: &str, port: u16, extra: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: {name}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {port}\n{extra}---\n"
+    )
+}
+
+const PF: &str = "    priorityFailover:\n      routingKeys: [a, b, c]\n";
+const PRIO: &str = "    priority:\n      routingKeys: [a, b, c]\n";
+const WEIGHTED: &str =
+    "    weighted:\n      routingKeys:\n        zeta: 1\n        alpha: 2\n        mid: 3\n";
+
+fn live(reachable: &[&str]) -> Reachability {
+    Reachability {
+        reachable_keys: keys(reachable),
+        ..Reachability::default()
+    }
+}
+
+#[test]
+fn priority_failover_no_key_reachable() {
+    let index = index_of(&mkl("m", 18000, PF));
+    let (_, st) = statuses(&index, Some(live(&[])));
+    let s = status_of(&st, Kind::MultiKeyListener, "m");
+    assert_eq!(s["status"], "Pending");
+    assert_eq!(s["message"], "No matching connectors");
+    assert_eq!(s["hasDestination"], false);
+    assert_eq!(cond_types(s), ["Configured", "Operational", "Ready"]);
+    assert_eq!(cond(s, "Configured")["status"], "True");
+    assert_eq!(cond(s, "Operational")["status"], "False");
+    assert_eq!(cond(s, "Operational")["message"], "No matching connectors");
+    assert_eq!(cond(s, "Ready")["status"], "False");
+    assert_eq!(cond(s, "Ready")["reason"], "Pending");
+    assert_eq!(
+        s["strategy"]["priorityFailover"]["routingKeysReachable"],
+        serde_json::json!([])
+    );
+    assert!(
+        s["strategy"]["priorityFailover"]
+            .get("activeRoutingKey")
+            .is_none()
+    );
+    assert!(s["strategy"].get("priority").is_none());
+}
+
+#[test]
+fn priority_failover_some_keys_reachable_in_spec_order() {
+    let index = index_of(&mkl("m", 18000, PF));
+    // The set is unordered; status lists spec order, and the first reachable key is active.
+    let (_, st) = statuses(&index, Some(live(&["c", "b", "unrelated"])));
+    let s = status_of(&st, Kind::MultiKeyListener, "m");
+    let pf = &s["strategy"]["priorityFailover"];
+    assert_eq!(pf["routingKeysReachable"], serde_json::json!(["b", "c"]));
+    assert_eq!(pf["activeRoutingKey"], "b");
+    assert_eq!(s["hasDestination"], true);
+    assert_eq!(s["status"], "Ready");
+    assert_eq!(s["message"], "OK");
+
+    let (_, st) = statuses(&index, Some(live(&["c"])));
+    let pf = &status_of(&st, Kind::MultiKeyListener, "m")["strategy"]["priorityFailover"];
+    assert_eq!(pf["routingKeysReachable"], serde_json::json!(["c"]));
+    assert_eq!(pf["activeRoutingKey"], "c");
+}
+
+#[test]
+fn priority_failover_all_keys_reachable_fails_back_to_first() {
+    let index = index_of(&mkl("m", 18000, PF));
+    let (_, st) = statuses(&index, Some(live(&["a", "b", "c"])));
+    let s = status_of(&st, Kind::MultiKeyListener, "m");
+    let pf = &s["strategy"]["priorityFailover"];
+    assert_eq!(
+        pf["routingKeysReachable"],
+        serde_json::json!(["a", "b", "c"])
+    );
+    assert_eq!(pf["activeRoutingKey"], "a");
+    assert_eq!(cond(s, "Operational")["status"], "True");
+    assert_eq!(cond(s, "Ready")["status"], "True");
+}
+
+#[test]
+fn priority_dialect_is_echoed() {
+    let index = index_of(&mkl("m", 18000, PRIO));
+    let (_, st) = statuses(&index, Some(live(&["b"])));
+    let s = status_of(&st, Kind::MultiKeyListener, "m");
+    assert!(s["strategy"].get("priorityFailover").is_none(), "{s:#}");
+    assert_eq!(
+        s["strategy"]["priority"]["routingKeysReachable"],
+        serde_json::json!(["b"])
+    );
+    assert_eq!(s["strategy"]["priority"]["activeRoutingKey"], "b");
+
+    let (_, st) = statuses(&index, Some(live(&[])));
+    let s = status_of(&st, Kind::MultiKeyListener, "m");
+    assert_eq!(s["message"], "No matching connectors");
+    assert!(s["strategy"]["priority"].get("activeRoutingKey").is_none());
+}
+
+#[test]
+fn weighted_lists_reachable_keys_in_spec_order_without_active_key() {
+    let index = index_of(&mkl("w", 18001, WEIGHTED));
+    for (reach, want) in [
+        (vec![], serde_json::json!([])),
+        (vec!["mid", "zeta"], serde_json::json!(["zeta", "mid"])),
+        (
+            vec!["alpha", "mid", "zeta"],
+            serde_json::json!(["zeta", "alpha", "mid"]),
+        ),
+    ] {
+        let (_, st) = statuses(&index, Some(live(&reach)));
+        let s = status_of(&st, Kind::MultiKeyListener, "w");
+        let w = &s["strategy"]["weighted"];
+        assert_eq!(w["routingKeysReachable"], want, "{reach:?}");
+        assert!(w.get("activeRoutingKey").is_none(), "{s:#}");
+        assert_eq!(s["hasDestination"], !reach.is_empty());
+        let want_status = if reach.is_empty() { "Pending" } else { "Ready" };
+        assert_eq!(s["status"], want_status);
+    }
+}
+
+#[test]
+fn offline_reachability_comes_from_configured_connectors() {
+    let yaml = format!(
+        "{}{}{}",
+        mkl("m", 18000, PF),
+        connector("to-c", "c", 19003, ""),
+        connector("to-b", "b", 19002, "")
+    );
+    let index = index_of(&yaml);
+    let (res, st) = statuses(&index, None);
+    assert_eq!(res.plan.connectors.len(), 2);
+    let pf = &status_of(&st, Kind::MultiKeyListener, "m")["strategy"]["priorityFailover"];
+    assert_eq!(pf["routingKeysReachable"], serde_json::json!(["b", "c"]));
+    assert_eq!(pf["activeRoutingKey"], "b");
+    // The connectors are matched by the MultiKeyListener's keys.
+    for name in ["to-b", "to-c"] {
+        let c = status_of(&st, Kind::Connector, name);
+        assert_eq!(c["hasMatchingListener"], true, "{c:#}");
+        assert_eq!(cond(c, "Matched")["status"], "True");
+    }
+}
+
+#[test]
+fn listener_and_connector_match_both_ways() {
+    let yaml = format!(
+        "{}{}{}{}",
+        listener("l-db", "db", 17001, ""),
+        connector("c-db", "db", 17002, ""),
+        listener("l-lonely", "nobody-serves", 17003, ""),
+        connector("c-lonely", "nobody-listens", 17004, ""),
+    );
+    let index = index_of(&yaml);
+    let (_, st) = statuses(&index, None);
+
+    let l = status_of(&st, Kind::Listener, "l-db");
+    assert_eq!(l["hasMatchingConnector"], true);
+    assert_eq!(cond_types(l), ["Configured", "Matched", "Ready"]);
+    assert_eq!(cond(l, "Matched")["status"], "True");
+    assert_eq!(cond(l, "Matched")["reason"], "Ready");
+    assert_eq!(l["status"], "Ready");
+    assert_eq!(l["message"], "OK");
+
+    let c = status_of(&st, Kind::Connector, "c-db");
+    assert_eq!(c["hasMatchingListener"], true);
+    assert_eq!(cond_types(c), ["Configured", "Matched", "Ready"]);
+    assert_eq!(c["status"], "Ready");
+
+    let l = status_of(&st, Kind::Listener, "l-lonely");
+    assert_eq!(l["hasMatchingConnector"], false);
+    assert_eq!(cond(l, "Matched")["status"], "False");
+    assert_eq!(cond(l, "Matched")["message"], "No matching connectors");
+    assert_eq!(l["status"], "Pending");
+    assert_eq!(l["message"], "No matching connectors");
+    assert_eq!(cond(l, "Ready")["status"], "False");
+
+    let c = status_of(&st, Kind::Connector, "c-lonely");
+    assert_eq!(c["hasMatchingListener"], false);
+    assert_eq!(cond(c, "Matched")["message"], "No matching listeners");
+    assert_eq!(c["status"], "Pending");
+    assert_eq!(c["message"], "No matching listeners");
+}
+
+#[test]
+fn remote_keys_match_too() {
+    // A listener whose connector is on another site, and a connector used by a remote listener.
+    let yaml = format!(
+        "{}{}",
+        listener("l", "remote-svc", 17001, ""),
+        connector("c", "served-here", 17002, "")
+    );
+    let index = index_of(&yaml);
+    let reach = Reachability {
+        reachable_keys: keys(&["remote-svc", "served-here"]),
+        listened_keys: keys(&["served-here"]),
+        ..Reachability::default()
+    };
+    let (_, st) = statuses(&index, Some(reach));
+    assert_eq!(
+        status_of(&st, Kind::Listener, "l")["hasMatchingConnector"],
+        true
+    );
+    assert_eq!(
+        status_of(&st, Kind::Connector, "c")["hasMatchingListener"],
+        true
+    );
+    assert_eq!(status_of(&st, Kind::Connector, "c")["status"], "Ready");
+}
+
+#[test]
+fn unhealthy_connector_and_bind_error() {
+    let yaml = format!(
+        "{}{}",
+        listener("l", "db", 17001, ""),
+        connector("c", "db", 17002, "")
+    );
+    let index = index_of(&yaml);
+    let mut reach = Reachability::offline(&service_network::resolve(&index));
+    reach.unhealthy_connectors.insert(
+        ObjectKey::new(Kind::Connector, "default", "c"),
+        "connection refused".into(),
+    );
+    reach.bind_errors.insert(
+        ObjectKey::new(Kind::Listener, "default", "l"),
+        "address already in use".into(),
+    );
+    let (_, st) = statuses(&index, Some(reach));
+    let c = status_of(&st, Kind::Connector, "c");
+    assert_eq!(cond(c, "Healthy")["status"], "False");
+    assert_eq!(c["status"], "Error");
+    assert_eq!(c["message"], "connection refused");
+    let l = status_of(&st, Kind::Listener, "l");
+    assert_eq!(cond(l, "Configured")["status"], "False");
+    assert_eq!(l["status"], "Error");
+    assert_eq!(l["message"], "address already in use");
+}
+
+#[test]
+fn missing_tls_secret_is_configured_false() {
+    let yaml = format!(
+        "{}{}{}",
+        listener("l", "db", 17001, "  tlsCredentials: nope\n"),
+        connector("c", "db", 17002, "  tlsCredentials: missing-client\n"),
+        mkl(
+            "m",
+            18000,
+            "    priority:\n      routingKeys: [db]\n  tlsCredentials: gone\n"
+        ),
+    );
+    let index = index_of(&yaml);
+    let (res, st) = statuses(&index, None);
+    // Nothing unconfigured reaches the plan.
+    assert!(res.plan.listeners.is_empty());
+    assert!(res.plan.connectors.is_empty());
+    assert_eq!(res.problems.len(), 3, "{:?}", res.problems);
+    for (kind, name, secret) in [
+        (Kind::Listener, "l", "nope"),
+        (Kind::Connector, "c", "missing-client"),
+        (Kind::MultiKeyListener, "m", "gone"),
+    ] {
+        let s = status_of(&st, kind, name);
+        let configured = cond(s, "Configured");
+        let want = format!("Secret default/{secret} not found");
+        assert_eq!(configured["status"], "False", "{s:#}");
+        assert_eq!(configured["reason"], "Error");
+        assert_eq!(configured["message"], want.as_str());
+        // Configured comes first, so it decides status and message.
+        assert_eq!(s["status"], "Error");
+        assert_eq!(s["message"], want.as_str());
+        assert_eq!(cond(s, "Ready")["status"], "False");
+        let problem = res
+            .problems
+            .iter()
+            .find(|p| {
+                p.object
+                    .as_ref()
+                    .is_some_and(|k| k.name == name && k.kind == kind)
+            })
+            .unwrap();
+        assert_eq!(problem.path, "spec.tlsCredentials");
+    }
+}
+
+#[test]
+fn ready_aggregation_takes_the_first_false_condition() {
+    // Configured fails (Error) and Matched is pending: the first false one wins.
+    let index = index_of(&listener("l", "nothing", 17001, "  tlsCredentials: nope\n"));
+    let (_, st) = statuses(&index, None);
+    let l = status_of(&st, Kind::Listener, "l");
+    assert_eq!(cond(l, "Matched")["status"], "False");
+    assert_eq!(l["status"], "Error");
+    assert_eq!(cond(l, "Ready")["reason"], "Error");
+    assert_eq!(cond(l, "Ready")["message"], "Secret default/nope not found");
+    // The aggregate is always the last condition.
+    assert_eq!(*cond_types(l).last().unwrap(), "Ready");
+}
+
+#[test]
+fn every_condition_carries_observed_generation() {
+    let yaml = format!(
+        "{}{}{}",
+        listener("l", "db", 17001, ""),
+        connector("c", "db", 17002, ""),
+        mkl("m", 18000, PF)
+    );
+    let mut index = Index::default();
+    let mut state = ObjectState::default();
+    reconcile(
+        &mut index,
+        &mut state,
+        &[load_file("t.yaml", &yaml)],
+        &now(),
+    );
+    let check = |index: &Index, want: &[(&str, i64)]| {
+        let (_, st) = statuses(index, None);
+        assert_eq!(st.len(), 3);
+        for (key, s) in &st {
+            let gen_want = want
+                .iter()
+                .find(|(n, _)| *n == key.name)
+                .map(|(_, g)| *g)
+                .unwrap();
+            for c in s["conditions"].as_array().unwrap() {
+                assert_eq!(c["observedGeneration"], gen_want, "{key}: {c}");
+                assert!(c["lastTransitionTime"].is_string(), "{c}");
+            }
+        }
+    };
+    check(&index, &[("l", 1), ("c", 1), ("m", 1)]);
+    // A spec change bumps the generation and the status follows.
+    let changed = yaml.replace("port: 17001", "port: 17011");
+    reconcile(
+        &mut index,
+        &mut state,
+        &[load_file("t.yaml", &changed)],
+        &now(),
+    );
+    check(&index, &[("l", 2), ("c", 1), ("m", 1)]);
+}
+
+#[test]
+fn site_and_link_status() {
+    let yaml = format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: \"55671\"\n---\n{}{}",
+        listener("l", "db", 17001, ""),
+        connector("c", "db", 17002, "")
+    );
+    let index = index_of(&yaml);
+    let (_, st) = statuses(&index, None);
+    let link = status_of(&st, Kind::Link, "to-east");
+    assert_eq!(cond(link, "Operational")["status"], "False");
+    assert!(link.get("remoteSiteName").is_none());
+    let site = status_of(&st, Kind::Site, "west");
+    assert_eq!(site["sitesInNetwork"], 1);
+    assert_eq!(site["network"][0]["name"], "west");
+    assert_eq!(site["network"][0]["services"][0]["routingKey"], "db");
+
+    let mut reach = Reachability::offline(&service_network::resolve(&index));
+    reach
+        .operational_links
+        .insert("to-east".into(), "east".into());
+    reach.remote_sites.push(keyway_core::skupper::SiteRecord {
+        name: Some("east".into()),
+        ..Default::default()
+    });
+    let (_, st) = statuses(&index, Some(reach));
+    let link = status_of(&st, Kind::Link, "to-east");
+    assert_eq!(cond(link, "Operational")["status"], "True");
+    assert_eq!(link["remoteSiteName"], "east");
+    assert_eq!(link["status"], "Ready");
+    let site = status_of(&st, Kind::Site, "west");
+    assert_eq!(site["sitesInNetwork"], 2);
+    assert_eq!(site["network"][0]["links"][0]["remoteSiteName"], "east");
+}
