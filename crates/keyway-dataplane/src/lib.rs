@@ -172,6 +172,11 @@ impl DataPlane {
         // Listeners no longer in the plan stop accepting; their connections run on.
         listeners.clear();
         *listeners = next;
+        drop(listeners);
+        // The registry woke the accept loops before the new runtimes were stored; a loop that
+        // looked in between saw the old key list. Wake them again so a key-list edit opens or
+        // closes the port at once.
+        self.shared.registry.bump();
         if let Ok(mut e) = self.tls_errors.lock() {
             *e = tls_errors;
         }

@@ -140,7 +140,8 @@ impl Registry {
         self.version.subscribe()
     }
 
-    fn bump(&self) {
+    /// Wakes every listener to re-evaluate reachability (also after a listener's key list changes).
+    pub(crate) fn bump(&self) {
         let n = self.counter.fetch_add(1, Ordering::AcqRel) + 1;
         self.version.send_replace(n);
     }
@@ -223,7 +224,15 @@ impl Registry {
     }
 
     /// Records a failed data connection: the target is unhealthy at once (SPEC §3.1).
+    /// With health checks turned off there is no checker to bring the target back, so it stays
+    /// usable and only the error is recorded (the connect still moves on to the next choice).
     pub fn connect_failed(&self, target: &Target, error: &str) {
+        if !target.health_check.enabled {
+            if let Ok(mut e) = target.last_error.lock() {
+                *e = Some(error.to_string());
+            }
+            return;
+        }
         target
             .failures
             .store(target.health_check.failures, Ordering::Release);

@@ -1,0 +1,504 @@
+//! Key selection, failover, fail-back, refusal, weights, least-connections and reloads, with real
+//! sockets on loopback (SPEC §3.1).
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::ErrorKind;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_key_listener_reaches_its_target() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let (pa, pb) = (free_port(), free_port());
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![listener("la", pa, "a"), listener("lb", pb, "b")],
+        vec![connector("ca", "a", a.addr), connector("cb", "b", b.addr)],
+    ));
+    wait_listening(&dp, &listener_id("la")).await;
+    wait_listening(&dp, &listener_id("lb")).await;
+
+    for _ in 0..5 {
+        let (mut s, name) = hello(pa).await.expect("through la");
+        assert_eq!(name, "A");
+        echo(&mut s, b"hello through a").await.expect("echo a");
+        let (mut s, name) = hello(pb).await.expect("through lb");
+        assert_eq!(name, "B");
+        echo(&mut s, b"hello through b").await.expect("echo b");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_picks_first_reachable_key() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let (p1, p2) = (free_port(), free_port());
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![
+            // "nowhere" has no connector at all: skipped.
+            priority("m1", p1, &["nowhere", "a", "b"]),
+            priority("m2", p2, &["b", "a"]),
+        ],
+        vec![connector("ca", "a", a.addr), connector("cb", "b", b.addr)],
+    ));
+    wait_listening(&dp, &mkl_id("m1")).await;
+    wait_listening(&dp, &mkl_id("m2")).await;
+    for _ in 0..10 {
+        assert_eq!(who(p1).await.expect("m1"), "A");
+        assert_eq!(who(p2).await.expect("m2"), "B");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_failover_and_failback_keep_live_connections() {
+    let mut a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![priority("m", port, &["a", "b"])],
+        vec![connector("ca", "a", a.addr), connector("cb", "b", b.addr)],
+    ));
+    wait_listening(&dp, &mkl_id("m")).await;
+
+    // Wait for the health checker to have probed both (not just "unknown").
+    let (mut live_a, name) = hello(port).await.expect("first");
+    assert_eq!(name, "A");
+    echo(&mut live_a, b"before").await.expect("echo before");
+
+    // The preferred target dies. The very next connection must not see an error: the failed
+    // connect to A marks it unhealthy and the data plane moves on to key b.
+    a.stop().await;
+    for i in 0..10 {
+        let name = who(port)
+            .await
+            .unwrap_or_else(|e| panic!("connection {i} after failover failed: {e}"));
+        assert_eq!(name, "B", "connection {i} after failover");
+    }
+    let obs = dp.observe();
+    assert!(!obs.reachable_keys.contains("a"), "{obs:?}");
+    assert!(obs.reachable_keys.contains("b"), "{obs:?}");
+
+    // The connection pinned to A is not moved or cut.
+    echo(&mut live_a, b"after failover")
+        .await
+        .expect("live A connection after failover");
+    let (mut live_b, name) = hello(port).await.expect("live b");
+    assert_eq!(name, "B");
+
+    // Fail-back: A returns on the same address; new connections go back within about a
+    // health interval (100 ms here).
+    let _a2 = Backend::start_on("A", a.addr).await;
+    let started = Instant::now();
+    let back = eventually(Duration::from_secs(3), || async {
+        matches!(who(port).await.as_deref(), Ok("A"))
+    })
+    .await;
+    assert!(back, "new connections never returned to A");
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "fail-back took {took:?}"
+    );
+    for _ in 0..5 {
+        assert_eq!(who(port).await.expect("after fail-back"), "A");
+    }
+
+    // Both pinned connections still work after fail-back.
+    echo(&mut live_a, b"after fail-back")
+        .await
+        .expect("live A after fail-back");
+    echo(&mut live_b, b"after fail-back")
+        .await
+        .expect("live B after fail-back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_connector_keeps_its_open_connections() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    let l = listener("l", port, "k");
+    dp.apply(&plan(
+        vec![l.clone()],
+        vec![connector("ca", "k", a.addr), connector("cb", "k", b.addr)],
+    ));
+    wait_listening(&dp, &listener_id("l")).await;
+
+    // Least-connections over two targets: two held connections land on both.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(hello(port).await.expect("connect"));
+    }
+    let idx = held
+        .iter()
+        .position(|(_, n)| n == "A")
+        .expect("one connection on A");
+    let (mut on_a, _) = held.remove(idx);
+    drop(held);
+
+    // Remove connector ca.
+    dp.apply(&plan(vec![l], vec![connector("cb", "k", b.addr)]));
+    for i in 0..10 {
+        assert_eq!(
+            who(port).await.expect("after removal"),
+            "B",
+            "connection {i}"
+        );
+    }
+    // The connection through the removed connector keeps working until it is closed.
+    for i in 0..3 {
+        echo(&mut on_a, format!("still here {i}").as_bytes())
+            .await
+            .expect("connection through removed connector");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(on_a);
+    assert!(
+        wait_drained(&dp, Duration::from_secs(3)).await,
+        "connections not drained: {:?}",
+        dp.observe()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_while_no_key_is_reachable_and_accepts_again() {
+    let mut a = Backend::start("A").await;
+    let port = free_port();
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![listener("l", port, "a")],
+        vec![connector("ca", "a", a.addr)],
+    ));
+    wait_listening(&dp, &listener_id("l")).await;
+    let (mut live, name) = hello(port).await.expect("connect");
+    assert_eq!(name, "A");
+
+    a.stop().await;
+    let refused = eventually(Duration::from_secs(3), || async {
+        matches!(connect(port).await, Err(e) if e.kind() == ErrorKind::ConnectionRefused)
+    })
+    .await;
+    assert!(refused, "listener never refused: {:?}", dp.observe());
+    assert!(!dp.observe().listening.contains(&listener_id("l")));
+    // Closing the port does not cut the connection already open.
+    echo(&mut live, b"still open").await.expect("live echo");
+
+    let _a2 = Backend::start_on("A", a.addr).await;
+    let back = eventually(Duration::from_secs(3), || async {
+        matches!(who(port).await.as_deref(), Ok("A"))
+    })
+    .await;
+    assert!(back, "listener never accepted again: {:?}", dp.observe());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listener_without_any_connector_refuses() {
+    let port = free_port();
+    let dp = dataplane();
+    dp.apply(&plan(vec![listener("l", port, "nothing")], vec![]));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let e = connect(port).await.expect_err("must refuse");
+    assert_eq!(e.kind(), ErrorKind::ConnectionRefused);
+    assert!(!dp.observe().listening.contains(&listener_id("l")));
+}
+
+/// A reload that only changes a listener's key list must open or close its port as the new keys'
+/// reachability says, at once (not at the next health change).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_list_edit_opens_and_closes_the_port() {
+    let a = Backend::start("A").await;
+    let port = free_port();
+    let dp = dataplane();
+    let conns = vec![connector("ca", "a", a.addr)];
+    for round in 0..8 {
+        dp.apply(&plan(vec![priority("m", port, &["a"])], conns.clone()));
+        let open = eventually(Duration::from_secs(2), || async {
+            matches!(who(port).await.as_deref(), Ok("A"))
+        })
+        .await;
+        assert!(
+            open,
+            "round {round}: port did not open after edit to a reachable key"
+        );
+
+        dp.apply(&plan(vec![priority("m", port, &["gone"])], conns.clone()));
+        let closed = eventually(Duration::from_secs(2), || async {
+            matches!(connect(port).await, Err(e) if e.kind() == ErrorKind::ConnectionRefused)
+        })
+        .await;
+        assert!(
+            closed,
+            "round {round}: port did not close after edit to an unreachable key"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weighted_split_follows_weights() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![weighted("w", port, &[("a", 3), ("b", 1)])],
+        vec![connector("ca", "a", a.addr), connector("cb", "b", b.addr)],
+    ));
+    wait_listening(&dp, &mkl_id("w")).await;
+    let total = 400;
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for _ in 0..total {
+        *counts
+            .entry(who(port).await.expect("weighted"))
+            .or_default() += 1;
+    }
+    let heavy = counts.get("A").copied().unwrap_or(0) as f64 / total as f64;
+    assert!(
+        (0.65..=0.85).contains(&heavy),
+        "share of the weight-3 key: {heavy} ({counts:?})"
+    );
+    assert_eq!(counts.values().sum::<usize>(), total);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weighted_skips_unreachable_keys() {
+    let a = Backend::start("A").await;
+    // A port nothing listens on.
+    let dead = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let port = free_port();
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![weighted(
+            "w",
+            port,
+            &[("a", 1), ("dead", 50), ("no-connector", 50)],
+        )],
+        vec![connector("ca", "a", a.addr), connector("cd", "dead", dead)],
+    ));
+    wait_listening(&dp, &mkl_id("w")).await;
+    // Even before the health check has noticed "dead", no client sees an error.
+    for i in 0..50 {
+        assert_eq!(who(port).await.expect("weighted"), "A", "connection {i}");
+    }
+    assert!(!dp.observe().reachable_keys.contains("dead"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_of_one_key_share_held_connections() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![listener("l", port, "k")],
+        vec![connector("ca", "k", a.addr), connector("cb", "k", b.addr)],
+    ));
+    wait_listening(&dp, &listener_id("l")).await;
+
+    // Least connections: held connections alternate exactly.
+    let mut held = Vec::new();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for _ in 0..8 {
+        let (s, name) = hello(port).await.expect("connect");
+        *counts.entry(name).or_default() += 1;
+        held.push(s);
+    }
+    assert_eq!(counts.get("A"), Some(&4), "{counts:?}");
+    assert_eq!(counts.get("B"), Some(&4), "{counts:?}");
+    drop(held);
+    assert!(wait_drained(&dp, Duration::from_secs(3)).await);
+
+    // Ties rotate: with nothing held, short connections use both targets.
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for _ in 0..20 {
+        let (s, name) = hello(port).await.expect("connect");
+        *counts.entry(name).or_default() += 1;
+        drop(s);
+        wait_drained(&dp, Duration::from_secs(1)).await;
+    }
+    assert!(
+        counts.get("A").copied().unwrap_or(0) >= 5 && counts.get("B").copied().unwrap_or(0) >= 5,
+        "ties do not rotate: {counts:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_reloads_keep_listener_socket_and_connections() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let stable_port = free_port();
+    let multi_port = free_port();
+    let dp = dataplane();
+    let conns = vec![connector("ca", "a", a.addr), connector("cb", "b", b.addr)];
+    let stable = listener("stable", stable_port, "a");
+    dp.apply(&plan(vec![stable.clone()], conns.clone()));
+    wait_listening(&dp, &listener_id("stable")).await;
+
+    let (mut live, name) = hello(stable_port).await.expect("live");
+    assert_eq!(name, "A");
+
+    // A prober connects to the stable listener all along; every attempt must succeed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let prober = {
+        let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+        tokio::spawn(async move {
+            let mut errors = Vec::new();
+            while !stop.load(Ordering::Acquire) {
+                match who(stable_port).await {
+                    Ok(n) if n == "A" => {
+                        ok.fetch_add(1, Ordering::AcqRel);
+                    }
+                    other => {
+                        failed.fetch_add(1, Ordering::AcqRel);
+                        errors.push(format!("{other:?}"));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            errors
+        })
+    };
+
+    let key_lists: [&[&str]; 3] = [&["a", "b"], &["b"], &["b", "a"]];
+    let mut extra_ports = Vec::new();
+    for i in 0..20 {
+        let keys = key_lists[i % 3];
+        let mut listeners = vec![stable.clone(), priority("multi", multi_port, keys)];
+        if i % 2 == 0 {
+            let p = free_port();
+            extra_ports.push(p);
+            listeners.push(listener(&format!("extra-{i}"), p, "b"));
+        }
+        // Swap the connectors' order too, which must not matter.
+        let mut c = conns.clone();
+        if i % 4 == 1 {
+            c.reverse();
+        }
+        dp.apply(&plan(listeners, c));
+        echo(&mut live, format!("reload {i}").as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("live connection broke at reload {i}: {e}"));
+        assert_eq!(who(stable_port).await.expect("stable"), "A", "reload {i}");
+        let want = if keys[0] == "a" { "A" } else { "B" };
+        let got_it = eventually(Duration::from_secs(2), || async {
+            who(multi_port).await.ok().as_deref() == Some(want)
+        })
+        .await;
+        assert!(
+            got_it,
+            "reload {i}: multi listener does not follow {keys:?}"
+        );
+        if i % 2 == 0 {
+            let p = *extra_ports.last().unwrap_or(&0);
+            wait_listening(&dp, &listener_id(&format!("extra-{i}"))).await;
+            assert_eq!(who(p).await.expect("extra"), "B");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Release);
+    let errors = prober.await.expect("prober");
+    assert_eq!(
+        failed.load(Ordering::Acquire),
+        0,
+        "connects to the unchanged listener failed during reloads: {errors:?}"
+    );
+    assert!(ok.load(Ordering::Acquire) > 20);
+    echo(&mut live, b"the end").await.expect("live at the end");
+
+    // Listeners removed by the last reloads stopped listening; the last one added still runs.
+    let obs = dp.observe();
+    for (i, p) in extra_ports.iter().enumerate() {
+        let id = listener_id(&format!("extra-{}", i * 2));
+        if i * 2 != 18 {
+            assert!(!obs.listening.contains(&id), "{id:?} still listening");
+            let refused = eventually(Duration::from_secs(2), || async {
+                matches!(connect(*p).await, Err(e) if e.kind() == ErrorKind::ConnectionRefused)
+            })
+            .await;
+            assert!(refused, "removed listener on {p} still accepts");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observe_reports_reachability_health_and_bind_errors() {
+    let a = Backend::start("A").await;
+    let dead = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let (good_port, taken) = (
+        free_port(),
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+    );
+    let taken_port = taken.local_addr().unwrap().port();
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![
+            listener("good", good_port, "a"),
+            listener("taken", taken_port, "a"),
+        ],
+        vec![connector("ca", "a", a.addr), connector("cd", "dead", dead)],
+    ));
+    wait_listening(&dp, &listener_id("good")).await;
+    let reported = eventually(Duration::from_secs(3), || async {
+        let o = dp.observe();
+        o.bind_errors.contains_key(&listener_id("taken"))
+            && o.unhealthy_connectors
+                .contains_key(&keyway_core::ObjectKey::new(
+                    keyway_core::Kind::Connector,
+                    "default",
+                    "cd",
+                ))
+    })
+    .await;
+    let obs = dp.observe();
+    assert!(reported, "{obs:?}");
+    assert!(obs.reachable_keys.contains("a"), "{obs:?}");
+    assert!(!obs.reachable_keys.contains("dead"), "{obs:?}");
+    let why = &obs.unhealthy_connectors
+        [&keyway_core::ObjectKey::new(keyway_core::Kind::Connector, "default", "cd")];
+    assert!(why.contains(&dead.to_string()), "reason: {why}");
+    let bind = &obs.bind_errors[&listener_id("taken")];
+    assert!(bind.contains(&taken_port.to_string()), "bind error: {bind}");
+    assert!(!obs.bind_errors.contains_key(&listener_id("good")));
+    assert!(!obs.listening.contains(&listener_id("taken")));
+    // The rest keeps running.
+    assert_eq!(who(good_port).await.expect("good listener"), "A");
+
+    // The port is freed: the listener binds on its own and the error clears.
+    drop(taken);
+    wait_listening(&dp, &listener_id("taken")).await;
+    assert_eq!(who(taken_port).await.expect("taken listener"), "A");
+    assert!(!dp.observe().bind_errors.contains_key(&listener_id("taken")));
+}
+
+/// With health checks turned off, a failed connect must not take the target out for good: there
+/// is no checker to bring it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_without_health_checks_recovers_after_a_failed_connect() {
+    let mut a = Backend::start("A").await;
+    let port = free_port();
+    let dp = dataplane();
+    let mut c = connector("ca", "a", a.addr);
+    c.health = no_hc();
+    dp.apply(&plan(vec![listener("l", port, "a")], vec![c]));
+    wait_listening(&dp, &listener_id("l")).await;
+    assert_eq!(who(port).await.expect("first"), "A");
+
+    a.stop().await;
+    // This one fails (nothing to reach), but must not poison the target.
+    assert!(who(port).await.is_err());
+    let _a2 = Backend::start_on("A", a.addr).await;
+    let back = eventually(Duration::from_secs(2), || async {
+        matches!(who(port).await.as_deref(), Ok("A"))
+    })
+    .await;
+    assert!(back, "target never usable again: {:?}", dp.observe());
+}
