@@ -84,16 +84,24 @@ pub fn reconcile(
         }
     }
 
-    // 2. Stamp creation time and generation so precedence is stable.
+    // 2. Stamp creation time and generation so precedence is stable. Remember the state as it
+    //    was: a candidate that a cross-object rule rejects below must not leave a bumped
+    //    generation or a first-seen time behind (it never was in force).
+    let before: BTreeMap<ObjectKey, Option<StateEntry>> = candidates
+        .keys()
+        .map(|k| (k.clone(), state.objects.get(&state_key(k)).cloned()))
+        .collect();
     for obj in candidates.values_mut() {
         stamp(obj, state, now);
     }
 
     // 3. Cross-object rules; a violator is rejected like a bad document.
+    let mut rule_rejected: Vec<ObjectKey> = Vec::new();
     let mut reject =
         |candidates: &mut BTreeMap<ObjectKey, LoadedObject>, key: &ObjectKey, err: ConfigError| {
             candidates.remove(key);
             rejected.insert(key.clone());
+            rule_rejected.push(key.clone());
             out.errors.push(err);
         };
     for key in candidates
@@ -155,6 +163,17 @@ pub fn reconcile(
             reject(&mut candidates, &key, err);
         } else {
             bound.push((host, port, key));
+        }
+    }
+
+    for key in &rule_rejected {
+        match before.get(key) {
+            Some(Some(entry)) => {
+                state.objects.insert(state_key(key), entry.clone());
+            }
+            _ => {
+                state.objects.remove(&state_key(key));
+            }
         }
     }
 

@@ -1,0 +1,373 @@
+//! SPEC §2: a rejected document keeps the last valid version of its object; a file with an
+//! unparseable document deletes nothing; deleting a file deletes its objects; creation time and
+//! generation are stamped once and bumped only on spec changes. Plus SPEC §2.1's strategy-kind rule,
+//! which needs the running index.
+
+use keyway_core::load::FileLoad;
+use keyway_core::{Index, Kind, ObjectKey, ObjectState, Reconciled, Resource, Time, jiff};
+use keyway_core::{load_file, reconcile};
+
+fn at(second: i64) -> Time {
+    Time(jiff::Timestamp::from_second(1_700_000_000 + second).unwrap())
+}
+
+/// A site's view across reloads.
+#[derive(Default)]
+struct Site {
+    index: Index,
+    state: ObjectState,
+}
+
+impl Site {
+    fn reload(&mut self, files: &[(&str, &str)], t: i64) -> Reconciled {
+        let loads: Vec<FileLoad> = files.iter().map(|(f, text)| load_file(f, text)).collect();
+        reconcile(&mut self.index, &mut self.state, &loads, &at(t))
+    }
+
+    fn get(&self, kind: Kind, name: &str) -> Option<&Resource> {
+        self.index.resource(kind, "default", name)
+    }
+
+    fn generation(&self, kind: Kind, name: &str) -> i64 {
+        self.get(kind, name)
+            .unwrap_or_else(|| panic!("{kind} {name} not in force"))
+            .meta()
+            .generation
+            .unwrap()
+    }
+
+    fn created(&self, kind: Kind, name: &str) -> Time {
+        self.get(kind, name)
+            .unwrap()
+            .meta()
+            .creation_timestamp
+            .clone()
+            .unwrap()
+    }
+}
+
+fn listener(name: &str, port: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: {name}\nspec:\n  routingKey: {name}\n  host: 127.0.0.1\n  port: {port}\n"
+    )
+}
+
+fn connector(name: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: {name}\nspec:\n  routingKey: {name}\n  host: 127.0.0.1\n  port: 9000\n"
+    )
+}
+
+fn mkl(name: &str, port: u16, strategy: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: {name}\nspec:\n  host: 127.0.0.1\n  port: {port}\n  strategy:\n{strategy}"
+    )
+}
+
+fn port_of(r: Option<&Resource>) -> i64 {
+    match r {
+        Some(Resource::Listener(l)) => l.spec.port,
+        other => panic!("not a listener: {other:?}"),
+    }
+}
+
+#[test]
+fn type_error_keeps_the_last_valid_version() {
+    let mut site = Site::default();
+    let r = site.reload(&[("l.yaml", &listener("web", "8080"))], 0);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let key = ObjectKey::new(Kind::Listener, "default", "web");
+    assert!(r.changed.contains(&key));
+
+    let r = site.reload(&[("l.yaml", &listener("web", "eighty"))], 1);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    let e = &r.errors[0];
+    assert_eq!(e.origin.file, "l.yaml");
+    assert_eq!(e.origin.line, 8);
+    assert_eq!(e.path, "spec.port");
+    assert!(e.message.contains("expected an integer"), "{e}");
+    assert!(
+        e.message
+            .contains("Listener default/web keeps its last valid version from l.yaml:1"),
+        "{e}"
+    );
+    assert!(r.changed.is_empty(), "{:?}", r.changed);
+    assert_eq!(port_of(site.get(Kind::Listener, "web")), 8080);
+    assert_eq!(site.generation(Kind::Listener, "web"), 1);
+
+    // A validation failure (not a type error) keeps it too.
+    let r = site.reload(&[("l.yaml", &listener("web", "70000"))], 2);
+    assert!(r.errors[0].message.contains("keeps its last valid version"));
+    assert_eq!(port_of(site.get(Kind::Listener, "web")), 8080);
+
+    // Fixing it applies the fix.
+    let r = site.reload(&[("l.yaml", &listener("web", "8081"))], 3);
+    assert!(r.errors.is_empty());
+    assert_eq!(port_of(site.get(Kind::Listener, "web")), 8081);
+    assert_eq!(site.generation(Kind::Listener, "web"), 2);
+}
+
+#[test]
+fn a_broken_object_that_was_never_valid_is_not_in_force() {
+    let mut site = Site::default();
+    let r = site.reload(&[("l.yaml", &listener("web", "eighty"))], 0);
+    assert_eq!(r.errors.len(), 1);
+    assert!(!r.errors[0].message.contains("keeps its last valid version"));
+    assert!(site.index.is_empty());
+}
+
+#[test]
+fn an_unparseable_document_deletes_nothing() {
+    let mut site = Site::default();
+    let good = format!("{}---\n{}", listener("web", "8080"), connector("db"));
+    site.reload(&[("a.yaml", &good), ("b.yaml", &connector("other"))], 0);
+    assert_eq!(site.index.len(), 3);
+
+    // The Connector's document is now unparseable: we cannot tell which object it was, so
+    // nothing of a.yaml is deleted, not even the Listener whose document is still fine.
+    let broken = format!(
+        "{}---\nkind: Connector\nmetadata: [db\n",
+        listener("web", "8081")
+    );
+    let r = site.reload(&[("a.yaml", &broken), ("b.yaml", &connector("other"))], 1);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert_eq!(r.errors[0].origin.file, "a.yaml");
+    assert_eq!(r.errors[0].origin.line, 11);
+    assert!(r.errors[0].object.is_none());
+    assert_eq!(site.index.len(), 3);
+    assert!(site.get(Kind::Connector, "db").is_some());
+    // The valid document beside it is applied.
+    assert_eq!(port_of(site.get(Kind::Listener, "web")), 8081);
+
+    // Once a.yaml is gone, its objects are deleted.
+    let r = site.reload(&[("b.yaml", &connector("other"))], 2);
+    assert!(r.errors.is_empty());
+    assert_eq!(site.index.len(), 1);
+
+    // An unreadable file deletes nothing either.
+    let mut site = Site::default();
+    site.reload(&[("a.yaml", &good)], 0);
+    let loads = vec![FileLoad::unreadable("a.yaml", "file is not valid UTF-8")];
+    let r = reconcile(&mut site.index, &mut site.state, &loads, &at(1));
+    assert_eq!(r.errors.len(), 1);
+    assert_eq!(r.errors[0].to_string(), "a.yaml:1: file is not valid UTF-8");
+    assert_eq!(site.index.len(), 2);
+}
+
+#[test]
+fn deleting_a_file_deletes_its_objects() {
+    let mut site = Site::default();
+    site.reload(
+        &[
+            ("a.yaml", &listener("web", "8080")),
+            ("b.yaml", &connector("db")),
+        ],
+        0,
+    );
+    assert_eq!(site.index.len(), 2);
+    let r = site.reload(&[("b.yaml", &connector("db"))], 1);
+    assert!(r.errors.is_empty());
+    let key = ObjectKey::new(Kind::Listener, "default", "web");
+    assert!(r.changed.contains(&key));
+    assert_eq!(r.changed.len(), 1, "{:?}", r.changed);
+    assert!(site.get(Kind::Listener, "web").is_none());
+    assert!(!site.state.objects.keys().any(|k| k.contains("Listener")));
+
+    // Re-created later, it is a new object: new creation time, generation 1.
+    site.reload(
+        &[
+            ("a.yaml", &listener("web", "9090")),
+            ("b.yaml", &connector("db")),
+        ],
+        5,
+    );
+    assert_eq!(site.created(Kind::Listener, "web"), at(5));
+    assert_eq!(site.generation(Kind::Listener, "web"), 1);
+
+    // Removing one document of a file deletes just that object.
+    let both = format!("{}---\n{}", listener("web", "9090"), connector("db"));
+    site.reload(&[("all.yaml", &both)], 6);
+    assert_eq!(site.index.len(), 2);
+    site.reload(&[("all.yaml", &connector("db"))], 7);
+    assert_eq!(site.index.len(), 1);
+    // An empty directory empties the index.
+    let r = site.reload(&[], 8);
+    assert!(site.index.is_empty());
+    assert_eq!(r.changed.len(), 1);
+}
+
+#[test]
+fn moving_an_object_between_files_keeps_its_identity() {
+    let mut site = Site::default();
+    site.reload(&[("a.yaml", &listener("web", "8080"))], 0);
+    site.reload(&[("b.yaml", &listener("web", "8080"))], 3);
+    assert_eq!(site.created(Kind::Listener, "web"), at(0));
+    assert_eq!(site.generation(Kind::Listener, "web"), 1);
+    assert_eq!(
+        site.index
+            .get(&ObjectKey::new(Kind::Listener, "default", "web"))
+            .unwrap()
+            .origin
+            .file,
+        "b.yaml"
+    );
+}
+
+#[test]
+fn generation_bumps_only_when_spec_changes_and_first_seen_is_kept() {
+    let mut site = Site::default();
+    site.reload(&[("l.yaml", &listener("web", "8080"))], 0);
+    assert_eq!(site.created(Kind::Listener, "web"), at(0));
+    assert_eq!(site.generation(Kind::Listener, "web"), 1);
+
+    // Same text later: nothing changes.
+    let r = site.reload(&[("l.yaml", &listener("web", "8080"))], 10);
+    assert!(r.changed.is_empty(), "{:?}", r.changed);
+    assert_eq!(site.created(Kind::Listener, "web"), at(0));
+    assert_eq!(site.generation(Kind::Listener, "web"), 1);
+
+    // Metadata only (a label, a comment, a moved line): same generation.
+    let labelled =
+        listener("web", "8080").replace("  name: web\n", "  name: web\n  labels:\n    team: a\n");
+    site.reload(&[("l.yaml", &format!("# comment\n{labelled}"))], 20);
+    assert_eq!(site.generation(Kind::Listener, "web"), 1);
+
+    // Spec change: generation 2, creation time unchanged.
+    site.reload(&[("l.yaml", &listener("web", "8081"))], 30);
+    assert_eq!(site.generation(Kind::Listener, "web"), 2);
+    assert_eq!(site.created(Kind::Listener, "web"), at(0));
+    site.reload(&[("l.yaml", &listener("web", "8082"))], 40);
+    assert_eq!(site.generation(Kind::Listener, "web"), 3);
+
+    // The state is what a restart reads back: a fresh index with the same state keeps both.
+    let mut restarted = Site {
+        index: Index::default(),
+        state: site.state.clone(),
+    };
+    restarted.reload(&[("l.yaml", &listener("web", "8082"))], 1000);
+    assert_eq!(restarted.generation(Kind::Listener, "web"), 3);
+    assert_eq!(restarted.created(Kind::Listener, "web"), at(0));
+}
+
+#[test]
+fn given_creation_timestamp_and_generation_are_respected() {
+    let mut site = Site::default();
+    let text = listener("web", "8080").replace(
+        "  name: web\n",
+        "  name: web\n  creationTimestamp: \"2020-01-02T03:04:05Z\"\n  generation: 7\n",
+    );
+    site.reload(&[("l.yaml", &text)], 0);
+    assert_eq!(site.generation(Kind::Listener, "web"), 7);
+    assert_eq!(
+        site.created(Kind::Listener, "web").0.to_string(),
+        "2020-01-02T03:04:05Z"
+    );
+}
+
+#[test]
+fn older_objects_win_host_port_clashes_across_reloads() {
+    let mut site = Site::default();
+    // `zzz` is first seen; `aaa` comes later on the same port and loses despite its name.
+    site.reload(&[("z.yaml", &listener("zzz", "8080"))], 0);
+    let r = site.reload(
+        &[
+            ("z.yaml", &listener("zzz", "8080")),
+            ("a.yaml", &listener("aaa", "8080")),
+        ],
+        1,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert_eq!(r.errors[0].path, "spec.port");
+    assert!(
+        r.errors[0]
+            .message
+            .contains("already used by Listener default/zzz")
+    );
+    assert!(site.get(Kind::Listener, "aaa").is_none());
+    // Deleting the winner lets the other in.
+    let r = site.reload(&[("a.yaml", &listener("aaa", "8080"))], 2);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert!(site.get(Kind::Listener, "aaa").is_some());
+}
+
+const PRIORITY: &str = "    priority:\n      routingKeys: [a, b]\n";
+const PRIORITY_FAILOVER: &str = "    priorityFailover:\n      routingKeys: [b, a, c]\n";
+const WEIGHTED: &str = "    weighted:\n      routingKeys: {a: 1, b: 2}\n";
+
+#[test]
+fn strategy_kind_cannot_change() {
+    let mut site = Site::default();
+    let r = site.reload(&[("m.yaml", &mkl("m", 18000, PRIORITY))], 0);
+    assert!(r.errors.is_empty());
+
+    let r = site.reload(&[("m.yaml", &mkl("m", 18000, WEIGHTED))], 1);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    let e = &r.errors[0];
+    assert_eq!(e.path, "spec.strategy");
+    assert_eq!(e.origin.line, 9);
+    assert!(
+        e.message
+            .contains("the strategy kind cannot change from priority to weighted"),
+        "{e}"
+    );
+    assert!(e.message.contains("keeps its last valid version"), "{e}");
+    let Some(Resource::MultiKeyListener(m)) = site.get(Kind::MultiKeyListener, "m") else {
+        panic!()
+    };
+    assert!(m.spec.strategy.priority.is_some());
+    assert!(m.spec.strategy.weighted.is_none());
+
+    // priority and priorityFailover are one strategy: switching dialect and keys is allowed.
+    let r = site.reload(&[("m.yaml", &mkl("m", 18000, PRIORITY_FAILOVER))], 2);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let Some(Resource::MultiKeyListener(m)) = site.get(Kind::MultiKeyListener, "m") else {
+        panic!()
+    };
+    assert_eq!(m.spec.strategy.routing_keys(), ["b", "a", "c"]);
+    // The rejected weighted version never counted as a spec change.
+    assert_eq!(site.generation(Kind::MultiKeyListener, "m"), 2);
+
+    // Delete, then re-create with the other kind: allowed.
+    site.reload(&[], 3);
+    let r = site.reload(&[("m.yaml", &mkl("m", 18000, WEIGHTED))], 4);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(site.generation(Kind::MultiKeyListener, "m"), 1);
+    assert_eq!(site.created(Kind::MultiKeyListener, "m"), at(4));
+
+    // And from weighted back to priority is refused too.
+    let r = site.reload(&[("m.yaml", &mkl("m", 18000, PRIORITY_FAILOVER))], 5);
+    assert!(
+        r.errors[0]
+            .message
+            .contains("cannot change from weighted to priorityFailover"),
+        "{:?}",
+        r.errors
+    );
+}
+
+#[test]
+fn a_rejected_version_does_not_advance_generation() {
+    let mut site = Site::default();
+    site.reload(&[("m.yaml", &mkl("m", 18000, PRIORITY))], 0);
+    assert_eq!(site.generation(Kind::MultiKeyListener, "m"), 1);
+    // Rejected by a cross-object rule, twice.
+    site.reload(&[("m.yaml", &mkl("m", 18000, WEIGHTED))], 1);
+    site.reload(&[("m.yaml", &mkl("m", 18000, WEIGHTED))], 2);
+    // Back to the version in force: nothing changed.
+    let r = site.reload(&[("m.yaml", &mkl("m", 18000, PRIORITY))], 3);
+    assert!(r.errors.is_empty());
+    assert!(r.changed.is_empty(), "{:?}", r.changed);
+    assert_eq!(site.generation(Kind::MultiKeyListener, "m"), 1);
+
+    // A new object rejected by a rule (port clash) is not "first seen" until accepted.
+    site.reload(
+        &[
+            ("m.yaml", &mkl("m", 18000, PRIORITY)),
+            ("l.yaml", &listener("late", "18000")),
+        ],
+        10,
+    );
+    assert!(site.get(Kind::Listener, "late").is_none());
+    site.reload(&[("l.yaml", &listener("late", "18000"))], 20);
+    assert_eq!(site.created(Kind::Listener, "late"), at(20));
+}
