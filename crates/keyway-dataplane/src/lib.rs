@@ -146,6 +146,14 @@ impl DataPlane {
                     Ok(cfg) => Some(TlsAcceptor::from(cfg)),
                     Err(e) => {
                         tls_errors.insert(lp.id.clone(), e.to_string());
+                        // Bad material loses nothing already running (SPEC §7): a listener
+                        // still on the same address keeps serving with its last good config.
+                        if let Some(handle) = listeners.remove(&lp.id)
+                            && handle.host == lp.host
+                            && handle.port == lp.port
+                        {
+                            next.insert(lp.id.clone(), handle);
+                        }
                         continue;
                     }
                 },

@@ -167,6 +167,8 @@ impl Registry {
                     if let Some((target, handle)) = old {
                         target.retired.store(true, Ordering::Release);
                         handle.abort();
+                        // The new target re-creates its series on its first health result.
+                        self.metrics.forget_target(&target);
                     }
                     let target = Arc::new(Target::new(plan, tls(plan)));
                     let handle = tokio::spawn(health_loop(Arc::downgrade(self), target.clone()));

@@ -502,3 +502,34 @@ async fn target_without_health_checks_recovers_after_a_failed_connect() {
     .await;
     assert!(back, "target never usable again: {:?}", dp.observe());
 }
+
+/// Changing a connector's address retires the old target: its health series leaves /metrics and
+/// new connections go to the new address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_connector_address_replaces_the_target() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    let l = listener("l", port, "k");
+    dp.apply(&plan(vec![l.clone()], vec![connector("c", "k", a.addr)]));
+    wait_listening(&dp, &listener_id("l")).await;
+    let (mut live, name) = hello(port).await.expect("to A");
+    assert_eq!(name, "A");
+    let reported = eventually(Duration::from_secs(2), || async {
+        dp.metrics().encode().contains(&a.addr.to_string())
+    })
+    .await;
+    assert!(reported, "{}", dp.metrics().encode());
+
+    dp.apply(&plan(vec![l], vec![connector("c", "k", b.addr)]));
+    assert_eq!(who(port).await.expect("to B"), "B");
+    echo(&mut live, b"pinned to A").await.expect("live to A");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let text = dp.metrics().encode();
+    let stale: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("keyway_target_healthy") && l.contains(&a.addr.to_string()))
+        .collect();
+    assert!(stale.is_empty(), "stale health series: {stale:?}");
+}

@@ -216,3 +216,44 @@ async fn originates_tls_to_target() {
         }
     }
 }
+
+/// A reload whose TLS material rustls rejects (here a key that does not match the certificate)
+/// reports the error and leaves the listener serving with its last good configuration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tls_on_reload_keeps_the_running_listener() {
+    let ca = Ca::new("test CA");
+    let leaf = ca.leaf(&["localhost"]);
+    let other = ca.leaf(&["localhost"]);
+    let a = Backend::start("A").await;
+    let port = free_port();
+    let dp = dataplane();
+    let conns = vec![connector("ca", "a", a.addr)];
+    let mut l = listener("tls", port, "a");
+    l.tls = Some(server_tls(&ca, &leaf, false));
+    dp.apply(&plan(vec![l.clone()], conns.clone()));
+    wait_listening(&dp, &listener_id("tls")).await;
+    let client = tls_client(&ca, None);
+    let (mut live, name) = tls_hello(port, &client).await.expect("before");
+    assert_eq!(name, "A");
+
+    let mismatched = Leaf {
+        cert_pem: leaf.cert_pem.clone(),
+        key_pem: other.key_pem.clone(),
+    };
+    let mut bad = l.clone();
+    bad.tls = Some(server_tls(&ca, &mismatched, false));
+    dp.apply(&plan(vec![bad], conns.clone()));
+    let obs = dp.observe();
+    assert!(obs.bind_errors.contains_key(&listener_id("tls")), "{obs:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let (_, name) = tls_hello(port, &client)
+        .await
+        .expect("listener still serving after a bad reload");
+    assert_eq!(name, "A");
+    echo(&mut live, b"still up").await.expect("live connection");
+
+    // Fixing the material clears the error.
+    dp.apply(&plan(vec![l], conns));
+    assert!(dp.observe().bind_errors.is_empty());
+    assert_eq!(tls_hello(port, &client).await.expect("after fix").1, "A");
+}
