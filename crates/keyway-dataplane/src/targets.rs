@@ -158,6 +158,10 @@ impl Registry {
             Err(poisoned) => poisoned.into_inner(),
         };
         let mut next: Checkers = BTreeMap::new();
+        // Targets leaving the registry. They are marked retired only once the new map is in
+        // place: retiring them earlier would leave the old map with no usable target for their
+        // key, and a listener looking in between would close its port for a moment.
+        let mut retired = Vec::new();
         for plan in connectors {
             match checkers.remove(&plan.id) {
                 Some((target, handle)) if target.plan == *plan => {
@@ -165,10 +169,10 @@ impl Registry {
                 }
                 old => {
                     if let Some((target, handle)) = old {
-                        target.retired.store(true, Ordering::Release);
                         handle.abort();
                         // The new target re-creates its series on its first health result.
                         self.metrics.forget_target(&target);
+                        retired.push(target);
                     }
                     let target = Arc::new(Target::new(plan, tls(plan)));
                     let handle = tokio::spawn(health_loop(Arc::downgrade(self), target.clone()));
@@ -177,9 +181,9 @@ impl Registry {
             }
         }
         for (_, (target, handle)) in std::mem::take(&mut *checkers) {
-            target.retired.store(true, Ordering::Release);
             handle.abort();
             self.metrics.forget_target(&target);
+            retired.push(target);
         }
         let mut by_key: HashMap<String, Vec<Arc<Target>>> = HashMap::new();
         for (target, _) in next.values() {
@@ -190,6 +194,9 @@ impl Registry {
         }
         *checkers = next;
         self.by_key.store(Arc::new(by_key));
+        for target in retired {
+            target.retired.store(true, Ordering::Release);
+        }
         drop(checkers);
         self.bump();
     }

@@ -383,6 +383,11 @@ async fn twenty_reloads_keep_listener_socket_and_connections() {
         if i % 4 == 1 {
             c.reverse();
         }
+        // Change the stable key's connector spec on every reload: its target is replaced
+        // (same address), which must not close the stable listener's port even for a moment.
+        for x in c.iter_mut().filter(|x| x.id.name == "ca") {
+            x.health.interval_ms = 100 + (i as u64 % 2) * 10;
+        }
         dp.apply(&plan(listeners, c));
         echo(&mut live, format!("reload {i}").as_bytes())
             .await
@@ -523,7 +528,13 @@ async fn changed_connector_address_replaces_the_target() {
     assert!(reported, "{}", dp.metrics().encode());
 
     dp.apply(&plan(vec![l], vec![connector("c", "k", b.addr)]));
-    assert_eq!(who(port).await.expect("to B"), "B");
+    let first = who(port).await;
+    assert_eq!(
+        first.as_deref().ok(),
+        Some("B"),
+        "{first:?} {:?}",
+        dp.observe()
+    );
     echo(&mut live, b"pinned to A").await.expect("live to A");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let text = dp.metrics().encode();

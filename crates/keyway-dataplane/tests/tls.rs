@@ -257,3 +257,23 @@ async fn bad_tls_on_reload_keeps_the_running_listener() {
     assert!(dp.observe().bind_errors.is_empty());
     assert_eq!(tls_hello(port, &client).await.expect("after fix").1, "A");
 }
+
+/// A target whose TLS handshake fails costs the client nothing when another key can serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_origination_handshake_fails_over_to_next_key() {
+    let ca = Ca::new("workload CA");
+    let (named_addr, _h) = tls_backend("NAMED", &ca.leaf(&["backend.test"])).await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    let mut bad = connector("bad", "bad", named_addr);
+    bad.tls = Some(client_tls(&ca, true)); // 127.0.0.1 is not backend.test
+    dp.apply(&plan(
+        vec![priority("m", port, &["bad", "b"])],
+        vec![bad, connector("cb", "b", b.addr)],
+    ));
+    wait_listening(&dp, &mkl_id("m")).await;
+    for i in 0..5 {
+        assert_eq!(who(port).await.expect("failover"), "B", "connection {i}");
+    }
+}
