@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""keyway benchmark harness: the direct path, keyway, HAProxy (tcp mode) and nginx (stream) side
+by side in one run, on loopback, reported as ratios.
+
+  python3 bench/run.py            # installs iperf3, wrk, haproxy, nginx from Debian if missing
+  python3 bench/run.py --quick    # 1 run of 3 s each instead of 3 runs of 5 s
+
+Measures: single-stream throughput (iperf3), HTTP keep-alive requests/s and p99 (wrk -c50), and
+new-connection rate (wrk with `Connection: close`). The origin is nginx serving a small file.
+Every server listens on 127.0.0.1 only and is stopped at the end.
+"""
+import argparse, json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKGS = {"iperf3": "iperf3", "wrk": "wrk", "haproxy": "haproxy", "nginx": "nginx"}
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, shell=isinstance(cmd, str), check=True, **kw)
+
+def ensure_tools():
+    missing = [p for t, p in PKGS.items() if shutil.which(t) is None and not os.path.exists(f"/usr/sbin/{t}")]
+    if not os.path.exists("/usr/lib/nginx/modules/ngx_stream_module.so"):
+        missing.append("libnginx-mod-stream")
+    if missing:
+        print(f"installing {' '.join(missing)} from Debian ...", flush=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        sh("apt-get update -qq", env=env)
+        sh(["apt-get", "install", "-y", "-qq", *missing], env=env, stdout=subprocess.DEVNULL)
+
+def wait_port(port, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"port {port} did not open")
+
+class Procs:
+    def __init__(self): self.procs = []
+    def start(self, cmd, **kw):
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, **kw)
+        self.procs.append(p); return p
+    def stop(self):
+        for p in self.procs:
+            try: os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError: pass
+        for p in self.procs:
+            try: p.wait(timeout=5)
+            except subprocess.TimeoutExpired: os.killpg(p.pid, signal.SIGKILL)
+
+# Ports: origin HTTP 28080, iperf3 25201; per path: http, iperf
+PATHS = {"direct": (28080, 25201), "keyway": (28081, 25202), "haproxy": (28082, 25203), "nginx": (28083, 25204)}
+
+def setup(work, procs):
+    # Origin: nginx with a 1 KiB body; a separate nginx instance runs the stream proxy.
+    os.makedirs(f"{work}/www", exist_ok=True)
+    with open(f"{work}/www/index.html", "w") as f: f.write("x" * 1024)
+    common = f"pid {{pid}}; error_log {work}/{{name}}.err; worker_processes 1; daemon off;\n"
+    with open(f"{work}/origin.conf", "w") as f:
+        f.write(common.format(pid=f"{work}/origin.pid", name="origin") +
+                "events { worker_connections 4096; }\n"
+                f"http {{ access_log off; server {{ listen 127.0.0.1:{PATHS['direct'][0]} backlog=4096; root {work}/www; keepalive_requests 1000000; }} }}\n")
+    procs.start(["nginx", "-c", f"{work}/origin.conf", "-e", f"{work}/origin.err"])
+    procs.start(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(PATHS["direct"][1])])
+    # HAProxy, tcp mode, one thread (like keyway's fair share on 2 cores: the load generator needs the other).
+    with open(f"{work}/haproxy.cfg", "w") as f:
+        f.write("global\n  maxconn 8000\n  nbthread 1\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n")
+        for name, (front, back) in (("http", (PATHS["haproxy"][0], PATHS["direct"][0])), ("iperf", (PATHS["haproxy"][1], PATHS["direct"][1]))):
+            f.write(f"listen {name}\n  bind 127.0.0.1:{front}\n  server s1 127.0.0.1:{back}\n")
+    procs.start(["haproxy", "-f", f"{work}/haproxy.cfg"])
+    # nginx stream module.
+    with open(f"{work}/stream.conf", "w") as f:
+        f.write("load_module /usr/lib/nginx/modules/ngx_stream_module.so;\n" +
+                common.format(pid=f"{work}/stream.pid", name="stream") +
+                "events { worker_connections 20000; }\nstream {\n"
+                f"  server {{ listen 127.0.0.1:{PATHS['nginx'][0]} backlog=4096; proxy_pass 127.0.0.1:{PATHS['direct'][0]}; }}\n"
+                f"  server {{ listen 127.0.0.1:{PATHS['nginx'][1]}; proxy_pass 127.0.0.1:{PATHS['direct'][1]}; }}\n}}\n")
+    procs.start(["nginx", "-c", f"{work}/stream.conf", "-e", f"{work}/stream.err"])
+    # keyway: a Listener + Connector per service.
+    cfg = f"{work}/keyway.d"; os.makedirs(cfg, exist_ok=True)
+    with open(f"{cfg}/bench.yaml", "w") as f:
+        for name, (front, back) in (("http", (PATHS["keyway"][0], PATHS["direct"][0])), ("iperf", (PATHS["keyway"][1], PATHS["direct"][1]))):
+            f.write(f"""---
+apiVersion: skupper.io/v2alpha1
+kind: Listener
+metadata: {{name: {name}}}
+spec: {{routingKey: {name}, host: 127.0.0.1, port: {front}}}
+---
+apiVersion: skupper.io/v2alpha1
+kind: Connector
+metadata: {{name: {name}}}
+spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}
+""")
+    keyway = os.path.join(ROOT, "target", "release", "keyway")
+    procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=dict(os.environ, RUST_LOG="warn"))
+    for front, back in PATHS.values():
+        wait_port(front); wait_port(back)
+
+def iperf(port, secs):
+    out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(secs), "-J"], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9
+
+def wrk(port, secs, close):
+    cmd = ["wrk", "-t2", "-c50", f"-d{secs}s", "--latency"]
+    if close: cmd += ["-H", "Connection: close"]
+    out = subprocess.run(cmd + [f"http://127.0.0.1:{port}/index.html"], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
+    p99 = float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
+    errors = re.search(r"Socket errors: (.*)", out)
+    return rps, p99, (errors.group(1) if errors else "")
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "last-run.md"))
+    args = ap.parse_args()
+    runs, secs = (1, 3) if args.quick else (3, 5)
+    ensure_tools()
+    print("building keyway (release) ...", flush=True)
+    sh(["cargo", "build", "--release", "-q", "-p", "keyway"], cwd=ROOT)
+    work = tempfile.mkdtemp(prefix="keyway-bench-")
+    procs = Procs()
+    results = {}
+    try:
+        setup(work, procs)
+        time.sleep(1.5)  # first health checks
+        for name, (http_port, iperf_port) in PATHS.items():
+            t, ka, nc = [], [], []
+            for _ in range(runs):
+                t.append(iperf(iperf_port, secs))
+                ka.append(wrk(http_port, secs, close=False))
+                nc.append(wrk(http_port, secs, close=True))
+            results[name] = {
+                "gbps": statistics.median(t),
+                "ka_rps": statistics.median(r for r, _, _ in ka), "ka_p99": statistics.median(p for _, p, _ in ka),
+                "nc_rps": statistics.median(r for r, _, _ in nc), "nc_p99": statistics.median(p for _, p, _ in nc),
+                "errors": "; ".join(e for _, _, e in ka + nc if e),
+            }
+            print(name, json.dumps(results[name]), flush=True)
+    finally:
+        procs.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    d, h = results["direct"], results["haproxy"]
+    lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s)", "",
+             "| path | 1 stream Gbit/s (x direct) | keep-alive req/s (x HAProxy) | p99 ms | new conn/s (x HAProxy) | p99 ms |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
+                     f"| {r['nc_rps']:.0f} ({r['nc_rps']/h['nc_rps']:.2f}x) | {r['nc_p99']:.2f} |")
+    errs = [f"- {n}: {r['errors']}" for n, r in results.items() if r["errors"]]
+    if errs: lines += ["", "Socket errors reported by wrk:", *errs]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    with open(args.out, "w") as f: f.write(text)
+
+if __name__ == "__main__":
+    main()
