@@ -1,0 +1,462 @@
+//! `keyway run` as a child process: hot reload of a real config directory, failover when a
+//! Connector file is deleted, bad files keeping the last valid config, the admin endpoint,
+//! `keyway status --admin`, and graceful shutdown.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A backend that greets with its name and then echoes lines.
+struct Backend {
+    port: u16,
+    stop: Arc<AtomicBool>,
+}
+
+impl Backend {
+    fn start(name: &'static str) -> Backend {
+        Self::start_on(name, 0)
+    }
+
+    fn start_on(name: &'static str, port: u16) -> Backend {
+        let listener = TcpListener::bind(("127.0.0.1", port)).expect("bind backend");
+        let port = listener.local_addr().expect("addr").port();
+        listener.set_nonblocking(true).expect("nonblocking");
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        thread::spawn(move || {
+            while !flag.load(Ordering::Acquire) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        let _ = s.set_nonblocking(false);
+                        thread::spawn(move || {
+                            let _ = writeln!(s, "{name}");
+                            let mut buf = [0u8; 4096];
+                            while let Ok(n) = s.read(&mut buf) {
+                                if n == 0 || s.write_all(&buf[..n]).is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Backend { port, stop }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+struct Site {
+    child: Child,
+    admin: String,
+    dir: PathBuf,
+}
+
+impl Site {
+    fn start(dir: &Path) -> Site {
+        let admin = format!("127.0.0.1:{}", free_port());
+        // The log goes to a dot-file: the loader and the watcher skip those.
+        let log = std::fs::File::create(dir.join(".keyway.log")).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_keyway"))
+            .args(["run", "--config"])
+            .arg(dir)
+            .args(["--admin", &admin, "--drain-timeout", "5"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn keyway run");
+        let site = Site {
+            child,
+            admin,
+            dir: dir.to_path_buf(),
+        };
+        site.wait_for("/readyz", |code, _| code == 200);
+        site
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        let Ok(mut s) = TcpStream::connect(&self.admin) else {
+            return (0, String::new());
+        };
+        let _ = write!(s, "GET {path} HTTP/1.0\r\n\r\n");
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (code, body)
+    }
+
+    fn wait_for(&self, path: &str, ok: impl Fn(u16, &str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (code, body) = self.get(path);
+            if ok(code, &body) {
+                return body;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting on {path}: {code} {body}"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        serde_json::from_str(&self.get("/status").1).expect("status json")
+    }
+
+    fn write(&self, file: &str, text: &str) {
+        // Write then rename, as editors do.
+        let tmp = self.dir.join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, self.dir.join(file)).expect("rename");
+    }
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("keyway-run-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    dir
+}
+
+fn connector(name: &str, key: &str, port: u16) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata: {{name: {name}}}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {port}\n  settings: {{health-check-interval: 200ms, health-check-failures: \"2\"}}\n"
+    )
+}
+
+fn mkl(name: &str, port: u16, keys: &[&str]) -> String {
+    let keys: Vec<String> = keys.iter().map(|k| format!("      - {k}")).collect();
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata: {{name: {name}}}\nspec:\n  host: 127.0.0.1\n  port: {port}\n  strategy:\n    priorityFailover:\n      routingKeys:\n{}\n",
+        keys.join("\n")
+    )
+}
+
+/// Connects and returns the greeting (the backend's name) and the open stream.
+fn hello(port: u16) -> std::io::Result<(String, BufReader<TcpStream>)> {
+    let s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    if line.is_empty() {
+        return Err(std::io::Error::other("closed without greeting"));
+    }
+    Ok((line.trim().to_string(), r))
+}
+
+fn echo(conn: &mut BufReader<TcpStream>, text: &str) -> bool {
+    if writeln!(conn.get_mut(), "{text}").is_err() {
+        return false;
+    }
+    let mut line = String::new();
+    conn.read_line(&mut line).is_ok() && line.trim() == text
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) -> Duration {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out: {what}"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    start.elapsed()
+}
+
+#[test]
+fn connector_file_deleted_fails_over_and_back_keeping_live_connections() {
+    let east = Backend::start("east");
+    let all = Backend::start("all");
+    let dir = temp_dir("failover");
+    let port = free_port();
+    std::fs::write(
+        dir.join("mkl.yaml"),
+        mkl("backend", port, &["backend-east", "backend-all"]),
+    )
+    .expect("write");
+    std::fs::write(
+        dir.join("east.yaml"),
+        connector("east", "backend-east", east.port),
+    )
+    .expect("write");
+    std::fs::write(
+        dir.join("all.yaml"),
+        connector("all", "backend-all", all.port),
+    )
+    .expect("write");
+    let site = Site::start(&dir);
+
+    let (who, mut live) = hello(port).expect("connect");
+    assert_eq!(who, "east");
+    let status = site.status();
+    let item = status["items"]
+        .as_array()
+        .and_then(|i| i.iter().find(|o| o["kind"] == "MultiKeyListener"))
+        .cloned()
+        .expect("mkl");
+    assert_eq!(
+        item["status"]["strategy"]["priorityFailover"]["activeRoutingKey"],
+        "backend-east"
+    );
+
+    // Delete the preferred key's Connector: new connections fail over within the reload budget.
+    std::fs::remove_file(dir.join("east.yaml")).expect("rm");
+    let took = wait_until("failover to backend-all", || {
+        hello(port).map(|(w, _)| w == "all").unwrap_or(false)
+    });
+    assert!(took < Duration::from_secs(1), "failover took {took:?}");
+    assert!(
+        echo(&mut live, "still here after failover"),
+        "live connection was cut by failover"
+    );
+    let status = site.status();
+    let item = status["items"]
+        .as_array()
+        .and_then(|i| i.iter().find(|o| o["kind"] == "MultiKeyListener"))
+        .cloned()
+        .expect("mkl");
+    assert_eq!(
+        item["status"]["strategy"]["priorityFailover"]["activeRoutingKey"],
+        "backend-all"
+    );
+
+    // Put it back: new connections return at once.
+    site.write("east.yaml", &connector("east", "backend-east", east.port));
+    let took = wait_until("fail-back to east", || {
+        hello(port).map(|(w, _)| w == "east").unwrap_or(false)
+    });
+    assert!(took < Duration::from_secs(1), "fail-back took {took:?}");
+    assert!(echo(&mut live, "still here after fail-back"));
+}
+
+#[test]
+fn dead_backend_costs_no_client_error_and_recovers() {
+    let east_port = free_port();
+    let east = Backend::start_on("east", east_port);
+    let all = Backend::start("all");
+    let dir = temp_dir("dead");
+    let port = free_port();
+    std::fs::write(
+        dir.join("mkl.yaml"),
+        mkl("backend", port, &["backend-east", "backend-all"]),
+    )
+    .expect("write");
+    std::fs::write(
+        dir.join("c.yaml"),
+        format!(
+            "{}---\n{}",
+            connector("east", "backend-east", east_port),
+            connector("all", "backend-all", all.port)
+        ),
+    )
+    .expect("write");
+    let site = Site::start(&dir);
+    assert_eq!(hello(port).expect("connect").0, "east");
+    drop(east);
+    thread::sleep(Duration::from_millis(30));
+    // Every connection from now on succeeds: the failed connect is retried on the next key.
+    for i in 0..50 {
+        let (who, _) = hello(port).unwrap_or_else(|e| panic!("connection {i} failed: {e}"));
+        assert!(who == "all" || who == "east", "{who}");
+    }
+    let body = site.get("/status").1;
+    assert!(
+        body.contains("connect to 127.0.0.1"),
+        "unhealthy reason not in status"
+    );
+    let _east = Backend::start_on("east", east_port);
+    wait_until("recovery of east", || {
+        hello(port).map(|(w, _)| w == "east").unwrap_or(false)
+    });
+}
+
+#[test]
+fn twenty_reloads_keep_live_connections_and_bad_files_keep_last_valid() {
+    let a = Backend::start("a");
+    let dir = temp_dir("reloads");
+    let port = free_port();
+    let other = free_port();
+    std::fs::write(dir.join("mkl.yaml"), mkl("backend", port, &["key-a"])).expect("write");
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    let site = Site::start(&dir);
+    let (_, mut live) = hello(port).expect("connect");
+    for i in 0..20 {
+        // Alternate the key list of the live listener and add/remove another listener.
+        let keys: &[&str] = if i % 2 == 0 {
+            &["key-b", "key-a"]
+        } else {
+            &["key-a"]
+        };
+        site.write("mkl.yaml", &mkl("backend", port, keys));
+        if i % 2 == 0 {
+            site.write("other.yaml", &mkl("other", other, &["key-a"]));
+        } else {
+            let _ = std::fs::remove_file(dir.join("other.yaml"));
+        }
+        let want = i + 2;
+        site.wait_for("/metrics", |_, body| reload_count(body) >= want as u64);
+        assert!(
+            echo(&mut live, &format!("reload {i}")),
+            "live connection lost at reload {i}"
+        );
+        assert_eq!(hello(port).expect("new connection between reloads").0, "a");
+    }
+
+    // A broken edit of the live listener keeps its last valid version; status says why.
+    site.write("mkl.yaml", "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata: {name: backend}\nspec:\n  host: 127.0.0.1\n  port: oops\n");
+    let body = site.wait_for("/status", |_, body| {
+        body.contains("keeps its last valid version")
+    });
+    assert!(body.contains("mkl.yaml:6: spec.port"), "{body}");
+    assert!(echo(&mut live, "after bad file"));
+    assert_eq!(hello(port).expect("still serving").0, "a");
+    let metrics = site.get("/metrics").1;
+    assert!(metrics.contains("keyway_config_errors 1"), "{metrics}");
+    // Garbage YAML in a new file deletes nothing.
+    site.write("junk.yaml", "{{{ not yaml");
+    site.wait_for("/status", |_, body| body.contains("junk.yaml:1"));
+    assert_eq!(hello(port).expect("still serving").0, "a");
+}
+
+fn reload_count(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with("keyway_config_reloads_total "))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn admin_endpoint_and_status_cli() {
+    let a = Backend::start("a");
+    let dir = temp_dir("admin");
+    let port = free_port();
+    std::fs::write(dir.join("l.yaml"), format!("apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}", connector("web", "web", a.port))).expect("write");
+    let site = Site::start(&dir);
+    let (_, mut c) = hello(port).expect("connect");
+    assert!(echo(&mut c, "hi"));
+    assert_eq!(site.get("/healthz").0, 200);
+    assert_eq!(site.get("/readyz").0, 200);
+    let config: serde_json::Value =
+        serde_json::from_str(&site.get("/config").1).expect("config json");
+    assert_eq!(config["listeners"][0]["port"], port);
+    let metrics = site.get("/metrics").1;
+    for name in [
+        "keyway_connections_opened_total",
+        "keyway_connections_active",
+        "keyway_bytes_total",
+        "keyway_target_healthy",
+        "keyway_config_reloads_total",
+    ] {
+        assert!(
+            metrics.contains(name),
+            "{name} missing from /metrics:\n{metrics}"
+        );
+    }
+    assert!(metrics.contains("routing_key=\"web\""));
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "--admin", &site.admin, "-o", "json", "listener"])
+        .output()
+        .expect("status");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(list["items"].as_array().map(Vec::len), Some(1));
+    assert_eq!(list["items"][0]["status"]["hasMatchingConnector"], true);
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "--admin", &site.admin])
+        .output()
+        .expect("status");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("Listeners:") && table.contains("Connectors:"),
+        "{table}"
+    );
+    // A site that is not there: a clear error and a non-zero, non-usage exit.
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "--admin", "127.0.0.1:1"])
+        .output()
+        .expect("status");
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach a keyway site"));
+}
+
+#[test]
+fn sigterm_stops_accepting_and_drains() {
+    let a = Backend::start("a");
+    let dir = temp_dir("drain");
+    let port = free_port();
+    std::fs::write(dir.join("l.yaml"), format!("apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}", connector("web", "web", a.port))).expect("write");
+    let mut site = Site::start(&dir);
+    let (_, mut live) = hello(port).expect("connect");
+    let pid = site.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill")
+            .success()
+    );
+    wait_until("port closed", || {
+        TcpStream::connect(("127.0.0.1", port)).is_err()
+    });
+    // The open connection still works while draining, and the site exits once it closes.
+    assert!(echo(&mut live, "draining"));
+    assert!(
+        site.child.try_wait().expect("wait").is_none(),
+        "exited before the connection closed"
+    );
+    let _ = live.get_mut().shutdown(Shutdown::Both);
+    drop(live);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = site.child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "did not exit after drain"
+        );
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success());
+    let stderr = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    assert!(stderr.contains("shutting down"), "{stderr}");
+}
