@@ -116,6 +116,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "last-run.md"))
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset to measure (direct and haproxy are always kept for ratios)")
     args = ap.parse_args()
     runs, secs = (1, 3) if args.quick else (3, 5)
     ensure_tools()
@@ -127,7 +128,10 @@ def main():
     try:
         setup(work, procs)
         time.sleep(1.5)  # first health checks
+        wanted = set(args.paths.split(",")) | {"direct", "haproxy"}
         for name, (http_port, iperf_port) in PATHS.items():
+            if name not in wanted:
+                continue
             t, ka, nc = [], [], []
             for _ in range(runs):
                 t.append(iperf(iperf_port, secs))

@@ -293,7 +293,7 @@ async fn serve(
             }
         }
     };
-    let Some((key, target, upstream, failover)) = connect(&shared, &rt).await else {
+    let Some((_key, target, upstream, failover)) = connect(&shared, &rt).await else {
         shared
             .metrics
             .refused
@@ -310,39 +310,25 @@ async fn serve(
             .inc();
     }
     let _open = target.open_guard();
-    let labels = Metrics::connection_labels(&rt.label, &key, &target);
-    shared
-        .metrics
-        .connections_opened
-        .get_or_create(&labels)
-        .inc();
-    let active = shared
-        .metrics
-        .connections_active
-        .get_or_create(&labels)
-        .clone();
-    active.inc();
-    let mut in_labels = labels.clone();
-    in_labels.push(("direction", "in".into()));
-    let mut out_labels = labels;
-    out_labels.push(("direction", "out".into()));
-    let bytes_in = shared.metrics.bytes.get_or_create(&in_labels).clone();
-    let bytes_out = shared.metrics.bytes.get_or_create(&out_labels).clone();
+    let m = shared.metrics.connection(&rt.label, &target);
+    m.opened.inc();
+    m.active.inc();
+    let (bytes_in, bytes_out) = (&m.bytes_in, &m.bytes_out);
     let result = match (client, upstream) {
         (Downstream::Plain(mut c), Upstream::Plain(mut u)) => {
-            copy::bidirectional_tcp(&mut c, &mut u, &bytes_in, &bytes_out).await
+            copy::bidirectional_tcp(&mut c, &mut u, bytes_in, bytes_out).await
         }
         (Downstream::Plain(c), Upstream::Tls(u)) => {
-            copy::bidirectional(c, u, &bytes_in, &bytes_out).await
+            copy::bidirectional(c, u, bytes_in, bytes_out).await
         }
         (Downstream::Tls(c), Upstream::Plain(u)) => {
-            copy::bidirectional(c, u, &bytes_in, &bytes_out).await
+            copy::bidirectional(c, u, bytes_in, bytes_out).await
         }
         (Downstream::Tls(c), Upstream::Tls(u)) => {
-            copy::bidirectional(c, u, &bytes_in, &bytes_out).await
+            copy::bidirectional(c, u, bytes_in, bytes_out).await
         }
     };
-    active.dec();
+    m.active.dec();
     if let Err(e) = result {
         tracing::debug!(listener = %rt.label, %peer, "connection ended with error: {e}");
     }

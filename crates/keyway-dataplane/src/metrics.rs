@@ -1,7 +1,7 @@
 //! Prometheus metrics (SPEC §6): connections and bytes per listener, routing key and target;
 //! failovers and refusals per listener; target health; config errors and reloads.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -12,6 +12,14 @@ use prometheus_client::registry::Registry;
 use crate::targets::Target;
 
 type Labels = Vec<(&'static str, String)>;
+
+/// Handles for one listener's connections to one target.
+pub struct ConnMetrics {
+    pub opened: Counter,
+    pub active: Gauge,
+    pub bytes_in: Counter,
+    pub bytes_out: Counter,
+}
 
 pub struct Metrics {
     registry: Mutex<Registry>,
@@ -97,6 +105,38 @@ impl Metrics {
             let _ = encode(&mut out, &registry);
         }
         out
+    }
+
+    /// The metric handles of one (listener, target) pair, created once and cached on the target
+    /// so the per-connection path does no label building or family lookups.
+    pub fn connection(&self, listener: &str, target: &Target) -> Arc<ConnMetrics> {
+        let mut cache = target
+            .metrics_cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = cache.get(listener) {
+            return m.clone();
+        }
+        let labels = Self::connection_labels(listener, &target.routing_key, target);
+        let with_direction = |d: &str| {
+            let mut l = labels.clone();
+            l.push(("direction", d.to_string()));
+            l
+        };
+        // One statement per family lookup: `get_or_create` returns a read guard, and a second
+        // insert into the same family while it is alive would deadlock.
+        let opened = self.connections_opened.get_or_create(&labels).clone();
+        let active = self.connections_active.get_or_create(&labels).clone();
+        let bytes_in = self.bytes.get_or_create(&with_direction("in")).clone();
+        let bytes_out = self.bytes.get_or_create(&with_direction("out")).clone();
+        let m = Arc::new(ConnMetrics {
+            opened,
+            active,
+            bytes_in,
+            bytes_out,
+        });
+        cache.insert(listener.to_string(), m.clone());
+        m
     }
 
     pub fn connection_labels(listener: &str, key: &str, target: &Target) -> Labels {

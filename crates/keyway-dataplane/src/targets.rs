@@ -30,6 +30,8 @@ pub enum Health {
 
 /// One connector target at this site.
 pub struct Target {
+    /// Per-listener metric handles (see [`Metrics::connection`]).
+    pub(crate) metrics_cache: Mutex<HashMap<String, Arc<crate::metrics::ConnMetrics>>>,
     pub connector: ObjectKey,
     pub routing_key: String,
     pub host: String,
@@ -49,6 +51,7 @@ pub struct Target {
 impl Target {
     fn new(plan: &ConnectorPlan, tls: Option<Arc<ClientTlsConfig>>) -> Self {
         Target {
+            metrics_cache: Mutex::new(HashMap::new()),
             connector: plan.id.clone(),
             routing_key: plan.routing_key.clone(),
             host: plan.host.clone(),
