@@ -102,6 +102,15 @@ impl Owner<'_> {
         )
     }
 
+    /// Routes may attach (and are counted): the Gateway itself, or a ListenerSet the Gateway
+    /// took into its merge. Whether they are served depends on each listener's standing.
+    fn admitted(&self) -> bool {
+        matches!(
+            self.admission,
+            Admission::Gateway { .. } | Admission::Accepted | Admission::ListenersNotValid
+        )
+    }
+
     fn standing(&self, i: usize) -> Option<Standing> {
         self.standings.get(i).copied()
     }
@@ -377,7 +386,7 @@ impl GatewayResolver {
                 let at = parent.target().and_then(|k| owner_at.get(&k).copied());
                 let view = at.map(|i| OwnerView {
                     namespace: &owners[i].obj.key.namespace,
-                    accepted: owners[i].accepted(),
+                    accepted: owners[i].admitted(),
                     listeners: &owners[i].listeners,
                 });
                 let accepted = match (routes::attach(&world, ns, rin, parent, view.as_ref()), at) {
