@@ -10,6 +10,8 @@
 mod hostname;
 mod listeners;
 pub mod plan;
+#[cfg(test)]
+mod props;
 mod refs;
 mod routes;
 mod status;

@@ -28,20 +28,26 @@ pub(super) fn index_of_files(files: &[(&str, &str)]) -> Index {
 pub(super) const CERT: &str = "-----BEGIN CERTIFICATE-----\nMAMCAQE=\n-----END CERTIFICATE-----\n";
 pub(super) const KEY: &str = "-----BEGIN PRIVATE KEY-----\nMAMCAQE=\n-----END PRIVATE KEY-----\n";
 
-fn secret(ns: &str, name: &str) -> String {
+pub(super) fn secret(ns: &str, name: &str) -> String {
     format!(
         "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: {ns}}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
         CERT, KEY
     )
 }
 
-fn gateway(ns: &str, name: &str, from: &str, listeners: &str) -> String {
+pub(super) fn gateway(ns: &str, name: &str, from: &str, listeners: &str) -> String {
     format!(
         "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners:\n    namespaces:\n      {from}\n  listeners:\n{listeners}"
     )
 }
 
-fn listener_set(ns: &str, name: &str, created: u32, parent: &str, listeners: &str) -> String {
+pub(super) fn listener_set(
+    ns: &str,
+    name: &str,
+    created: u32,
+    parent: &str,
+    listeners: &str,
+) -> String {
     format!(
         "---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: {name}, namespace: {ns}, creationTimestamp: \"2024-01-01T00:{:02}:{:02}Z\"}}\nspec:\n  parentRef: {{name: {parent}, namespace: infra}}\n  listeners:\n{listeners}",
         created / 60,
@@ -50,7 +56,7 @@ fn listener_set(ns: &str, name: &str, created: u32, parent: &str, listeners: &st
 }
 
 /// `- name: N, port: P, protocol: PROTO, hostname: H` as YAML list items.
-fn l(name: &str, port: u16, protocol: &str, hostname: Option<&str>) -> String {
+pub(super) fn l(name: &str, port: u16, protocol: &str, hostname: Option<&str>) -> String {
     let host = hostname
         .map(|h| format!(", hostname: \"{h}\""))
         .unwrap_or_default();
@@ -62,7 +68,13 @@ fn l(name: &str, port: u16, protocol: &str, hostname: Option<&str>) -> String {
     format!("  - {{name: {name}, port: {port}, protocol: {protocol}{host}{tls}}}\n")
 }
 
-fn http_route(ns: &str, name: &str, parents: &str, hostnames: &str, backend: &str) -> String {
+pub(super) fn http_route(
+    ns: &str,
+    name: &str,
+    parents: &str,
+    hostnames: &str,
+    backend: &str,
+) -> String {
     format!(
         "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  parentRefs: {parents}\n  hostnames: {hostnames}\n  rules:\n  - backendRefs: [{backend}]\n"
     )
@@ -673,7 +685,7 @@ fn supported_kinds_list_only_valid_kinds() {
 const TO_GW: &str = "[{name: gw, namespace: infra}]";
 const TO_LS: &str = "[{name: ls, namespace: team-a, kind: ListenerSet}]";
 
-fn svc(ns: &str, name: &str) -> String {
+pub(super) fn svc(ns: &str, name: &str) -> String {
     format!(
         "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  ports: [{{name: http, port: 80, targetPort: 8080}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: {ns}, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints:\n- addresses: [10.0.0.1]\n- addresses: [10.0.0.2]\n  conditions: {{ready: false}}\n"
     )
