@@ -199,3 +199,65 @@ proptest! {
         }
     }
 }
+
+/// Statuses without `lastTransitionTime` (an incremental resolver keeps the old time for what
+/// did not change, which is the point).
+fn timeless(r: &GatewayResolution) -> BTreeMap<ObjectKey, Value> {
+    fn strip(v: &mut Value) {
+        match v {
+            Value::Object(m) => {
+                m.remove("lastTransitionTime");
+                m.values_mut().for_each(strip);
+            }
+            Value::Array(a) => a.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    r.statuses
+        .iter()
+        .map(|(k, v)| {
+            let mut v = v.clone();
+            strip(&mut v);
+            (k.clone(), v)
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    /// A long-lived resolver fed a sequence of edits always agrees with a fresh resolve.
+    #[test]
+    fn incremental_resolver_equals_fresh_resolve(
+        own in prop::collection::vec(spec(), 1..3),
+        sets in prop::collection::vec(set(), 1..6),
+        edits in prop::collection::vec((0usize..6, prop::option::of(set()), any::<bool>()), 1..6),
+    ) {
+        let mut resolver = GatewayResolver::default();
+        let mut sets = sets;
+        let mut extra_ns = false;
+        for (step, (which, replacement, toggle_ns)) in edits.into_iter().enumerate() {
+            let i = which % sets.len().max(1);
+            match replacement {
+                Some(s) if i < sets.len() => sets[i] = s,
+                Some(s) => sets.push(s),
+                None if sets.len() > 1 => { sets.remove(i); }
+                None => {}
+            }
+            if toggle_ns {
+                extra_ns = !extra_ns;
+            }
+            let mut docs = world_docs(&own, &sets);
+            if extra_ns {
+                docs.push("---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team-a, labels: {x: z}}\n".into());
+            }
+            let index = index_of_files(&[("w.yaml", &docs.concat())]);
+            let t = Time(crate::jiff::Timestamp::from_second(1_700_000_000 + step as i64).unwrap_or_default());
+            let incremental = resolver.update(&index, &t).clone();
+            let fresh = resolve(&index, &t);
+            prop_assert_eq!(&incremental.plan, &fresh.plan);
+            prop_assert_eq!(timeless(&incremental), timeless(&fresh));
+            prop_assert_eq!(&incremental.problems, &fresh.problems);
+        }
+    }
+}

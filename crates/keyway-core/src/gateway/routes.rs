@@ -3,6 +3,7 @@
 //! Gateway sees only the Gateway's own listeners and one to a ListenerSet only that set's, so
 //! routes never leak between the two.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::hostname::intersect;
@@ -45,7 +46,9 @@ pub(crate) struct RouteIn {
     pub generation: i64,
     pub precedence: (Option<Time>, String, String),
     pub hostnames: Vec<String>,
-    pub parents: Vec<ParentRefIn>,
+    pub parents: Vec<Arc<ParentRefIn>>,
+    /// What each parentRef names (see [`ParentRefIn::target`]), computed once.
+    pub targets: Vec<Option<ObjectKey>>,
     pub rules: Arc<RouteRules>,
     /// The first backendRef that does not resolve, with its field path.
     pub backend_error: Option<(String, RefError)>,
@@ -56,13 +59,15 @@ macro_rules! parents {
         $refs
             .iter()
             .flatten()
-            .map(|p| ParentRefIn {
-                group: p.group.clone().unwrap_or_else(|| GATEWAY_GROUP.into()),
-                kind: p.kind.clone().unwrap_or_else(|| "Gateway".into()),
-                name: p.name.clone(),
-                namespace: p.namespace.clone().unwrap_or_else(|| $ns.to_string()),
-                section_name: p.section_name.clone(),
-                port: p.port,
+            .map(|p| {
+                Arc::new(ParentRefIn {
+                    group: p.group.clone().unwrap_or_else(|| GATEWAY_GROUP.into()),
+                    kind: p.kind.clone().unwrap_or_else(|| "Gateway".into()),
+                    name: p.name.clone(),
+                    namespace: p.namespace.clone().unwrap_or_else(|| $ns.to_string()),
+                    section_name: p.section_name.clone(),
+                    port: p.port,
+                })
             })
             .collect::<Vec<_>>()
     };
@@ -191,7 +196,9 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
         }
         _ => return None,
     };
+    let targets = parents.iter().map(|p| p.target()).collect();
     Some(RouteIn {
+        targets,
         kind,
         generation: obj.resource.meta().generation.unwrap_or(1),
         precedence: crate::reconcile::precedence_of(obj),
@@ -220,7 +227,7 @@ pub(crate) struct Attach {
 
 /// Why a parentRef did not attach: (reason, message). Messages name only what the route author
 /// wrote, never objects of other namespaces.
-pub(crate) type NotAttached = (&'static str, String);
+pub(crate) type NotAttached = (&'static str, Cow<'static, str>);
 
 pub(crate) const NO_PARENT: &str =
     "no Gateway or ListenerSet served by keyway matches this parentRef";
@@ -234,12 +241,12 @@ pub(crate) fn attach(
     view: Option<&OwnerView<'_>>,
 ) -> Result<Vec<Attach>, NotAttached> {
     let Some(view) = view else {
-        return Err(("NoMatchingParent", NO_PARENT.into()));
+        return Err(("NoMatchingParent", Cow::Borrowed(NO_PARENT)));
     };
     if !view.accepted {
         return Err((
             "NoMatchingParent",
-            format!("the parent {} is not accepted", parent.kind),
+            format!("the parent {} is not accepted", parent.kind).into(),
         ));
     }
     let candidates: Vec<usize> = view
@@ -261,7 +268,8 @@ pub(crate) fn attach(
             format!(
                 "the parent {} has no listener matching this sectionName/port",
                 parent.kind
-            ),
+            )
+            .into(),
         ));
     }
     let allowed: Vec<usize> = candidates
@@ -282,7 +290,8 @@ pub(crate) fn attach(
             format!(
                 "no listener of the parent allows a {} from this namespace",
                 route.kind
-            ),
+            )
+            .into(),
         ));
     }
     let attached: Vec<Attach> = allowed
@@ -299,7 +308,7 @@ pub(crate) fn attach(
     if attached.is_empty() {
         return Err((
             "NoMatchingListenerHostname",
-            "no listener hostname intersects the route's hostnames".into(),
+            Cow::Borrowed("no listener hostname intersects the route's hostnames"),
         ));
     }
     Ok(attached)
