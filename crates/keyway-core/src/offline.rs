@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use crate::Time;
+use crate::gateway::{self, GatewayResolution};
 use crate::index::Index;
 use crate::load::{ConfigError, FileLoad};
 use crate::reconcile::{ObjectState, Reconciled, reconcile};
@@ -19,6 +20,7 @@ pub struct Compiled {
     pub index: Index,
     pub reconciled: Reconciled,
     pub resolution: Resolution,
+    pub gateway: GatewayResolution,
     pub statuses: BTreeMap<ObjectKey, Value>,
 }
 
@@ -26,7 +28,12 @@ impl Compiled {
     /// Every error: rejected documents first, then broken references, each once.
     pub fn errors(&self) -> Vec<ConfigError> {
         let mut all = self.reconciled.errors.clone();
-        for p in &self.resolution.problems {
+        for p in self
+            .resolution
+            .problems
+            .iter()
+            .chain(&self.gateway.problems)
+        {
             if !all.contains(p) {
                 all.push(p.clone());
             }
@@ -39,13 +46,17 @@ impl Compiled {
 pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compiled {
     let mut index = Index::default();
     let reconciled = reconcile(&mut index, state, files, now);
-    let resolution = service_network::resolve(&index);
+    let mut resolution = service_network::resolve(&index);
     let reach = Reachability::offline(&resolution);
-    let statuses = service_network::statuses(&index, &resolution, &reach, now);
+    let mut statuses = service_network::statuses(&index, &resolution, &reach, now);
+    let gateway = gateway::resolve(&index, now);
+    statuses.extend(gateway.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
+    resolution.plan.gateways = gateway.plan.clone();
     Compiled {
         index,
         reconciled,
         resolution,
+        gateway,
         statuses,
     }
 }

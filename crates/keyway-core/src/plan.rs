@@ -13,6 +13,8 @@ pub struct Plan {
     pub site_name: String,
     pub listeners: Vec<ListenerPlan>,
     pub connectors: Vec<ConnectorPlan>,
+    /// Gateways of ours with their listeners and routes (SPEC §4).
+    pub gateways: crate::gateway::GatewayPlan,
 }
 
 /// A Listener or MultiKeyListener to bind.

@@ -178,7 +178,7 @@ pub fn resolve(index: &Index) -> Resolution {
     res
 }
 
-fn selection_of(strategy: &skupper::MultiKeyListenerStrategy) -> Option<KeySelection> {
+pub(crate) fn selection_of(strategy: &skupper::MultiKeyListenerStrategy) -> Option<KeySelection> {
     if let Some(p) = strategy
         .priority_failover
         .as_ref()

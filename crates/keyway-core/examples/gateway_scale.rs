@@ -1,0 +1,207 @@
+//! Scale benchmark for the Gateway resolver (not a test):
+//! 1 Gateway + 10,000 ListenerSets × 10 listeners + 50,000 HTTPRoutes, built as typed objects.
+//!
+//! Measures a full resolve from scratch and a re-resolve with [`GatewayResolver`] after one
+//! ListenerSet changes. Run with:
+//!
+//! ```text
+//! cargo run --release -p keyway-core --example gateway_scale
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keyway_core::gateway::{self, GatewayResolver};
+use keyway_core::yaml::LineIndex;
+use keyway_core::{Index, Kind, LoadedObject, ObjectKey, Origin, Resource, Time, jiff};
+use serde_json::{Value, json};
+
+const SETS: usize = 10_000;
+const LISTENERS: usize = 10;
+const ROUTES: usize = 50_000;
+const NAMESPACES: usize = 100;
+
+fn object(kind: Kind, value: Value) -> LoadedObject {
+    let ns = value["metadata"]["namespace"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    let name = value["metadata"]["name"].as_str().unwrap_or("").to_string();
+    let parsed = Resource::from_value(kind, value).unwrap_or_else(|e| panic!("{kind}: {e:?}"));
+    LoadedObject {
+        key: ObjectKey::new(kind, ns, name),
+        resource: parsed.resource,
+        origin: Origin {
+            file: "bench".into(),
+            line: 1,
+        },
+        written_api_version: kind.api_version().into(),
+        written_kind: kind.name().into(),
+        lines: Arc::new(LineIndex::default()),
+    }
+}
+
+fn meta(ns: &str, name: &str, second: usize) -> Value {
+    let t = Time(jiff::Timestamp::from_second(1_700_000_000 + second as i64).unwrap_or_default());
+    json!({"name": name, "namespace": ns, "creationTimestamp": t, "generation": 1})
+}
+
+/// ListenerSet `i`: 5 HTTP listeners on 80 and 5 on 8080, one hostname each. Every 100th set
+/// repeats the previous set's hostnames, so the merge also settles real conflicts.
+fn listener_set(i: usize, variant: &str) -> Value {
+    let host_of = if i % 100 == 99 { i - 1 } else { i };
+    let listeners: Vec<Value> = (0..LISTENERS)
+        .map(|j| {
+            json!({
+                "name": format!("l{j}"),
+                "port": if j < 5 { 80 } else { 8080 },
+                "protocol": "HTTP",
+                "hostname": format!("h{j}{variant}.ls{host_of}.example.com"),
+            })
+        })
+        .collect();
+    json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "ListenerSet",
+        "metadata": meta(&format!("team-{}", i % NAMESPACES), &format!("ls-{i}"), 10 + i),
+        "spec": {
+            "parentRef": {"name": "gw", "namespace": "infra"},
+            "listeners": listeners,
+        },
+    })
+}
+
+fn build() -> Index {
+    let mut index = Index::default();
+    index.apply(object(
+        Kind::Gateway,
+        json!({
+            "apiVersion": "gateway.networking.k8s.io/v1",
+            "kind": "Gateway",
+            "metadata": meta("infra", "gw", 0),
+            "spec": {
+                "gatewayClassName": "keyway",
+                "allowedListeners": {"namespaces": {"from": "All"}},
+                "listeners": [{"name": "web", "port": 80, "protocol": "HTTP", "hostname": "gw.example.com"}],
+            },
+        }),
+    ));
+    for n in 0..NAMESPACES {
+        let ns = format!("team-{n}");
+        index.apply(object(
+            Kind::Service,
+            json!({"apiVersion": "v1", "kind": "Service", "metadata": meta(&ns, "app", 0),
+                   "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}),
+        ));
+        index.apply(object(
+            Kind::EndpointSlice,
+            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": "app-1", "namespace": ns, "labels": {"kubernetes.io/service-name": "app"}},
+                   "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+                   "endpoints": [{"addresses": ["10.0.0.1"]}, {"addresses": ["10.0.0.2"]}]}),
+        ));
+    }
+    for i in 0..SETS {
+        index.apply(object(Kind::ListenerSet, listener_set(i, "")));
+    }
+    for k in 0..ROUTES {
+        let set = k % SETS;
+        let j = (k / SETS) % LISTENERS;
+        index.apply(object(
+            Kind::HTTPRoute,
+            json!({
+                "apiVersion": "gateway.networking.k8s.io/v1",
+                "kind": "HTTPRoute",
+                "metadata": meta(&format!("team-{}", set % NAMESPACES), &format!("route-{k}"), 20_000 + k),
+                "spec": {
+                    "parentRefs": [{"name": format!("ls-{set}"), "kind": "ListenerSet", "sectionName": format!("l{j}")}],
+                    "hostnames": [format!("h{j}.ls{set}.example.com")],
+                    "rules": [{
+                        "matches": [{"path": {"type": "PathPrefix", "value": format!("/r{k}")}}],
+                        "backendRefs": [{"name": "app", "port": 80}],
+                    }],
+                },
+            }),
+        ));
+    }
+    index
+}
+
+fn median(mut xs: Vec<Duration>) -> Duration {
+    xs.sort();
+    xs[xs.len() / 2]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn main() {
+    let t = Instant::now();
+    let mut index = build();
+    println!(
+        "built {} objects ({SETS} ListenerSets × {LISTENERS} listeners, {ROUTES} HTTPRoutes) in {}",
+        index.len(),
+        ms(t.elapsed())
+    );
+    let now = Time(jiff::Timestamp::from_second(1_800_000_000).unwrap_or_default());
+
+    let mut full = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let r = gateway::resolve(&index, &now);
+        full.push(t.elapsed());
+        std::hint::black_box(&r);
+    }
+    let r = gateway::resolve(&index, &now);
+    let served: usize = r
+        .plan
+        .gateways
+        .iter()
+        .flat_map(|g| &g.ports)
+        .map(|p| p.listeners.len())
+        .sum();
+    let routes: usize = r
+        .plan
+        .gateways
+        .iter()
+        .flat_map(|g| &g.ports)
+        .flat_map(|p| &p.listeners)
+        .map(|l| l.routes.len())
+        .sum();
+    println!(
+        "full resolve:            {} (median of 3)  → {served} listeners served, {routes} route attachments, {} statuses",
+        ms(median(full)),
+        r.statuses.len()
+    );
+
+    let mut resolver = GatewayResolver::default();
+    let t = Instant::now();
+    resolver.update(&index, &now);
+    println!("incremental, first run: {}", ms(t.elapsed()));
+    let t = Instant::now();
+    resolver.update(&index, &now);
+    println!("incremental, no change: {}", ms(t.elapsed()));
+
+    let mut changes = Vec::new();
+    for round in 0..5 {
+        let i = 4_321 + round;
+        let mut changed = object(Kind::ListenerSet, listener_set(i, &format!("v{round}")));
+        changed.resource.meta_mut().generation = Some(2);
+        index.apply(changed);
+        let t = Instant::now();
+        let out = resolver.update(&index, &now);
+        changes.push(t.elapsed());
+        std::hint::black_box(out);
+    }
+    println!(
+        "re-resolve after one ListenerSet changes: {} (median of 5)",
+        ms(median(changes))
+    );
+    let check = gateway::resolve(&index, &now);
+    assert_eq!(
+        check.plan,
+        resolver.resolution().plan,
+        "incremental and full plans differ"
+    );
+}

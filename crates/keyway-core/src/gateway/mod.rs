@@ -1,0 +1,912 @@
+//! The Gateway API half of the resolver (SPEC §4): Gateways of our class, their ListenerSets and
+//! routes become a [`GatewayPlan`] for the data plane and the status of every object involved.
+//!
+//! Pure: callers hand in the index and the time. [`resolve`] computes from scratch;
+//! [`GatewayResolver`] keeps per-object work (normalized listeners with parsed certificates,
+//! resolved routes, rendered status) between calls, so a reload that changes one ListenerSet
+//! redoes only the cheap, hash-based merge and attachment passes and re-renders only statuses
+//! whose content changed.
+
+mod hostname;
+mod listeners;
+pub mod plan;
+#[cfg(test)]
+mod props;
+mod refs;
+mod routes;
+mod status;
+#[cfg(test)]
+mod tests;
+
+use std::borrow::Cow;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use gateway_api::apis::standard::gateways::GatewayAllowedListenersNamespacesFrom as ListenersFrom;
+use serde_json::Value;
+
+use crate::Time;
+use crate::index::Index;
+use crate::load::{ConfigError, LoadedObject};
+use crate::reconcile::precedence_of;
+use crate::resource::{Kind, ObjectKey, Resource};
+use listeners::{ListenerIn, ListenerSpec, Standing};
+use plan::{AttachedRoute, GatewayBind, ListenerBind, PortBind, ProtocolFamily};
+use refs::{GATEWAY_GROUP, Selector, World};
+use routes::{OwnerView, RouteIn};
+use status::{C, ListenerStatus, Model, ParentStatus};
+
+pub use plan::GatewayPlan;
+
+/// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).
+pub const CONTROLLER_NAME: &str = "keyway.io/gateway-controller";
+/// The GatewayClass that always exists, with or without an object.
+pub const BUILTIN_CLASS: &str = "keyway";
+
+/// Plan, status of every Gateway API object of ours, and broken references.
+#[derive(Clone, Debug, Default)]
+pub struct GatewayResolution {
+    pub plan: GatewayPlan,
+    pub statuses: BTreeMap<ObjectKey, Value>,
+    /// Invalid listeners, unresolvable certificates and backends, located at the field.
+    pub problems: Vec<ConfigError>,
+}
+
+/// Resolves the Gateway API objects of `index` from scratch.
+pub fn resolve(index: &Index, now: &Time) -> GatewayResolution {
+    let mut resolver = GatewayResolver::default();
+    resolver.update(index, now);
+    resolver.out
+}
+
+/// A resolver that remembers per-object work between calls (see the module docs).
+///
+/// Caches hold the `Arc<LoadedObject>` they were computed from and compare by pointer, so a
+/// freed object's address can never be mistaken for an unchanged one; derived results carry a
+/// version number that changes whenever their input is recomputed.
+#[derive(Default)]
+pub struct GatewayResolver {
+    run: u64,
+    next_version: u64,
+    /// Every object listener and route inputs depend on (Secrets, grants, backends, namespaces,
+    /// classes); when any changes, all caches are dropped.
+    deps: Vec<Arc<LoadedObject>>,
+    inputs: HashMap<ObjectKey, Cached<Vec<ListenerIn>>>,
+    route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
+    route_results: HashMap<ObjectKey, RouteResult>,
+    owner_results: HashMap<ObjectKey, OwnerResult>,
+    models: HashMap<ObjectKey, Model>,
+    out: GatewayResolution,
+}
+
+struct Cached<T> {
+    obj: Arc<LoadedObject>,
+    version: u64,
+    value: Arc<T>,
+    seen: u64,
+}
+
+/// Where one route attached, valid while its input and its parents' fingerprints are unchanged.
+struct RouteResult {
+    version: u64,
+    parent_fps: Vec<Option<u64>>,
+    attaches: Vec<(ObjectKey, usize, Vec<String>)>,
+    seen: u64,
+}
+
+/// What a Gateway or ListenerSet contributed last time.
+struct OwnerResult {
+    fp: u64,
+    sets: Option<i32>,
+    binds: Vec<(u16, ProtocolFamily, Arc<ListenerBind>)>,
+    seen: u64,
+}
+
+/// How a Gateway or ListenerSet stands as a whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Admission {
+    /// A Gateway (accepted or not).
+    Gateway {
+        accepted: bool,
+    },
+    Accepted,
+    ListenersNotValid,
+    NotAllowed,
+    ParentNotAccepted,
+}
+
+/// One Gateway or ListenerSet in this resolve.
+struct Owner<'a> {
+    obj: &'a Arc<LoadedObject>,
+    version: u64,
+    listeners: Arc<Vec<ListenerIn>>,
+    /// Empty unless the resource took part in the merge.
+    standings: Vec<Standing>,
+    admission: Admission,
+    /// Index (in this resolve's owner list) of the Gateway it belongs to; `usize::MAX` for a
+    /// ListenerSet whose parent does not exist.
+    gateway: usize,
+    /// Everything routes see of this owner, hashed (see [`Owner::fingerprint`]).
+    fp: u64,
+}
+
+impl Owner<'_> {
+    fn accepted(&self) -> bool {
+        matches!(
+            self.admission,
+            Admission::Gateway { accepted: true } | Admission::Accepted
+        )
+    }
+
+    /// Routes may attach (and are counted): the Gateway itself, or a ListenerSet the Gateway
+    /// took into its merge. Whether they are served depends on each listener's standing.
+    fn admitted(&self) -> bool {
+        matches!(
+            self.admission,
+            Admission::Gateway { .. } | Admission::Accepted | Admission::ListenersNotValid
+        )
+    }
+
+    fn standing(&self, i: usize) -> Option<Standing> {
+        self.standings.get(i).copied()
+    }
+
+    /// Serving traffic: resource accepted, listener won, certificates loaded.
+    fn programmed(&self, i: usize) -> bool {
+        self.accepted()
+            && self.standing(i) == Some(Standing::Accepted)
+            && self.listeners.get(i).is_some_and(|l| l.tls.is_ok())
+    }
+
+    fn fingerprint(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        (self.version, self.admission, &self.standings).hash(&mut h);
+        h.finish()
+    }
+}
+
+fn generation(obj: &LoadedObject) -> i64 {
+    obj.resource.meta().generation.unwrap_or(1)
+}
+
+/// Returns the cached value for `obj`, or computes and caches it under a new version.
+fn cached<T>(
+    cache: &mut HashMap<ObjectKey, Cached<T>>,
+    next_version: &mut u64,
+    run: u64,
+    obj: &Arc<LoadedObject>,
+    compute: impl FnOnce() -> Option<T>,
+) -> Option<(u64, Arc<T>)> {
+    if let Some(c) = cache.get_mut(&obj.key)
+        && Arc::ptr_eq(&c.obj, obj)
+    {
+        c.seen = run;
+        return Some((c.version, c.value.clone()));
+    }
+    let value = Arc::new(compute()?);
+    *next_version += 1;
+    cache.insert(
+        obj.key.clone(),
+        Cached {
+            obj: obj.clone(),
+            version: *next_version,
+            value: value.clone(),
+            seen: run,
+        },
+    );
+    Some((*next_version, value))
+}
+
+fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
+    let specs: Vec<ListenerSpec> = match &obj.resource {
+        Resource::Gateway(g) => g
+            .spec
+            .listeners
+            .iter()
+            .map(ListenerSpec::from_gateway)
+            .collect(),
+        Resource::ListenerSet(ls) => ls
+            .spec
+            .listeners
+            .iter()
+            .map(ListenerSpec::from_listener_set)
+            .collect(),
+        _ => Vec::new(),
+    };
+    specs
+        .into_iter()
+        .map(|s| listeners::check(world, &obj.key, s))
+        .collect()
+}
+
+/// Records `model` for `key`, noting it for rendering when it differs from the last one.
+fn put_model(
+    models: &mut HashMap<ObjectKey, Model>,
+    changed: &mut Vec<ObjectKey>,
+    key: &ObjectKey,
+    model: Model,
+) {
+    if models.get(key) != Some(&model) {
+        models.insert(key.clone(), model);
+        changed.push(key.clone());
+    }
+}
+
+impl GatewayResolver {
+    /// The last result.
+    pub fn resolution(&self) -> &GatewayResolution {
+        &self.out
+    }
+
+    /// Brings the result in line with `index`; `now` stamps conditions that changed.
+    pub fn update(&mut self, index: &Index, now: &Time) -> &GatewayResolution {
+        self.run += 1;
+        let run = self.run;
+        let mut classes = Vec::new();
+        let mut gateways = Vec::new();
+        let mut sets = Vec::new();
+        let mut route_objs = Vec::new();
+        let mut dep_objs = Vec::new();
+        for obj in index.iter() {
+            match obj.key.kind {
+                Kind::Gateway => gateways.push(obj),
+                Kind::ListenerSet => sets.push(obj),
+                Kind::HTTPRoute | Kind::GRPCRoute | Kind::TLSRoute | Kind::TCPRoute => {
+                    route_objs.push(obj)
+                }
+                Kind::GatewayClass => {
+                    classes.push(obj);
+                    dep_objs.push(obj);
+                }
+                Kind::Namespace
+                | Kind::ReferenceGrant
+                | Kind::Secret
+                | Kind::Service
+                | Kind::EndpointSlice
+                | Kind::Listener
+                | Kind::MultiKeyListener => dep_objs.push(obj),
+                _ => {}
+            }
+        }
+        let same_deps = dep_objs.len() == self.deps.len()
+            && dep_objs
+                .iter()
+                .zip(&self.deps)
+                .all(|(a, b)| Arc::ptr_eq(a, b));
+        if !same_deps {
+            self.deps = dep_objs.iter().map(|o| Arc::clone(o)).collect();
+            self.inputs.clear();
+            self.route_inputs.clear();
+            self.route_results.clear();
+            self.owner_results.clear();
+        }
+        let world = World::new(index, &dep_objs);
+        let mut changed: Vec<ObjectKey> = Vec::new();
+        let mut problems = Vec::new();
+
+        // Classes: the built-in one and every object naming our controller.
+        let mut ours: HashSet<&str> = HashSet::from([BUILTIN_CLASS]);
+        let mut class_keys = Vec::new();
+        for c in &classes {
+            if let Resource::GatewayClass(gc) = &c.resource
+                && gc.spec.controller_name == CONTROLLER_NAME
+            {
+                ours.insert(c.key.name.as_str());
+                class_keys.push(&c.key);
+                let model = Model::Class {
+                    generation: generation(c),
+                };
+                put_model(&mut self.models, &mut changed, &c.key, model);
+            }
+        }
+
+        let next_version = &mut self.next_version;
+        let inputs = &mut self.inputs;
+        let mut input = |obj: &Arc<LoadedObject>| -> (u64, Arc<Vec<ListenerIn>>) {
+            cached(inputs, next_version, run, obj, || {
+                Some(owner_listeners(&world, obj))
+            })
+            .unwrap_or_default()
+        };
+
+        // Gateways of ours, and ListenerSets grouped under them.
+        let our_gateways: BTreeMap<&ObjectKey, &Arc<LoadedObject>> = gateways
+            .iter()
+            .filter(|g| match &g.resource {
+                Resource::Gateway(gw) => ours.contains(gw.spec.gateway_class_name.as_str()),
+                _ => false,
+            })
+            .map(|g| (&g.key, *g))
+            .collect();
+        let mut children: HashMap<ObjectKey, Vec<&Arc<LoadedObject>>> = HashMap::new();
+        let mut owners: Vec<Owner<'_>> = Vec::new();
+        for ls in &sets {
+            let Resource::ListenerSet(l) = &ls.resource else {
+                continue;
+            };
+            let p = &l.spec.parent_ref;
+            let is_gateway = p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
+                && p.kind.as_deref().unwrap_or("Gateway") == "Gateway";
+            let parent = ObjectKey::new(
+                Kind::Gateway,
+                p.namespace.as_deref().unwrap_or(&ls.key.namespace),
+                &p.name,
+            );
+            if is_gateway && our_gateways.contains_key(&parent) {
+                children.entry(parent).or_default().push(ls);
+            } else if !is_gateway || index.get(&parent).is_none() {
+                // No such Gateway: nobody else will ever answer, so we do.
+                let (version, listeners) = input(ls);
+                owners.push(Owner {
+                    obj: ls,
+                    version,
+                    listeners,
+                    standings: Vec::new(),
+                    admission: Admission::ParentNotAccepted,
+                    gateway: usize::MAX,
+                    fp: 0,
+                });
+            }
+            // A Gateway of another class: its controller's business.
+        }
+
+        // Merge and settle, Gateway by Gateway.
+        for (key, gw_obj) in &our_gateways {
+            let Resource::Gateway(gw) = &gw_obj.resource else {
+                continue;
+            };
+            let (version, own) = input(gw_obj);
+            let mut kids = children.remove(*key).unwrap_or_default();
+            kids.sort_by_cached_key(|o| precedence_of(o));
+            let allowed_ns = gw
+                .spec
+                .allowed_listeners
+                .as_ref()
+                .and_then(|a| a.namespaces.as_ref());
+            let selector = allowed_ns
+                .and_then(|n| n.selector.as_ref())
+                .map(|s| Selector {
+                    match_labels: s.match_labels.clone().unwrap_or_default(),
+                    match_expressions: s
+                        .match_expressions
+                        .iter()
+                        .flatten()
+                        .map(|e| {
+                            (
+                                e.key.clone(),
+                                e.operator.clone(),
+                                e.values.clone().unwrap_or_default(),
+                            )
+                        })
+                        .collect(),
+                });
+            let allows = |ns: &str| match allowed_ns.and_then(|n| n.from.as_ref()) {
+                Some(ListenersFrom::All) => true,
+                Some(ListenersFrom::Same) => ns == key.namespace,
+                Some(ListenersFrom::Selector) => selector
+                    .as_ref()
+                    .is_some_and(|s| world.namespace_matches(ns, s)),
+                Some(ListenersFrom::None) | None => false,
+            };
+            let (admitted, refused): (Vec<_>, Vec<_>) =
+                kids.into_iter().partition(|k| allows(&k.key.namespace));
+            let kid_inputs: Vec<(u64, Arc<Vec<ListenerIn>>)> =
+                admitted.iter().map(|k| input(k)).collect();
+            let mut lists: Vec<&[ListenerIn]> = vec![own.as_slice()];
+            lists.extend(kid_inputs.iter().map(|(_, l)| l.as_slice()));
+            let mut standings = listeners::settle(&lists).into_iter();
+            let own_standings = standings.next().unwrap_or_default();
+            let accepted = own.is_empty() || own_standings.contains(&Standing::Accepted);
+            let gw_index = owners.len();
+            owners.push(Owner {
+                obj: gw_obj,
+                version,
+                listeners: own.clone(),
+                standings: own_standings,
+                admission: Admission::Gateway { accepted },
+                gateway: gw_index,
+                fp: 0,
+            });
+            for ((kid, (version, listeners)), standings) in
+                admitted.into_iter().zip(kid_inputs).zip(standings)
+            {
+                let admission = if !accepted {
+                    Admission::ParentNotAccepted
+                } else if standings.contains(&Standing::Accepted) {
+                    Admission::Accepted
+                } else {
+                    Admission::ListenersNotValid
+                };
+                owners.push(Owner {
+                    obj: kid,
+                    version,
+                    listeners,
+                    standings,
+                    admission,
+                    gateway: gw_index,
+                    fp: 0,
+                });
+            }
+            for kid in refused {
+                let (version, listeners) = input(kid);
+                owners.push(Owner {
+                    obj: kid,
+                    version,
+                    listeners,
+                    standings: Vec::new(),
+                    admission: Admission::NotAllowed,
+                    gateway: gw_index,
+                    fp: 0,
+                });
+            }
+        }
+        drop(input);
+        self.inputs.retain(|_, c| c.seen == run);
+        for o in &mut owners {
+            o.fp = o.fingerprint();
+        }
+        let owner_at: HashMap<&ObjectKey, usize> = owners
+            .iter()
+            .enumerate()
+            .map(|(i, o)| (&o.obj.key, i))
+            .collect();
+
+        // Routes: recompute only those whose input or parents changed.
+        let mut dirty_keys: HashSet<ObjectKey> = HashSet::new();
+        let mut removed: Vec<ObjectKey> = Vec::new();
+        for obj in &route_objs {
+            let Some((version, rin)) = cached(
+                &mut self.route_inputs,
+                &mut self.next_version,
+                run,
+                obj,
+                || routes::route_in(&world, obj),
+            ) else {
+                continue;
+            };
+            if let Some((path, e)) = &rin.backend_error {
+                problems.push(obj.error_at(path, e.to_string()));
+            }
+            let fps: Vec<Option<u64>> = rin
+                .targets
+                .iter()
+                .map(|t| {
+                    t.as_ref()
+                        .and_then(|k| owner_at.get(k))
+                        .map(|&i| owners[i].fp)
+                })
+                .collect();
+            if let Some(rr) = self.route_results.get_mut(&obj.key)
+                && rr.version == version
+                && rr.parent_fps == fps
+            {
+                rr.seen = run;
+                continue;
+            }
+            let ns = obj.key.namespace.as_str();
+            let resolved = match &rin.backend_error {
+                Some((_, e)) => C::new("ResolvedRefs", false, e.reason(), e.to_string()),
+                None => C::new(
+                    "ResolvedRefs",
+                    true,
+                    "ResolvedRefs",
+                    "all references resolved",
+                ),
+            };
+            let mut attaches: Vec<(ObjectKey, usize, Vec<String>)> = Vec::new();
+            let mut parents = Vec::with_capacity(rin.parents.len());
+            for (parent, target) in rin.parents.iter().zip(&rin.targets) {
+                let at = target.as_ref().and_then(|k| owner_at.get(k).copied());
+                let view = at.map(|i| OwnerView {
+                    namespace: &owners[i].obj.key.namespace,
+                    accepted: owners[i].admitted(),
+                    listeners: &owners[i].listeners,
+                });
+                let accepted = match (routes::attach(&world, ns, &rin, parent, view.as_ref()), at) {
+                    (Err((reason, message)), _) => C::new("Accepted", false, reason, message),
+                    (Ok(list), Some(i)) => {
+                        let owner = &owners[i];
+                        let live = list
+                            .iter()
+                            .any(|a| owner.standing(a.listener) == Some(Standing::Accepted));
+                        for a in list {
+                            let dup = attaches
+                                .iter()
+                                .any(|(k, l, _)| *l == a.listener && k == &owner.obj.key);
+                            if !dup {
+                                attaches.push((owner.obj.key.clone(), a.listener, a.hostnames));
+                            }
+                        }
+                        if live {
+                            C::new("Accepted", true, "Accepted", "accepted")
+                        } else {
+                            C::new(
+                                "Accepted",
+                                false,
+                                "NoMatchingParent",
+                                "the listeners this parentRef matches are not accepted (conflicted or invalid)",
+                            )
+                        }
+                    }
+                    (Ok(_), None) => {
+                        C::new("Accepted", false, "NoMatchingParent", routes::NO_PARENT)
+                    }
+                };
+                parents.push(ParentStatus {
+                    parent: parent.clone(),
+                    conditions: [accepted, resolved.clone()],
+                });
+            }
+            let model = Model::Route {
+                generation: rin.generation,
+                parents,
+            };
+            put_model(&mut self.models, &mut changed, &obj.key, model);
+            for (k, _, _) in &attaches {
+                dirty_keys.insert(k.clone());
+            }
+            let old = self.route_results.insert(
+                obj.key.clone(),
+                RouteResult {
+                    version,
+                    parent_fps: fps,
+                    attaches,
+                    seen: run,
+                },
+            );
+            for (k, _, _) in old.iter().flat_map(|o| &o.attaches) {
+                dirty_keys.insert(k.clone());
+            }
+        }
+        self.route_inputs.retain(|_, c| c.seen == run);
+        self.route_results.retain(|k, rr| {
+            let keep = rr.seen == run;
+            if !keep {
+                for (owner, _, _) in &rr.attaches {
+                    dirty_keys.insert(owner.clone());
+                }
+                removed.push(k.clone());
+            }
+            keep
+        });
+
+        // Which Gateways and ListenerSets must be rebuilt.
+        let mut accepted_sets: HashMap<usize, i32> = HashMap::new();
+        for o in &owners {
+            if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
+                *accepted_sets.entry(o.gateway).or_default() += 1;
+            }
+        }
+        let sets_of = |i: usize| -> Option<i32> {
+            matches!(owners[i].admission, Admission::Gateway { .. })
+                .then(|| accepted_sets.get(&i).copied().unwrap_or(0))
+        };
+        let dirty: Vec<bool> = owners
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                dirty_keys.contains(&o.obj.key)
+                    || self
+                        .owner_results
+                        .get(&o.obj.key)
+                        .is_none_or(|r| r.fp != o.fp || r.sets != sets_of(i))
+            })
+            .collect();
+        let mut counts: HashMap<(usize, usize), i32> = HashMap::new();
+        let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::new();
+        if dirty.iter().any(|d| *d) {
+            for (rkey, rr) in &self.route_results {
+                for (owner, listener, hostnames) in &rr.attaches {
+                    let Some(&i) = owner_at.get(owner) else {
+                        continue;
+                    };
+                    if !dirty[i] {
+                        continue;
+                    }
+                    *counts.entry((i, *listener)).or_default() += 1;
+                    if owners[i].programmed(*listener)
+                        && let Some(rin) = self.route_inputs.get(rkey)
+                    {
+                        bound.entry((i, *listener)).or_default().push((
+                            &rin.value,
+                            AttachedRoute {
+                                route: rkey.clone(),
+                                hostnames: hostnames.clone(),
+                                rules: rin.value.rules.clone(),
+                            },
+                        ));
+                    }
+                }
+            }
+        }
+
+        // Status and plan contribution of each Gateway and ListenerSet.
+        for (i, o) in owners.iter().enumerate() {
+            for (j, l) in o.listeners.iter().enumerate() {
+                listener_problems(o.obj, j, l, &mut problems);
+            }
+            if !dirty[i] {
+                if let Some(r) = self.owner_results.get_mut(&o.obj.key) {
+                    r.seen = run;
+                }
+                continue;
+            }
+            let listeners: Vec<ListenerStatus> = o
+                .listeners
+                .iter()
+                .enumerate()
+                .map(|(j, l)| ListenerStatus {
+                    name: l.spec.name.clone(),
+                    supported_kinds: l.supported_kinds.clone(),
+                    attached_routes: counts.get(&(i, j)).copied().unwrap_or(0),
+                    conditions: listener_conditions(o, j, l),
+                })
+                .collect();
+            let sets = sets_of(i);
+            let model = Model::Listeners {
+                generation: generation(o.obj),
+                conditions: owner_conditions(o),
+                listeners,
+                attached_listener_sets: sets,
+            };
+            put_model(&mut self.models, &mut changed, &o.obj.key, model);
+            let mut binds = Vec::new();
+            for (j, l) in o.listeners.iter().enumerate() {
+                let (true, Ok(protocol), Ok(tls), Ok(port)) = (
+                    o.programmed(j),
+                    &l.protocol,
+                    &l.tls,
+                    u16::try_from(l.spec.port),
+                ) else {
+                    continue;
+                };
+                let mut routes = bound.remove(&(i, j)).unwrap_or_default();
+                routes.sort_by(|a, b| a.0.precedence.cmp(&b.0.precedence));
+                let bind = ListenerBind {
+                    owner: o.obj.key.clone(),
+                    name: l.spec.name.clone(),
+                    hostname: l.spec.hostname.clone(),
+                    protocol: *protocol,
+                    tls: tls.clone(),
+                    routes: routes.into_iter().map(|(_, r)| r).collect(),
+                };
+                binds.push((port, protocol.family(), Arc::new(bind)));
+            }
+            self.owner_results.insert(
+                o.obj.key.clone(),
+                OwnerResult {
+                    fp: o.fp,
+                    sets,
+                    binds,
+                    seen: run,
+                },
+            );
+        }
+        self.owner_results.retain(|k, r| {
+            let keep = r.seen == run;
+            if !keep {
+                removed.push(k.clone());
+            }
+            keep
+        });
+
+        // Plan: accepted Gateways, their programmed listeners in merge order.
+        let mut by_gateway: BTreeMap<&ObjectKey, BTreeMap<u16, PortBind>> = BTreeMap::new();
+        for o in &owners {
+            let Some(gw) = owners.get(o.gateway) else {
+                continue;
+            };
+            if gw.admission != (Admission::Gateway { accepted: true }) {
+                continue;
+            }
+            let ports = by_gateway.entry(&gw.obj.key).or_default();
+            for (port, family, bind) in self
+                .owner_results
+                .get(&o.obj.key)
+                .map(|r| r.binds.as_slice())
+                .unwrap_or_default()
+            {
+                ports
+                    .entry(*port)
+                    .or_insert_with(|| PortBind {
+                        port: *port,
+                        family: *family,
+                        listeners: Vec::new(),
+                    })
+                    .listeners
+                    .push(bind.clone());
+            }
+        }
+        let plan = GatewayPlan {
+            gateways: by_gateway
+                .into_iter()
+                .map(|(gateway, ports)| GatewayBind {
+                    gateway: gateway.clone(),
+                    ports: ports.into_values().collect(),
+                })
+                .collect(),
+        };
+
+        // Forget what is gone; render only what changed.
+        if !same_deps {
+            // Caches were dropped, so deletions cannot be told from them: sweep the models.
+            let mut alive: HashSet<&ObjectKey> = class_keys.iter().copied().collect();
+            alive.extend(owners.iter().map(|o| &o.obj.key));
+            alive.extend(self.route_results.keys());
+            removed.extend(self.models.keys().filter(|k| !alive.contains(k)).cloned());
+        }
+        for key in &removed {
+            self.models.remove(key);
+            self.out.statuses.remove(key);
+        }
+        let now_v = serde_json::to_value(now).unwrap_or(Value::Null);
+        for key in changed {
+            if let Some(model) = self.models.get(&key) {
+                let v = status::render_with(model, &now_v, self.out.statuses.get(&key));
+                self.out.statuses.insert(key, v);
+            }
+        }
+        problems.sort();
+        problems.dedup();
+        self.out.problems = problems;
+        self.out.plan = plan;
+        &self.out
+    }
+}
+
+/// Accepted and Programmed of a Gateway or ListenerSet.
+fn owner_conditions(o: &Owner<'_>) -> Vec<C> {
+    let programmed = (0..o.listeners.len()).any(|j| o.programmed(j));
+    match o.admission {
+        Admission::Gateway { accepted } => {
+            let broken = o.standings.iter().any(|s| *s != Standing::Accepted);
+            let accepted_cond = match (accepted, broken) {
+                (false, _) => C::new(
+                    "Accepted",
+                    false,
+                    "ListenersNotValid",
+                    "no listener of this Gateway is valid",
+                ),
+                (true, true) => C::new(
+                    "Accepted",
+                    true,
+                    "ListenersNotValid",
+                    "some listeners are invalid or conflict with each other; see status.listeners",
+                ),
+                (true, false) => C::new("Accepted", true, "Accepted", "accepted"),
+            };
+            let programmed_cond = if programmed {
+                C::new("Programmed", true, "Programmed", "programmed")
+            } else {
+                C::new("Programmed", false, "Invalid", "no listener is programmed")
+            };
+            vec![accepted_cond, programmed_cond]
+        }
+        Admission::Accepted => vec![
+            C::new("Accepted", true, "Accepted", "accepted"),
+            if programmed {
+                C::new("Programmed", true, "Programmed", "programmed")
+            } else {
+                C::new(
+                    "Programmed",
+                    false,
+                    "ListenersNotValid",
+                    "no listener is programmed",
+                )
+            },
+        ],
+        admission => {
+            let (reason, message) = owner_reason(admission).unwrap_or_default();
+            vec![
+                C::new("Accepted", false, reason, message),
+                C::new("Programmed", false, reason, message),
+            ]
+        }
+    }
+}
+
+/// Why a whole ListenerSet is not accepted (also reported on each of its listeners).
+fn owner_reason(admission: Admission) -> Option<(&'static str, &'static str)> {
+    match admission {
+        Admission::NotAllowed => Some((
+            "NotAllowed",
+            "the parent Gateway does not allow ListenerSets from this namespace",
+        )),
+        Admission::ParentNotAccepted => Some((
+            "ParentNotAccepted",
+            "the parent Gateway does not exist or is not accepted",
+        )),
+        Admission::ListenersNotValid => Some(("ListenersNotValid", "no listener is valid")),
+        Admission::Gateway { .. } | Admission::Accepted => None,
+    }
+}
+
+/// Accepted, Programmed, ResolvedRefs and Conflicted of listener `j` of `owner`.
+fn listener_conditions(owner: &Owner<'_>, j: usize, l: &ListenerIn) -> Vec<C> {
+    let resolved = match (&l.tls, &l.invalid_kinds) {
+        (Err(e), _) => C::new("ResolvedRefs", false, e.reason(), e.to_string()),
+        (Ok(_), Some(msg)) => C::new("ResolvedRefs", false, "InvalidRouteKinds", msg.clone()),
+        (Ok(_), None) => C::new(
+            "ResolvedRefs",
+            true,
+            "ResolvedRefs",
+            "all references resolved",
+        ),
+    };
+    let no_conflict = C::new("Conflicted", false, "NoConflicts", "no conflicts");
+    let owner_not_taken = match owner.admission {
+        Admission::NotAllowed | Admission::ParentNotAccepted => owner_reason(owner.admission),
+        _ => None,
+    };
+    match (owner.standing(j), &l.protocol, owner_not_taken) {
+        (_, Err(invalid), _) => vec![
+            C::new("Accepted", false, invalid.reason, invalid.message.clone()),
+            C::new("Programmed", false, "Invalid", invalid.message.clone()),
+            resolved,
+            no_conflict,
+        ],
+        (_, _, Some((reason, message))) => vec![
+            C::new("Accepted", false, reason, message),
+            C::new("Programmed", false, reason, message),
+            resolved,
+            no_conflict,
+        ],
+        (Some(Standing::Conflicted(c)), _, _) => {
+            let what = match c {
+                listeners::Conflict::Hostname => format!(
+                    "hostname `{}`",
+                    l.spec.hostname.as_deref().unwrap_or_default()
+                ),
+                listeners::Conflict::Protocol => format!("protocol {}", l.spec.protocol),
+            };
+            let message: Cow<'static, str> = format!(
+                "{what} on port {} is already claimed by another listener; the Gateway's own listeners win, then the oldest ListenerSet, and listeners of one resource that conflict with each other all lose",
+                l.spec.port
+            )
+            .into();
+            vec![
+                C::new("Accepted", false, c.reason(), message.clone()),
+                C::new("Programmed", false, c.reason(), message.clone()),
+                resolved,
+                C::new("Conflicted", true, c.reason(), message),
+            ]
+        }
+        _ => {
+            let programmed = if owner.programmed(j) {
+                C::new("Programmed", true, "Programmed", "programmed")
+            } else {
+                C::new(
+                    "Programmed",
+                    false,
+                    "Invalid",
+                    "certificate references do not resolve",
+                )
+            };
+            vec![
+                C::new("Accepted", true, "Accepted", "accepted"),
+                programmed,
+                resolved,
+                no_conflict,
+            ]
+        }
+    }
+}
+
+/// Config errors for listener `j`, at the listener's field.
+fn listener_problems(obj: &LoadedObject, j: usize, l: &ListenerIn, out: &mut Vec<ConfigError>) {
+    if l.protocol.is_ok() && l.tls.is_ok() && l.invalid_kinds.is_none() {
+        return;
+    }
+    let at = format!("spec.listeners[{j}]");
+    if let Err(invalid) = &l.protocol {
+        out.push(obj.error_at(&format!("{at}.{}", invalid.field), &invalid.message));
+    }
+    if let Err(e) = &l.tls {
+        out.push(obj.error_at(&format!("{at}.tls.certificateRefs"), e.to_string()));
+    }
+    if let Some(msg) = &l.invalid_kinds {
+        out.push(obj.error_at(&format!("{at}.allowedRoutes.kinds"), msg));
+    }
+}

@@ -1,0 +1,174 @@
+//! What a gateway data plane binds: per Gateway, per port, the winning listeners with their TLS
+//! material and attached routes, every backend already resolved. Nothing here needs the index.
+//!
+//! Listener and route entries are shared (`Arc`) so that a re-resolve reuses what did not change
+//! and a plan stays cheap to clone and compare.
+
+use std::sync::Arc;
+
+use gateway_api::apis::standard::grpcroutes::{GrpcRouteRulesFilters, GrpcRouteRulesMatches};
+use gateway_api::apis::standard::httproutes::{HttpRouteRulesFilters, HttpRouteRulesMatches};
+use serde::Serialize;
+
+use crate::plan::KeySelection;
+use crate::resource::ObjectKey;
+use crate::tls::TlsMaterial;
+
+/// Every Gateway of ours, in key order.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayPlan {
+    pub gateways: Vec<GatewayBind>,
+}
+
+/// One Gateway: the ports to open.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayBind {
+    #[serde(serialize_with = "key_string")]
+    pub gateway: ObjectKey,
+    /// Ascending by port.
+    pub ports: Vec<PortBind>,
+}
+
+/// One port and the listeners served on it (all of one protocol family, by construction).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PortBind {
+    pub port: u16,
+    pub family: ProtocolFamily,
+    /// In merge order (Gateway first, then ListenerSets by precedence). The data plane picks the
+    /// most specific hostname match (exact, longest wildcard, empty).
+    pub listeners: Vec<Arc<ListenerBind>>,
+}
+
+/// What a port speaks. HTTPS and TLS share a port (told apart by SNI), so they are one family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum ProtocolFamily {
+    Http,
+    Tls,
+    Tcp,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Protocol {
+    Http,
+    Https,
+    Tls,
+    Tcp,
+}
+
+impl Protocol {
+    pub fn family(self) -> ProtocolFamily {
+        match self {
+            Protocol::Http => ProtocolFamily::Http,
+            Protocol::Https | Protocol::Tls => ProtocolFamily::Tls,
+            Protocol::Tcp => ProtocolFamily::Tcp,
+        }
+    }
+}
+
+/// A winning, programmed listener.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListenerBind {
+    /// The Gateway or ListenerSet that declares it.
+    #[serde(serialize_with = "key_string")]
+    pub owner: ObjectKey,
+    pub name: String,
+    pub hostname: Option<String>,
+    pub protocol: Protocol,
+    pub tls: Option<Arc<ListenerTls>>,
+    /// In route precedence order (oldest first, then namespace/name).
+    pub routes: Vec<AttachedRoute>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum TlsMode {
+    Terminate,
+    Passthrough,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListenerTls {
+    pub mode: TlsMode,
+    /// Parsed serving certificates (empty for passthrough).
+    pub certificates: Vec<TlsMaterial>,
+}
+
+/// A route attached to one listener. `hostnames` is the intersection of the route's and the
+/// listener's hostnames (empty: any host the listener accepts).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AttachedRoute {
+    #[serde(serialize_with = "key_string")]
+    pub route: ObjectKey,
+    pub hostnames: Vec<String>,
+    pub rules: Arc<RouteRules>,
+}
+
+/// The rules of one route, resolved once and shared by every listener it attaches to.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum RouteRules {
+    Http(Vec<HttpRule>),
+    Grpc(Vec<GrpcRule>),
+    /// TLSRoute (passthrough by SNI) and TCPRoute: each rule is a weighted backend set.
+    Tls(Vec<Vec<WeightedBackend>>),
+    Tcp(Vec<Vec<WeightedBackend>>),
+}
+
+/// An HTTPRoute rule. Empty `matches` means the upstream default (`PathPrefix /`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpRule {
+    pub matches: Vec<HttpRouteRulesMatches>,
+    pub filters: Vec<HttpRouteRulesFilters>,
+    pub backends: Vec<WeightedBackend>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrpcRule {
+    pub matches: Vec<GrpcRouteRulesMatches>,
+    pub filters: Vec<GrpcRouteRulesFilters>,
+    pub backends: Vec<WeightedBackend>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WeightedBackend {
+    /// Relative weight (upstream default 1; 0 takes no traffic).
+    pub weight: u32,
+    pub backend: Backend,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Backend {
+    /// A Service's ready endpoints, at the resolved target port.
+    Service {
+        service: String,
+        endpoints: Vec<Endpoint>,
+    },
+    /// keyway's bridge into the service network: a skupper `Listener` or `MultiKeyListener`.
+    Skupper {
+        listener: String,
+        selection: KeySelection,
+    },
+    /// Cannot be resolved: the data plane answers 500 for this share of traffic.
+    Unresolved { reason: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    pub address: String,
+    pub port: u16,
+}
+
+pub(crate) fn key_string<S: serde::Serializer>(key: &ObjectKey, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("{}/{}/{}", key.kind, key.namespace, key.name))
+}

@@ -1,0 +1,396 @@
+//! Everything a Gateway or route refers to outside itself: namespace labels (for selectors),
+//! ReferenceGrants, certificate Secrets and backends. Built once per resolve into hash maps so
+//! every lookup is O(1) however large the index.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use super::plan::{Backend, Endpoint, WeightedBackend};
+use crate::index::Index;
+use crate::load::LoadedObject;
+use crate::resource::{Kind, Resource};
+use crate::tls::{self, TlsMaterial};
+
+pub(crate) const GATEWAY_GROUP: &str = "gateway.networking.k8s.io";
+pub(crate) const X_GATEWAY_GROUP: &str = "gateway.networking.x-k8s.io";
+pub(crate) const SKUPPER_GROUP: &str = "skupper.io";
+/// Kubernetes sets this label on every namespace; selectors may rely on it even when no
+/// Namespace object is in the config directory.
+const NAME_LABEL: &str = "kubernetes.io/metadata.name";
+const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// A label selector (`matchLabels` + `matchExpressions`), shared by `allowedListeners` and
+/// `allowedRoutes`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct Selector {
+    pub match_labels: BTreeMap<String, String>,
+    pub match_expressions: Vec<(String, String, Vec<String>)>,
+}
+
+impl Selector {
+    fn matches(&self, label: impl Fn(&str) -> Option<String>) -> bool {
+        self.match_labels
+            .iter()
+            .all(|(k, v)| label(k).as_deref() == Some(v.as_str()))
+            && self.match_expressions.iter().all(|(key, op, values)| {
+                let got = label(key);
+                match op.as_str() {
+                    "In" => got.is_some_and(|g| values.contains(&g)),
+                    "NotIn" => got.is_none_or(|g| !values.contains(&g)),
+                    "Exists" => got.is_some(),
+                    "DoesNotExist" => got.is_none(),
+                    _ => false,
+                }
+            })
+    }
+}
+
+/// A reference as written: group, kind, name and optional namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Ref {
+    pub group: String,
+    pub kind: String,
+    pub name: String,
+    pub namespace: Option<String>,
+}
+
+/// Why a reference does not resolve, with the upstream reason name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, thiserror::Error)]
+pub(crate) enum RefError {
+    #[error("{0}")]
+    InvalidCertificateRef(String),
+    #[error("{0}")]
+    RefNotPermitted(String),
+    #[error("{0}")]
+    BackendNotFound(String),
+    #[error("{0}")]
+    InvalidKind(String),
+}
+
+impl RefError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RefError::InvalidCertificateRef(_) => "InvalidCertificateRef",
+            RefError::RefNotPermitted(_) => "RefNotPermitted",
+            RefError::BackendNotFound(_) => "BackendNotFound",
+            RefError::InvalidKind(_) => "InvalidKind",
+        }
+    }
+}
+
+/// One grant entry, flattened: `from` (group, kind, namespace) may refer to `to` (group, kind,
+/// optional name) in the grant's namespace.
+struct Grant {
+    from: Vec<(String, String, String)>,
+    to: Vec<(String, String, Option<String>)>,
+}
+
+/// Lookup tables over the index for one resolve.
+pub(crate) struct World<'a> {
+    pub index: &'a Index,
+    ns_labels: HashMap<&'a str, &'a BTreeMap<String, String>>,
+    grants: HashMap<&'a str, Vec<Grant>>,
+    slices: HashMap<(&'a str, &'a str), Vec<&'a EndpointSlice>>,
+}
+
+impl<'a> World<'a> {
+    /// Tables over `objects` (the Namespaces, ReferenceGrants and EndpointSlices among them).
+    pub fn new(index: &'a Index, objects: &[&'a Arc<LoadedObject>]) -> Self {
+        let mut world = World {
+            index,
+            ns_labels: HashMap::new(),
+            grants: HashMap::new(),
+            slices: HashMap::new(),
+        };
+        for obj in objects {
+            match &obj.resource {
+                Resource::Namespace(ns) => {
+                    if let Some(labels) = &ns.metadata.labels {
+                        world.ns_labels.insert(obj.key.name.as_str(), labels);
+                    }
+                }
+                Resource::ReferenceGrant(g) => {
+                    world
+                        .grants
+                        .entry(obj.key.namespace.as_str())
+                        .or_default()
+                        .push(Grant {
+                            from: g
+                                .spec
+                                .from
+                                .iter()
+                                .map(|f| (f.group.clone(), f.kind.clone(), f.namespace.clone()))
+                                .collect(),
+                            to: g
+                                .spec
+                                .to
+                                .iter()
+                                .map(|t| (t.group.clone(), t.kind.clone(), t.name.clone()))
+                                .collect(),
+                        });
+                }
+                Resource::EndpointSlice(s) => {
+                    if let Some(svc) = s
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(SERVICE_NAME_LABEL))
+                    {
+                        world
+                            .slices
+                            .entry((obj.key.namespace.as_str(), svc.as_str()))
+                            .or_default()
+                            .push(s);
+                    }
+                }
+                _ => {}
+            }
+        }
+        world
+    }
+
+    /// Whether namespace `ns` matches `selector` (its Namespace object's labels, plus the
+    /// implicit `kubernetes.io/metadata.name`).
+    pub fn namespace_matches(&self, ns: &str, selector: &Selector) -> bool {
+        let labels = self.ns_labels.get(ns);
+        selector.matches(|key| {
+            if key == NAME_LABEL {
+                return Some(ns.to_string());
+            }
+            labels.and_then(|l| l.get(key)).cloned()
+        })
+    }
+
+    /// Whether a ReferenceGrant in `to_ns` lets (`from_group`, one of `from_kinds`, `from_ns`)
+    /// refer to (`to_group`, `to_kind`, `to_name`). Same-namespace references need no grant.
+    #[allow(clippy::too_many_arguments)]
+    pub fn permitted(
+        &self,
+        from_group: &str,
+        from_kinds: &[&str],
+        from_ns: &str,
+        to_group: &str,
+        to_kind: &str,
+        to_ns: &str,
+        to_name: &str,
+    ) -> bool {
+        if from_ns == to_ns {
+            return true;
+        }
+        let Some(grants) = self.grants.get(to_ns) else {
+            return false;
+        };
+        grants.iter().any(|g| {
+            g.from.iter().any(|(group, kind, ns)| {
+                ns == from_ns
+                    && from_kinds.contains(&kind.as_str())
+                    && (group == from_group || (kind == "XListenerSet" && group == X_GATEWAY_GROUP))
+            }) && g.to.iter().any(|(group, kind, name)| {
+                group == to_group && kind == to_kind && name.as_deref().is_none_or(|n| n == to_name)
+            })
+        })
+    }
+
+    /// Serving certificates for a listener of `owner_kind` in `owner_ns`. A Secret in another
+    /// namespace needs a ReferenceGrant from that owner kind (a Gateway's grants do not cover its
+    /// ListenerSets); without one the Secret is not even looked at, so nothing about it leaks.
+    pub fn certificates(
+        &self,
+        owner_kind: Kind,
+        owner_ns: &str,
+        refs: &[Ref],
+    ) -> Result<Vec<TlsMaterial>, RefError> {
+        if refs.is_empty() {
+            return Err(RefError::InvalidCertificateRef(
+                "tls.mode Terminate needs at least one certificateRef".into(),
+            ));
+        }
+        let from_kinds: &[&str] = match owner_kind {
+            Kind::ListenerSet => &["ListenerSet", "XListenerSet"],
+            _ => &["Gateway"],
+        };
+        let mut out = Vec::with_capacity(refs.len());
+        for r in refs {
+            if !(r.group.is_empty() || r.group == "core") || r.kind != "Secret" {
+                return Err(RefError::InvalidCertificateRef(format!(
+                    "certificateRef {} {}/{} is not a Secret",
+                    r.group, r.kind, r.name
+                )));
+            }
+            let ns = r.namespace.as_deref().unwrap_or(owner_ns);
+            if !self.permitted(
+                GATEWAY_GROUP,
+                from_kinds,
+                owner_ns,
+                "",
+                "Secret",
+                ns,
+                &r.name,
+            ) {
+                return Err(RefError::RefNotPermitted(format!(
+                    "certificateRef to Secret {} in namespace {ns} is not permitted by a ReferenceGrant for {}",
+                    r.name, from_kinds[0]
+                )));
+            }
+            let material = match self.index.resource(Kind::Secret, ns, &r.name) {
+                Some(Resource::Secret(secret)) => tls::material_from_secret(secret, true),
+                _ => Err(format!("Secret {ns}/{} not found", r.name)),
+            };
+            out.push(material.map_err(RefError::InvalidCertificateRef)?);
+        }
+        Ok(out)
+    }
+
+    /// Resolves one backendRef of a route in `route_ns`. An unresolvable backend still takes its
+    /// share of traffic (answered with 500), as the Gateway API requires.
+    pub fn backend(
+        &self,
+        route_kind: Kind,
+        route_ns: &str,
+        r: &Ref,
+        port: Option<i32>,
+        weight: Option<i32>,
+    ) -> (WeightedBackend, Option<RefError>) {
+        let weight = u32::try_from(weight.unwrap_or(1)).unwrap_or(0);
+        let (backend, err) = match self.resolve_backend(route_kind, route_ns, r, port) {
+            Ok(b) => (b, None),
+            Err(e) => (
+                Backend::Unresolved {
+                    reason: e.reason().to_string(),
+                },
+                Some(e),
+            ),
+        };
+        (WeightedBackend { weight, backend }, err)
+    }
+
+    fn resolve_backend(
+        &self,
+        route_kind: Kind,
+        route_ns: &str,
+        r: &Ref,
+        port: Option<i32>,
+    ) -> Result<Backend, RefError> {
+        let ns = r.namespace.as_deref().unwrap_or(route_ns);
+        let core = r.group.is_empty() || r.group == "core";
+        let skupper =
+            r.group == SKUPPER_GROUP && matches!(r.kind.as_str(), "Listener" | "MultiKeyListener");
+        if !(core && r.kind == "Service") && !skupper {
+            return Err(RefError::InvalidKind(format!(
+                "backendRef kind {}{}{} is not supported (Service, or skupper.io Listener/MultiKeyListener)",
+                r.group,
+                if r.group.is_empty() { "" } else { "/" },
+                r.kind
+            )));
+        }
+        let to_group = if core { "" } else { SKUPPER_GROUP };
+        if !self.permitted(
+            GATEWAY_GROUP,
+            &[route_kind.name()],
+            route_ns,
+            to_group,
+            &r.kind,
+            ns,
+            &r.name,
+        ) {
+            return Err(RefError::RefNotPermitted(format!(
+                "backendRef to {} {} in namespace {ns} is not permitted by a ReferenceGrant",
+                r.kind, r.name
+            )));
+        }
+        if skupper {
+            let selection = match (
+                r.kind.as_str(),
+                self.index.resource(kind_of(&r.kind), ns, &r.name),
+            ) {
+                ("Listener", Some(Resource::Listener(l))) => Some(
+                    crate::plan::KeySelection::Single(l.spec.routing_key.clone()),
+                ),
+                ("MultiKeyListener", Some(Resource::MultiKeyListener(m))) => {
+                    crate::service_network::selection_of(&m.spec.strategy)
+                }
+                _ => None,
+            };
+            return selection
+                .map(|selection| Backend::Skupper {
+                    listener: format!("{ns}/{}", r.name),
+                    selection,
+                })
+                .ok_or_else(|| {
+                    RefError::BackendNotFound(format!("{} {ns}/{} not found", r.kind, r.name))
+                });
+        }
+        let Some(Resource::Service(svc)) = self.index.resource(Kind::Service, ns, &r.name) else {
+            return Err(RefError::BackendNotFound(format!(
+                "Service {ns}/{} not found",
+                r.name
+            )));
+        };
+        let Some(port) = port else {
+            return Err(RefError::BackendNotFound(format!(
+                "backendRef to Service {} needs a port",
+                r.name
+            )));
+        };
+        let svc_port = svc
+            .spec
+            .as_ref()
+            .and_then(|s| s.ports.as_ref())
+            .and_then(|ports| ports.iter().find(|p| p.port == port))
+            .ok_or_else(|| {
+                RefError::BackendNotFound(format!("Service {ns}/{} has no port {port}", r.name))
+            })?;
+        let target_int = match &svc_port.target_port {
+            Some(IntOrString::Int(n)) => Some(*n),
+            Some(IntOrString::String(_)) => None,
+            None => Some(port),
+        };
+        let wanted = svc_port.name.as_deref().unwrap_or_default();
+        let mut endpoints = Vec::new();
+        for slice in self
+            .slices
+            .get(&(ns, r.name.as_str()))
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            let slice_port = slice
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.as_deref().unwrap_or_default() == wanted)
+                .and_then(|p| p.port)
+                .or(target_int);
+            let Some(slice_port) = slice_port.and_then(|p| u16::try_from(p).ok()) else {
+                continue;
+            };
+            for ep in slice.endpoints.iter().flatten() {
+                if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+                    continue;
+                }
+                for address in &ep.addresses {
+                    endpoints.push(Endpoint {
+                        address: address.clone(),
+                        port: slice_port,
+                    });
+                }
+            }
+        }
+        endpoints.sort();
+        endpoints.dedup();
+        Ok(Backend::Service {
+            service: format!("{ns}/{}", r.name),
+            endpoints,
+        })
+    }
+}
+
+fn kind_of(kind: &str) -> Kind {
+    if kind == "Listener" {
+        Kind::Listener
+    } else {
+        Kind::MultiKeyListener
+    }
+}

@@ -1,0 +1,315 @@
+//! Routes: one normalized shape for HTTPRoute, GRPCRoute, TLSRoute and TCPRoute, their backends
+//! resolved once, and attachment of one parentRef to listeners (SPEC §4). A parentRef to a
+//! Gateway sees only the Gateway's own listeners and one to a ListenerSet only that set's, so
+//! routes never leak between the two.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use super::hostname::intersect;
+use super::listeners::{ListenerIn, RoutesFrom};
+use super::plan::{GrpcRule, HttpRule, RouteRules, WeightedBackend};
+use super::refs::{GATEWAY_GROUP, Ref, RefError, World, X_GATEWAY_GROUP};
+use crate::Time;
+use crate::load::LoadedObject;
+use crate::resource::{Kind, ObjectKey, Resource};
+
+/// A parentRef with upstream defaults filled in (what route status echoes).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ParentRefIn {
+    pub group: String,
+    pub kind: String,
+    pub name: String,
+    pub namespace: String,
+    pub section_name: Option<String>,
+    pub port: Option<i32>,
+}
+
+impl ParentRefIn {
+    /// The Gateway or ListenerSet this names, if it names one of those kinds at all.
+    pub fn target(&self) -> Option<ObjectKey> {
+        let kind = match (self.group.as_str(), self.kind.as_str()) {
+            (GATEWAY_GROUP, "Gateway") => Kind::Gateway,
+            (GATEWAY_GROUP, "ListenerSet") | (X_GATEWAY_GROUP, "XListenerSet" | "ListenerSet") => {
+                Kind::ListenerSet
+            }
+            _ => return None,
+        };
+        Some(ObjectKey::new(kind, &self.namespace, &self.name))
+    }
+}
+
+/// A route with everything that depends only on it and its backends.
+#[derive(Clone, Debug)]
+pub(crate) struct RouteIn {
+    pub kind: Kind,
+    pub generation: i64,
+    pub precedence: (Option<Time>, String, String),
+    pub hostnames: Vec<String>,
+    pub parents: Vec<Arc<ParentRefIn>>,
+    /// What each parentRef names (see [`ParentRefIn::target`]), computed once.
+    pub targets: Vec<Option<ObjectKey>>,
+    pub rules: Arc<RouteRules>,
+    /// The first backendRef that does not resolve, with its field path.
+    pub backend_error: Option<(String, RefError)>,
+}
+
+macro_rules! parents {
+    ($refs:expr, $ns:expr) => {
+        $refs
+            .iter()
+            .flatten()
+            .map(|p| {
+                Arc::new(ParentRefIn {
+                    group: p.group.clone().unwrap_or_else(|| GATEWAY_GROUP.into()),
+                    kind: p.kind.clone().unwrap_or_else(|| "Gateway".into()),
+                    name: p.name.clone(),
+                    namespace: p.namespace.clone().unwrap_or_else(|| $ns.to_string()),
+                    section_name: p.section_name.clone(),
+                    port: p.port,
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+}
+
+/// Resolves the backendRefs of one rule; remembers the first failure.
+macro_rules! backends {
+    ($world:expr, $kind:expr, $ns:expr, $refs:expr, $at:expr, $err:expr) => {
+        $refs
+            .iter()
+            .enumerate()
+            .map(|(j, b)| {
+                let r = Ref {
+                    group: b.group.clone().unwrap_or_default(),
+                    kind: b.kind.clone().unwrap_or_else(|| "Service".into()),
+                    name: b.name.clone(),
+                    namespace: b.namespace.clone(),
+                };
+                let (wb, e) = $world.backend($kind, $ns, &r, b.port, b.weight);
+                if let (Some(e), None) = (e, $err.as_ref()) {
+                    *$err = Some((format!("{}.backendRefs[{j}]", $at), e));
+                }
+                wb
+            })
+            .collect::<Vec<WeightedBackend>>()
+    };
+}
+
+/// Normalizes a route object; `None` for other kinds.
+pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn> {
+    let ns = obj.key.namespace.as_str();
+    let kind = obj.key.kind;
+    let mut err: Option<(String, RefError)> = None;
+    let (hostnames, parents, rules) = match &obj.resource {
+        Resource::HTTPRoute(r) => {
+            let rules = r
+                .spec
+                .rules
+                .iter()
+                .flatten()
+                .enumerate()
+                .map(|(i, rule)| {
+                    let at = format!("spec.rules[{i}]");
+                    HttpRule {
+                        matches: rule.matches.clone().unwrap_or_default(),
+                        filters: rule.filters.clone().unwrap_or_default(),
+                        backends: backends!(
+                            world,
+                            kind,
+                            ns,
+                            rule.backend_refs.iter().flatten().collect::<Vec<_>>(),
+                            at,
+                            &mut err
+                        ),
+                    }
+                })
+                .collect();
+            (
+                r.spec.hostnames.clone().unwrap_or_default(),
+                parents!(r.spec.parent_refs, ns),
+                RouteRules::Http(rules),
+            )
+        }
+        Resource::GRPCRoute(r) => {
+            let rules = r
+                .spec
+                .rules
+                .iter()
+                .flatten()
+                .enumerate()
+                .map(|(i, rule)| {
+                    let at = format!("spec.rules[{i}]");
+                    GrpcRule {
+                        matches: rule.matches.clone().unwrap_or_default(),
+                        filters: rule.filters.clone().unwrap_or_default(),
+                        backends: backends!(
+                            world,
+                            kind,
+                            ns,
+                            rule.backend_refs.iter().flatten().collect::<Vec<_>>(),
+                            at,
+                            &mut err
+                        ),
+                    }
+                })
+                .collect();
+            (
+                r.spec.hostnames.clone().unwrap_or_default(),
+                parents!(r.spec.parent_refs, ns),
+                RouteRules::Grpc(rules),
+            )
+        }
+        Resource::TLSRoute(r) => {
+            let rules = r
+                .spec
+                .rules
+                .iter()
+                .enumerate()
+                .map(|(i, rule)| {
+                    let at = format!("spec.rules[{i}]");
+                    backends!(world, kind, ns, rule.backend_refs, at, &mut err)
+                })
+                .collect();
+            (
+                r.spec.hostnames.clone(),
+                parents!(r.spec.parent_refs, ns),
+                RouteRules::Tls(rules),
+            )
+        }
+        Resource::TCPRoute(r) => {
+            let rules = r
+                .spec
+                .rules
+                .iter()
+                .enumerate()
+                .map(|(i, rule)| {
+                    let at = format!("spec.rules[{i}]");
+                    backends!(world, kind, ns, rule.backend_refs, at, &mut err)
+                })
+                .collect();
+            (
+                Vec::new(),
+                parents!(r.spec.parent_refs, ns),
+                RouteRules::Tcp(rules),
+            )
+        }
+        _ => return None,
+    };
+    let targets = parents.iter().map(|p| p.target()).collect();
+    Some(RouteIn {
+        targets,
+        kind,
+        generation: obj.resource.meta().generation.unwrap_or(1),
+        precedence: crate::reconcile::precedence_of(obj),
+        hostnames,
+        parents,
+        rules: Arc::new(rules),
+        backend_error: err,
+    })
+}
+
+/// The listeners of one parent resource as routes see them.
+pub(crate) struct OwnerView<'a> {
+    pub namespace: &'a str,
+    /// The resource itself is accepted (a Gateway of ours; a ListenerSet allowed by an accepted
+    /// Gateway).
+    pub accepted: bool,
+    pub listeners: &'a [ListenerIn],
+}
+
+/// One listener a parentRef attached to.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Attach {
+    pub listener: usize,
+    pub hostnames: Vec<String>,
+}
+
+/// Why a parentRef did not attach: (reason, message). Messages name only what the route author
+/// wrote, never objects of other namespaces.
+pub(crate) type NotAttached = (&'static str, Cow<'static, str>);
+
+pub(crate) const NO_PARENT: &str =
+    "no Gateway or ListenerSet served by keyway matches this parentRef";
+
+/// Attaches `route` (in `route_ns`) through one parentRef to the listeners of `view`.
+pub(crate) fn attach(
+    world: &World<'_>,
+    route_ns: &str,
+    route: &RouteIn,
+    parent: &ParentRefIn,
+    view: Option<&OwnerView<'_>>,
+) -> Result<Vec<Attach>, NotAttached> {
+    let Some(view) = view else {
+        return Err(("NoMatchingParent", Cow::Borrowed(NO_PARENT)));
+    };
+    if !view.accepted {
+        return Err((
+            "NoMatchingParent",
+            format!("the parent {} is not accepted", parent.kind).into(),
+        ));
+    }
+    let candidates: Vec<usize> = view
+        .listeners
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| {
+            parent
+                .section_name
+                .as_ref()
+                .is_none_or(|s| *s == l.spec.name)
+                && parent.port.is_none_or(|p| p == l.spec.port)
+        })
+        .map(|(i, _)| i)
+        .collect();
+    if candidates.is_empty() {
+        return Err((
+            "NoMatchingParent",
+            format!(
+                "the parent {} has no listener matching this sectionName/port",
+                parent.kind
+            )
+            .into(),
+        ));
+    }
+    let allowed: Vec<usize> = candidates
+        .into_iter()
+        .filter(|&i| {
+            let l = &view.listeners[i];
+            l.supported_kinds.contains(&route.kind)
+                && match &l.spec.routes_from {
+                    RoutesFrom::All => true,
+                    RoutesFrom::Same => route_ns == view.namespace,
+                    RoutesFrom::Selector(sel) => world.namespace_matches(route_ns, sel),
+                }
+        })
+        .collect();
+    if allowed.is_empty() {
+        return Err((
+            "NotAllowedByListeners",
+            format!(
+                "no listener of the parent allows a {} from this namespace",
+                route.kind
+            )
+            .into(),
+        ));
+    }
+    let attached: Vec<Attach> = allowed
+        .into_iter()
+        .filter_map(|i| {
+            intersect(view.listeners[i].spec.hostname.as_deref(), &route.hostnames).map(
+                |hostnames| Attach {
+                    listener: i,
+                    hostnames,
+                },
+            )
+        })
+        .collect();
+    if attached.is_empty() {
+        return Err((
+            "NoMatchingListenerHostname",
+            Cow::Borrowed("no listener hostname intersects the route's hostnames"),
+        ));
+    }
+    Ok(attached)
+}

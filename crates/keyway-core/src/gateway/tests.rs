@@ -1,0 +1,1361 @@
+//! Table tests per SPEC §4 rule, regression tests named after the bug classes in ANCHORS, and
+//! property tests over merge order.
+
+use serde_json::Value;
+
+use super::plan::{Backend, Protocol, ProtocolFamily};
+use super::*;
+use crate::load::load_file;
+use crate::reconcile::{ObjectState, reconcile};
+
+pub(super) fn now() -> Time {
+    Time(crate::jiff::Timestamp::from_second(1_700_000_000).unwrap_or_default())
+}
+
+/// Loads YAML documents into an index the way a site does (reconcile stamps times).
+pub(super) fn index_of(yaml: &str) -> Index {
+    index_of_files(&[("test.yaml", yaml)])
+}
+
+pub(super) fn index_of_files(files: &[(&str, &str)]) -> Index {
+    let loads: Vec<_> = files.iter().map(|(f, y)| load_file(f, y)).collect();
+    let mut index = Index::default();
+    let r = reconcile(&mut index, &mut ObjectState::default(), &loads, &now());
+    assert!(r.errors.is_empty(), "fixture errors: {:#?}", r.errors);
+    index
+}
+
+pub(super) const CERT: &str = "-----BEGIN CERTIFICATE-----\nMAMCAQE=\n-----END CERTIFICATE-----\n";
+pub(super) const KEY: &str = "-----BEGIN PRIVATE KEY-----\nMAMCAQE=\n-----END PRIVATE KEY-----\n";
+
+pub(super) fn secret(ns: &str, name: &str) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: {ns}}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
+        CERT, KEY
+    )
+}
+
+pub(super) fn gateway(ns: &str, name: &str, from: &str, listeners: &str) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners:\n    namespaces:\n      {from}\n  listeners:\n{listeners}"
+    )
+}
+
+pub(super) fn listener_set(
+    ns: &str,
+    name: &str,
+    created: u32,
+    parent: &str,
+    listeners: &str,
+) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: {name}, namespace: {ns}, creationTimestamp: \"2024-01-01T00:{:02}:{:02}Z\"}}\nspec:\n  parentRef: {{name: {parent}, namespace: infra}}\n  listeners:\n{listeners}",
+        created / 60,
+        created % 60
+    )
+}
+
+/// `- name: N, port: P, protocol: PROTO, hostname: H` as YAML list items.
+pub(super) fn l(name: &str, port: u16, protocol: &str, hostname: Option<&str>) -> String {
+    let host = hostname
+        .map(|h| format!(", hostname: \"{h}\""))
+        .unwrap_or_default();
+    let tls = match protocol {
+        "HTTPS" => ", tls: {mode: Terminate, certificateRefs: [{name: cert}]}",
+        "TLS" => ", tls: {mode: Passthrough}",
+        _ => "",
+    };
+    format!("  - {{name: {name}, port: {port}, protocol: {protocol}{host}{tls}}}\n")
+}
+
+pub(super) fn http_route(
+    ns: &str,
+    name: &str,
+    parents: &str,
+    hostnames: &str,
+    backend: &str,
+) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  parentRefs: {parents}\n  hostnames: {hostnames}\n  rules:\n  - backendRefs: [{backend}]\n"
+    )
+}
+
+pub(super) fn key(kind: Kind, ns: &str, name: &str) -> ObjectKey {
+    ObjectKey::new(kind, ns, name)
+}
+
+fn status<'a>(r: &'a GatewayResolution, kind: Kind, ns: &str, name: &str) -> &'a Value {
+    r.statuses
+        .get(&key(kind, ns, name))
+        .unwrap_or_else(|| panic!("no status for {kind} {ns}/{name}: {:#?}", r.statuses.keys()))
+}
+
+/// (status, reason) of condition `t` in a list.
+fn cond(conds: &Value, t: &str) -> (String, String) {
+    let c = conds
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["type"] == t))
+        .unwrap_or_else(|| panic!("no {t} in {conds:#}"));
+    (
+        c["status"].as_str().unwrap_or_default().to_string(),
+        c["reason"].as_str().unwrap_or_default().to_string(),
+    )
+}
+
+fn top(r: &GatewayResolution, kind: Kind, ns: &str, name: &str, t: &str) -> (String, String) {
+    cond(&status(r, kind, ns, name)["conditions"], t)
+}
+
+fn listener<'a>(r: &'a GatewayResolution, kind: Kind, ns: &str, name: &str, l: &str) -> &'a Value {
+    status(r, kind, ns, name)["listeners"]
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["name"] == l))
+        .unwrap_or_else(|| panic!("no listener {l} on {name}"))
+}
+
+fn lcond(
+    r: &GatewayResolution,
+    kind: Kind,
+    ns: &str,
+    name: &str,
+    l: &str,
+    t: &str,
+) -> (String, String) {
+    cond(&listener(r, kind, ns, name, l)["conditions"], t)
+}
+
+fn pcond(r: &GatewayResolution, ns: &str, route: &str, parent: usize, t: &str) -> (String, String) {
+    cond(
+        &status(r, Kind::HTTPRoute, ns, route)["parents"][parent]["conditions"],
+        t,
+    )
+}
+
+fn yes(reason: &str) -> (String, String) {
+    ("True".into(), reason.into())
+}
+
+fn no(reason: &str) -> (String, String) {
+    ("False".into(), reason.into())
+}
+
+/// A listener that lost must say so three times with one reason (conformance).
+fn assert_lost(r: &GatewayResolution, kind: Kind, ns: &str, name: &str, l: &str, reason: &str) {
+    assert_eq!(
+        lcond(r, kind, ns, name, l, "Accepted"),
+        no(reason),
+        "{name}/{l}"
+    );
+    assert_eq!(
+        lcond(r, kind, ns, name, l, "Programmed"),
+        no(reason),
+        "{name}/{l}"
+    );
+    assert_eq!(
+        lcond(r, kind, ns, name, l, "Conflicted"),
+        yes(reason),
+        "{name}/{l}"
+    );
+}
+
+fn assert_won(r: &GatewayResolution, kind: Kind, ns: &str, name: &str, l: &str) {
+    assert_eq!(
+        lcond(r, kind, ns, name, l, "Accepted"),
+        yes("Accepted"),
+        "{name}/{l}"
+    );
+    assert_eq!(
+        lcond(r, kind, ns, name, l, "Programmed"),
+        yes("Programmed"),
+        "{name}/{l}"
+    );
+    assert_eq!(
+        lcond(r, kind, ns, name, l, "Conflicted"),
+        no("NoConflicts"),
+        "{name}/{l}"
+    );
+}
+
+const LS: Kind = Kind::ListenerSet;
+const GW: Kind = Kind::Gateway;
+
+fn base(from: &str) -> String {
+    let web = "  - {name: web, port: 80, protocol: HTTP, hostname: gw.example.com, allowedRoutes: {namespaces: {from: All}}}\n";
+    let mut y = gateway("infra", "gw", from, web);
+    for ns in ["team-a", "team-b", "infra"] {
+        y += &secret(ns, "cert");
+    }
+    y
+}
+
+// ---- allowedListeners -------------------------------------------------------------------------
+
+#[test]
+fn allowed_listeners_table() {
+    let ns_objects = "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team-a, labels: {tier: gold}}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team-b, labels: {tier: silver}}\n";
+    let cases: &[(&str, bool, bool)] = &[
+        ("{}", false, false),
+        ("from: None", false, false),
+        ("from: All", true, true),
+        ("from: Same", false, false),
+        (
+            "{from: Selector, selector: {matchLabels: {tier: gold}}}",
+            true,
+            false,
+        ),
+        (
+            "{from: Selector, selector: {matchExpressions: [{key: tier, operator: In, values: [gold, silver]}]}}",
+            true,
+            true,
+        ),
+        (
+            "{from: Selector, selector: {matchExpressions: [{key: tier, operator: NotIn, values: [gold]}]}}",
+            false,
+            true,
+        ),
+        (
+            "{from: Selector, selector: {matchExpressions: [{key: tier, operator: Exists}]}}",
+            true,
+            true,
+        ),
+        (
+            "{from: Selector, selector: {matchExpressions: [{key: tier, operator: DoesNotExist}]}}",
+            false,
+            false,
+        ),
+        (
+            "{from: Selector, selector: {matchLabels: {kubernetes.io/metadata.name: team-b}}}",
+            false,
+            true,
+        ),
+    ];
+    for (from, a_ok, b_ok) in cases {
+        let from_line = if from.starts_with('{') {
+            format!("{from}").replace('{', "").replace('}', "")
+        } else {
+            from.to_string()
+        };
+        let _ = from_line;
+        let y = format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw, namespace: infra}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {}}}\n  listeners:\n{}",
+            if from.starts_with('{') {
+                from.to_string()
+            } else {
+                format!("{{{from}}}")
+            },
+            l("web", 80, "HTTP", Some("gw.example.com"))
+        ) + ns_objects
+            + &listener_set(
+                "team-a",
+                "a",
+                1,
+                "gw",
+                &l("x", 80, "HTTP", Some("a.example.com")),
+            )
+            + &listener_set(
+                "team-b",
+                "b",
+                2,
+                "gw",
+                &l("x", 80, "HTTP", Some("b.example.com")),
+            );
+        let r = resolve(&index_of(&y), &now());
+        for (name, ns, ok) in [("a", "team-a", *a_ok), ("b", "team-b", *b_ok)] {
+            let want = if ok {
+                yes("Accepted")
+            } else {
+                no("NotAllowed")
+            };
+            assert_eq!(top(&r, LS, ns, name, "Accepted"), want, "{from} for {name}");
+            let want = if ok {
+                yes("Programmed")
+            } else {
+                no("NotAllowed")
+            };
+            assert_eq!(
+                top(&r, LS, ns, name, "Programmed"),
+                want,
+                "{from} for {name}"
+            );
+        }
+        let n = usize::from(*a_ok) + usize::from(*b_ok);
+        assert_eq!(
+            status(&r, GW, "infra", "gw")["attachedListenerSets"],
+            n,
+            "{from}"
+        );
+    }
+}
+
+#[test]
+fn same_means_the_gateways_namespace_for_listener_sets() {
+    let y = base("from: Same")
+        + &listener_set(
+            "infra",
+            "mine",
+            1,
+            "gw",
+            &l("x", 80, "HTTP", Some("a.example.com")),
+        )
+        + &listener_set(
+            "team-a",
+            "theirs",
+            2,
+            "gw",
+            &l("x", 80, "HTTP", Some("b.example.com")),
+        );
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(top(&r, LS, "infra", "mine", "Accepted"), yes("Accepted"));
+    assert_eq!(
+        top(&r, LS, "team-a", "theirs", "Accepted"),
+        no("NotAllowed")
+    );
+}
+
+#[test]
+fn missing_parent_is_parent_not_accepted_and_foreign_class_gets_no_status() {
+    let y = base("from: All")
+        + &listener_set("team-a", "orphan", 1, "nope", &l("x", 80, "HTTP", None))
+        + "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: other, namespace: infra}\nspec:\n  gatewayClassName: someone-else\n  listeners: [{name: a, port: 80, protocol: HTTP}]\n"
+        + &listener_set("team-a", "foreign", 2, "other", &l("x", 80, "HTTP", None));
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(
+        top(&r, LS, "team-a", "orphan", "Accepted"),
+        no("ParentNotAccepted")
+    );
+    assert_eq!(
+        top(&r, LS, "team-a", "orphan", "Programmed"),
+        no("ParentNotAccepted")
+    );
+    assert!(!r.statuses.contains_key(&key(GW, "infra", "other")));
+    assert!(!r.statuses.contains_key(&key(LS, "team-a", "foreign")));
+    assert_eq!(r.plan.gateways.len(), 1);
+}
+
+#[test]
+fn gateway_not_accepted_makes_its_listener_sets_parent_not_accepted() {
+    let y = gateway("infra", "gw", "from: All", &l("bad", 80, "UDP", None))
+        + &listener_set("team-a", "a", 1, "gw", &l("x", 80, "HTTP", None));
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(
+        top(&r, GW, "infra", "gw", "Accepted"),
+        no("ListenersNotValid")
+    );
+    assert_eq!(
+        lcond(&r, GW, "infra", "gw", "bad", "Accepted"),
+        no("UnsupportedProtocol")
+    );
+    assert_eq!(
+        top(&r, LS, "team-a", "a", "Accepted"),
+        no("ParentNotAccepted")
+    );
+    assert!(r.plan.gateways.is_empty());
+}
+
+// ---- conflicts ----------------------------------------------------------------------------------
+
+#[test]
+fn conflict_table() {
+    // (listener of the Gateway, listener of the ListenerSet, expected loss reason for the set's).
+    let cases: &[(
+        (u16, &str, Option<&str>),
+        (u16, &str, Option<&str>),
+        Option<&str>,
+    )] = &[
+        (
+            (80, "HTTP", Some("a.com")),
+            (80, "HTTP", Some("a.com")),
+            Some("HostnameConflict"),
+        ),
+        (
+            (80, "HTTP", None),
+            (80, "HTTP", None),
+            Some("HostnameConflict"),
+        ),
+        ((80, "HTTP", Some("a.com")), (80, "HTTP", None), None),
+        (
+            (80, "HTTP", Some("*.a.com")),
+            (80, "HTTP", Some("foo.a.com")),
+            None,
+        ),
+        (
+            (80, "HTTP", Some("a.com")),
+            (80, "HTTP", Some("b.com")),
+            None,
+        ),
+        (
+            (80, "HTTP", Some("a.com")),
+            (81, "HTTP", Some("a.com")),
+            None,
+        ),
+        (
+            (443, "HTTP", Some("a.com")),
+            (443, "HTTPS", Some("b.com")),
+            Some("ProtocolConflict"),
+        ),
+        (
+            (443, "HTTPS", Some("a.com")),
+            (443, "HTTP", Some("b.com")),
+            Some("ProtocolConflict"),
+        ),
+        (
+            (443, "HTTP", Some("a.com")),
+            (443, "TLS", Some("b.com")),
+            Some("ProtocolConflict"),
+        ),
+        (
+            (443, "HTTPS", Some("a.com")),
+            (443, "TLS", Some("b.com")),
+            None,
+        ),
+        (
+            (443, "HTTPS", Some("a.com")),
+            (443, "TLS", Some("a.com")),
+            Some("HostnameConflict"),
+        ),
+        (
+            (443, "HTTPS", Some("a.com")),
+            (443, "HTTPS", Some("a.com")),
+            Some("HostnameConflict"),
+        ),
+        (
+            (443, "HTTPS", None),
+            (443, "HTTPS", None),
+            Some("HostnameConflict"),
+        ),
+        (
+            (9000, "TCP", None),
+            (9000, "TCP", None),
+            Some("ProtocolConflict"),
+        ),
+        (
+            (9000, "TCP", None),
+            (9000, "HTTP", Some("a.com")),
+            Some("ProtocolConflict"),
+        ),
+        (
+            (9000, "HTTP", Some("a.com")),
+            (9000, "TCP", None),
+            Some("ProtocolConflict"),
+        ),
+        (
+            (9000, "TLS", Some("a.com")),
+            (9000, "TCP", None),
+            Some("ProtocolConflict"),
+        ),
+        ((9000, "TCP", None), (9001, "TCP", None), None),
+    ];
+    for (g, s, want) in cases {
+        let y = gateway("infra", "gw", "from: All", &l("g", g.0, g.1, g.2))
+            + &secret("infra", "cert")
+            + &secret("team-a", "cert")
+            + &listener_set(
+                "team-a",
+                "ls",
+                1,
+                "gw",
+                &(l("s", s.0, s.1, s.2) + &l("other", 7000, "HTTP", None)),
+            );
+        let r = resolve(&index_of(&y), &now());
+        assert_won(&r, GW, "infra", "gw", "g");
+        match want {
+            Some(reason) => assert_lost(&r, LS, "team-a", "ls", "s", reason),
+            None => assert_won(&r, LS, "team-a", "ls", "s"),
+        }
+        // A partly conflicted ListenerSet with another valid listener stays accepted.
+        assert_eq!(
+            top(&r, LS, "team-a", "ls", "Accepted"),
+            yes("Accepted"),
+            "{g:?} {s:?}"
+        );
+    }
+}
+
+#[test]
+fn older_listener_set_wins_then_name_breaks_ties() {
+    let host = Some("app.example.com");
+    let y = base("from: All")
+        + &listener_set("team-b", "zz-old", 1, "gw", &l("x", 80, "HTTP", host))
+        + &listener_set("team-a", "aa-new", 5, "gw", &l("x", 80, "HTTP", host))
+        + &listener_set("team-a", "tie-b", 9, "gw", &l("x", 81, "HTTP", host))
+        + &listener_set("team-a", "tie-a", 9, "gw", &l("x", 81, "HTTP", host));
+    let r = resolve(&index_of(&y), &now());
+    assert_won(&r, LS, "team-b", "zz-old", "x");
+    assert_lost(&r, LS, "team-a", "aa-new", "x", "HostnameConflict");
+    assert_won(&r, LS, "team-a", "tie-a", "x");
+    assert_lost(&r, LS, "team-a", "tie-b", "x", "HostnameConflict");
+    assert_eq!(
+        top(&r, LS, "team-a", "aa-new", "Accepted"),
+        no("ListenersNotValid")
+    );
+    assert_eq!(
+        top(&r, LS, "team-a", "aa-new", "Programmed"),
+        no("ListenersNotValid")
+    );
+    assert_eq!(status(&r, GW, "infra", "gw")["attachedListenerSets"], 2);
+}
+
+#[test]
+fn mutually_conflicting_listeners_of_one_resource_all_lose_and_never_block() {
+    // The schema forbids identical port/protocol/hostname within one resource; HTTPS and TLS
+    // with one hostname on one port still clash.
+    let dup = l("one", 443, "HTTPS", Some("x.com")) + &l("two", 443, "TLS", Some("x.com"));
+    let y = base("from: All")
+        + &listener_set(
+            "team-a",
+            "first",
+            1,
+            "gw",
+            &(dup + &l("ok", 443, "HTTPS", Some("y.com"))),
+        )
+        + &listener_set(
+            "team-b",
+            "second",
+            2,
+            "gw",
+            &l("three", 443, "HTTPS", Some("x.com")),
+        );
+    let r = resolve(&index_of(&y), &now());
+    assert_lost(&r, LS, "team-a", "first", "one", "HostnameConflict");
+    assert_lost(&r, LS, "team-a", "first", "two", "HostnameConflict");
+    assert_won(&r, LS, "team-a", "first", "ok");
+    // The losers hold nothing: the later set gets x.com.
+    assert_won(&r, LS, "team-b", "second", "three");
+    assert_eq!(top(&r, LS, "team-b", "second", "Accepted"), yes("Accepted"));
+}
+
+#[test]
+fn gateway_with_conflicting_own_listeners_reports_listeners_not_valid() {
+    let own = l("a", 443, "HTTPS", Some("x.com"))
+        + &l("b", 443, "TLS", Some("x.com"))
+        + &l("c", 80, "HTTP", Some("y.com"))
+        + &l("d", 80, "TCP", None);
+    let y = gateway("infra", "gw", "{}", &own) + &secret("infra", "cert");
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(
+        top(&r, GW, "infra", "gw", "Accepted"),
+        no("ListenersNotValid")
+    );
+    assert_eq!(top(&r, GW, "infra", "gw", "Programmed"), no("Invalid"));
+    assert_lost(&r, GW, "infra", "gw", "a", "HostnameConflict");
+    assert_lost(&r, GW, "infra", "gw", "b", "HostnameConflict");
+    assert_lost(&r, GW, "infra", "gw", "c", "ProtocolConflict");
+    assert_lost(&r, GW, "infra", "gw", "d", "ProtocolConflict");
+    let own = l("a", 443, "HTTPS", Some("x.com"))
+        + &l("b", 443, "TLS", Some("x.com"))
+        + &l("c", 80, "HTTP", Some("y.com"));
+    let y = gateway("infra", "gw", "{}", &own) + &secret("infra", "cert");
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(
+        top(&r, GW, "infra", "gw", "Accepted"),
+        yes("ListenersNotValid")
+    );
+    assert_won(&r, GW, "infra", "gw", "c");
+    assert_eq!(top(&r, GW, "infra", "gw", "Programmed"), yes("Programmed"));
+}
+
+#[test]
+fn listener_validation_table() {
+    let cases: &[(&str, &str, (&str, &str))] = &[
+        (
+            "{name: x, port: 53, protocol: UDP}",
+            "Accepted",
+            ("False", "UnsupportedProtocol"),
+        ),
+        (
+            "{name: x, port: 80, protocol: FTP}",
+            "Accepted",
+            ("False", "UnsupportedProtocol"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS}",
+            "Accepted",
+            ("False", "UnsupportedValue"),
+        ),
+        (
+            "{name: x, port: 443, protocol: TLS, tls: {certificateRefs: [{name: cert}]}}",
+            "Accepted",
+            ("False", "UnsupportedValue"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: nope}]}}",
+            "ResolvedRefs",
+            ("False", "InvalidCertificateRef"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: bad}]}}",
+            "ResolvedRefs",
+            ("False", "InvalidCertificateRef"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: cert, kind: ConfigMap}]}}",
+            "ResolvedRefs",
+            ("False", "InvalidCertificateRef"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: cert, namespace: infra}]}}",
+            "ResolvedRefs",
+            ("False", "RefNotPermitted"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: cert, namespace: granted}]}}",
+            "ResolvedRefs",
+            ("True", "ResolvedRefs"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: cert, namespace: gw-only}]}}",
+            "ResolvedRefs",
+            ("False", "RefNotPermitted"),
+        ),
+        (
+            "{name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: cert}]}}",
+            "ResolvedRefs",
+            ("True", "ResolvedRefs"),
+        ),
+        (
+            "{name: x, port: 80, protocol: HTTP, allowedRoutes: {kinds: [{kind: TCPRoute}]}}",
+            "ResolvedRefs",
+            ("False", "InvalidRouteKinds"),
+        ),
+        (
+            "{name: x, port: 80, protocol: HTTP, allowedRoutes: {kinds: [{kind: HTTPRoute}, {kind: TLSRoute}]}}",
+            "ResolvedRefs",
+            ("False", "InvalidRouteKinds"),
+        ),
+        (
+            "{name: x, port: 443, protocol: TLS, tls: {mode: Passthrough}}",
+            "Programmed",
+            ("True", "Programmed"),
+        ),
+    ];
+    // A malformed Secret cannot even be loaded (validation rejects it), so "bad" is a Secret
+    // without the key material.
+    let bad = "---\napiVersion: v1\nkind: Secret\nmetadata: {name: bad, namespace: team-a}\nstringData: {other: x}\n";
+    let grants = "---\napiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata: {name: g, namespace: granted}\nspec:\n  from: [{group: gateway.networking.k8s.io, kind: ListenerSet, namespace: team-a}]\n  to: [{group: \"\", kind: Secret}]\n---\napiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata: {name: g, namespace: gw-only}\nspec:\n  from: [{group: gateway.networking.k8s.io, kind: Gateway, namespace: team-a}]\n  to: [{group: \"\", kind: Secret}]\n";
+    for (listener, t, want) in cases {
+        let y = base("from: All")
+            + bad
+            + grants
+            + &secret("granted", "cert")
+            + &secret("gw-only", "cert")
+            + &listener_set("team-a", "ls", 1, "gw", &format!("  - {listener}\n"));
+        let r = resolve(&index_of(&y), &now());
+        let got = lcond(&r, LS, "team-a", "ls", "x", t);
+        assert_eq!((got.0.as_str(), got.1.as_str()), *want, "{listener}");
+        let problem = want.0 == "False";
+        assert_eq!(
+            r.problems
+                .iter()
+                .any(|p| p.object == Some(key(LS, "team-a", "ls"))),
+            problem,
+            "{listener}: {:?}",
+            r.problems
+        );
+    }
+}
+
+#[test]
+fn supported_kinds_list_only_valid_kinds() {
+    let y = base("from: All")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            "  - {name: x, port: 80, protocol: HTTP, allowedRoutes: {kinds: [{kind: HTTPRoute}, {kind: TLSRoute}]}}\n  - {name: t, port: 9000, protocol: TCP}\n  - {name: h, port: 81, protocol: HTTP}\n",
+        );
+    let r = resolve(&index_of(&y), &now());
+    let kinds = |l: &str| listener(&r, LS, "team-a", "ls", l)["supportedKinds"].clone();
+    assert_eq!(
+        kinds("x"),
+        serde_json::json!([{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute"}])
+    );
+    assert_eq!(
+        kinds("t"),
+        serde_json::json!([{"group": "gateway.networking.k8s.io", "kind": "TCPRoute"}])
+    );
+    assert_eq!(
+        kinds("h"),
+        serde_json::json!([{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute"}, {"group": "gateway.networking.k8s.io", "kind": "GRPCRoute"}])
+    );
+}
+
+// ---- routes -------------------------------------------------------------------------------------
+
+const TO_GW: &str = "[{name: gw, namespace: infra}]";
+const TO_LS: &str = "[{name: ls, namespace: team-a, kind: ListenerSet}]";
+
+pub(super) fn svc(ns: &str, name: &str) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  ports: [{{name: http, port: 80, targetPort: 8080}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: {ns}, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints:\n- addresses: [10.0.0.1]\n- addresses: [10.0.0.2]\n  conditions: {{ready: false}}\n"
+    )
+}
+
+fn routes_world(extra: &str) -> GatewayResolution {
+    let y = base("from: All")
+        + &svc("team-a", "app")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &(l("one", 80, "HTTP", Some("a.example.com"))
+                + &l("two", 8080, "HTTP", Some("*.example.com"))),
+        )
+        + extra;
+    resolve(&index_of(&y), &now())
+}
+
+const APP: &str = "{name: app, port: 80}";
+
+#[test]
+fn gateway_routes_never_leak_onto_listener_set_listeners() {
+    let r = routes_world(&http_route("team-a", "r", TO_GW, "[]", APP));
+    assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
+    assert_eq!(listener(&r, GW, "infra", "gw", "web")["attachedRoutes"], 1);
+    assert_eq!(listener(&r, LS, "team-a", "ls", "one")["attachedRoutes"], 0);
+    assert_eq!(listener(&r, LS, "team-a", "ls", "two")["attachedRoutes"], 0);
+    for port in &r.plan.gateways[0].ports {
+        for lb in &port.listeners {
+            let expect = usize::from(lb.owner.kind == Kind::Gateway);
+            assert_eq!(lb.routes.len(), expect, "{}", lb.name);
+        }
+    }
+}
+
+#[test]
+fn listener_set_routes_attach_only_to_the_set() {
+    let r = routes_world(&http_route("team-a", "r", TO_LS, "[]", APP));
+    assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
+    assert_eq!(listener(&r, GW, "infra", "gw", "web")["attachedRoutes"], 0);
+    assert_eq!(listener(&r, LS, "team-a", "ls", "one")["attachedRoutes"], 1);
+    assert_eq!(listener(&r, LS, "team-a", "ls", "two")["attachedRoutes"], 1);
+}
+
+#[test]
+fn route_parent_table() {
+    let cases: &[(&str, &str, (&str, &str), [i32; 3])] = &[
+        // (parentRefs, hostnames, Accepted, attachedRoutes of gw/web, ls/one, ls/two)
+        (TO_GW, "[]", ("True", "Accepted"), [1, 0, 0]),
+        (
+            "[{name: gw, namespace: infra, sectionName: one}]",
+            "[]",
+            ("False", "NoMatchingParent"),
+            [0, 0, 0],
+        ),
+        (
+            "[{name: ls, namespace: team-a, kind: ListenerSet, sectionName: two}]",
+            "[]",
+            ("True", "Accepted"),
+            [0, 0, 1],
+        ),
+        (
+            "[{name: ls, namespace: team-a, kind: ListenerSet, port: 80}]",
+            "[]",
+            ("True", "Accepted"),
+            [0, 1, 0],
+        ),
+        (
+            "[{name: ls, namespace: team-a, kind: ListenerSet, port: 81}]",
+            "[]",
+            ("False", "NoMatchingParent"),
+            [0, 0, 0],
+        ),
+        (
+            "[{name: ls, namespace: team-a, kind: ListenerSet, sectionName: web}]",
+            "[]",
+            ("False", "NoMatchingParent"),
+            [0, 0, 0],
+        ),
+        (
+            "[{name: nope, namespace: team-a, kind: ListenerSet}]",
+            "[]",
+            ("False", "NoMatchingParent"),
+            [0, 0, 0],
+        ),
+        (
+            "[{name: nope, namespace: infra}]",
+            "[]",
+            ("False", "NoMatchingParent"),
+            [0, 0, 0],
+        ),
+        (TO_LS, "[b.example.com]", ("True", "Accepted"), [0, 0, 1]),
+        (
+            TO_LS,
+            "[\"*.example.com\"]",
+            ("True", "Accepted"),
+            [0, 1, 1],
+        ),
+        (
+            TO_LS,
+            "[other.org]",
+            ("False", "NoMatchingListenerHostname"),
+            [0, 0, 0],
+        ),
+        (
+            TO_GW,
+            "[other.org]",
+            ("False", "NoMatchingListenerHostname"),
+            [0, 0, 0],
+        ),
+    ];
+    for (parents, hostnames, want, counts) in cases {
+        let r = routes_world(&http_route("team-a", "r", parents, hostnames, APP));
+        let got = pcond(&r, "team-a", "r", 0, "Accepted");
+        assert_eq!(
+            (got.0.as_str(), got.1.as_str()),
+            *want,
+            "{parents} {hostnames}"
+        );
+        let got_counts = [
+            listener(&r, GW, "infra", "gw", "web")["attachedRoutes"].as_i64(),
+            listener(&r, LS, "team-a", "ls", "one")["attachedRoutes"].as_i64(),
+            listener(&r, LS, "team-a", "ls", "two")["attachedRoutes"].as_i64(),
+        ];
+        assert_eq!(
+            got_counts,
+            counts.map(|c| Some(i64::from(c))),
+            "{parents} {hostnames}"
+        );
+        let entry = &status(&r, Kind::HTTPRoute, "team-a", "r")["parents"][0];
+        assert_eq!(entry["controllerName"], CONTROLLER_NAME);
+        assert_eq!(entry["parentRef"]["group"], "gateway.networking.k8s.io");
+        assert!(entry["parentRef"]["namespace"].is_string());
+    }
+}
+
+#[test]
+fn one_status_entry_per_parent_ref_echoing_it() {
+    let parents = "[{name: gw, namespace: infra}, {name: ls, namespace: team-a, kind: ListenerSet, sectionName: one}, {name: nope}]";
+    let r = routes_world(&http_route("team-a", "r", parents, "[]", APP));
+    let entries = status(&r, Kind::HTTPRoute, "team-a", "r")["parents"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(entries.len(), 3);
+    assert_eq!(
+        entries[1]["parentRef"],
+        serde_json::json!({"group": "gateway.networking.k8s.io", "kind": "ListenerSet", "namespace": "team-a", "name": "ls", "sectionName": "one"})
+    );
+    assert_eq!(
+        entries[2]["parentRef"],
+        serde_json::json!({"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "team-a", "name": "nope"})
+    );
+    assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
+    assert_eq!(pcond(&r, "team-a", "r", 1, "Accepted"), yes("Accepted"));
+    assert_eq!(
+        pcond(&r, "team-a", "r", 2, "Accepted"),
+        no("NoMatchingParent")
+    );
+}
+
+#[test]
+fn allowed_routes_namespaces_table() {
+    let ns_obj =
+        "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: apps, labels: {team: a}}\n";
+    let cases: &[(&str, &str, bool)] = &[
+        ("{}", "team-a", true),
+        ("{}", "apps", false),
+        ("{namespaces: {from: Same}}", "team-a", true),
+        ("{namespaces: {from: Same}}", "infra", false),
+        ("{namespaces: {from: All}}", "apps", true),
+        (
+            "{namespaces: {from: Selector, selector: {matchLabels: {team: a}}}}",
+            "apps",
+            true,
+        ),
+        (
+            "{namespaces: {from: Selector, selector: {matchLabels: {team: a}}}}",
+            "team-a",
+            false,
+        ),
+        ("{kinds: [{kind: GRPCRoute}]}", "team-a", false),
+    ];
+    for (allowed, route_ns, ok) in cases {
+        let y = base("from: All")
+            + ns_obj
+            + &svc(route_ns, "app")
+            + &listener_set(
+                "team-a",
+                "ls",
+                1,
+                "gw",
+                &format!("  - {{name: one, port: 80, protocol: HTTP, allowedRoutes: {allowed}}}\n"),
+            )
+            + &http_route(
+                route_ns,
+                "r",
+                "[{name: ls, namespace: team-a, kind: ListenerSet}]",
+                "[]",
+                APP,
+            );
+        let r = resolve(&index_of(&y), &now());
+        let want = if *ok {
+            yes("Accepted")
+        } else {
+            no("NotAllowedByListeners")
+        };
+        assert_eq!(
+            pcond(&r, route_ns, "r", 0, "Accepted"),
+            want,
+            "{allowed} from {route_ns}"
+        );
+    }
+}
+
+#[test]
+fn backend_refs_table() {
+    let skupper = "---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: db, namespace: team-a}\nspec: {routingKey: db-key, host: 127.0.0.1, port: 5432}\n---\napiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata: {name: multi, namespace: team-a}\nspec: {host: 127.0.0.1, port: 5433, strategy: {priorityFailover: {routingKeys: [k1, k2]}}}\n";
+    let grant = "---\napiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata: {name: g, namespace: granted}\nspec:\n  from: [{group: gateway.networking.k8s.io, kind: HTTPRoute, namespace: team-a}]\n  to: [{group: \"\", kind: Service}]\n";
+    let cases: &[(&str, (&str, &str))] = &[
+        (APP, ("True", "ResolvedRefs")),
+        ("{name: missing, port: 80}", ("False", "BackendNotFound")),
+        ("{name: app, port: 81}", ("False", "BackendNotFound")),
+        (
+            "{name: app, port: 80, namespace: other}",
+            ("False", "RefNotPermitted"),
+        ),
+        (
+            "{name: app, port: 80, namespace: granted}",
+            ("True", "ResolvedRefs"),
+        ),
+        (
+            "{name: app, port: 80, kind: ConfigMap}",
+            ("False", "InvalidKind"),
+        ),
+        (
+            "{name: db, group: skupper.io, kind: Listener}",
+            ("True", "ResolvedRefs"),
+        ),
+        (
+            "{name: multi, group: skupper.io, kind: MultiKeyListener}",
+            ("True", "ResolvedRefs"),
+        ),
+        (
+            "{name: nope, group: skupper.io, kind: Listener}",
+            ("False", "BackendNotFound"),
+        ),
+    ];
+    for (backend, want) in cases {
+        let extra = svc("other", "app")
+            + &svc("granted", "app")
+            + skupper
+            + grant
+            + &http_route("team-a", "r", TO_LS, "[]", backend);
+        let r = routes_world(&extra);
+        let got = pcond(&r, "team-a", "r", 0, "ResolvedRefs");
+        assert_eq!((got.0.as_str(), got.1.as_str()), *want, "{backend}");
+        // Unresolved or not, the route is accepted and its backend takes its share (500s).
+        assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
+        let lb = r.plan.gateways[0]
+            .ports
+            .iter()
+            .flat_map(|p| &p.listeners)
+            .find(|l| l.name == "one");
+        let Some(RouteRulesRef::Http(rules)) = lb.map(|l| RouteRulesRef::of(&l.routes[0].rules))
+        else {
+            panic!("no http route in plan for {backend}");
+        };
+        let b = &rules[0].backends[0].backend;
+        assert_eq!(
+            matches!(b, Backend::Unresolved { .. }),
+            want.0 == "False",
+            "{backend}: {b:?}"
+        );
+    }
+}
+
+enum RouteRulesRef<'a> {
+    Http(&'a Vec<plan::HttpRule>),
+    Other,
+}
+
+impl<'a> RouteRulesRef<'a> {
+    fn of(r: &'a plan::RouteRules) -> Self {
+        match r {
+            plan::RouteRules::Http(h) => RouteRulesRef::Http(h),
+            _ => RouteRulesRef::Other,
+        }
+    }
+}
+
+#[test]
+fn service_backends_resolve_ready_endpoints_at_the_target_port() {
+    let r = routes_world(&http_route("team-a", "r", TO_LS, "[]", APP));
+    let lb = r.plan.gateways[0]
+        .ports
+        .iter()
+        .flat_map(|p| &p.listeners)
+        .find(|l| l.name == "one");
+    let Some(RouteRulesRef::Http(rules)) = lb.map(|l| RouteRulesRef::of(&l.routes[0].rules)) else {
+        panic!("no route");
+    };
+    assert_eq!(
+        rules[0].backends[0].backend,
+        Backend::Service {
+            service: "team-a/app".into(),
+            endpoints: vec![plan::Endpoint {
+                address: "10.0.0.1".into(),
+                port: 8080
+            }],
+        }
+    );
+    assert_eq!(rules[0].backends[0].weight, 1);
+}
+
+#[test]
+fn messages_never_name_objects_of_other_namespaces() {
+    let extra = http_route(
+        "team-a",
+        "r",
+        "[{name: hidden, namespace: secret-ns}]",
+        "[]",
+        "{name: x, port: 80, namespace: secret-ns}",
+    ) + &listener_set(
+        "team-a",
+        "ls2",
+        3,
+        "gw",
+        "  - {name: x, port: 443, protocol: HTTPS, tls: {mode: Terminate, certificateRefs: [{name: private, namespace: secret-ns}]}}\n",
+    ) + &secret("secret-ns", "private")
+        + &svc("secret-ns", "x");
+    let r = routes_world(&extra);
+    for (k, v) in &r.statuses {
+        if k.namespace == "team-a" {
+            let text = v.to_string();
+            assert!(
+                !text.contains("hidden") || !text.contains("not found"),
+                "{k}: {text}"
+            );
+            assert!(!text.contains("secret-ns/"), "{k}: {text}");
+        }
+    }
+}
+
+// ---- status shape -------------------------------------------------------------------------------
+
+#[test]
+fn every_condition_has_observed_generation_and_time() {
+    let r = routes_world(&http_route("team-a", "r", TO_LS, "[]", APP));
+    fn walk(v: &Value, n: &mut usize) {
+        match v {
+            Value::Object(m) => {
+                if let Some(Value::Array(conds)) = m.get("conditions") {
+                    for c in conds {
+                        assert_eq!(c["observedGeneration"], 1, "{c}");
+                        assert_eq!(c["lastTransitionTime"], serde_json::json!(now()), "{c}");
+                        *n += 1;
+                    }
+                }
+                m.values().for_each(|x| walk(x, n));
+            }
+            Value::Array(a) => a.iter().for_each(|x| walk(x, n)),
+            _ => {}
+        }
+    }
+    let mut n = 0;
+    for v in r.statuses.values() {
+        walk(v, &mut n);
+    }
+    assert!(n >= 18, "{n}");
+}
+
+#[test]
+fn gateway_class_objects_naming_our_controller_are_accepted() {
+    let y = "---\napiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: mine}\nspec: {controllerName: keyway.io/gateway-controller}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: theirs}\nspec: {controllerName: example.com/other}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: gw, namespace: infra}\nspec:\n  gatewayClassName: mine\n  listeners: [{name: a, port: 80, protocol: HTTP}]\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: other, namespace: infra}\nspec:\n  gatewayClassName: theirs\n  listeners: [{name: a, port: 80, protocol: HTTP}]\n";
+    let r = resolve(&index_of(y), &now());
+    assert_eq!(
+        top(&r, Kind::GatewayClass, "", "mine", "Accepted"),
+        yes("Accepted")
+    );
+    assert!(
+        !r.statuses
+            .contains_key(&key(Kind::GatewayClass, "", "theirs"))
+    );
+    assert_eq!(top(&r, GW, "infra", "gw", "Programmed"), yes("Programmed"));
+    assert!(!r.statuses.contains_key(&key(GW, "infra", "other")));
+}
+
+#[test]
+fn plan_groups_listeners_by_port_and_family() {
+    let y = base("from: All")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &(l("s", 443, "HTTPS", Some("a.com"))
+                + &l("t", 443, "TLS", Some("b.com"))
+                + &l("tcp", 9000, "TCP", None)),
+        );
+    let r = resolve(&index_of(&y), &now());
+    let gw = &r.plan.gateways[0];
+    let ports: Vec<(u16, ProtocolFamily, usize)> = gw
+        .ports
+        .iter()
+        .map(|p| (p.port, p.family, p.listeners.len()))
+        .collect();
+    assert_eq!(
+        ports,
+        vec![
+            (80, ProtocolFamily::Http, 1),
+            (443, ProtocolFamily::Tls, 2),
+            (9000, ProtocolFamily::Tcp, 1)
+        ]
+    );
+    let https = &gw.ports[1].listeners[0];
+    assert_eq!(https.protocol, Protocol::Https);
+    assert_eq!(https.tls.as_ref().map(|t| t.certificates.len()), Some(1));
+    assert!(serde_json::to_value(&r.plan).is_ok());
+}
+
+// ---- seed ---------------------------------------------------------------------------------------
+
+/// The ListenerSet guide's two-team example (seed 001), with our class and the Secrets it names.
+#[test]
+fn seed_two_team_example_accepts_both_listener_sets() {
+    let y = r#"
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata:
+  name: parent-gateway
+spec:
+  gatewayClassName: keyway
+  allowedListeners:
+    namespaces:
+      from: Selector
+      selector:
+        matchLabels:
+          belongs-to: shared-gateway
+  listeners:
+  - name: foo
+    hostname: foo.com
+    protocol: HTTP
+    port: 80
+---
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: team-1-ns
+  labels:
+    belongs-to: shared-gateway
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: ListenerSet
+metadata:
+  name: first-workload-listeners
+  namespace: team-1-ns
+spec:
+  parentRef:
+    namespace: default
+    name: parent-gateway
+    kind: Gateway
+    group: gateway.networking.k8s.io
+  listeners:
+  - name: first
+    hostname: first.foo.com
+    protocol: HTTPS
+    port: 443
+    tls:
+      mode: Terminate
+      certificateRefs:
+      - kind: Secret
+        group: ""
+        name: first-workload-cert
+---
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: team-2-ns
+  labels:
+    belongs-to: shared-gateway
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: ListenerSet
+metadata:
+  name: second-workload-listeners
+  namespace: team-2-ns
+spec:
+  parentRef:
+    namespace: default
+    name: parent-gateway
+    kind: Gateway
+    group: gateway.networking.k8s.io
+  listeners:
+  - name: second
+    hostname: second.foo.com
+    protocol: HTTPS
+    port: 443
+    tls:
+      mode: Terminate
+      certificateRefs:
+      - kind: Secret
+        group: ""
+        name: second-workload-cert
+"#
+    .to_string()
+        + &secret("team-1-ns", "first-workload-cert")
+        + &secret("team-2-ns", "second-workload-cert");
+    let r = resolve(&index_of(&y), &now());
+    for (ns, name, l) in [
+        ("team-1-ns", "first-workload-listeners", "first"),
+        ("team-2-ns", "second-workload-listeners", "second"),
+    ] {
+        assert_eq!(top(&r, LS, ns, name, "Accepted"), yes("Accepted"));
+        assert_eq!(top(&r, LS, ns, name, "Programmed"), yes("Programmed"));
+        assert_won(&r, LS, ns, name, l);
+        assert_eq!(
+            lcond(&r, LS, ns, name, l, "ResolvedRefs"),
+            yes("ResolvedRefs")
+        );
+    }
+    assert_eq!(
+        status(&r, GW, "default", "parent-gateway")["attachedListenerSets"],
+        2
+    );
+    assert_eq!(r.plan.gateways[0].ports[1].listeners.len(), 2);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+}
+
+// ---- regressions (ANCHORS bug classes) ---------------------------------------------------------
+
+#[test]
+fn regression_gateway_routes_leaking_onto_listener_set_listeners() {
+    // Same port and a wildcard set listener: a Gateway-parented route must still only count on
+    // the Gateway's listener, and the plan must not carry it on the set's listener.
+    let y = base("from: All")
+        + &svc("team-a", "app")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("wild", 80, "HTTP", Some("*.example.com")),
+        )
+        + &http_route("team-a", "r", TO_GW, "[]", APP);
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(
+        listener(&r, LS, "team-a", "ls", "wild")["attachedRoutes"],
+        0
+    );
+    let wild = r.plan.gateways[0].ports[0]
+        .listeners
+        .iter()
+        .find(|l| l.name == "wild");
+    assert_eq!(wild.map(|l| l.routes.len()), Some(0));
+}
+
+#[test]
+fn regression_hostname_conflict_leaves_exactly_one_winner() {
+    let mut y = base("from: All");
+    for (i, ns) in ["team-a", "team-b", "team-c"].iter().enumerate() {
+        y += &listener_set(
+            ns,
+            "ls",
+            10 - i as u32,
+            "gw",
+            &l("x", 443, "HTTPS", Some("app.example.com")),
+        );
+    }
+    y += &secret("team-c", "cert");
+    let r = resolve(&index_of(&y), &now());
+    let winners: Vec<&str> = ["team-a", "team-b", "team-c"]
+        .into_iter()
+        .filter(|ns| lcond(&r, LS, ns, "ls", "x", "Accepted") == yes("Accepted"))
+        .collect();
+    assert_eq!(winners, vec!["team-c"]); // the oldest
+}
+
+#[test]
+fn regression_same_is_evaluated_against_the_listener_sets_namespace() {
+    let y = base("from: All")
+        + &svc("team-a", "app")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("one", 80, "HTTP", Some("a.example.com")),
+        )
+        + &http_route("team-a", "r", TO_LS, "[]", APP);
+    let r = resolve(&index_of(&y), &now());
+    // Default allowedRoutes is Same: the route lives with the set, not with the Gateway (infra).
+    assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
+}
+
+#[test]
+fn regression_port_shared_with_gateway_listener_is_served_or_reported() {
+    let y = base("from: All")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &(l("same", 80, "HTTP", Some("gw.example.com"))
+                + &l("other", 80, "HTTP", Some("b.example.com"))),
+        );
+    let r = resolve(&index_of(&y), &now());
+    // Either a listener is in the plan or its status says why not; never both silent.
+    assert_lost(&r, LS, "team-a", "ls", "same", "HostnameConflict");
+    assert_won(&r, LS, "team-a", "ls", "other");
+    let names: Vec<(String, String)> = r.plan.gateways[0].ports[0]
+        .listeners
+        .iter()
+        .map(|l| (l.owner.name.clone(), l.name.clone()))
+        .collect();
+    assert_eq!(
+        names,
+        vec![("gw".into(), "web".into()), ("ls".into(), "other".into())]
+    );
+}
+
+#[test]
+fn regression_route_parent_is_not_always_a_gateway() {
+    // ListenerSet parents, unknown kinds and missing parents must not be treated as Gateways.
+    let parents = "[{name: ls, namespace: team-a, kind: ListenerSet}, {name: gw, namespace: infra, kind: Service, group: \"\"}]";
+    let r = routes_world(&http_route("team-a", "r", parents, "[]", APP));
+    assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
+    assert_eq!(
+        pcond(&r, "team-a", "r", 1, "Accepted"),
+        no("NoMatchingParent")
+    );
+    assert_eq!(listener(&r, GW, "infra", "gw", "web")["attachedRoutes"], 0);
+}
+
+#[test]
+fn losing_listeners_still_count_attached_routes() {
+    let y = base("from: All")
+        + &svc("team-a", "app")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("dup", 80, "HTTP", Some("gw.example.com")),
+        )
+        + &http_route("team-a", "r", TO_LS, "[]", APP);
+    let r = resolve(&index_of(&y), &now());
+    assert_lost(&r, LS, "team-a", "ls", "dup", "HostnameConflict");
+    assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 1);
+    // …but the route is honestly not accepted: nothing serves it.
+    assert_eq!(
+        pcond(&r, "team-a", "r", 0, "Accepted"),
+        no("NoMatchingParent")
+    );
+}
+
+#[test]
+fn offline_compile_merges_gateway_status_and_plan() {
+    let y = base("from: All") + &http_route("infra", "r", TO_GW, "[]", "{name: missing, port: 80}");
+    let mut state = ObjectState::default();
+    let c = crate::offline::compile(&[load_file("a.yaml", &y)], &mut state, &now());
+    assert!(c.statuses.contains_key(&key(GW, "infra", "gw")));
+    assert_eq!(c.resolution.plan.gateways.gateways.len(), 1);
+    assert!(
+        c.errors()
+            .iter()
+            .any(|e| e.path == "spec.rules[0].backendRefs[0]"),
+        "{:?}",
+        c.errors()
+    );
+}
