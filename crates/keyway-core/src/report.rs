@@ -12,7 +12,8 @@ use crate::resource::{Kind, ObjectKey};
 /// Which objects to show.
 #[derive(Clone, Debug, Default)]
 pub struct Filter {
-    pub kind: Option<Kind>,
+    /// Empty: every kind.
+    pub kinds: Vec<Kind>,
     pub name: Option<String>,
     pub namespace: Option<String>,
 }
@@ -23,7 +24,7 @@ impl Filter {
         let kind = item["kind"].as_str().and_then(Kind::parse_cli);
         let name = item["metadata"]["name"].as_str().unwrap_or_default();
         let namespace = item["metadata"]["namespace"].as_str().unwrap_or_default();
-        self.kind.is_none_or(|k| Some(k) == kind)
+        (self.kinds.is_empty() || kind.is_some_and(|k| self.kinds.contains(&k)))
             && self.name.as_deref().is_none_or(|n| n == name)
             && self
                 .namespace
@@ -32,7 +33,7 @@ impl Filter {
     }
 
     pub fn matches(&self, key: &ObjectKey) -> bool {
-        self.kind.is_none_or(|k| k == key.kind)
+        (self.kinds.is_empty() || self.kinds.contains(&key.kind))
             && self.name.as_deref().is_none_or(|n| n == key.name)
             && self
                 .namespace

@@ -59,7 +59,7 @@ enum Command {
         /// Only this namespace.
         #[arg(short = 'n', long = "namespace")]
         namespace: Option<String>,
-        /// Only this kind (Listener, mkl, gateway, listenerset, ...).
+        /// Only these kinds, comma-separated (listener, mkl, gateway,listenerset, ...).
         kind: Option<String>,
         /// Only this name.
         name: Option<String>,
@@ -176,25 +176,24 @@ fn status(
     kind: Option<String>,
     name: Option<String>,
 ) -> Result<ExitCode> {
-    let kind = match kind {
-        Some(k) => match Kind::parse_cli(&k) {
-            Some(kind) => Some(kind),
+    // `kubectl`-style: `listener`, `mkl`, `gateway,listenerset`.
+    let mut kinds = Vec::new();
+    for k in kind
+        .iter()
+        .flat_map(|k| k.split(','))
+        .filter(|k| !k.is_empty())
+    {
+        match Kind::parse_cli(k) {
+            Some(kind) => kinds.push(kind),
             None => {
-                eprintln!(
-                    "error: unknown kind `{k}`; try one of: {}",
-                    Kind::ALL
-                        .iter()
-                        .map(|k| k.name())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
+                let all: Vec<_> = Kind::ALL.iter().map(|k| k.name()).collect();
+                eprintln!("error: unknown kind `{k}`; try one of: {}", all.join(", "));
                 return Ok(ExitCode::from(2));
             }
-        },
-        None => None,
-    };
+        }
+    }
     let filter = Filter {
-        kind,
+        kinds,
         name,
         namespace,
     };
