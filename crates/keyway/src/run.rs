@@ -22,7 +22,14 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
             config.display()
         );
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = std::env::var("KEYWAY_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        builder.worker_threads(n);
+    }
+    let runtime = builder
         .enable_all()
         .thread_name("keyway-data")
         .build()
