@@ -234,7 +234,6 @@ fn tidy_serde_message(msg: &str) -> String {
     msg.replace("expected i64", "expected an integer")
         .replace("expected i32", "expected an integer")
         .replace("expected u16", "expected an integer")
-        .replace("expected a string", "expected a string")
         .replace("expected struct ", "expected an object ")
         .replace("expected a sequence", "expected a list")
         .replace("expected a map", "expected an object")

@@ -445,7 +445,6 @@ impl GatewayResolver {
                 });
             }
         }
-        drop(input);
         self.inputs.retain(|_, c| c.seen == run);
         for o in &mut owners {
             o.fp = o.fingerprint();
