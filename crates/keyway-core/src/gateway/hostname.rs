@@ -49,9 +49,12 @@ mod tests {
         hs.iter().map(|h| h.to_string()).collect()
     }
 
+    /// (listener hostname, route hostnames, expected intersection).
+    type Case<'a> = (Option<&'a str>, &'a [&'a str], Option<&'a [&'a str]>);
+
     #[test]
     fn intersection_table() {
-        let cases: &[(Option<&str>, &[&str], Option<&[&str]>)] = &[
+        let cases: &[Case<'_>] = &[
             (None, &[], Some(&[])),
             (None, &["a.com"], Some(&["a.com"])),
             (Some("a.com"), &[], Some(&["a.com"])),

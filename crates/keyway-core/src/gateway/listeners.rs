@@ -3,7 +3,6 @@
 //! SPEC §4 (Gateway first, then ListenerSets by precedence; earlier resources win; mutually
 //! conflicting listeners of one resource all lose; a loser never blocks anyone).
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use gateway_api::apis::standard::gateways::{
@@ -15,6 +14,7 @@ use gateway_api::apis::standard::listenersets::{
     ListenerSetListenersTlsMode as LsMode,
 };
 
+use super::fxhash::{FxMap as HashMap, FxSet as HashSet};
 use super::plan::{ListenerTls, Protocol, ProtocolFamily, TlsMode};
 use super::refs::{GATEWAY_GROUP, Ref, RefError, Selector, World};
 use crate::resource::{Kind, ObjectKey};
@@ -334,7 +334,7 @@ fn pair_clash(a: (Protocol, &str), b: (Protocol, &str)) -> Option<Conflict> {
 /// Settles the listeners of `resources` (Gateway first, then ListenerSets in precedence order).
 /// Returns each resource's standings, in listener order.
 pub(crate) fn settle<'a>(resources: &[&'a [ListenerIn]]) -> Vec<Vec<Standing>> {
-    let mut ports: HashMap<i32, PortState<'a>> = HashMap::new();
+    let mut ports: HashMap<i32, PortState<'a>> = HashMap::default();
     let mut out = Vec::with_capacity(resources.len());
     for listeners in resources {
         // 1. Against what earlier resources hold.
@@ -351,27 +351,29 @@ pub(crate) fn settle<'a>(resources: &[&'a [ListenerIn]]) -> Vec<Vec<Standing>> {
                 },
             })
             .collect();
-        // 2. Among this resource's survivors: every listener in a clash loses.
-        let mut by_port: HashMap<i32, Vec<usize>> = HashMap::new();
-        for (i, l) in listeners.iter().enumerate() {
-            if standing[i] == Standing::Accepted {
-                by_port.entry(l.spec.port).or_default().push(i);
-            }
-        }
+        // 2. Among this resource's survivors (at most 64): every listener in a clash loses.
         let mut lost: Vec<Option<Conflict>> = vec![None; listeners.len()];
-        for idx in by_port.values().filter(|v| v.len() > 1) {
-            for (n, &i) in idx.iter().enumerate() {
-                for &j in &idx[n + 1..] {
-                    let (Some(pi), Some(pj)) = (listeners[i].eligible(), listeners[j].eligible())
-                    else {
-                        continue;
-                    };
-                    if let Some(c) =
-                        pair_clash((pi, listeners[i].hostname()), (pj, listeners[j].hostname()))
-                    {
-                        lost[i] = lost[i].max(Some(c));
-                        lost[j] = lost[j].max(Some(c));
-                    }
+        for i in 0..listeners.len() {
+            let Some(pi) = listeners[i].eligible() else {
+                continue;
+            };
+            if standing[i] != Standing::Accepted {
+                continue;
+            }
+            for j in i + 1..listeners.len() {
+                let Some(pj) = listeners[j].eligible() else {
+                    continue;
+                };
+                if standing[j] != Standing::Accepted
+                    || listeners[j].spec.port != listeners[i].spec.port
+                {
+                    continue;
+                }
+                if let Some(c) =
+                    pair_clash((pi, listeners[i].hostname()), (pj, listeners[j].hostname()))
+                {
+                    lost[i] = lost[i].max(Some(c));
+                    lost[j] = lost[j].max(Some(c));
                 }
             }
         }

@@ -7,6 +7,7 @@
 //! redoes only the cheap, hash-based merge and attachment passes and re-renders only statuses
 //! whose content changed.
 
+mod fxhash;
 mod hostname;
 mod listeners;
 pub mod plan;
@@ -19,8 +20,8 @@ mod status;
 mod tests;
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
@@ -32,6 +33,7 @@ use crate::index::Index;
 use crate::load::{ConfigError, LoadedObject};
 use crate::reconcile::precedence_of;
 use crate::resource::{Kind, ObjectKey, Resource};
+use fxhash::{FxMap as HashMap, FxSet as HashSet};
 use listeners::{ListenerIn, ListenerSpec, Standing};
 use plan::{AttachedRoute, GatewayBind, ListenerBind, PortBind, ProtocolFamily};
 use refs::{GATEWAY_GROUP, Selector, World};
@@ -287,7 +289,8 @@ impl GatewayResolver {
         let mut problems = Vec::new();
 
         // Classes: the built-in one and every object naming our controller.
-        let mut ours: HashSet<&str> = HashSet::from([BUILTIN_CLASS]);
+        let mut ours: HashSet<&str> = HashSet::default();
+        ours.insert(BUILTIN_CLASS);
         let mut class_keys = Vec::new();
         for c in &classes {
             if let Resource::GatewayClass(gc) = &c.resource
@@ -320,7 +323,7 @@ impl GatewayResolver {
             })
             .map(|g| (&g.key, *g))
             .collect();
-        let mut children: HashMap<ObjectKey, Vec<&Arc<LoadedObject>>> = HashMap::new();
+        let mut children: HashMap<ObjectKey, Vec<&Arc<LoadedObject>>> = HashMap::default();
         let mut owners: Vec<Owner<'_>> = Vec::new();
         for ls in &sets {
             let Resource::ListenerSet(l) = &ls.resource else {
@@ -442,7 +445,6 @@ impl GatewayResolver {
                 });
             }
         }
-        drop(input);
         self.inputs.retain(|_, c| c.seen == run);
         for o in &mut owners {
             o.fp = o.fingerprint();
@@ -454,7 +456,7 @@ impl GatewayResolver {
             .collect();
 
         // Routes: recompute only those whose input or parents changed.
-        let mut dirty_keys: HashSet<ObjectKey> = HashSet::new();
+        let mut dirty_keys: HashSet<ObjectKey> = HashSet::default();
         let mut removed: Vec<ObjectKey> = Vec::new();
         for obj in &route_objs {
             let Some((version, rin)) = cached(
@@ -469,22 +471,24 @@ impl GatewayResolver {
             if let Some((path, e)) = &rin.backend_error {
                 problems.push(obj.error_at(path, e.to_string()));
             }
-            let fps: Vec<Option<u64>> = rin
-                .targets
-                .iter()
-                .map(|t| {
-                    t.as_ref()
-                        .and_then(|k| owner_at.get(k))
-                        .map(|&i| owners[i].fp)
-                })
-                .collect();
+            let fp_of = |t: &Option<ObjectKey>| {
+                t.as_ref()
+                    .and_then(|k| owner_at.get(k))
+                    .map(|&i| owners[i].fp)
+            };
             if let Some(rr) = self.route_results.get_mut(&obj.key)
                 && rr.version == version
-                && rr.parent_fps == fps
+                && rr.parent_fps.len() == rin.targets.len()
+                && rr
+                    .parent_fps
+                    .iter()
+                    .zip(&rin.targets)
+                    .all(|(fp, t)| *fp == fp_of(t))
             {
                 rr.seen = run;
                 continue;
             }
+            let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();
             let ns = obj.key.namespace.as_str();
             let resolved = match &rin.backend_error {
                 Some((_, e)) => C::new("ResolvedRefs", false, e.reason(), e.to_string()),
@@ -573,7 +577,7 @@ impl GatewayResolver {
         });
 
         // Which Gateways and ListenerSets must be rebuilt.
-        let mut accepted_sets: HashMap<usize, i32> = HashMap::new();
+        let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
         for o in &owners {
             if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
                 *accepted_sets.entry(o.gateway).or_default() += 1;
@@ -594,8 +598,8 @@ impl GatewayResolver {
                         .is_none_or(|r| r.fp != o.fp || r.sets != sets_of(i))
             })
             .collect();
-        let mut counts: HashMap<(usize, usize), i32> = HashMap::new();
-        let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::new();
+        let mut counts: HashMap<(usize, usize), i32> = HashMap::default();
+        let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::default();
         if dirty.iter().any(|d| *d) {
             for (rkey, rr) in &self.route_results {
                 for (owner, listener, hostnames) in &rr.attaches {
@@ -742,18 +746,46 @@ impl GatewayResolver {
             self.out.statuses.remove(key);
         }
         let now_v = serde_json::to_value(now).unwrap_or(Value::Null);
-        for key in changed {
-            if let Some(model) = self.models.get(&key) {
-                let v = status::render_with(model, &now_v, self.out.statuses.get(&key));
-                self.out.statuses.insert(key, v);
-            }
-        }
+        let rendered = render_all(&changed, &self.models, &self.out.statuses, &now_v);
+        self.out.statuses.extend(rendered);
         problems.sort();
         problems.dedup();
         self.out.problems = problems;
         self.out.plan = plan;
         &self.out
     }
+}
+
+/// Renders the models of `keys`. Rendering is most of a full resolve's cost (hundreds of
+/// thousands of small JSON maps), so large batches are split over two threads.
+fn render_all(
+    keys: &[ObjectKey],
+    models: &HashMap<ObjectKey, Model>,
+    previous: &BTreeMap<ObjectKey, Value>,
+    now: &Value,
+) -> Vec<(ObjectKey, Value)> {
+    let render = |keys: &[ObjectKey]| -> Vec<(ObjectKey, Value)> {
+        keys.iter()
+            .filter_map(|k| {
+                let model = models.get(k)?;
+                Some((k.clone(), status::render_with(model, now, previous.get(k))))
+            })
+            .collect()
+    };
+    if keys.len() < 2_000 {
+        return render(keys);
+    }
+    let (a, b) = keys.split_at(keys.len() / 2);
+    std::thread::scope(|scope| {
+        let other = scope.spawn(|| render(b));
+        let mut out = render(a);
+        match other.join() {
+            Ok(rest) => out.extend(rest),
+            // A panic while rendering is a bug; render the rest here rather than lose statuses.
+            Err(_) => out.extend(render(b)),
+        }
+        out
+    })
 }
 
 /// Accepted and Programmed of a Gateway or ListenerSet.

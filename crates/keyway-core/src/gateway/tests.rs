@@ -230,12 +230,6 @@ fn allowed_listeners_table() {
         ),
     ];
     for (from, a_ok, b_ok) in cases {
-        let from_line = if from.starts_with('{') {
-            format!("{from}").replace('{', "").replace('}', "")
-        } else {
-            from.to_string()
-        };
-        let _ = from_line;
         let y = format!(
             "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw, namespace: infra}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {}}}\n  listeners:\n{}",
             if from.starts_with('{') {
@@ -355,6 +349,7 @@ fn gateway_not_accepted_makes_its_listener_sets_parent_not_accepted() {
 // ---- conflicts ----------------------------------------------------------------------------------
 
 #[test]
+#[allow(clippy::type_complexity)]
 fn conflict_table() {
     // (listener of the Gateway, listener of the ListenerSet, expected loss reason for the set's).
     let cases: &[(
@@ -733,6 +728,7 @@ fn listener_set_routes_attach_only_to_the_set() {
 }
 
 #[test]
+#[allow(clippy::type_complexity)]
 fn route_parent_table() {
     let cases: &[(&str, &str, (&str, &str), [i32; 3])] = &[
         // (parentRefs, hostnames, Accepted, attachedRoutes of gw/web, ls/one, ls/two)
