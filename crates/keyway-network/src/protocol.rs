@@ -158,7 +158,7 @@ impl Decoder {
     }
 
     /// The next complete message, if any.
-    pub fn next(&mut self) -> Result<Option<Message>, ProtocolError> {
+    pub fn next_message(&mut self) -> Result<Option<Message>, ProtocolError> {
         let Some(end) = self.buf.iter().position(|b| *b == b'\n') else {
             return Ok(None);
         };
@@ -205,29 +205,32 @@ mod tests {
         wire.extend_from_slice(&Message::Keepalive.encode());
         // Split mid-message: the decoder waits for the newline.
         d.push(&wire[..5]).unwrap();
-        assert_eq!(d.next().unwrap(), None);
+        assert_eq!(d.next_message().unwrap(), None);
         d.push(&wire[5..]).unwrap();
-        assert_eq!(d.next().unwrap(), Some(hello()));
-        assert_eq!(d.next().unwrap(), Some(Message::Keepalive));
+        assert_eq!(d.next_message().unwrap(), Some(hello()));
+        assert_eq!(d.next_message().unwrap(), Some(Message::Keepalive));
         d.push(&hello().encode()).unwrap();
-        assert_eq!(d.next(), Err(ProtocolError::SecondHello));
+        assert_eq!(d.next_message(), Err(ProtocolError::SecondHello));
     }
 
     #[test]
     fn rejects_bad_input() {
         let mut d = Decoder::default();
         d.push(&Message::Keepalive.encode()).unwrap();
-        assert_eq!(d.next(), Err(ProtocolError::BeforeHello("keepalive")));
+        assert_eq!(
+            d.next_message(),
+            Err(ProtocolError::BeforeHello("keepalive"))
+        );
 
         let mut d = Decoder::default();
         d.push(b"\x16\x03\x01garbage\n").unwrap();
-        assert!(matches!(d.next(), Err(ProtocolError::Malformed(_))));
+        assert!(matches!(d.next_message(), Err(ProtocolError::Malformed(_))));
 
         let mut d = Decoder::default();
         d.push(br#"{"type":"hello","version":99,"site":"a","id":"1","cost":1}"#)
             .unwrap();
         d.push(b"\n").unwrap();
-        assert_eq!(d.next(), Err(ProtocolError::Version(99)));
+        assert_eq!(d.next_message(), Err(ProtocolError::Version(99)));
 
         let mut d = Decoder::default();
         assert_eq!(
@@ -239,6 +242,9 @@ mod tests {
         d.push(br#"{"type":"hello","version":1,"site":"","id":"1","cost":1}"#)
             .unwrap();
         d.push(b"\n").unwrap();
-        assert!(matches!(d.next(), Err(ProtocolError::Invalid { .. })));
+        assert!(matches!(
+            d.next_message(),
+            Err(ProtocolError::Invalid { .. })
+        ));
     }
 }

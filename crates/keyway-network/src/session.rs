@@ -300,7 +300,7 @@ where
     let mut decoder = Decoder::default();
     let (peer, peer_cost) = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         loop {
-            if let Some(msg) = decoder.next()? {
+            if let Some(msg) = decoder.next_message()? {
                 return match msg {
                     Message::Hello { site, cost, .. } => Ok((site, cost)),
                     _ => Err(NetError::Peer("expected hello".into())),
@@ -362,7 +362,7 @@ where
                 if let Err(e) = r { break Err(e) }
                 let mut failed = None;
                 loop {
-                    match decoder.next() {
+                    match decoder.next_message() {
                         Ok(Some(Message::Advertisement(adv))) => inner.receive(conn.id, adv),
                         Ok(Some(_)) => {}
                         Ok(None) => break,
