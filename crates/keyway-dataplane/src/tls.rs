@@ -223,6 +223,15 @@ impl ServerCertVerifier for AcceptAnyServerCert {
     }
 }
 
+/// The provider for links: AES-128-GCM first. Links carry bulk traffic and the AES-128 suite
+/// needs 10 rounds against AES-256's 14, for the same authenticated encryption in practice.
+fn link_provider() -> Arc<CryptoProvider> {
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites
+        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    Arc::new(p)
+}
+
 /// The inter-router side of a link (RouterAccess): TLS 1.3 only, and a client certificate that
 /// chains to the Secret's `ca.crt` is required before anything else is read.
 pub fn link_server_config(
@@ -249,13 +258,15 @@ pub fn link_server_config(
                 secret: m.secret.clone(),
                 message: e.to_string(),
             })?;
-    let mut config = ServerConfig::builder_with_provider(provider())
+    let mut config = ServerConfig::builder_with_provider(link_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(err)?
         .with_client_cert_verifier(verifier)
         .with_single_cert(m.cert_chain.clone(), key)
         .map_err(err)?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    // Our suite order, not the client's: both ends prefer AES-128-GCM.
+    config.ignore_client_order = true;
     Ok(Arc::new(config))
 }
 
@@ -289,7 +300,7 @@ pub fn link_client_config(
         secret: m.secret.clone(),
         message: e.to_string(),
     })?;
-    let mut config = ClientConfig::builder_with_provider(provider())
+    let mut config = ClientConfig::builder_with_provider(link_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(err)?
         .dangerous()
