@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""keyway benchmark harness: the direct path, keyway, HAProxy (tcp mode) and nginx (stream) side
-by side in one run, on loopback, reported as ratios.
+"""keyway benchmark harness: the direct path, keyway, HAProxy (tcp mode), nginx (stream) and two
+linked keyway sites (Listener at site a, Connector at site b, one mTLS link carrying HTTP/2) side by
+side in one run, on loopback, reported as ratios.
 
   python3 bench/run.py            # installs iperf3, wrk, haproxy, nginx from Debian if missing
   python3 bench/run.py --quick    # 1 run of 3 s each instead of 3 runs of 5 s
+  python3 bench/run.py --only direct,haproxy,linked   # a subset (direct and haproxy are the baselines)
 
 Measures: single-stream throughput (iperf3), HTTP keep-alive requests/s and p99 (wrk -c50), and
 new-connection rate (wrk with `Connection: close`). The origin is nginx serving a small file.
@@ -51,7 +53,48 @@ class Procs:
             except subprocess.TimeoutExpired: os.killpg(p.pid, signal.SIGKILL)
 
 # Ports: origin HTTP 28080, iperf3 25201; per path: http, iperf
-PATHS = {"direct": (28080, 25201), "keyway": (28081, 25202), "haproxy": (28082, 25203), "nginx": (28083, 25204)}
+PATHS = {"direct": (28080, 25201), "keyway": (28081, 25202), "haproxy": (28082, 25203), "nginx": (28083, 25204),
+         "linked": (28085, 25206)}
+LINK_PORT = 28671
+
+def make_certs(work):
+    """A private CA and one leaf for both sites, as a Secret YAML document (openssl CLI)."""
+    d = f"{work}/pki"; os.makedirs(d, exist_ok=True)
+    q = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sh(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.crt", "-subj", "/CN=bench-ca", "-days", "2",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=keyCertSign,cRLSign,digitalSignature"], **q)
+    sh(["openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", f"{d}/tls.key", "-out", f"{d}/tls.csr", "-subj", "/CN=localhost"], **q)
+    with open(f"{d}/ext", "w") as f: f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    sh(["openssl", "x509", "-req", "-in", f"{d}/tls.csr", "-CA", f"{d}/ca.crt", "-CAkey", f"{d}/ca.key",
+        "-CAcreateserial", "-out", f"{d}/tls.crt", "-days", "2", "-extfile", f"{d}/ext"], **q)
+    def block(name): return "".join("    " + l + "\n" for l in open(f"{d}/{name}").read().strip().splitlines())
+    return ("apiVersion: v1\nkind: Secret\nmetadata: {name: link-tls}\nstringData:\n"
+            f"  tls.crt: |\n{block('tls.crt')}  tls.key: |\n{block('tls.key')}  ca.crt: |\n{block('ca.crt')}")
+
+def setup_linked(work, procs, keyway):
+    """Site b has the Connectors and a RouterAccess; site a links to it and has the Listeners."""
+    secret = make_certs(work)
+    for site in ("a", "b"):
+        cfg = f"{work}/linked-{site}.d"; os.makedirs(cfg, exist_ok=True)
+        docs = [f"apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata: {{name: {site}}}\n", secret]
+        if site == "b":
+            docs.append("apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata: {name: access}\n"
+                        f"spec: {{tlsCredentials: link-tls, bindHost: 127.0.0.1, roles: [{{name: inter-router, port: {LINK_PORT}}}]}}\n")
+        else:
+            docs.append("apiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata: {name: to-b}\n"
+                        f"spec: {{tlsCredentials: link-tls, endpoints: [{{name: inter-router, host: 127.0.0.1, port: '{LINK_PORT}'}}]}}\n")
+        for name, (front, back) in (("http", (PATHS["linked"][0], PATHS["direct"][0])), ("iperf", (PATHS["linked"][1], PATHS["direct"][1]))):
+            if site == "a":
+                docs.append(f"apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: {name}}}\n"
+                            f"spec: {{routingKey: {name}, host: 127.0.0.1, port: {front}}}\n")
+            else:
+                docs.append(f"apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata: {{name: {name}}}\n"
+                            f"spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}\n")
+        with open(f"{cfg}/site.yaml", "w") as f: f.write("---\n".join(docs))
+        admin = 29902 if site == "a" else 29903
+        procs.start([keyway, "run", "--config", cfg, "--admin", f"127.0.0.1:{admin}"], env=dict(os.environ, RUST_LOG="warn"))
 
 def setup(work, procs):
     # Origin: nginx with a 1 KiB body; a separate nginx instance runs the stream proxy.
@@ -95,6 +138,7 @@ spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}
 """)
     keyway = os.path.join(ROOT, "target", "release", "keyway")
     procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=dict(os.environ, RUST_LOG="warn"))
+    setup_linked(work, procs, keyway)
     for front, back in PATHS.values():
         wait_port(front); wait_port(back)
 
@@ -116,8 +160,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "last-run.md"))
-    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset to measure (direct and haproxy are always kept for ratios)")
+    ap.add_argument("--only", default="", help="comma-separated paths to measure (direct and haproxy always run)")
     args = ap.parse_args()
+    only = set(filter(None, args.only.split(","))) | {"direct", "haproxy"} if args.only else set(PATHS)
     runs, secs = (1, 3) if args.quick else (3, 5)
     ensure_tools()
     print("building keyway (release) ...", flush=True)
@@ -128,9 +173,8 @@ def main():
     try:
         setup(work, procs)
         time.sleep(1.5)  # first health checks
-        wanted = set(args.paths.split(",")) | {"direct", "haproxy"}
         for name, (http_port, iperf_port) in PATHS.items():
-            if name not in wanted:
+            if name not in only:
                 continue
             t, ka, nc = [], [], []
             for _ in range(runs):

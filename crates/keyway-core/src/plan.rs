@@ -15,6 +15,38 @@ pub struct Plan {
     pub connectors: Vec<ConnectorPlan>,
     /// Gateways of ours with their listeners and routes (SPEC §4).
     pub gateways: crate::gateway::GatewayPlan,
+    /// Where other sites may link in (the first RouterAccess with an `inter-router` role).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_access: Option<RouterAccessPlan>,
+    /// Links this site dials.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkPlan>,
+}
+
+/// A RouterAccess: the inter-router port to bind, and the identity + CA for mutual TLS.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RouterAccessPlan {
+    #[serde(serialize_with = "key_string")]
+    pub id: ObjectKey,
+    pub bind_host: String,
+    pub port: u16,
+    /// Serving certificate and key, and the CA that linking sites' client certificates must chain to.
+    pub tls: TlsMaterial,
+}
+
+/// A Link: the peer's inter-router endpoint, the cost of the hop, and the client identity + CA.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LinkPlan {
+    #[serde(serialize_with = "key_string")]
+    pub id: ObjectKey,
+    pub host: String,
+    pub port: u16,
+    /// At least 1 (`spec.cost` 0 or absent means the default 1).
+    pub cost: u64,
+    /// Client certificate and key, and the CA the peer's serving chain must verify against.
+    pub tls: TlsMaterial,
 }
 
 /// A Listener or MultiKeyListener to bind.

@@ -149,6 +149,7 @@ fn columns_for(kind: &str) -> Vec<Column> {
         ],
         "Site" => vec![
             ("SITES IN NETWORK", |v| s(&v["status"]["sitesInNetwork"])),
+            ("KEYS REACHABLE AT", keys_by_site),
             ("STATUS", |v| s(&v["status"]["status"])),
         ],
         "Link" => vec![
@@ -183,6 +184,20 @@ fn columns_for(kind: &str) -> Vec<Column> {
     };
     cols.extend(specific);
     cols
+}
+
+/// `key@site` for every key a site of the network has connectors for.
+fn keys_by_site(v: &Value) -> String {
+    let mut out = Vec::new();
+    for site in v["status"]["network"].as_array().into_iter().flatten() {
+        let name = s(&site["name"]);
+        for svc in site["services"].as_array().into_iter().flatten() {
+            if svc["connectors"].as_array().is_some_and(|c| !c.is_empty()) {
+                out.push(format!("{}@{name}", s(&svc["routingKey"])));
+            }
+        }
+    }
+    out.join(", ")
 }
 
 fn s(v: &Value) -> String {

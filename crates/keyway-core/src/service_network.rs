@@ -13,7 +13,8 @@ use crate::conditions::{Cond, ready_from};
 use crate::index::Index;
 use crate::load::{ConfigError, LoadedObject};
 use crate::plan::{
-    ClientTls, ConnectorPlan, HealthCheck, KeySelection, ListenerPlan, Plan, ServerTls,
+    ClientTls, ConnectorPlan, HealthCheck, KeySelection, LinkPlan, ListenerPlan, Plan,
+    RouterAccessPlan, ServerTls,
 };
 use crate::resource::{Kind, ObjectKey, Resource};
 use crate::skupper::{self, StrategyKind};
@@ -164,18 +165,105 @@ pub fn resolve(index: &Index) -> Resolution {
                 }
             }
             Resource::Link(l) => {
-                if let Some(name) = l.spec.tls_credentials.as_deref() {
-                    let _ = secret_material(index, obj, name, true, &mut res);
+                if let Some(link) = link_plan(index, obj, l, &mut res) {
+                    res.plan.links.push(link);
                 }
             }
             Resource::RouterAccess(r) => {
-                let _ = secret_material(index, obj, &r.spec.tls_credentials, true, &mut res);
+                let Ok(tls) = secret_material(index, obj, &r.spec.tls_credentials, true, &mut res)
+                else {
+                    continue;
+                };
+                if tls.ca.is_empty() {
+                    not_configured(
+                        obj,
+                        "spec.tlsCredentials",
+                        format!("Secret {} needs ca.crt to verify linking sites", tls.secret),
+                        &mut res,
+                    );
+                    continue;
+                }
+                let Some(role) = r.spec.roles.iter().find(|r| r.name == "inter-router") else {
+                    not_configured(
+                        obj,
+                        "spec.roles",
+                        "keyway serves only the inter-router role".to_string(),
+                        &mut res,
+                    );
+                    continue;
+                };
+                let Ok(port) = u16::try_from(role.effective_port()) else {
+                    continue;
+                };
+                // One inter-router port per site: the oldest-named RouterAccess wins, a second one
+                // is reported rather than silently ignored.
+                if let Some(first) = &res.plan.router_access {
+                    let msg = format!(
+                        "RouterAccess {} already serves the inter-router role",
+                        first.id.name
+                    );
+                    not_configured(obj, "spec.roles", msg, &mut res);
+                    continue;
+                }
+                res.plan.router_access = Some(RouterAccessPlan {
+                    id: obj.key.clone(),
+                    bind_host: r.spec.bind_host.clone().unwrap_or_else(|| "0.0.0.0".into()),
+                    port,
+                    tls,
+                });
             }
             _ => {}
         }
     }
     res.problems.sort();
     res
+}
+
+fn not_configured(obj: &LoadedObject, path: &str, msg: String, res: &mut Resolution) {
+    let e = obj.error_at(path, msg);
+    res.not_configured
+        .insert(obj.key.clone(), e.message.clone());
+    res.problems.push(e);
+}
+
+/// A Link's endpoint (the `inter-router` one, else the first), cost and mutual-TLS material.
+fn link_plan(
+    index: &Index,
+    obj: &LoadedObject,
+    link: &skupper::Link,
+    res: &mut Resolution,
+) -> Option<LinkPlan> {
+    let Some(secret) = link.spec.tls_credentials.as_deref() else {
+        let msg = "a Link needs tlsCredentials: links are mutually authenticated TLS".to_string();
+        not_configured(obj, "spec.tlsCredentials", msg, res);
+        return None;
+    };
+    let tls = secret_material(index, obj, secret, true, res).ok()?;
+    if tls.ca.is_empty() {
+        let msg = format!("Secret {} needs ca.crt to verify the peer site", tls.secret);
+        not_configured(obj, "spec.tlsCredentials", msg, res);
+        return None;
+    }
+    let endpoint = link
+        .spec
+        .endpoints
+        .iter()
+        .find(|e| e.name.as_deref() == Some("inter-router"))
+        .or_else(|| link.spec.endpoints.first())?;
+    let host = endpoint.host.clone()?;
+    let port = endpoint.port.as_ref()?.0.trim().parse::<u16>().ok()?;
+    Some(LinkPlan {
+        id: obj.key.clone(),
+        host,
+        port,
+        cost: link
+            .spec
+            .cost
+            .and_then(|c| u64::try_from(c).ok())
+            .filter(|c| *c > 0)
+            .unwrap_or(1),
+        tls,
+    })
 }
 
 pub(crate) fn selection_of(strategy: &skupper::MultiKeyListenerStrategy) -> Option<KeySelection> {

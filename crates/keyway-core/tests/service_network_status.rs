@@ -406,14 +406,52 @@ fn every_condition_carries_observed_generation() {
     check(&index, &[("l", 2), ("c", 1), ("m", 1)]);
 }
 
+/// A Secret with a certificate, key and CA (contents only parsed here).
+const LINK_SECRET: &str = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\nstringData:\n  tls.crt: |\n    -----BEGIN CERTIFICATE-----\n    MIIBdDCCARmgAwIBAgIUdHNKZTorm0yS3BLsOd4HivFFHigwCgYIKoZIzj0EAwIw\n    DzENMAsGA1UEAwwEdGVzdDAeFw0yNjExMjkwOTE0NDJaFw0zNjExMjYwOTE0NDJa\n    MA8xDTALBgNVBAMMBHRlc3QwWTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAAT2qJkB\n    RiI71UItG55ImQ+q5jNgfT4ZHq+D1CWJGZ18qJW/K3TwqJfhZtAcKf8kobeKHvtV\n    NRrRrPzdClmnaufDo1MwUTAdBgNVHQ4EFgQUEAJsOTn0eqpV9qfl8H0WEj9iRLMw\n    HwYDVR0jBBgwFoAUEAJsOTn0eqpV9qfl8H0WEj9iRLMwDwYDVR0TAQH/BAUwAwEB\n    /zAKBggqhkjOPQQDAgNJADBGAiEAhRh26cLxA+eegH+LqTDXTpc2soDGx7KAQgEV\n    NH1zP30CIQD3sxwTdDmOk2dqmvJDAwUdhmK1PKfsxApdWOyXqJHEhQ==\n    -----END CERTIFICATE-----\n  tls.key: |\n    -----BEGIN PRIVATE KEY-----\n    MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgVHVucj8QxC+B4T5z\n    ZRVs74F1R0akAHkvyq8GerJD/QahRANCAAT2qJkBRiI71UItG55ImQ+q5jNgfT4Z\n    Hq+D1CWJGZ18qJW/K3TwqJfhZtAcKf8kobeKHvtVNRrRrPzdClmnaufD\n    -----END PRIVATE KEY-----\n  ca.crt: |\n    -----BEGIN CERTIFICATE-----\n    MIIBdDCCARmgAwIBAgIUdHNKZTorm0yS3BLsOd4HivFFHigwCgYIKoZIzj0EAwIw\n    DzENMAsGA1UEAwwEdGVzdDAeFw0yNjExMjkwOTE0NDJaFw0zNjExMjYwOTE0NDJa\n    MA8xDTALBgNVBAMMBHRlc3QwWTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAAT2qJkB\n    RiI71UItG55ImQ+q5jNgfT4ZHq+D1CWJGZ18qJW/K3TwqJfhZtAcKf8kobeKHvtV\n    NRrRrPzdClmnaufDo1MwUTAdBgNVHQ4EFgQUEAJsOTn0eqpV9qfl8H0WEj9iRLMw\n    HwYDVR0jBBgwFoAUEAJsOTn0eqpV9qfl8H0WEj9iRLMwDwYDVR0TAQH/BAUwAwEB\n    /zAKBggqhkjOPQQDAgNJADBGAiEAhRh26cLxA+eegH+LqTDXTpc2soDGx7KAQgEV\n    NH1zP30CIQD3sxwTdDmOk2dqmvJDAwUdhmK1PKfsxApdWOyXqJHEhQ==\n    -----END CERTIFICATE-----\n";
+
+#[test]
+fn link_without_tls_credentials_is_not_configured() {
+    let index = index_of(
+        "apiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: 55671\n",
+    );
+    let (_, st) = statuses(&index, None);
+    let link = status_of(&st, Kind::Link, "to-east");
+    assert_eq!(cond(link, "Configured")["status"], "False");
+    assert!(
+        cond(link, "Configured")["message"]
+            .as_str()
+            .unwrap()
+            .contains("tlsCredentials"),
+        "{link}"
+    );
+}
+
+#[test]
+fn link_and_router_access_are_planned() {
+    let yaml = format!(
+        "{LINK_SECRET}---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  tlsCredentials: link-tls\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: 55671\n---\napiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: access\nspec:\n  tlsCredentials: link-tls\n  roles:\n  - name: inter-router\n"
+    );
+    let plan = service_network::resolve(&index_of(&yaml)).plan;
+    let link = &plan.links[0];
+    assert_eq!(
+        (link.host.as_str(), link.port, link.cost),
+        ("east.example.com", 55671, 1)
+    );
+    assert!(link.tls.has_key && link.tls.has_ca);
+    let access = plan.router_access.expect("router access");
+    assert_eq!((access.bind_host.as_str(), access.port), ("0.0.0.0", 55671));
+}
+
 #[test]
 fn site_and_link_status() {
     let yaml = format!(
-        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: \"55671\"\n---\n{}{}",
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n---\n{LINK_SECRET}---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  tlsCredentials: link-tls\n  cost: 3\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: \"55671\"\n---\n{}{}",
         listener("l", "db", 17001, ""),
         connector("c", "db", 17002, "")
     );
     let index = index_of(&yaml);
+    let plan = service_network::resolve(&index).plan;
+    assert_eq!(plan.links[0].cost, 3);
     let (_, st) = statuses(&index, None);
     let link = status_of(&st, Kind::Link, "to-east");
     assert_eq!(cond(link, "Operational")["status"], "False");

@@ -21,15 +21,34 @@ use keyway_core::plan::Plan;
 use tokio::sync::Notify;
 use tokio_rustls::TlsAcceptor;
 
+pub use crate::listener::LocalConnection;
 use crate::listener::{ListenerHandle, ListenerRuntime};
 use crate::metrics::Metrics;
 use crate::targets::{Health, Registry};
+
+/// A byte stream to a target, whatever carries it (TCP, TLS, a tunnel stream to another site).
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// A boxed [`Io`].
+pub type BoxIo = Box<dyn Io>;
+
+/// A future returned by [`RemoteDialer::dial`].
+pub type DialFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<BoxIo, String>> + Send + 'a>>;
+
+/// Opens a stream to a routing key at another site. The network implements it; the data plane
+/// calls it for remote targets, so the data plane does not depend on the transport.
+pub trait RemoteDialer: Send + Sync {
+    fn dial<'a>(&'a self, site: &'a str, key: &'a str) -> DialFuture<'a>;
+}
 
 /// State every connection task shares.
 pub struct Shared {
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,
     tracker: Tracker,
+    remote: std::sync::OnceLock<Arc<dyn RemoteDialer>>,
 }
 
 /// Counts open connections so shutdown can wait for them to drain.
@@ -89,6 +108,7 @@ impl DataPlane {
                 registry: Registry::new(metrics.clone()),
                 metrics,
                 tracker: Tracker::default(),
+                remote: std::sync::OnceLock::new(),
             }),
             listeners: Mutex::new(HashMap::new()),
             tls_errors: Mutex::new(BTreeMap::new()),
@@ -101,6 +121,17 @@ impl DataPlane {
 
     pub fn registry(&self) -> &Arc<Registry> {
         &self.shared.registry
+    }
+
+    /// Installs the network's dialer for remote targets (once; later calls are ignored).
+    pub fn set_remote_dialer(&self, dialer: Arc<dyn RemoteDialer>) {
+        let _ = self.shared.remote.set(dialer);
+    }
+
+    /// Connects to a target of `key` at this site, failing over across its local targets; for
+    /// a stream that arrived from another site. The connection counts as open until dropped.
+    pub async fn connect_local(&self, key: &str) -> Result<LocalConnection, String> {
+        listener::connect_local(&self.shared, key).await
     }
 
     /// Runs `plan` from now on, changing only what differs from the running plan.

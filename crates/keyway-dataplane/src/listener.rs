@@ -19,8 +19,8 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::copy;
 use crate::metrics::Metrics;
-use crate::targets::{Registry, Target};
-use crate::{ConnectionTracker, Shared};
+use crate::targets::{OpenGuard, Registry, Target};
+use crate::{BoxIo, ConnectionTracker, Shared};
 
 /// What a listener runs with; swapped in place on reload without touching the socket.
 pub struct ListenerRuntime {
@@ -203,10 +203,93 @@ pub fn key_order(selection: &KeySelection, registry: &Registry) -> Vec<String> {
     }
 }
 
-/// A connection to a target, plain or TLS.
-enum Upstream {
+/// A connection to a target: plain TCP, TLS, or a tunnel stream to another site.
+pub enum Upstream {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    Remote(BoxIo),
+}
+
+/// A connection to a local target made for a stream from another site.
+pub struct LocalConnection {
+    pub target: Arc<Target>,
+    pub upstream: Upstream,
+    /// Keeps the target's open-connection count (its load score) while the stream lives.
+    pub open: OpenGuard,
+}
+
+/// Connects to a usable local target of `key`, failing over across them.
+pub(crate) async fn connect_local(shared: &Shared, key: &str) -> Result<LocalConnection, String> {
+    let mut last = format!("no reachable target for routing key {key} at this site");
+    for target in shared.registry.local_candidates(key) {
+        match connect_target(shared, &target, key).await {
+            Ok(upstream) => {
+                let open = target.open_guard();
+                return Ok(LocalConnection {
+                    target,
+                    upstream,
+                    open,
+                });
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// One connect attempt to one target; a failure marks a local target unhealthy at once.
+async fn connect_target(
+    shared: &Shared,
+    target: &Arc<Target>,
+    key: &str,
+) -> Result<Upstream, String> {
+    if let Some(site) = &target.remote {
+        let Some(dialer) = shared.remote.get() else {
+            return Err("no network to reach other sites".into());
+        };
+        let timeout = Duration::from_secs(5);
+        let why = match tokio::time::timeout(timeout, dialer.dial(site, key)).await {
+            Ok(Ok(io)) => return Ok(Upstream::Remote(io)),
+            Ok(Err(e)) => format!("via site {site}: {e}"),
+            Err(_) => format!("via site {site}: timed out"),
+        };
+        tracing::debug!(routing_key = key, "{why}");
+        shared.registry.connect_failed(target, &why);
+        return Err(why);
+    }
+    let timeout = Duration::from_millis(target.health_check.timeout_ms.max(100));
+    let stream = match tokio::time::timeout(
+        timeout,
+        TcpStream::connect((target.host.as_str(), target.port)),
+    )
+    .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            let why = format!("connect to {} failed: {e}", target.address());
+            shared.registry.connect_failed(target, &why);
+            return Err(why);
+        }
+        Err(_) => {
+            let why = format!("connect to {} timed out", target.address());
+            shared.registry.connect_failed(target, &why);
+            return Err(why);
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    match &target.tls {
+        None => Ok(Upstream::Plain(stream)),
+        Some(tls) => {
+            let connector = TlsConnector::from(tls.config.clone());
+            match connector.connect(tls.server_name.clone(), stream).await {
+                Ok(s) => Ok(Upstream::Tls(Box::new(s))),
+                Err(e) => {
+                    tracing::warn!(target = %target.address(), "TLS to target failed: {e}");
+                    Err(format!("TLS to {} failed: {e}", target.address()))
+                }
+            }
+        }
+    }
 }
 
 /// Connects to the best reachable target, failing over across targets and keys.
@@ -223,42 +306,8 @@ async fn connect(
     for key in keys {
         for target in shared.registry.candidates(&key) {
             attempts += 1;
-            let timeout = Duration::from_millis(target.health_check.timeout_ms.max(100));
-            let stream = match tokio::time::timeout(
-                timeout,
-                TcpStream::connect((target.host.as_str(), target.port)),
-            )
-            .await
-            {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    shared.registry.connect_failed(
-                        &target,
-                        &format!("connect to {} failed: {e}", target.address()),
-                    );
-                    continue;
-                }
-                Err(_) => {
-                    shared.registry.connect_failed(
-                        &target,
-                        &format!("connect to {} timed out", target.address()),
-                    );
-                    continue;
-                }
-            };
-            let _ = stream.set_nodelay(true);
-            let upstream = match &target.tls {
-                None => Upstream::Plain(stream),
-                Some(tls) => {
-                    let connector = TlsConnector::from(tls.config.clone());
-                    match connector.connect(tls.server_name.clone(), stream).await {
-                        Ok(s) => Upstream::Tls(Box::new(s)),
-                        Err(e) => {
-                            tracing::warn!(target = %target.address(), "TLS to target failed: {e}");
-                            continue;
-                        }
-                    }
-                }
+            let Ok(upstream) = connect_target(shared, &target, &key).await else {
+                continue;
             };
             let failover = attempts > 1 || preferred.as_deref() != Some(key.as_str());
             return Some((key, target, upstream, failover));
@@ -325,6 +374,12 @@ async fn serve(
             copy::bidirectional(c, u, bytes_in, bytes_out).await
         }
         (Downstream::Tls(c), Upstream::Tls(u)) => {
+            copy::bidirectional(c, u, bytes_in, bytes_out).await
+        }
+        (Downstream::Plain(c), Upstream::Remote(u)) => {
+            copy::bidirectional(c, u, bytes_in, bytes_out).await
+        }
+        (Downstream::Tls(c), Upstream::Remote(u)) => {
             copy::bidirectional(c, u, bytes_in, bytes_out).await
         }
     };

@@ -40,6 +40,8 @@ pub struct Target {
     pub health_check: HealthCheck,
     /// Sum of link costs to reach it; 0 for a local target.
     pub cost: u64,
+    /// The site that has the key, for a target learned from the network; `None` when local.
+    pub remote: Option<String>,
     plan: ConnectorPlan,
     state: AtomicU32,
     failures: AtomicU32,
@@ -59,6 +61,7 @@ impl Target {
             tls,
             health_check: plan.health.clone(),
             cost: 0,
+            remote: None,
             plan: plan.clone(),
             state: AtomicU32::new(Health::Unknown as u32),
             failures: AtomicU32::new(0),
@@ -66,6 +69,31 @@ impl Target {
             last_error: Mutex::new(None),
             retired: AtomicBool::new(false),
         }
+    }
+
+    /// A key reachable at another site at path cost `cost`. It has no health checker: the
+    /// network withdraws it when the site stops advertising the key or becomes unreachable.
+    fn remote(key: &str, site: &str, cost: u64) -> Self {
+        let plan = ConnectorPlan {
+            id: ObjectKey::new(
+                keyway_core::Kind::Connector,
+                format!("site:{site}"),
+                key.to_string(),
+            ),
+            routing_key: key.to_string(),
+            host: site.to_string(),
+            port: 0,
+            tls: None,
+            health: HealthCheck {
+                enabled: false,
+                ..HealthCheck::default()
+            },
+        };
+        let mut t = Target::new(&plan, None);
+        t.cost = cost;
+        t.remote = Some(site.to_string());
+        t.state.store(Health::Healthy as u32, Ordering::Release);
+        t
     }
 
     pub fn health(&self) -> Health {
@@ -86,6 +114,9 @@ impl Target {
     }
 
     pub fn address(&self) -> String {
+        if let Some(site) = &self.remote {
+            return format!("site/{site}");
+        }
         if self.host.contains(':') && !self.host.starts_with('[') {
             format!("[{}]:{}", self.host, self.port)
         } else {
@@ -120,6 +151,8 @@ type Checkers = BTreeMap<ObjectKey, (Arc<Target>, JoinHandle<()>)>;
 pub struct Registry {
     by_key: ArcSwap<HashMap<String, Vec<Arc<Target>>>>,
     checkers: Mutex<Checkers>,
+    /// Keys at other sites, as the network last computed them; ordered by (key, site).
+    remote: Mutex<Vec<Arc<Target>>>,
     rotate: AtomicUsize,
     version: watch::Sender<u64>,
     counter: AtomicU64,
@@ -131,6 +164,7 @@ impl Registry {
         Arc::new(Registry {
             by_key: ArcSwap::from_pointee(HashMap::new()),
             checkers: Mutex::new(BTreeMap::new()),
+            remote: Mutex::new(Vec::new()),
             rotate: AtomicUsize::new(0),
             version: watch::channel(0).0,
             counter: AtomicU64::new(0),
@@ -188,20 +222,95 @@ impl Registry {
             self.metrics.forget_target(&target);
             retired.push(target);
         }
-        let mut by_key: HashMap<String, Vec<Arc<Target>>> = HashMap::new();
-        for (target, _) in next.values() {
-            by_key
-                .entry(target.routing_key.clone())
-                .or_default()
-                .push(target.clone());
-        }
         *checkers = next;
-        self.by_key.store(Arc::new(by_key));
+        self.rebuild(&checkers);
         for target in retired {
             target.retired.store(true, Ordering::Release);
         }
         drop(checkers);
         self.bump();
+    }
+
+    /// Rebuilds the key map from local and remote targets. Called with the checkers lock held, so
+    /// local and remote updates never race each other.
+    fn rebuild(&self, checkers: &Checkers) {
+        let mut by_key: HashMap<String, Vec<Arc<Target>>> = HashMap::new();
+        for (target, _) in checkers.values() {
+            by_key
+                .entry(target.routing_key.clone())
+                .or_default()
+                .push(target.clone());
+        }
+        let remote = match self.remote.lock() {
+            Ok(r) => r,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        for target in remote.iter() {
+            by_key
+                .entry(target.routing_key.clone())
+                .or_default()
+                .push(target.clone());
+        }
+        self.by_key.store(Arc::new(by_key));
+    }
+
+    /// Replaces the keys reachable at other sites: `(routing key, site, path cost)`. A target
+    /// whose key, site and cost are unchanged is kept (its open-connection count with it).
+    pub fn set_remote(&self, entries: &[(String, String, u64)]) {
+        let checkers = match self.checkers.lock() {
+            Ok(c) => c,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut retired = Vec::new();
+        {
+            let mut remote = match self.remote.lock() {
+                Ok(r) => r,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            let mut old: HashMap<(String, String), Arc<Target>> = remote
+                .drain(..)
+                .filter_map(|t| {
+                    let site = t.remote.clone()?;
+                    Some(((t.routing_key.clone(), site), t))
+                })
+                .collect();
+            for (key, site, cost) in entries {
+                match old.remove(&(key.clone(), site.clone())) {
+                    Some(t) if t.cost == *cost => remote.push(t),
+                    other => {
+                        retired.extend(other);
+                        remote.push(Arc::new(Target::remote(key, site, *cost)));
+                    }
+                }
+            }
+            retired.extend(old.into_values());
+        }
+        self.rebuild(&checkers);
+        for target in retired {
+            target.retired.store(true, Ordering::Release);
+        }
+        drop(checkers);
+        self.bump();
+    }
+
+    /// Usable targets of a key at this site only, best first (what a stream arriving from
+    /// another site may use: never sent back into the network, so no loops).
+    pub fn local_candidates(&self, key: &str) -> Vec<Arc<Target>> {
+        let mut c = self.candidates(key);
+        c.retain(|t| t.remote.is_none());
+        c
+    }
+
+    /// Keys with a usable target at this site (what the site advertises to the network).
+    pub fn local_reachable_keys(&self) -> Vec<String> {
+        let map = self.by_key.load();
+        let mut keys: Vec<String> = map
+            .iter()
+            .filter(|(_, ts)| ts.iter().any(|t| t.remote.is_none() && t.usable()))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.sort();
+        keys
     }
 
     /// Whether a key has at least one usable target.
@@ -239,7 +348,7 @@ impl Registry {
     /// With health checks turned off there is no checker to bring the target back, so it stays
     /// usable and only the error is recorded (the connect still moves on to the next choice).
     pub fn connect_failed(&self, target: &Target, error: &str) {
-        if !target.health_check.enabled {
+        if !target.health_check.enabled || target.remote.is_some() {
             if let Ok(mut e) = target.last_error.lock() {
                 *e = Some(error.to_string());
             }

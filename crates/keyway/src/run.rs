@@ -35,7 +35,7 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
         .build()
         .context("cannot start the runtime")?;
     runtime.block_on(async move {
-        let dataplane = DataPlane::new(Arc::new(Metrics::default()));
+        let dataplane = Arc::new(DataPlane::new(Arc::new(Metrics::default())));
         let site = Arc::new(Site::new(config.clone(), state, dataplane)?);
         site.reload();
         let admin = admin::start(admin_addr, site.clone())?;
@@ -61,7 +61,9 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
             "shutting down: no longer accepting, draining open connections"
         );
         reloader.abort();
+        // Drain first: connections to keys at other sites still need the links.
         let left = site.dataplane.shutdown(drain).await;
+        site.network.shutdown();
         if left > 0 {
             tracing::warn!(open = left, "drain timeout: closing remaining connections");
         }

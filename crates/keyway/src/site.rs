@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -13,6 +14,7 @@ use keyway_core::report::{self, Filter};
 use keyway_core::service_network::{self, Reachability, Resolution};
 use keyway_core::{Index, ObjectKey, ObjectState, Reconciled, reconcile};
 use keyway_dataplane::DataPlane;
+use keyway_network::Network;
 use serde_json::Value;
 
 use crate::{cli, source, state};
@@ -31,7 +33,8 @@ struct Current {
 pub struct Site {
     pub config: PathBuf,
     pub state_dir: PathBuf,
-    pub dataplane: DataPlane,
+    pub dataplane: Arc<DataPlane>,
+    pub network: Network,
     current: Mutex<Current>,
     applied: AtomicBool,
 }
@@ -41,12 +44,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Site {
-    pub fn new(config: PathBuf, state_dir: PathBuf, dataplane: DataPlane) -> anyhow::Result<Self> {
+    /// A site running `dataplane`; must be called within the tokio runtime (the network starts
+    /// its tasks there).
+    pub fn new(
+        config: PathBuf,
+        state_dir: PathBuf,
+        dataplane: Arc<DataPlane>,
+    ) -> anyhow::Result<Self> {
         let objects = state::load(&state_dir)?;
+        let network = Network::new(dataplane.clone());
         Ok(Site {
             config,
             state_dir,
             dataplane,
+            network,
             current: Mutex::new(Current {
                 objects,
                 ..Current::default()
@@ -74,6 +85,7 @@ impl Site {
         let reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
         let resolution = service_network::resolve(&index);
         self.dataplane.apply(&resolution.plan);
+        self.network.apply(&resolution.plan);
         for w in &reconciled.warnings {
             tracing::warn!("{w}");
         }
@@ -106,19 +118,26 @@ impl Site {
     /// Live status of every object (SPEC §6 `/status`), as a `List`.
     pub fn status(&self) -> Value {
         let obs = self.dataplane.observe();
+        let net = self.network.observe();
         let mut current = lock(&self.current);
+        let mut listened_keys: std::collections::BTreeSet<String> = current
+            .resolution
+            .plan
+            .listeners
+            .iter()
+            .flat_map(|l| l.selection.keys().into_iter().map(str::to_string))
+            .collect();
+        listened_keys.extend(net.listened_keys);
+        let mut bind_errors = obs.bind_errors;
+        bind_errors.extend(net.bind_errors);
         let reach = Reachability {
             reachable_keys: obs.reachable_keys,
-            listened_keys: current
-                .resolution
-                .plan
-                .listeners
-                .iter()
-                .flat_map(|l| l.selection.keys().into_iter().map(str::to_string))
-                .collect(),
+            listened_keys,
             unhealthy_connectors: obs.unhealthy_connectors,
-            bind_errors: obs.bind_errors,
-            ..Reachability::default()
+            bind_errors,
+            remote_sites: net.remote_sites,
+            operational_links: net.operational_links,
+            link_errors: net.link_errors,
         };
         let mut statuses =
             service_network::statuses(&current.index, &current.resolution, &reach, &cli::now());

@@ -1,0 +1,124 @@
+//! Link-state routing: the advertisements every site floods, and least-cost paths over them
+//! (Dijkstra). Pure, so routing rules are tested without sockets.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+use crate::protocol::Advertisement;
+
+/// The best path from this site to another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// Sum of link costs along the path.
+    pub cost: u64,
+    /// The neighbour to hand the stream to.
+    pub next_hop: String,
+}
+
+/// Least-cost routes from `me` to every site reachable over advertised links. An edge `u → v`
+/// exists when `u` advertises `v` (u can open streams to v); the path's first hop is always one
+/// of `me`'s own advertised neighbours. Ties go to the lexically smaller next hop, so every run
+/// picks the same path.
+pub fn routes(me: &str, db: &HashMap<String, Advertisement>) -> BTreeMap<String, Route> {
+    let mut best: HashMap<&str, (u64, &str)> = HashMap::new();
+    let mut heap = BinaryHeap::new();
+    let mut done: HashMap<&str, ()> = HashMap::new();
+    heap.push(Reverse((0u64, me, "")));
+    while let Some(Reverse((cost, site, hop))) = heap.pop() {
+        if done.insert(site, ()).is_some() {
+            continue;
+        }
+        if site != me {
+            best.insert(site, (cost, hop));
+        }
+        let Some(adv) = db.get(site) else { continue };
+        for link in &adv.links {
+            if done.contains_key(link.site.as_str()) {
+                continue;
+            }
+            let next = cost.saturating_add(link.cost.max(1));
+            let first = if site == me { link.site.as_str() } else { hop };
+            heap.push(Reverse((next, link.site.as_str(), first)));
+        }
+    }
+    best.into_iter()
+        .map(|(site, (cost, hop))| {
+            (
+                site.to_string(),
+                Route {
+                    cost,
+                    next_hop: hop.to_string(),
+                },
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::Adjacency;
+
+    fn adv(origin: &str, links: &[(&str, u64)]) -> (String, Advertisement) {
+        (
+            origin.to_string(),
+            Advertisement {
+                origin: origin.into(),
+                id: origin.into(),
+                seq: 1,
+                keys: vec![],
+                listening: vec![],
+                links: links
+                    .iter()
+                    .map(|(s, c)| Adjacency {
+                        site: s.to_string(),
+                        cost: *c,
+                    })
+                    .collect(),
+            },
+        )
+    }
+
+    #[test]
+    fn chain_and_cheaper_detour() {
+        // a–b–c chain, plus an expensive direct a–c link.
+        let db: HashMap<_, _> = [
+            adv("a", &[("b", 1), ("c", 5)]),
+            adv("b", &[("a", 1), ("c", 1)]),
+            adv("c", &[("b", 1), ("a", 5)]),
+        ]
+        .into();
+        let r = routes("a", &db);
+        assert_eq!(
+            r["b"],
+            Route {
+                cost: 1,
+                next_hop: "b".into()
+            }
+        );
+        assert_eq!(
+            r["c"],
+            Route {
+                cost: 2,
+                next_hop: "b".into()
+            }
+        );
+    }
+
+    #[test]
+    fn unreachable_and_stale_sites_are_left_out() {
+        // d still advertises a link to b, but nobody advertises d: d is unreachable.
+        let db: HashMap<_, _> = [
+            adv("a", &[("b", 1)]),
+            adv("b", &[("a", 1)]),
+            adv("d", &[("b", 1)]),
+        ]
+        .into();
+        let r = routes("a", &db);
+        assert_eq!(r.len(), 1);
+        assert!(!r.contains_key("d"));
+        // A neighbour whose advertisement has not arrived yet is still one hop away.
+        let db: HashMap<_, _> = [adv("a", &[("b", 3)])].into();
+        assert_eq!(routes("a", &db)["b"].cost, 3);
+    }
+}

@@ -1,0 +1,544 @@
+//! keyway's site network (SPEC §3.2): sites linked by mutually authenticated TLS 1.3, each link
+//! carrying HTTP/2. One long-lived control stream per connection exchanges hellos, keepalives
+//! and link-state advertisements ([`protocol`]); every site computes least-cost paths
+//! ([`graph`]) and gives the data plane the keys reachable elsewhere as remote targets. Each
+//! proxied TCP connection is one HTTP/2 CONNECT stream, forwarded hop by hop.
+//!
+//! HTTP/2 streams can only be opened by the client side of a connection, so a link is two TLS
+//! connections: on one the dialing site is the HTTP/2 client, on the other (told apart by ALPN)
+//! the accepting site is. Each site opens streams only on connections where it is the client.
+
+pub mod graph;
+pub mod protocol;
+mod session;
+pub mod stream;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use keyway_core::ObjectKey;
+use keyway_core::plan::{LinkPlan, Plan, RouterAccessPlan};
+use keyway_core::skupper::{LinkRecord, ServiceRecord, SiteRecord};
+use keyway_dataplane::{BoxIo, DataPlane, DialFuture, RemoteDialer};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::graph::Route;
+use crate::protocol::{Adjacency, Advertisement, Message};
+
+/// ALPN when the dialing site is the HTTP/2 client of the connection.
+pub const ALPN_FORWARD: &[u8] = b"keyway-link/1";
+/// ALPN when the accepting site is the HTTP/2 client (streams towards the dialer).
+pub const ALPN_REVERSE: &[u8] = b"keyway-link-reverse/1";
+/// Path of the control stream.
+pub const CONTROL_PATH: &str = "/keyway.control/v1";
+/// Request headers of a CONNECT stream.
+pub const H_KEY: &str = "keyway-routing-key";
+pub const H_SITE: &str = "keyway-site";
+pub const H_HOPS: &str = "keyway-hops";
+/// Response header saying why a CONNECT failed.
+pub const H_ERROR: &str = "keyway-error";
+/// Most sites a stream may cross (guards against loops while routes converge).
+pub const MAX_HOPS: u8 = 32;
+
+/// How long an unreachable site's advertisement is kept before it is forgotten.
+const FORGET_AFTER: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("{0}")]
+    Tls(String),
+    #[error("HTTP/2: {0}")]
+    H2(#[from] h2::Error),
+    #[error("control protocol: {0}")]
+    Protocol(#[from] protocol::ProtocolError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0} timed out")]
+    Timeout(&'static str),
+    #[error("{0}")]
+    Peer(String),
+}
+
+/// One live link connection.
+pub(crate) struct Conn {
+    pub id: u64,
+    pub peer: String,
+    pub cost: u64,
+    /// Present where this site is the HTTP/2 client: streams to the peer are opened here.
+    pub sender: Option<h2::client::SendRequest<Bytes>>,
+    pub control: mpsc::UnboundedSender<Bytes>,
+    pub streams: Arc<AtomicUsize>,
+    pub link: Option<String>,
+}
+
+/// A Link's observed state: connections up (by id, with the remote site) and the last error.
+#[derive(Default)]
+struct LinkState {
+    up: BTreeMap<u64, String>,
+    error: Option<String>,
+}
+
+struct State {
+    site: String,
+    seq: u64,
+    local_keys: Vec<String>,
+    listening: Vec<String>,
+    conns: HashMap<u64, Arc<Conn>>,
+    db: HashMap<String, Advertisement>,
+    unreachable_since: HashMap<String, Instant>,
+    routes: BTreeMap<String, Route>,
+    remote_entries: Vec<(String, String, u64)>,
+    links: BTreeMap<String, (LinkPlan, Vec<AbortOnDrop>)>,
+    link_state: BTreeMap<String, LinkState>,
+    access: Option<(RouterAccessPlan, AbortOnDrop)>,
+    access_error: Option<(ObjectKey, String)>,
+}
+
+pub(crate) struct Inner {
+    dataplane: Arc<DataPlane>,
+    id: String,
+    state: Mutex<State>,
+    next_conn: AtomicU64,
+    runtime: tokio::runtime::Handle,
+}
+
+/// Aborts a task when dropped, so replacing or removing a Link or RouterAccess stops its
+/// connections.
+pub(crate) struct AbortOnDrop(pub JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What the network observes, for status (SPEC §3.3).
+#[derive(Clone, Debug, Default)]
+pub struct NetworkView {
+    /// Other reachable sites with their links and keys.
+    pub remote_sites: Vec<SiteRecord>,
+    /// Link name → remote site, for links with a connection up.
+    pub operational_links: BTreeMap<String, String>,
+    /// Link name → why it is not up.
+    pub link_errors: BTreeMap<String, String>,
+    /// Keys listened to anywhere else in the network.
+    pub listened_keys: BTreeSet<String>,
+    /// A RouterAccess whose port could not be bound.
+    pub bind_errors: BTreeMap<ObjectKey, String>,
+}
+
+pub struct Network {
+    inner: Arc<Inner>,
+    _refresher: AbortOnDrop,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Network {
+    /// A network with no links, for `dataplane`. Must be called within a tokio runtime.
+    pub fn new(dataplane: Arc<DataPlane>) -> Network {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        // Sequence numbers start at the clock, so a restarted site's advertisements are newer
+        // than whatever the network remembers of its previous run.
+        let seq = now.as_millis() as u64;
+        let inner = Arc::new(Inner {
+            dataplane: dataplane.clone(),
+            id: format!("{:016x}", fastrand::u64(..)),
+            state: Mutex::new(State {
+                site: "default".into(),
+                seq,
+                local_keys: Vec::new(),
+                listening: Vec::new(),
+                conns: HashMap::new(),
+                db: HashMap::new(),
+                unreachable_since: HashMap::new(),
+                routes: BTreeMap::new(),
+                remote_entries: Vec::new(),
+                links: BTreeMap::new(),
+                link_state: BTreeMap::new(),
+                access: None,
+                access_error: None,
+            }),
+            next_conn: AtomicU64::new(1),
+            runtime: tokio::runtime::Handle::current(),
+        });
+        dataplane.set_remote_dialer(Arc::new(Dialer(Arc::downgrade(&inner))));
+        let refresher = AbortOnDrop(tokio::spawn(refresh_loop(Arc::downgrade(&inner))));
+        Network {
+            inner,
+            _refresher: refresher,
+        }
+    }
+
+    /// Runs the plan's site name, RouterAccess and Links; unchanged ones keep their connections.
+    pub fn apply(&self, plan: &Plan) {
+        let inner = &self.inner;
+        let mut listening: Vec<String> = plan
+            .listeners
+            .iter()
+            .flat_map(|l| l.selection.keys().into_iter().map(str::to_string))
+            .collect();
+        listening.sort();
+        listening.dedup();
+        let mut st = lock(&inner.state);
+        let mut changed = false;
+        if st.site != plan.site_name {
+            let old = std::mem::replace(&mut st.site, plan.site_name.clone());
+            st.db.remove(&old);
+            changed = true;
+        }
+        if st.listening != listening {
+            st.listening = listening;
+            changed = true;
+        }
+        // RouterAccess.
+        let same_access = match (&st.access, &plan.router_access) {
+            (Some((running, _)), Some(wanted)) => running == wanted,
+            (None, None) => true,
+            _ => false,
+        };
+        if !same_access {
+            st.access = None;
+            st.access_error = None;
+            if let Some(ra) = &plan.router_access {
+                match session::start_access(inner, ra) {
+                    Ok(task) => st.access = Some((ra.clone(), task)),
+                    Err(e) => {
+                        tracing::error!(router_access = %ra.id.name, "{e}");
+                        st.access_error = Some((ra.id.clone(), e.to_string()));
+                    }
+                }
+            }
+        }
+        // Links.
+        let mut next = BTreeMap::new();
+        for link in &plan.links {
+            let name = link.id.name.clone();
+            match st.links.remove(&name) {
+                Some((running, tasks)) if running == *link => {
+                    next.insert(name, (running, tasks));
+                }
+                _ => {
+                    st.link_state.insert(
+                        name.clone(),
+                        LinkState {
+                            up: BTreeMap::new(),
+                            error: Some("connecting".into()),
+                        },
+                    );
+                    let tasks = session::start_link(inner, link);
+                    next.insert(name, (link.clone(), tasks));
+                }
+            }
+        }
+        let removed = std::mem::replace(&mut st.links, next);
+        for name in removed.keys() {
+            st.link_state.remove(name);
+        }
+        if changed {
+            inner.originate(&mut st);
+        }
+        drop(st);
+        // Dropping the removed links' tasks runs their connections' deregistration, which
+        // takes the state lock.
+        drop(removed);
+    }
+
+    /// Status inputs: links, remote sites and their keys.
+    pub fn observe(&self) -> NetworkView {
+        let st = lock(&self.inner.state);
+        let mut view = NetworkView::default();
+        for (name, ls) in &st.link_state {
+            match ls.up.values().next() {
+                Some(remote) => {
+                    view.operational_links.insert(name.clone(), remote.clone());
+                }
+                None => {
+                    view.link_errors.insert(
+                        name.clone(),
+                        ls.error.clone().unwrap_or_else(|| "not connected".into()),
+                    );
+                }
+            }
+        }
+        for site in st.routes.keys() {
+            let Some(adv) = st.db.get(site) else { continue };
+            view.listened_keys.extend(adv.listening.iter().cloned());
+            let mut services: BTreeMap<&str, ServiceRecord> = BTreeMap::new();
+            for k in &adv.keys {
+                let r = services.entry(k).or_insert_with(|| ServiceRecord {
+                    routing_key: k.clone(),
+                    ..Default::default()
+                });
+                r.connectors.push(site.clone());
+            }
+            for k in &adv.listening {
+                let r = services.entry(k).or_insert_with(|| ServiceRecord {
+                    routing_key: k.clone(),
+                    ..Default::default()
+                });
+                r.listeners.push(site.clone());
+            }
+            view.remote_sites.push(SiteRecord {
+                id: Some(adv.id.clone()),
+                name: Some(site.clone()),
+                platform: Some("keyway".into()),
+                links: adv
+                    .links
+                    .iter()
+                    .map(|l| LinkRecord {
+                        name: None,
+                        remote_site_name: Some(l.site.clone()),
+                        operational: true,
+                    })
+                    .collect(),
+                services: services.into_values().collect(),
+                ..Default::default()
+            });
+        }
+        if let Some((key, e)) = &st.access_error {
+            view.bind_errors.insert(key.clone(), e.clone());
+        }
+        view
+    }
+
+    /// Least-cost routes to every reachable site (for tests and `/config`-style debugging).
+    pub fn routes(&self) -> BTreeMap<String, Route> {
+        lock(&self.inner.state).routes.clone()
+    }
+
+    /// Closes every link and the RouterAccess port.
+    pub fn shutdown(&self) {
+        let (links, access) = {
+            let mut st = lock(&self.inner.state);
+            (std::mem::take(&mut st.links), st.access.take())
+        };
+        drop(links);
+        drop(access);
+    }
+}
+
+impl Inner {
+    /// Issues a new advertisement of this site, floods it, and recomputes routes.
+    fn originate(&self, st: &mut State) {
+        st.seq += 1;
+        let mut links: BTreeMap<String, u64> = BTreeMap::new();
+        for c in st.conns.values() {
+            if c.sender.is_some() {
+                let cost = links.entry(c.peer.clone()).or_insert(c.cost);
+                *cost = (*cost).min(c.cost);
+            }
+        }
+        let adv = Advertisement {
+            origin: st.site.clone(),
+            id: self.id.clone(),
+            seq: st.seq,
+            keys: st.local_keys.clone(),
+            listening: st.listening.clone(),
+            links: links
+                .into_iter()
+                .map(|(site, cost)| Adjacency { site, cost })
+                .collect(),
+        };
+        st.db.insert(adv.origin.clone(), adv.clone());
+        flood(st, &adv, None);
+        self.recompute(st);
+    }
+
+    /// Takes in an advertisement received on connection `from`.
+    fn receive(&self, from: u64, adv: Advertisement) {
+        let mut st = lock(&self.state);
+        if adv.origin == st.site {
+            // An echo of our own, perhaps from a previous run with a higher number: move past it.
+            if adv.id != self.id && adv.seq >= st.seq {
+                st.seq = adv.seq;
+                self.originate(&mut st);
+            }
+            return;
+        }
+        if st.db.get(&adv.origin).is_some_and(|old| old.seq >= adv.seq) {
+            return;
+        }
+        flood(&st, &adv, Some(from));
+        st.db.insert(adv.origin.clone(), adv);
+        self.recompute(&mut st);
+    }
+
+    /// Routes from the link-state database; pushes changed remote targets to the data plane.
+    fn recompute(&self, st: &mut State) {
+        st.routes = graph::routes(&st.site, &st.db);
+        let now = Instant::now();
+        let me = st.site.clone();
+        let unreachable: Vec<String> = st
+            .db
+            .keys()
+            .filter(|s| **s != me && !st.routes.contains_key(*s))
+            .cloned()
+            .collect();
+        st.unreachable_since.retain(|s, _| unreachable.contains(s));
+        for s in unreachable {
+            let since = *st.unreachable_since.entry(s.clone()).or_insert(now);
+            if now.duration_since(since) > FORGET_AFTER {
+                st.db.remove(&s);
+                st.unreachable_since.remove(&s);
+            }
+        }
+        let mut entries: Vec<(String, String, u64)> = Vec::new();
+        for (site, route) in &st.routes {
+            if let Some(adv) = st.db.get(site) {
+                for k in &adv.keys {
+                    entries.push((k.clone(), site.clone(), route.cost));
+                }
+            }
+        }
+        entries.sort();
+        if entries != st.remote_entries {
+            tracing::debug!(targets = entries.len(), "remote targets changed");
+            self.dataplane.registry().set_remote(&entries);
+            st.remote_entries = entries;
+        }
+    }
+
+    /// Adds a connection whose hellos were exchanged, and sends it what we know.
+    fn register(&self, conn: Arc<Conn>) {
+        let mut st = lock(&self.state);
+        for adv in st.db.values() {
+            let _ = conn
+                .control
+                .send(Message::Advertisement(adv.clone()).encode());
+        }
+        if let Some(link) = &conn.link {
+            let ls = st.link_state.entry(link.clone()).or_default();
+            ls.up.insert(conn.id, conn.peer.clone());
+            ls.error = None;
+        }
+        let adjacency = conn.sender.is_some();
+        st.conns.insert(conn.id, conn);
+        if adjacency {
+            self.originate(&mut st);
+        }
+    }
+
+    /// Removes a connection that ended, saying why for its Link's status.
+    fn deregister(&self, id: u64, why: Option<String>) {
+        let mut st = lock(&self.state);
+        let Some(conn) = st.conns.remove(&id) else {
+            return;
+        };
+        if let Some(link) = &conn.link
+            && let Some(ls) = st.link_state.get_mut(link)
+        {
+            ls.up.remove(&id);
+            if why.is_some() {
+                ls.error = why;
+            }
+        }
+        if conn.sender.is_some() {
+            self.originate(&mut st);
+        }
+    }
+
+    /// Records why a Link's dial failed (kept until a connection of the link is up).
+    fn link_failed(&self, link: &str, why: String) {
+        let mut st = lock(&self.state);
+        if let Some(ls) = st.link_state.get_mut(link) {
+            ls.error = Some(why);
+        }
+    }
+
+    fn site(&self) -> String {
+        lock(&self.state).site.clone()
+    }
+
+    /// The least-busy connection to the next hop towards `site`.
+    fn next_hop(&self, site: &str) -> Result<Arc<Conn>, String> {
+        let st = lock(&self.state);
+        let route = st
+            .routes
+            .get(site)
+            .ok_or_else(|| format!("no route to site {site}"))?;
+        st.conns
+            .values()
+            .filter(|c| c.peer == route.next_hop && c.sender.is_some())
+            .min_by_key(|c| c.streams.load(Ordering::Relaxed))
+            .cloned()
+            .ok_or_else(|| format!("no connection to site {}", route.next_hop))
+    }
+
+    fn next_conn_id(&self) -> u64 {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+fn flood(st: &State, adv: &Advertisement, except: Option<u64>) {
+    let bytes = Message::Advertisement(adv.clone()).encode();
+    for c in st.conns.values() {
+        if Some(c.id) != except {
+            let _ = c.control.send(bytes.clone());
+        }
+    }
+}
+
+/// Re-advertises when the set of healthy local keys changes, and ages out unreachable sites.
+async fn refresh_loop(inner: Weak<Inner>) {
+    let Some(mut changes) = inner.upgrade().map(|i| i.dataplane.registry().subscribe()) else {
+        return;
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            r = changes.changed() => if r.is_err() { return },
+            _ = tick.tick() => {}
+        }
+        let Some(inner) = inner.upgrade() else { return };
+        let keys = inner.dataplane.registry().local_reachable_keys();
+        let mut st = lock(&inner.state);
+        if st.local_keys != keys {
+            st.local_keys = keys;
+            inner.originate(&mut st);
+        } else {
+            inner.recompute(&mut st);
+        }
+    }
+}
+
+/// The data plane's way into the network.
+struct Dialer(Weak<Inner>);
+
+impl RemoteDialer for Dialer {
+    fn dial<'a>(&'a self, site: &'a str, key: &'a str) -> DialFuture<'a> {
+        Box::pin(async move {
+            let inner = self.0.upgrade().ok_or("network stopped")?;
+            session::open_stream(&inner, site, key, MAX_HOPS).await
+        })
+    }
+}
+
+/// Keeps a connection's stream count while a tunnel stream lives.
+pub(crate) struct StreamCount(Arc<AtomicUsize>);
+
+impl StreamCount {
+    pub fn new(c: &Arc<AtomicUsize>) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        StreamCount(c.clone())
+    }
+}
+
+impl Drop for StreamCount {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Boxes a stream for the data plane.
+pub(crate) fn boxed(s: stream::H2Stream) -> BoxIo {
+    Box::new(s)
+}

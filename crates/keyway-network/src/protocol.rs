@@ -1,0 +1,250 @@
+//! The control protocol (docs/protocol.md): newline-delimited JSON messages on one long-lived
+//! HTTP/2 stream per link connection. The dialing side's messages travel in the request body,
+//! the accepting side's in the response body.
+//!
+//! Every message is checked before it is used: unknown types, bad JSON, messages over
+//! [`MAX_MESSAGE`] bytes and messages out of order (anything before `hello`, a second `hello`)
+//! are errors that close the connection; nothing here panics on peer input.
+
+use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+/// Largest control message, newline excluded.
+pub const MAX_MESSAGE: usize = 1024 * 1024;
+/// Longest site name or routing key accepted from a peer.
+pub const MAX_NAME: usize = 253;
+/// Most keys or links one advertisement may carry.
+pub const MAX_ITEMS: usize = 65_536;
+
+/// One control message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase")]
+pub enum Message {
+    /// First message each way: who the site is, and the cost of this link (set by the dialer,
+    /// echoed by the accepting side).
+    Hello {
+        version: u32,
+        site: String,
+        id: String,
+        cost: u64,
+    },
+    /// Sent every second; proves the control loop of the peer is alive.
+    Keepalive,
+    /// A site's link-state advertisement, flooded to every site.
+    Advertisement(Advertisement),
+}
+
+/// What one site can reach and whom it is linked to. Newer `seq` replaces older.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Advertisement {
+    pub origin: String,
+    pub id: String,
+    pub seq: u64,
+    /// Routing keys with a healthy target at the origin.
+    #[serde(default)]
+    pub keys: Vec<String>,
+    /// Routing keys some listener at the origin uses.
+    #[serde(default)]
+    pub listening: Vec<String>,
+    /// Sites the origin can open streams to, with the link cost.
+    #[serde(default)]
+    pub links: Vec<Adjacency>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Adjacency {
+    pub site: String,
+    pub cost: u64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ProtocolError {
+    #[error("control message larger than {MAX_MESSAGE} bytes")]
+    Oversized,
+    #[error("malformed control message: {0}")]
+    Malformed(String),
+    #[error("unsupported protocol version {0} (this site speaks {VERSION})")]
+    Version(u32),
+    #[error("{0} before hello")]
+    BeforeHello(&'static str),
+    #[error("second hello on one connection")]
+    SecondHello,
+    #[error("invalid {what}: {why}")]
+    Invalid { what: &'static str, why: String },
+}
+
+impl Message {
+    /// The message as one line of JSON.
+    pub fn encode(&self) -> Bytes {
+        let mut v = serde_json::to_vec(self).unwrap_or_default();
+        v.push(b'\n');
+        Bytes::from(v)
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "hello",
+            Message::Keepalive => "keepalive",
+            Message::Advertisement(_) => "advertisement",
+        }
+    }
+}
+
+fn check_name(what: &'static str, name: &str) -> Result<(), ProtocolError> {
+    if name.is_empty() || name.len() > MAX_NAME || name.chars().any(char::is_control) {
+        return Err(ProtocolError::Invalid {
+            what,
+            why: format!("`{}`", name.escape_debug()),
+        });
+    }
+    Ok(())
+}
+
+/// Checks the fields of a parsed message (sizes, names).
+pub fn validate(msg: &Message) -> Result<(), ProtocolError> {
+    match msg {
+        Message::Hello { site, id, .. } => {
+            check_name("site name", site)?;
+            check_name("site id", id)
+        }
+        Message::Keepalive => Ok(()),
+        Message::Advertisement(a) => {
+            check_name("site name", &a.origin)?;
+            check_name("site id", &a.id)?;
+            if a.keys.len() > MAX_ITEMS
+                || a.listening.len() > MAX_ITEMS
+                || a.links.len() > MAX_ITEMS
+            {
+                return Err(ProtocolError::Invalid {
+                    what: "advertisement",
+                    why: "too many entries".into(),
+                });
+            }
+            for k in a.keys.iter().chain(&a.listening) {
+                check_name("routing key", k)?;
+            }
+            for l in &a.links {
+                check_name("site name", &l.site)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Splits a byte stream into messages and enforces their order.
+#[derive(Default)]
+pub struct Decoder {
+    buf: BytesMut,
+    hello_seen: bool,
+}
+
+impl Decoder {
+    /// Adds received bytes; fails at once when a line grows past the limit.
+    pub fn push(&mut self, data: &[u8]) -> Result<(), ProtocolError> {
+        self.buf.extend_from_slice(data);
+        let pending = self
+            .buf
+            .iter()
+            .position(|b| *b == b'\n')
+            .unwrap_or(self.buf.len());
+        if pending > MAX_MESSAGE {
+            return Err(ProtocolError::Oversized);
+        }
+        Ok(())
+    }
+
+    /// The next complete message, if any.
+    pub fn next_message(&mut self) -> Result<Option<Message>, ProtocolError> {
+        let Some(end) = self.buf.iter().position(|b| *b == b'\n') else {
+            return Ok(None);
+        };
+        let line = self.buf.split_to(end + 1);
+        let line = &line[..end];
+        if line.len() > MAX_MESSAGE {
+            return Err(ProtocolError::Oversized);
+        }
+        let msg: Message =
+            serde_json::from_slice(line).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+        validate(&msg)?;
+        match (&msg, self.hello_seen) {
+            (Message::Hello { version, .. }, false) => {
+                if *version != VERSION {
+                    return Err(ProtocolError::Version(*version));
+                }
+                self.hello_seen = true;
+            }
+            (Message::Hello { .. }, true) => return Err(ProtocolError::SecondHello),
+            (other, false) => return Err(ProtocolError::BeforeHello(other.kind())),
+            _ => {}
+        }
+        Ok(Some(msg))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello() -> Message {
+        Message::Hello {
+            version: VERSION,
+            site: "a".into(),
+            id: "1".into(),
+            cost: 1,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_order() {
+        let mut d = Decoder::default();
+        let mut wire = hello().encode().to_vec();
+        wire.extend_from_slice(&Message::Keepalive.encode());
+        // Split mid-message: the decoder waits for the newline.
+        d.push(&wire[..5]).unwrap();
+        assert_eq!(d.next_message().unwrap(), None);
+        d.push(&wire[5..]).unwrap();
+        assert_eq!(d.next_message().unwrap(), Some(hello()));
+        assert_eq!(d.next_message().unwrap(), Some(Message::Keepalive));
+        d.push(&hello().encode()).unwrap();
+        assert_eq!(d.next_message(), Err(ProtocolError::SecondHello));
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        let mut d = Decoder::default();
+        d.push(&Message::Keepalive.encode()).unwrap();
+        assert_eq!(
+            d.next_message(),
+            Err(ProtocolError::BeforeHello("keepalive"))
+        );
+
+        let mut d = Decoder::default();
+        d.push(b"\x16\x03\x01garbage\n").unwrap();
+        assert!(matches!(d.next_message(), Err(ProtocolError::Malformed(_))));
+
+        let mut d = Decoder::default();
+        d.push(br#"{"type":"hello","version":99,"site":"a","id":"1","cost":1}"#)
+            .unwrap();
+        d.push(b"\n").unwrap();
+        assert_eq!(d.next_message(), Err(ProtocolError::Version(99)));
+
+        let mut d = Decoder::default();
+        assert_eq!(
+            d.push(&vec![b'x'; MAX_MESSAGE + 1]),
+            Err(ProtocolError::Oversized)
+        );
+
+        let mut d = Decoder::default();
+        d.push(br#"{"type":"hello","version":1,"site":"","id":"1","cost":1}"#)
+            .unwrap();
+        d.push(b"\n").unwrap();
+        assert!(matches!(
+            d.next_message(),
+            Err(ProtocolError::Invalid { .. })
+        ));
+    }
+}

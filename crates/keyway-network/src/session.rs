@@ -1,0 +1,563 @@
+//! Link connections: dialing Links with backoff, accepting on the RouterAccess port, the
+//! HTTP/2 session on each connection (control stream, PING keepalive), and CONNECT streams.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use h2::{RecvStream, SendStream};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use keyway_core::plan::{LinkPlan, RouterAccessPlan};
+use keyway_dataplane::listener::Upstream;
+use keyway_dataplane::metrics::Metrics;
+use keyway_dataplane::{BoxIo, copy, tls};
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use crate::protocol::{Decoder, Message, VERSION};
+use crate::stream::H2Stream;
+use crate::{
+    ALPN_FORWARD, ALPN_REVERSE, AbortOnDrop, CONTROL_PATH, Conn, H_ERROR, H_HOPS, H_KEY, H_SITE,
+    Inner, NetError, StreamCount, boxed,
+};
+
+/// HTTP/2 flow control for tunnels: 4 MiB per stream, 16 MiB per connection. Unequal on
+/// purpose: with equal windows one stalled stream could hold the whole connection's window.
+const STREAM_WINDOW: u32 = 4 << 20;
+const CONN_WINDOW: u32 = 16 << 20;
+const MAX_FRAME: u32 = 256 << 10;
+const SEND_BUFFER: usize = 4 << 20;
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
+/// HTTP/2 PING every half second, 2 s to answer: a silent peer is dropped within 2.5 s.
+const PING_EVERY: Duration = Duration::from_millis(500);
+const PING_TIMEOUT: Duration = Duration::from_secs(2);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Binds the RouterAccess port now (so a bad port is reported) and accepts links on it.
+pub(crate) fn start_access(
+    inner: &Arc<Inner>,
+    ra: &RouterAccessPlan,
+) -> Result<AbortOnDrop, NetError> {
+    let config = tls::link_server_config(&ra.tls, &[ALPN_FORWARD, ALPN_REVERSE])
+        .map_err(|e| NetError::Tls(e.to_string()))?;
+    let std_listener =
+        std::net::TcpListener::bind((ra.bind_host.as_str(), ra.port)).map_err(|e| {
+            NetError::Peer(format!(
+                "cannot bind the inter-router port {}:{}: {e}",
+                ra.bind_host, ra.port
+            ))
+        })?;
+    std_listener.set_nonblocking(true)?;
+    let acceptor = TlsAcceptor::from(config);
+    let runtime = inner.runtime.clone();
+    let inner = inner.clone();
+    let task = runtime.spawn(async move {
+        let listener = match TcpListener::from_std(std_listener) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("inter-router port: {e}");
+                return;
+            }
+        };
+        tracing::info!(addr = ?listener.local_addr().ok(), "accepting links");
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("inter-router accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let inner = inner.clone();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let _ = tcp.set_nodelay(true);
+                // Nothing but the TLS handshake happens before the peer proves its identity.
+                let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::warn!(%peer, "link refused: TLS handshake failed: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::warn!(%peer, "link refused: TLS handshake timed out");
+                        return;
+                    }
+                };
+                let forward = match tls.get_ref().1.alpn_protocol() {
+                    Some(p) if p == ALPN_FORWARD => true,
+                    Some(p) if p == ALPN_REVERSE => false,
+                    _ => {
+                        tracing::warn!(%peer, "link refused: no keyway ALPN protocol");
+                        return;
+                    }
+                };
+                // Forward: the dialer is the HTTP/2 client, so this side serves.
+                match run_session(&inner, tls, !forward, 0, None).await {
+                    Ok(()) => tracing::info!(%peer, "link connection closed"),
+                    Err(e) => tracing::warn!(%peer, "link connection closed: {e}"),
+                }
+            });
+        }
+    });
+    Ok(AbortOnDrop(task))
+}
+
+/// Dials a Link: one connection where this site is the HTTP/2 client and one where the peer is,
+/// each redialed with backoff.
+pub(crate) fn start_link(inner: &Arc<Inner>, link: &LinkPlan) -> Vec<AbortOnDrop> {
+    [true, false]
+        .into_iter()
+        .map(|client| {
+            AbortOnDrop(
+                inner
+                    .runtime
+                    .spawn(link_loop(inner.clone(), link.clone(), client)),
+            )
+        })
+        .collect()
+}
+
+async fn link_loop(inner: Arc<Inner>, link: LinkPlan, client: bool) {
+    let name = link.id.name.clone();
+    let alpn = if client { ALPN_FORWARD } else { ALPN_REVERSE };
+    let config = match tls::link_client_config(&link.tls, alpn) {
+        Ok(c) => c,
+        Err(e) => {
+            inner.link_failed(&name, e.to_string());
+            return;
+        }
+    };
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        let started = Instant::now();
+        let why = match dial_once(&inner, &link, config.clone(), client).await {
+            Ok(()) => "connection closed by the peer".to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(link = %name, endpoint = %format!("{}:{}", link.host, link.port), "link down: {why}");
+        inner.link_failed(&name, why);
+        if started.elapsed() > Duration::from_secs(10) {
+            backoff = BACKOFF_MIN;
+        }
+        let jitter = Duration::from_millis(fastrand::u64(0..50));
+        tokio::time::sleep(backoff + jitter).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+async fn dial_once(
+    inner: &Arc<Inner>,
+    link: &LinkPlan,
+    config: Arc<rustls::ClientConfig>,
+    client: bool,
+) -> Result<(), NetError> {
+    let tcp = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        TcpStream::connect((link.host.as_str(), link.port)),
+    )
+    .await
+    .map_err(|_| NetError::Timeout("connect"))?
+    .map_err(|e| {
+        NetError::Peer(format!(
+            "connect to {}:{} failed: {e}",
+            link.host, link.port
+        ))
+    })?;
+    let _ = tcp.set_nodelay(true);
+    let name = ServerName::try_from(link.host.clone())
+        .map_err(|e| NetError::Tls(format!("endpoint host {}: {e}", link.host)))?;
+    let tls = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        TlsConnector::from(config).connect(name, tcp),
+    )
+    .await
+    .map_err(|_| NetError::Timeout("TLS handshake"))?
+    .map_err(|e| NetError::Tls(format!("TLS handshake failed: {e}")))?;
+    run_session(inner, tls, client, link.cost, Some(link.id.name.clone())).await
+}
+
+fn h2_client() -> h2::client::Builder {
+    let mut b = h2::client::Builder::new();
+    b.initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONN_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .max_send_buffer_size(SEND_BUFFER)
+        .enable_push(false);
+    b
+}
+
+fn h2_server() -> h2::server::Builder {
+    let mut b = h2::server::Builder::new();
+    b.initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONN_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .max_send_buffer_size(SEND_BUFFER)
+        .max_concurrent_streams(100_000);
+    b
+}
+
+/// Deregisters a connection however its session ends (also when its task is aborted).
+struct Registration {
+    inner: Arc<Inner>,
+    id: u64,
+    why: Option<String>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.inner.deregister(self.id, self.why.take());
+    }
+}
+
+/// One link connection, either HTTP/2 role. `cost` is the Link's cost when this site dialed;
+/// the accepting side takes the cost from the dialer's hello.
+async fn run_session<S>(
+    inner: &Arc<Inner>,
+    io: S,
+    client: bool,
+    cost: u64,
+    link: Option<String>,
+) -> Result<(), NetError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let ready = Arc::new(AtomicBool::new(false));
+    // Set up HTTP/2 and the control stream; the connection is driven by its own task.
+    let (sender, mut ping, driver, mut ctl_send, mut ctl_recv) = if client {
+        let (sender, mut conn) = tokio::time::timeout(HANDSHAKE_TIMEOUT, h2_client().handshake(io))
+            .await
+            .map_err(|_| NetError::Timeout("HTTP/2 handshake"))??;
+        let ping = conn.ping_pong();
+        let driver = AbortOnDrop(tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("link connection: {e}");
+            }
+        }));
+        let mut sender = tokio::time::timeout(HANDSHAKE_TIMEOUT, sender.ready())
+            .await
+            .map_err(|_| NetError::Timeout("HTTP/2 handshake"))??;
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!("https://keyway{CONTROL_PATH}"))
+            .body(())
+            .map_err(|e| NetError::Peer(e.to_string()))?;
+        let (resp, send) = sender.send_request(req, false)?;
+        let resp = tokio::time::timeout(HANDSHAKE_TIMEOUT, resp)
+            .await
+            .map_err(|_| NetError::Timeout("control stream"))??;
+        if resp.status() != StatusCode::OK {
+            return Err(NetError::Peer(format!(
+                "peer refused the control stream: {}",
+                resp.status()
+            )));
+        }
+        (Some(sender), ping, driver, send, resp.into_body())
+    } else {
+        let mut conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, h2_server().handshake(io))
+            .await
+            .map_err(|_| NetError::Timeout("HTTP/2 handshake"))??;
+        let ping = conn.ping_pong();
+        let first = tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.accept())
+            .await
+            .map_err(|_| NetError::Timeout("control stream"))?;
+        let (req, mut respond) = match first {
+            Some(r) => r?,
+            None => return Err(NetError::Peer("closed before the control stream".into())),
+        };
+        if req.method() != Method::POST || req.uri().path() != CONTROL_PATH {
+            return Err(NetError::Peer(format!(
+                "first stream is not the control stream ({} {})",
+                req.method(),
+                req.uri().path()
+            )));
+        }
+        let send = respond.send_response(Response::new(()), false)?;
+        let driver = AbortOnDrop(tokio::spawn(serve_connection(
+            inner.clone(),
+            conn,
+            ready.clone(),
+        )));
+        (None, ping, driver, send, req.into_body())
+    };
+
+    let my_site = inner.site();
+    let hello = Message::Hello {
+        version: VERSION,
+        site: my_site.clone(),
+        id: inner.id.clone(),
+        cost,
+    };
+    ctl_send.send_data(hello.encode(), false)?;
+    let mut decoder = Decoder::default();
+    let (peer, peer_cost) = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+        loop {
+            if let Some(msg) = decoder.next_message()? {
+                return match msg {
+                    Message::Hello { site, cost, .. } => Ok((site, cost)),
+                    _ => Err(NetError::Peer("expected hello".into())),
+                };
+            }
+            read_some(&mut ctl_recv, &mut decoder).await?;
+        }
+    })
+    .await
+    .map_err(|_| NetError::Timeout("hello"))??;
+    if peer == my_site {
+        return Err(NetError::Peer(format!(
+            "peer site has this site's own name {peer}; site names must be unique"
+        )));
+    }
+    let cost = if link.is_some() {
+        cost
+    } else {
+        peer_cost.max(1)
+    };
+    let (control, mut outbox) = mpsc::unbounded_channel::<Bytes>();
+    let conn = Arc::new(Conn {
+        id: inner.next_conn_id(),
+        peer: peer.clone(),
+        cost,
+        sender,
+        control,
+        streams: Arc::new(AtomicUsize::new(0)),
+        link,
+    });
+    let mut registration = Registration {
+        inner: inner.clone(),
+        id: conn.id,
+        why: None,
+    };
+    tracing::info!(peer = %peer, cost, client, "link connection up");
+    inner.register(conn.clone());
+    ready.store(true, Ordering::Release);
+
+    let mut keepalive = tokio::time::interval(KEEPALIVE_EVERY);
+    let pinger = async {
+        let Some(ping) = ping.as_mut() else {
+            return std::future::pending::<NetError>().await;
+        };
+        loop {
+            tokio::time::sleep(PING_EVERY).await;
+            match tokio::time::timeout(PING_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return NetError::H2(e),
+                Err(_) => return NetError::Peer("peer silent: keepalive PING not answered".into()),
+            }
+        }
+    };
+    tokio::pin!(pinger);
+    let mut driver = driver;
+    let result: Result<(), NetError> = loop {
+        tokio::select! {
+            r = read_some(&mut ctl_recv, &mut decoder) => {
+                if let Err(e) = r { break Err(e) }
+                let mut failed = None;
+                loop {
+                    match decoder.next_message() {
+                        Ok(Some(Message::Advertisement(adv))) => inner.receive(conn.id, adv),
+                        Ok(Some(_)) => {}
+                        Ok(None) => break,
+                        Err(e) => { failed = Some(e); break }
+                    }
+                }
+                if let Some(e) = failed { break Err(e.into()) }
+            }
+            Some(bytes) = outbox.recv() => {
+                if let Err(e) = ctl_send.send_data(bytes, false) { break Err(e.into()) }
+            }
+            _ = keepalive.tick() => {
+                if let Err(e) = ctl_send.send_data(Message::Keepalive.encode(), false) {
+                    break Err(e.into())
+                }
+            }
+            e = &mut pinger => break Err(e),
+            _ = &mut driver.0 => break Err(NetError::Peer("connection closed".into())),
+        }
+    };
+    registration.why = Some(match &result {
+        Ok(()) => "connection closed".into(),
+        Err(e) => e.to_string(),
+    });
+    drop(registration);
+    result
+}
+
+/// Reads the next chunk of the control stream into the decoder.
+async fn read_some(recv: &mut RecvStream, decoder: &mut Decoder) -> Result<(), NetError> {
+    match recv.data().await {
+        Some(Ok(data)) => {
+            let _ = recv.flow_control().release_capacity(data.len());
+            decoder.push(&data)?;
+            Ok(())
+        }
+        Some(Err(e)) => Err(e.into()),
+        None => Err(NetError::Peer("control stream ended".into())),
+    }
+}
+
+/// Serves the streams a peer opens on a connection where this site is the HTTP/2 server.
+async fn serve_connection<S>(
+    inner: Arc<Inner>,
+    mut conn: h2::server::Connection<S, Bytes>,
+    ready: Arc<AtomicBool>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    while let Some(next) = conn.accept().await {
+        let (req, respond) = match next {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!("link connection: {e}");
+                return;
+            }
+        };
+        if !ready.load(Ordering::Acquire) {
+            refuse(respond, StatusCode::SERVICE_UNAVAILABLE, "hello not done");
+            continue;
+        }
+        tokio::spawn(serve_stream(inner.clone(), req, respond));
+    }
+}
+
+fn refuse(mut respond: h2::server::SendResponse<Bytes>, status: StatusCode, why: &str) {
+    let mut resp = Response::new(());
+    *resp.status_mut() = status;
+    if let Ok(v) = HeaderValue::from_str(why) {
+        resp.headers_mut().insert(H_ERROR, v);
+    }
+    let _ = respond.send_response(resp, true);
+}
+
+fn header<'a>(req: &'a Request<RecvStream>, name: &str) -> Option<&'a str> {
+    req.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+/// One CONNECT stream from a peer: for a key here, connect to a local target; for a key at
+/// another site, forward the stream along the next hop. Then splice.
+async fn serve_stream(
+    inner: Arc<Inner>,
+    req: Request<RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+) {
+    if req.method() != Method::CONNECT {
+        return refuse(respond, StatusCode::NOT_FOUND, "only CONNECT streams");
+    }
+    let (Some(key), Some(site)) = (header(&req, H_KEY), header(&req, H_SITE)) else {
+        return refuse(
+            respond,
+            StatusCode::BAD_REQUEST,
+            "routing key and site required",
+        );
+    };
+    let (key, site) = (key.to_string(), site.to_string());
+    let hops: u8 = header(&req, H_HOPS)
+        .and_then(|h| h.parse().ok())
+        .unwrap_or(0);
+    let upstream: Upstream = if site == inner.site() {
+        match inner.dataplane.connect_local(&key).await {
+            Ok(local) => {
+                let target = local.target.clone();
+                let _open = local.open;
+                let send = match respond.send_response(Response::new(()), false) {
+                    Ok(s) => s,
+                    Err(_) => return,
+                };
+                let tunnel = H2Stream::new(send, req.into_body(), None);
+                let metrics = inner.dataplane.metrics();
+                let labels = Metrics::connection_labels("network", &key, &target);
+                let mut in_l = labels.clone();
+                in_l.push(("direction", "in".into()));
+                let mut out_l = labels;
+                out_l.push(("direction", "out".into()));
+                let bytes_in = metrics.bytes.get_or_create(&in_l).clone();
+                let bytes_out = metrics.bytes.get_or_create(&out_l).clone();
+                let r = match local.upstream {
+                    Upstream::Plain(u) => {
+                        copy::bidirectional(tunnel, u, &bytes_in, &bytes_out).await
+                    }
+                    Upstream::Tls(u) => copy::bidirectional(tunnel, u, &bytes_in, &bytes_out).await,
+                    Upstream::Remote(u) => {
+                        copy::bidirectional(tunnel, u, &bytes_in, &bytes_out).await
+                    }
+                };
+                if let Err(e) = r {
+                    tracing::debug!(routing_key = %key, "tunnel ended: {e}");
+                }
+                return;
+            }
+            Err(e) => return refuse(respond, StatusCode::BAD_GATEWAY, &e),
+        }
+    } else {
+        if hops == 0 {
+            return refuse(respond, StatusCode::LOOP_DETECTED, "hop limit reached");
+        }
+        match open_stream(&inner, &site, &key, hops - 1).await {
+            Ok(io) => Upstream::Remote(io),
+            Err(e) => return refuse(respond, StatusCode::BAD_GATEWAY, &e),
+        }
+    };
+    let send = match respond.send_response(Response::new(()), false) {
+        Ok(s) => s,
+        Err(_) => return,
+    };
+    let tunnel = H2Stream::new(send, req.into_body(), None);
+    let counter = Default::default();
+    if let Upstream::Remote(u) = upstream {
+        let _ = copy::bidirectional(tunnel, u, &counter, &counter).await;
+    }
+}
+
+/// Opens a CONNECT stream for `key` at `site` on the next hop's least-busy connection, and
+/// waits for the far end to have connected to a target.
+pub(crate) async fn open_stream(
+    inner: &Arc<Inner>,
+    site: &str,
+    key: &str,
+    hops: u8,
+) -> Result<BoxIo, String> {
+    let conn = inner.next_hop(site)?;
+    let Some(sender) = conn.sender.clone() else {
+        return Err("no HTTP/2 client on this connection".into());
+    };
+    let mut sender = sender
+        .ready()
+        .await
+        .map_err(|e| format!("link to {}: {e}", conn.peer))?;
+    let req = Request::builder()
+        .method(Method::CONNECT)
+        .uri("keyway-link:1")
+        .header(H_KEY, key)
+        .header(H_SITE, site)
+        .header(H_HOPS, hops.to_string())
+        .body(())
+        .map_err(|e| format!("routing key {key}: {e}"))?;
+    let (resp, send): (_, SendStream<Bytes>) = sender
+        .send_request(req, false)
+        .map_err(|e| format!("link to {}: {e}", conn.peer))?;
+    let count = StreamCount::new(&conn.streams);
+    let resp = resp
+        .await
+        .map_err(|e| format!("link to {}: {e}", conn.peer))?;
+    if resp.status() != StatusCode::OK {
+        let why = resp
+            .headers()
+            .get(H_ERROR)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("refused");
+        return Err(format!("site {site}: {why} ({})", resp.status()));
+    }
+    Ok(boxed(H2Stream::new(
+        send,
+        resp.into_body(),
+        Some(Box::new(count)),
+    )))
+}

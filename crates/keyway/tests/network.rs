@@ -1,0 +1,362 @@
+//! The site network end to end: real `keyway run` processes linked over mutual TLS on loopback.
+
+mod sites;
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use sites::*;
+
+/// Tests run one at a time: they measure failover times on a 2-core machine.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Three sites: `a` dials `b` and `c`; `b` serves key `kb`, `c` serves `kc`; `a` has a
+/// priorityFailover listener over [kb, kc]. Returns (a, b, c, listen port, backends).
+fn triangle(ca: &Ca) -> (SiteProc, SiteProc, SiteProc, u16, Backend, Backend) {
+    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let (bb, bc) = (Backend::start("at-b"), Backend::start("at-c"));
+    let b = SiteProc::start(
+        "b",
+        &[
+            site_yaml("b"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("kb", "kb", bb.port),
+        ],
+    );
+    let c = SiteProc::start(
+        "c",
+        &[
+            site_yaml("c"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(c_port, "link-tls"),
+            connector_yaml("kc", "kc", bc.port),
+        ],
+    );
+    let a = SiteProc::start(
+        "a",
+        &[
+            site_yaml("a"),
+            ca.secret_yaml("link-tls"),
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            link_yaml("to-c", c_port, 1, "link-tls"),
+            priority_yaml("front", &["kb", "kc"], listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-b")
+            && a.sites_in_network() == 3),
+        "a did not converge: {:?}",
+        who(listen)
+    );
+    (a, b, c, listen, bb, bc)
+}
+
+/// Opens a connection every 5 ms for `span` and records (time since start, result).
+fn probe(
+    listen: u16,
+    span: Duration,
+) -> std::thread::JoinHandle<Vec<(Duration, Result<String, String>)>> {
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let mut out = Vec::new();
+        while start.elapsed() < span {
+            let t = start.elapsed();
+            out.push((t, who(listen)));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        out
+    })
+}
+
+/// Time from `from` until results settle on `want` for good, and the failures in between.
+fn settle(
+    results: &[(Duration, Result<String, String>)],
+    from: Duration,
+    want: &str,
+) -> (Option<Duration>, usize) {
+    let after: Vec<_> = results.iter().filter(|(t, _)| *t >= from).collect();
+    let failures = after.iter().filter(|(_, r)| r.is_err()).count();
+    let last_other = after.iter().rposition(|(_, r)| r.as_deref() != Ok(want));
+    let settled = match last_other {
+        None => after.first().map(|(t, _)| *t - from),
+        Some(i) => after.get(i + 1).map(|(t, _)| *t - from),
+    };
+    (settled, failures)
+}
+
+/// A chain a – b – c: a dials b, b dials c. A Listener at a reaches a Connector at c two hops
+/// away, and every site learns the whole network.
+#[test]
+fn listener_reaches_connector_two_hops_away() {
+    let ca = Ca::new("net");
+    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let backend = Backend::start("at-c");
+    let c = SiteProc::start(
+        "c",
+        &[
+            site_yaml("c"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(c_port, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    let b = SiteProc::start(
+        "b",
+        &[
+            site_yaml("b"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(b_port, "link-tls"),
+            link_yaml("to-c", c_port, 1, "link-tls"),
+        ],
+    );
+    let a = SiteProc::start(
+        "a",
+        &[
+            site_yaml("a"),
+            ca.secret_yaml("link-tls"),
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    let started = Instant::now();
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-c")),
+        "a did not reach c; last: {:?}",
+        who(listen)
+    );
+    println!("chain converged in {:?}", started.elapsed());
+    for s in [&a, &b, &c] {
+        assert!(
+            eventually(Duration::from_secs(5), || s.sites_in_network() == 3),
+            "site {} sees {} sites",
+            s.name,
+            s.sites_in_network()
+        );
+    }
+    let link = a.status_of("Link", "to-b").expect("link status");
+    assert_eq!(link["remoteSiteName"], "b", "{link}");
+    let site = a.status_of("Site", "a").expect("site status");
+    let network = site["network"].as_array().expect("network");
+    let at_c = network.iter().find(|s| s["name"] == "c").expect("c listed");
+    assert_eq!(at_c["services"][0]["routingKey"], "svc", "{site}");
+    // Many connections through two hops, each a full round trip.
+    for _ in 0..50 {
+        assert_eq!(who(listen).as_deref(), Ok("at-c"));
+    }
+}
+
+/// Priority failover across sites: the site with the preferred key is killed; new connections
+/// go to the next key's site, and back when the site returns. No client connection fails.
+#[test]
+fn failover_when_a_site_is_killed_and_fail_back_when_it_returns() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (a, mut b, _c, listen, _bb, _bc) = triangle(&ca);
+
+    let probes = probe(listen, Duration::from_secs(3));
+    std::thread::sleep(Duration::from_millis(500));
+    let killed_at = Duration::from_millis(500);
+    b.kill();
+    let results = probes.join().expect("probe");
+    let (took, failures) = settle(&results, killed_at, "at-c");
+    println!(
+        "failover after kill: {took:?}, {} connections, {failures} failed",
+        results.len()
+    );
+    assert!(took.is_some_and(|t| t < Duration::from_secs(1)), "{took:?}");
+    assert_eq!(
+        failures,
+        0,
+        "client connections failed: {:?}",
+        results.iter().filter(|r| r.1.is_err()).collect::<Vec<_>>()
+    );
+
+    // b returns: the link redials (backoff is capped at 2 s) and kb is preferred again.
+    let probes = probe(listen, Duration::from_secs(6));
+    b.spawn();
+    let results = probes.join().expect("probe");
+    let (took, failures) = settle(&results, Duration::ZERO, "at-b");
+    println!("fail-back after restart: {took:?}, {failures} failed");
+    assert!(took.is_some_and(|t| t < Duration::from_secs(5)), "{took:?}");
+    assert_eq!(failures, 0);
+    drop(a);
+}
+
+/// A hung site (SIGSTOP: its sockets stay open but nothing answers) is detected by the HTTP/2
+/// PING keepalive within 3 s, and its keys fail over.
+#[test]
+fn hung_site_is_detected_within_three_seconds() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (a, b, _c, listen, _bb, _bc) = triangle(&ca);
+    let stopped = Instant::now();
+    b.signal("-STOP");
+    let detected = eventually(Duration::from_secs(5), || {
+        a.status_of("Link", "to-b")
+            .is_some_and(|s| s["remoteSiteName"].is_null())
+    });
+    let took = stopped.elapsed();
+    println!("hung site detected after {took:?}");
+    assert!(detected && took <= Duration::from_secs(3), "{took:?}");
+    assert_eq!(who(listen).as_deref(), Ok("at-c"));
+    let link = a.status_of("Link", "to-b").expect("status");
+    println!("link status while b hangs: {}", link["message"]);
+    b.signal("-CONT");
+    assert!(eventually(Duration::from_secs(5), || who(listen)
+        .as_deref()
+        == Ok("at-b")));
+}
+
+/// Local targets cost 0 and remote ones the path cost: an idle local target wins.
+#[test]
+fn local_target_is_preferred_over_remote_when_idle() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (b_port, listen) = (free_port(), free_port());
+    let (local, remote) = (Backend::start("local"), Backend::start("remote"));
+    let b = SiteProc::start(
+        "b",
+        &[
+            site_yaml("b"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc", "svc", remote.port),
+        ],
+    );
+    let a = SiteProc::start(
+        "a",
+        &[
+            site_yaml("a"),
+            ca.secret_yaml("link-tls"),
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            connector_yaml("svc", "svc", local.port),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(eventually(Duration::from_secs(10), || a.sites_in_network() == 2));
+    // Idle: each connection has finished before the next (a local target with one open
+    // connection ties with a remote one at cost 1, and ties rotate).
+    for _ in 0..10 {
+        assert_eq!(who(listen).as_deref(), Ok("local"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Without the local target, the same listener goes to b.
+    drop(local);
+    std::fs::write(
+        a.config_dir().join("site.yaml"),
+        [
+            site_yaml("a"),
+            ca.secret_yaml("link-tls"),
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ]
+        .join("---\n"),
+    )
+    .expect("rewrite");
+    assert!(eventually(Duration::from_secs(5), || who(listen)
+        .as_deref()
+        == Ok("remote")));
+    drop(b);
+}
+
+/// A link whose Secret holds another network's CA is refused, and the Link status says why.
+#[test]
+fn link_with_the_wrong_ca_is_refused_and_status_says_why() {
+    let _serial = serial();
+    let (ca, other) = (Ca::new("net"), Ca::new("intruder"));
+    let (b_port, listen) = (free_port(), free_port());
+    let backend = Backend::start("at-b");
+    let b = SiteProc::start(
+        "b",
+        &[
+            site_yaml("b"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    let a = SiteProc::start(
+        "a",
+        &[
+            site_yaml("a"),
+            other.secret_yaml("link-tls"),
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    let mut message = String::new();
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let s = a.status_of("Link", "to-b").unwrap_or_default();
+            message = s["message"].as_str().unwrap_or_default().to_string();
+            message.contains("certificate") || message.contains("Certificate")
+        }),
+        "Link status: {message}"
+    );
+    println!("wrong CA: {message}");
+    assert_eq!(a.sites_in_network(), 1);
+    assert!(
+        who(listen).is_err(),
+        "nothing reachable: the port is closed"
+    );
+    assert!(b.log().contains("link refused"), "{}", b.log());
+}
+
+/// Garbage on the inter-router port closes that connection; the site carries on serving links.
+#[test]
+fn garbage_on_the_link_port_is_closed_without_harm() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (b_port, listen) = (free_port(), free_port());
+    let backend = Backend::start("at-b");
+    let b = SiteProc::start(
+        "b",
+        &[
+            site_yaml("b"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    for garbage in [
+        &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..],
+        &[0x16, 0x03, 0x01, 0xff, 0xff, 0, 0, 0][..],
+        &[0u8; 70_000][..],
+    ] {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", b_port)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(6)))
+            .expect("timeout");
+        let _ = s.write_all(garbage);
+        let mut buf = [0u8; 1024];
+        // The site answers with at most a TLS alert, then closes.
+        let mut total = 0;
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => total += n,
+            }
+            assert!(total < 1024, "site kept talking to garbage");
+        }
+    }
+    let a = SiteProc::start(
+        "a",
+        &[
+            site_yaml("a"),
+            ca.secret_yaml("link-tls"),
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(eventually(Duration::from_secs(10), || who(listen)
+        .as_deref()
+        == Ok("at-b")));
+    assert!(b.get("/healthz").is_some());
+    drop(a);
+}

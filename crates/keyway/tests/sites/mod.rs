@@ -1,0 +1,319 @@
+//! Helpers for multi-site tests: real `keyway run` child processes on loopback, each with its
+//! own config directory, admin port and free ports; certificates made with rcgen and written as
+//! Secret YAML; backends that name themselves; bounded waits.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
+};
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Polls `check` every 20 ms until it holds or `limit` passes.
+pub fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A private CA for one test network.
+pub struct Ca(CertifiedIssuer<'static, KeyPair>);
+
+impl Ca {
+    pub fn new(cn: &str) -> Ca {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        Ca(CertifiedIssuer::self_signed(params, KeyPair::generate().expect("key")).expect("ca"))
+    }
+
+    /// A Secret named `name` with a leaf for 127.0.0.1/localhost, its key and this CA.
+    pub fn secret_yaml(&self, name: &str) -> String {
+        let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            .expect("params");
+        let key = KeyPair::generate().expect("key");
+        let cert = params.signed_by(&key, &self.0).expect("sign");
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}",
+            indent(&cert.pem()),
+            indent(&key.serialize_pem()),
+            indent(&self.0.pem())
+        )
+    }
+}
+
+fn indent(pem: &str) -> String {
+    pem.lines().map(|l| format!("    {l}\n")).collect()
+}
+
+pub fn site_yaml(name: &str) -> String {
+    format!("apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: {name}\n")
+}
+
+pub fn router_access_yaml(port: u16, secret: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: access\nspec:\n  tlsCredentials: {secret}\n  bindHost: 127.0.0.1\n  roles:\n  - name: inter-router\n    port: {port}\n"
+    )
+}
+
+/// A Link; the port is written as a string, as upstream Skupper does.
+pub fn link_yaml(name: &str, port: u16, cost: u64, secret: &str) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: {name}\nspec:\n  tlsCredentials: {secret}\n  cost: {cost}\n  endpoints:\n  - name: inter-router\n    host: 127.0.0.1\n    port: \"{port}\"\n"
+    )
+}
+
+pub fn listener_yaml(name: &str, key: &str, port: u16) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: {name}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {port}\n"
+    )
+}
+
+pub fn priority_yaml(name: &str, keys: &[&str], port: u16) -> String {
+    let keys: String = keys.iter().map(|k| format!("      - {k}\n")).collect();
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: {name}\nspec:\n  host: 127.0.0.1\n  port: {port}\n  strategy:\n    priorityFailover:\n      routingKeys:\n{keys}"
+    )
+}
+
+/// A Connector with fast health checks (200 ms, one failure).
+pub fn connector_yaml(name: &str, key: &str, port: u16) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: {name}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {port}\n  settings:\n    health-check-interval: 200ms\n    health-check-timeout: 200ms\n    health-check-failures: \"1\"\n"
+    )
+}
+
+/// One `keyway run` child process.
+pub struct SiteProc {
+    pub name: String,
+    pub dir: PathBuf,
+    pub admin: u16,
+    child: Option<Child>,
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+impl SiteProc {
+    /// Writes `docs` into a fresh config directory and starts the site.
+    pub fn start(name: &str, docs: &[String]) -> SiteProc {
+        let dir = std::env::temp_dir().join(format!(
+            "keyway-net-{}-{}-{name}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("config")).expect("config dir");
+        std::fs::write(dir.join("config/site.yaml"), docs.join("---\n")).expect("write config");
+        let mut site = SiteProc {
+            name: name.to_string(),
+            dir,
+            admin: free_port(),
+            child: None,
+        };
+        site.spawn();
+        site
+    }
+
+    pub fn config_dir(&self) -> PathBuf {
+        self.dir.join("config")
+    }
+
+    /// (Re)starts the process on the same config directory and admin port.
+    pub fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("site.log"))
+            .expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_keyway"))
+            .args(["run", "--config"])
+            .arg(self.config_dir())
+            .args(["--admin", &format!("127.0.0.1:{}", self.admin)])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn keyway");
+        self.child = Some(child);
+        assert!(
+            eventually(Duration::from_secs(10), || self.get("/healthz").is_some()),
+            "site {} did not start; log:\n{}",
+            self.name,
+            self.log()
+        );
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGKILL: the process is gone, its sockets close.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status();
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("site.log")).unwrap_or_default()
+    }
+
+    /// GET on the admin port; `None` when it does not answer 200.
+    pub fn get(&self, path: &str) -> Option<String> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.admin)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        if !text.starts_with("HTTP/1.1 200") && !text.starts_with("HTTP/1.0 200") {
+            return None;
+        }
+        text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+    }
+
+    /// The `status` of object `kind/name`.
+    pub fn status_of(&self, kind: &str, name: &str) -> Option<serde_json::Value> {
+        let list: serde_json::Value = serde_json::from_str(&self.get("/status")?).ok()?;
+        list["items"]
+            .as_array()?
+            .iter()
+            .find(|i| i["kind"] == kind && i["metadata"]["name"] == name)
+            .map(|i| i["status"].clone())
+    }
+
+    /// Sites this site sees in the network (itself included).
+    pub fn sites_in_network(&self) -> i64 {
+        self.status_of("Site", &self.name)
+            .and_then(|s| s["sitesInNetwork"].as_i64())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for SiteProc {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+        self.kill();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("--- log of site {} ---\n{}", self.name, self.log());
+        }
+    }
+}
+
+/// A TCP backend that writes its name and a newline on accept, then echoes.
+pub struct Backend {
+    pub port: u16,
+    stop: Arc<AtomicBool>,
+}
+
+impl Backend {
+    pub fn start(name: &str) -> Backend {
+        Self::start_on(name, 0)
+    }
+
+    pub fn start_on(name: &str, port: u16) -> Backend {
+        let listener = TcpListener::bind(("127.0.0.1", port)).expect("bind backend");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let port = listener.local_addr().expect("addr").port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let name = name.to_string();
+        let flag = stop.clone();
+        std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        let name = name.clone();
+                        std::thread::spawn(move || {
+                            let _ = s.set_nonblocking(false);
+                            if writeln!(s, "{name}").is_err() {
+                                return;
+                            }
+                            let mut buf = [0u8; 65536];
+                            loop {
+                                match s.read(&mut buf) {
+                                    Ok(0) | Err(_) => return,
+                                    Ok(n) => {
+                                        if s.write_all(&buf[..n]).is_err() {
+                                            return;
+                                        }
+                                    }
+                                }
+                            }
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Backend { port, stop }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Connects to `port`, reads the backend's name, and checks an echo round trip.
+pub fn who(port: u16) -> Result<String, String> {
+    let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    let mut reader = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
+    let mut name = String::new();
+    reader
+        .read_line(&mut name)
+        .map_err(|e| format!("read name: {e}"))?;
+    if name.is_empty() {
+        return Err("closed with no data".into());
+    }
+    let mut w = s;
+    w.write_all(b"ping\n").map_err(|e| format!("write: {e}"))?;
+    let mut echo = String::new();
+    reader
+        .read_line(&mut echo)
+        .map_err(|e| format!("read echo: {e}"))?;
+    if echo != "ping\n" {
+        return Err(format!("bad echo {echo:?}"));
+    }
+    Ok(name.trim().to_string())
+}
+
+pub fn write_file(dir: &Path, file: &str, text: &str) {
+    std::fs::write(dir.join(file), text).expect("write");
+}
