@@ -6,6 +6,7 @@
 //! connector whose spec is unchanged keeps its health state, and no open connection is touched.
 
 pub mod copy;
+pub mod gateway;
 pub mod listener;
 pub mod metrics;
 pub mod targets;
@@ -72,6 +73,8 @@ pub struct Observation {
     /// Listeners whose socket is open now.
     pub listening: BTreeSet<ObjectKey>,
     pub open_connections: usize,
+    /// Gateway listeners not served (port not bound, TLS material unusable).
+    pub gateway_errors: Vec<gateway::ListenerError>,
 }
 
 pub struct DataPlane {
@@ -79,17 +82,20 @@ pub struct DataPlane {
     listeners: Mutex<HashMap<ObjectKey, ListenerHandle>>,
     /// TLS set-up failures of the last apply, per object.
     tls_errors: Mutex<BTreeMap<ObjectKey, String>>,
+    gateways: gateway::Gateways,
 }
 
 impl DataPlane {
     /// A data plane with no listeners. Must be used from within a tokio runtime.
     pub fn new(metrics: Arc<Metrics>) -> Self {
+        let shared = Arc::new(Shared {
+            registry: Registry::new(metrics.clone()),
+            metrics,
+            tracker: Tracker::default(),
+        });
         DataPlane {
-            shared: Arc::new(Shared {
-                registry: Registry::new(metrics.clone()),
-                metrics,
-                tracker: Tracker::default(),
-            }),
+            gateways: gateway::Gateways::new(shared.clone()),
+            shared,
             listeners: Mutex::new(HashMap::new()),
             tls_errors: Mutex::new(BTreeMap::new()),
         }
@@ -188,6 +194,7 @@ impl DataPlane {
         if let Ok(mut e) = self.tls_errors.lock() {
             *e = tls_errors;
         }
+        self.gateways.apply(&plan.gateways);
     }
 
     /// Reachability, health and socket state right now.
@@ -222,6 +229,7 @@ impl DataPlane {
                 obs.bind_errors.insert(id.clone(), e.clone());
             }
         }
+        obs.gateway_errors = self.gateways.errors();
         obs
     }
 
@@ -231,6 +239,7 @@ impl DataPlane {
         if let Ok(mut listeners) = self.listeners.lock() {
             listeners.clear();
         }
+        self.gateways.stop();
         let tracker = &self.shared.tracker;
         let deadline = tokio::time::Instant::now() + drain;
         loop {
