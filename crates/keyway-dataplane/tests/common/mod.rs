@@ -112,6 +112,7 @@ pub fn plan(listeners: Vec<ListenerPlan>, connectors: Vec<ConnectorPlan>) -> Pla
         site_name: "test".into(),
         listeners,
         connectors,
+        gateways: Default::default(),
     }
 }
 
