@@ -353,27 +353,25 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
     yaml.push_str(&gateway(&format!(
         "  - {{name: web, port: {port}, protocol: HTTP}}\n"
     )));
-    let rules = format!(
-        "  - matches: [{{path: {{type: PathPrefix, value: /hdr}}}}]
+    let rules = "  - matches: [{path: {type: PathPrefix, value: /hdr}}]
     filters:
-    - {{type: RequestHeaderModifier, requestHeaderModifier: {{set: [{{name: x-set, value: v}}], add: [{{name: x-add, value: w}}], remove: [x-remove]}}}}
-    - {{type: ResponseHeaderModifier, responseHeaderModifier: {{set: [{{name: x-resp, value: r}}]}}}}
-    backendRefs: [{{name: svc, port: 80}}]
-  - matches: [{{path: {{type: PathPrefix, value: /redir}}}}]
-    filters: [{{type: RequestRedirect, requestRedirect: {{scheme: https, hostname: r.example, statusCode: 301}}}}]
-  - matches: [{{path: {{type: PathPrefix, value: /old}}}}]
-    filters: [{{type: RequestRedirect, requestRedirect: {{path: {{type: ReplacePrefixMatch, replacePrefixMatch: /new}}}}}}]
-  - matches: [{{path: {{type: PathPrefix, value: /full}}}}]
-    filters: [{{type: URLRewrite, urlRewrite: {{path: {{type: ReplaceFullPath, replaceFullPath: /replaced}}}}}}]
-    backendRefs: [{{name: svc, port: 80}}]
-  - matches: [{{path: {{type: PathPrefix, value: /pre}}}}]
-    filters: [{{type: URLRewrite, urlRewrite: {{hostname: rw.example, path: {{type: ReplacePrefixMatch, replacePrefixMatch: /p2}}}}}}]
-    backendRefs: [{{name: svc, port: 80}}]
-  - matches: [{{path: {{type: PathPrefix, value: /missing}}}}]
-    backendRefs: [{{name: nosuch, port: 80}}]
-"
-    );
-    yaml.push_str(&http_route("f", 1, "", &rules));
+    - {type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-set, value: v}], add: [{name: x-add, value: w}], remove: [x-remove]}}
+    - {type: ResponseHeaderModifier, responseHeaderModifier: {set: [{name: x-resp, value: r}]}}
+    backendRefs: [{name: svc, port: 80}]
+  - matches: [{path: {type: PathPrefix, value: /redir}}]
+    filters: [{type: RequestRedirect, requestRedirect: {scheme: https, hostname: r.example, statusCode: 301}}]
+  - matches: [{path: {type: PathPrefix, value: /old}}]
+    filters: [{type: RequestRedirect, requestRedirect: {path: {type: ReplacePrefixMatch, replacePrefixMatch: /new}}}]
+  - matches: [{path: {type: PathPrefix, value: /full}}]
+    filters: [{type: URLRewrite, urlRewrite: {path: {type: ReplaceFullPath, replaceFullPath: /replaced}}}]
+    backendRefs: [{name: svc, port: 80}]
+  - matches: [{path: {type: PathPrefix, value: /pre}}]
+    filters: [{type: URLRewrite, urlRewrite: {hostname: rw.example, path: {type: ReplacePrefixMatch, replacePrefixMatch: /p2}}}]
+    backendRefs: [{name: svc, port: 80}]
+  - matches: [{path: {type: PathPrefix, value: /missing}}]
+    backendRefs: [{name: nosuch, port: 80}]
+";
+    yaml.push_str(&http_route("f", 1, "", rules));
     let _dp = start(&yaml, port).await;
     let c = client();
     let r = send(

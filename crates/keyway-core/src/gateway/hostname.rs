@@ -50,6 +50,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)]
     fn intersection_table() {
         let cases: &[(Option<&str>, &[&str], Option<&[&str]>)] = &[
             (None, &[], Some(&[])),

@@ -443,7 +443,6 @@ impl GatewayResolver {
                 });
             }
         }
-        drop(input);
         self.inputs.retain(|_, c| c.seen == run);
         for o in &mut owners {
             o.fp = o.fingerprint();

@@ -278,7 +278,7 @@ impl<'a> World<'a> {
         let core = r.group.is_empty() || r.group == "core";
         let skupper =
             r.group == SKUPPER_GROUP && matches!(r.kind.as_str(), "Listener" | "MultiKeyListener");
-        if !(core && r.kind == "Service") && !skupper {
+        if !(skupper || (core && r.kind == "Service")) {
             return Err(RefError::InvalidKind(format!(
                 "backendRef kind {}{}{} is not supported (Service, or skupper.io Listener/MultiKeyListener)",
                 r.group,

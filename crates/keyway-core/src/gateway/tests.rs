@@ -231,7 +231,7 @@ fn allowed_listeners_table() {
     ];
     for (from, a_ok, b_ok) in cases {
         let from_line = if from.starts_with('{') {
-            format!("{from}").replace('{', "").replace('}', "")
+            from.replace(['{', '}'], "")
         } else {
             from.to_string()
         };
@@ -355,6 +355,7 @@ fn gateway_not_accepted_makes_its_listener_sets_parent_not_accepted() {
 // ---- conflicts ----------------------------------------------------------------------------------
 
 #[test]
+#[allow(clippy::type_complexity)]
 fn conflict_table() {
     // (listener of the Gateway, listener of the ListenerSet, expected loss reason for the set's).
     let cases: &[(
@@ -733,6 +734,7 @@ fn listener_set_routes_attach_only_to_the_set() {
 }
 
 #[test]
+#[allow(clippy::type_complexity)]
 fn route_parent_table() {
     let cases: &[(&str, &str, (&str, &str), [i32; 3])] = &[
         // (parentRefs, hostnames, Accepted, attachedRoutes of gw/web, ls/one, ls/two)

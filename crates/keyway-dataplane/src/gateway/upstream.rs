@@ -184,11 +184,11 @@ impl Pool {
             let Some(list) = idle.get_mut(&key) else {
                 continue;
             };
-            while let Some(s) = list.pop() {
-                if s.is_ready() {
-                    return Some((key, s));
-                }
-                // Closed, or (impossible once returned) busy: drop it.
+            // Senders go back right after the response head, so some may still be streaming
+            // a body (busy): keep those for later, drop closed ones, take a ready one.
+            list.retain(|s| !s.is_closed());
+            if let Some(i) = list.iter().rposition(|s| s.is_ready()) {
+                return Some((key, list.swap_remove(i)));
             }
         }
         None
