@@ -683,3 +683,26 @@ async fn tls_passthrough_by_sni_and_tcp_route() {
     common::echo(&mut s, b"hello\n").await.expect("echo");
     drop(dp);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_route_matches_service_and_method_over_h2() {
+    let be = http_backend("grpc").await;
+    let port = free_port();
+    let mut yaml = service("svc", be);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata: {name: g}\nspec:\n  parentRefs: [{name: gw}]\n  rules:\n  - matches: [{method: {service: demo.Echo, method: Hi}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: hi}]}}]\n    backendRefs: [{name: svc, port: 80}]\n  - matches: [{method: {service: demo.Echo}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: svc}]}}]\n    backendRefs: [{name: svc, port: 80}]\n");
+    let _dp = start(&yaml, port).await;
+    let h2: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let ct = [("content-type", "application/grpc"), ("te", "trailers")];
+    let r = send(&h2, port, "POST", "x", "/demo.Echo/Hi", &ct).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.header("x-rule"), Some("hi"));
+    let r = send(&h2, port, "POST", "x", "/demo.Echo/Other", &ct).await;
+    assert_eq!(r.header("x-rule"), Some("svc"));
+    let r = send(&h2, port, "POST", "x", "/other.Svc/Hi", &ct).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
