@@ -10,6 +10,10 @@ side in one run, on loopback, reported as ratios.
 Measures: single-stream throughput (iperf3), HTTP keep-alive requests/s and p99 (wrk -c50), and
 new-connection rate (wrk with `Connection: close`). The origin is nginx serving a small file.
 Every server listens on 127.0.0.1 only and is stopped at the end.
+
+HTTP (L7) section: keyway's Gateway (HTTPRoute to a Service whose EndpointSlice points at the
+origin), HAProxy in http mode and nginx as an http proxy, all with keep-alive to the origin;
+keep-alive requests/s and p99 with wrk. `--http-only` runs just that section.
 """
 import argparse, json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
 
@@ -95,6 +99,8 @@ def setup_linked(work, procs, keyway):
         with open(f"{cfg}/site.yaml", "w") as f: f.write("---\n".join(docs))
         admin = 29902 if site == "a" else 29903
         procs.start([keyway, "run", "--config", cfg, "--admin", f"127.0.0.1:{admin}"], env=dict(os.environ, RUST_LOG="warn"))
+# HTTP-terminating proxies in front of the same origin.
+HTTP_PATHS = {"keyway-gateway": 28094, "haproxy-http": 28095, "nginx-http": 28096}
 
 def setup(work, procs):
     # Origin: nginx with a 1 KiB body; a separate nginx instance runs the stream proxy.
@@ -113,6 +119,20 @@ def setup(work, procs):
         for name, (front, back) in (("http", (PATHS["haproxy"][0], PATHS["direct"][0])), ("iperf", (PATHS["haproxy"][1], PATHS["direct"][1]))):
             f.write(f"listen {name}\n  bind 127.0.0.1:{front}\n  server s1 127.0.0.1:{back}\n")
     procs.start(["haproxy", "-f", f"{work}/haproxy.cfg"])
+    # HAProxy, http mode, keep-alive to the origin.
+    with open(f"{work}/haproxy-http.cfg", "w") as f:
+        f.write("global\n  maxconn 8000\n  nbthread 1\ndefaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n"
+                "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
+                f"listen http\n  bind 127.0.0.1:{HTTP_PATHS['haproxy-http']}\n  server s1 127.0.0.1:{PATHS['direct'][0]}\n")
+    procs.start(["haproxy", "-f", f"{work}/haproxy-http.cfg"])
+    # nginx as an HTTP reverse proxy with an upstream keep-alive pool.
+    with open(f"{work}/proxy.conf", "w") as f:
+        f.write(common.format(pid=f"{work}/proxy.pid", name="proxy") +
+                "events { worker_connections 20000; }\n"
+                f"http {{ access_log off; upstream origin {{ server 127.0.0.1:{PATHS['direct'][0]}; keepalive 64; }}\n"
+                f"  server {{ listen 127.0.0.1:{HTTP_PATHS['nginx-http']} backlog=4096; keepalive_requests 1000000;\n"
+                "    location / { proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\"; } } }\n")
+    procs.start(["nginx", "-c", f"{work}/proxy.conf", "-e", f"{work}/proxy.err"])
     # nginx stream module.
     with open(f"{work}/stream.conf", "w") as f:
         f.write("load_module /usr/lib/nginx/modules/ngx_stream_module.so;\n" +
@@ -136,11 +156,41 @@ kind: Connector
 metadata: {{name: {name}}}
 spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}
 """)
+        # The Gateway API path: an HTTP listener, an HTTPRoute, a Service backed by the origin.
+        f.write(f"""---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: bench}}
+spec:
+  gatewayClassName: keyway
+  listeners: [{{name: http, port: {HTTP_PATHS['keyway-gateway']}, protocol: HTTP}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: origin}}
+spec:
+  parentRefs: [{{name: bench}}]
+  rules: [{{backendRefs: [{{name: origin, port: 80}}]}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: origin}}
+spec: {{ports: [{{port: 80}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: origin-1, labels: {{kubernetes.io/service-name: origin}}}}
+addressType: IPv4
+endpoints: [{{addresses: ["127.0.0.1"]}}]
+ports: [{{port: {PATHS['direct'][0]}}}]
+""")
     keyway = os.path.join(ROOT, "target", "release", "keyway")
     procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=dict(os.environ, RUST_LOG="warn"))
     setup_linked(work, procs, keyway)
     for front, back in PATHS.values():
         wait_port(front); wait_port(back)
+    for port in HTTP_PATHS.values():
+        wait_port(port)
 
 def iperf(port, secs):
     out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(secs), "-J"], capture_output=True, text=True, check=True).stdout
@@ -161,6 +211,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "last-run.md"))
     ap.add_argument("--only", default="", help="comma-separated paths to measure (direct and haproxy always run)")
+    ap.add_argument("--http-only", action="store_true", help="only the HTTP (L7) comparison")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(","))) | {"direct", "haproxy"} if args.only else set(PATHS)
     runs, secs = (1, 3) if args.quick else (3, 5)
@@ -169,12 +220,12 @@ def main():
     sh(["cargo", "build", "--release", "-q", "-p", "keyway"], cwd=ROOT)
     work = tempfile.mkdtemp(prefix="keyway-bench-")
     procs = Procs()
-    results = {}
+    results, http = {}, {}
     try:
         setup(work, procs)
         time.sleep(1.5)  # first health checks
         for name, (http_port, iperf_port) in PATHS.items():
-            if name not in only:
+            if args.http_only or name not in only:
                 continue
             t, ka, nc = [], [], []
             for _ in range(runs):
@@ -188,17 +239,35 @@ def main():
                 "errors": "; ".join(e for _, _, e in ka + nc if e),
             }
             print(name, json.dumps(results[name]), flush=True)
+        # L7: keep-alive only (the interesting case for a pooled HTTP proxy), interleaved per
+        # run so a noisy neighbour hits every path alike.
+        l7 = {"direct": PATHS["direct"][0], **HTTP_PATHS}
+        samples = {n: [] for n in l7}
+        for _ in range(runs):
+            for name, port in l7.items():
+                samples[name].append(wrk(port, secs, close=False))
+        for name, ka in samples.items():
+            http[name] = {"rps": statistics.median(r for r, _, _ in ka), "p99": statistics.median(p for _, p, _ in ka),
+                          "errors": "; ".join(e for _, _, e in ka if e)}
+            print(name, json.dumps(http[name]), flush=True)
     finally:
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
-    d, h = results["direct"], results["haproxy"]
-    lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s)", "",
-             "| path | 1 stream Gbit/s (x direct) | keep-alive req/s (x HAProxy) | p99 ms | new conn/s (x HAProxy) | p99 ms |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s)", ""]
+    if results:
+        lines += ["| path | 1 stream Gbit/s (x direct) | keep-alive req/s (x HAProxy) | p99 ms | new conn/s (x HAProxy) | p99 ms |",
+                  "|---|---|---|---|---|---|"]
+    d, h = results.get("direct"), results.get("haproxy")
     for name, r in results.items():
         lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
                      f"| {r['nc_rps']:.0f} ({r['nc_rps']/h['nc_rps']:.2f}x) | {r['nc_p99']:.2f} |")
-    errs = [f"- {n}: {r['errors']}" for n, r in results.items() if r["errors"]]
+    if http:
+        hh = http["haproxy-http"]
+        lines += ["", "HTTP proxies (L7, keep-alive to the origin; wrk -c50 keep-alive):", "",
+                  "| path | req/s (x HAProxy http) | p99 ms |", "|---|---|---|"]
+        for name, r in http.items():
+            lines.append(f"| {name} | {r['rps']:.0f} ({r['rps']/hh['rps']:.2f}x) | {r['p99']:.2f} |")
+    errs = [f"- {n}: {r['errors']}" for n, r in list(results.items()) + list(http.items()) if r["errors"]]
     if errs: lines += ["", "Socket errors reported by wrk:", *errs]
     text = "\n".join(lines) + "\n"
     print("\n" + text)

@@ -6,6 +6,7 @@
 //! connector whose spec is unchanged keeps its health state, and no open connection is touched.
 
 pub mod copy;
+pub mod gateway;
 pub mod listener;
 pub mod metrics;
 pub mod targets;
@@ -27,8 +28,8 @@ use crate::metrics::Metrics;
 use crate::targets::{Health, Registry};
 
 /// A byte stream to a target, whatever carries it (TCP, TLS, a tunnel stream to another site).
-pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
-impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> Io for T {}
 
 /// A boxed [`Io`].
 pub type BoxIo = Box<dyn Io>;
@@ -91,6 +92,8 @@ pub struct Observation {
     /// Listeners whose socket is open now.
     pub listening: BTreeSet<ObjectKey>,
     pub open_connections: usize,
+    /// Gateway listeners not served (port not bound, TLS material unusable).
+    pub gateway_errors: Vec<gateway::ListenerError>,
 }
 
 pub struct DataPlane {
@@ -98,18 +101,21 @@ pub struct DataPlane {
     listeners: Mutex<HashMap<ObjectKey, ListenerHandle>>,
     /// TLS set-up failures of the last apply, per object.
     tls_errors: Mutex<BTreeMap<ObjectKey, String>>,
+    gateways: gateway::Gateways,
 }
 
 impl DataPlane {
     /// A data plane with no listeners. Must be used from within a tokio runtime.
     pub fn new(metrics: Arc<Metrics>) -> Self {
+        let shared = Arc::new(Shared {
+            registry: Registry::new(metrics.clone()),
+            metrics,
+            tracker: Tracker::default(),
+            remote: std::sync::OnceLock::new(),
+        });
         DataPlane {
-            shared: Arc::new(Shared {
-                registry: Registry::new(metrics.clone()),
-                metrics,
-                tracker: Tracker::default(),
-                remote: std::sync::OnceLock::new(),
-            }),
+            gateways: gateway::Gateways::new(shared.clone()),
+            shared,
             listeners: Mutex::new(HashMap::new()),
             tls_errors: Mutex::new(BTreeMap::new()),
         }
@@ -219,6 +225,7 @@ impl DataPlane {
         if let Ok(mut e) = self.tls_errors.lock() {
             *e = tls_errors;
         }
+        self.gateways.apply(&plan.gateways);
     }
 
     /// Reachability, health and socket state right now.
@@ -253,6 +260,7 @@ impl DataPlane {
                 obs.bind_errors.insert(id.clone(), e.clone());
             }
         }
+        obs.gateway_errors = self.gateways.errors();
         obs
     }
 
@@ -262,6 +270,7 @@ impl DataPlane {
         if let Ok(mut listeners) = self.listeners.lock() {
             listeners.clear();
         }
+        self.gateways.stop();
         let tracker = &self.shared.tracker;
         let deadline = tokio::time::Instant::now() + drain;
         loop {

@@ -292,13 +292,14 @@ async fn connect_target(
     }
 }
 
-/// Connects to the best reachable target, failing over across targets and keys.
-async fn connect(
+/// Connects to the best reachable target of `selection`, failing over across targets and keys.
+/// Shared with the gateway's skupper backends, so HTTP traffic gets the same failover.
+pub(crate) async fn connect(
     shared: &Shared,
-    rt: &ListenerRuntime,
+    selection: &KeySelection,
 ) -> Option<(String, Arc<Target>, Upstream, bool)> {
-    let keys = key_order(&rt.plan.selection, &shared.registry);
-    let preferred = match &rt.plan.selection {
+    let keys = key_order(selection, &shared.registry);
+    let preferred = match selection {
         KeySelection::Priority(keys) => keys.first().cloned(),
         _ => keys.first().cloned(),
     };
@@ -342,7 +343,8 @@ async fn serve(
             }
         }
     };
-    let Some((_key, target, upstream, failover)) = connect(&shared, &rt).await else {
+    let Some((_key, target, upstream, failover)) = connect(&shared, &rt.plan.selection).await
+    else {
         shared
             .metrics
             .refused

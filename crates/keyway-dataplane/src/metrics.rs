@@ -107,6 +107,18 @@ impl Metrics {
         out
     }
 
+    /// Registers a metric of another module (the gateway's per-route families) under `keyway_`.
+    pub fn register(
+        &self,
+        name: &str,
+        help: &str,
+        metric: impl prometheus_client::registry::Metric,
+    ) {
+        if let Ok(mut r) = self.registry.lock() {
+            r.register(name, help, metric);
+        }
+    }
+
     /// The metric handles of one (listener, target) pair, created once and cached on the target
     /// so the per-connection path does no label building or family lookups.
     pub fn connection(&self, listener: &str, target: &Target) -> Arc<ConnMetrics> {

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use keyway_core::conditions::carry_transition_times;
+use keyway_core::gateway::{GatewayResolver, mark_port_unavailable};
 use keyway_core::load::ConfigError;
 use keyway_core::report::{self, Filter};
 use keyway_core::service_network::{self, Reachability, Resolution};
@@ -26,6 +27,8 @@ struct Current {
     objects: ObjectState,
     reconciled: Reconciled,
     resolution: Resolution,
+    /// Gateway API resolver; keeps per-object work between reloads.
+    gateway: GatewayResolver,
     /// Last status served, to keep condition transition times stable.
     last_status: BTreeMap<ObjectKey, Value>,
 }
@@ -83,7 +86,8 @@ impl Site {
         let mut index = current.index.clone();
         let mut objects = current.objects.clone();
         let reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
-        let resolution = service_network::resolve(&index);
+        let mut resolution = service_network::resolve(&index);
+        resolution.plan.gateways = current.gateway.update(&index, &cli::now()).plan.clone();
         self.dataplane.apply(&resolution.plan);
         self.network.apply(&resolution.plan);
         for w in &reconciled.warnings {
@@ -139,8 +143,19 @@ impl Site {
             operational_links: net.operational_links,
             link_errors: net.link_errors,
         };
+        let now = cli::now();
         let mut statuses =
-            service_network::statuses(&current.index, &current.resolution, &reach, &cli::now());
+            service_network::statuses(&current.index, &current.resolution, &reach, &now);
+        let gw = current.gateway.resolution();
+        statuses.extend(gw.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
+        // What the data plane saw overrides what the resolver expected: a listener on a port
+        // that could not be bound is not programmed.
+        let now_value = serde_json::to_value(&now).unwrap_or(Value::Null);
+        for e in &obs.gateway_errors {
+            if let Some(s) = statuses.get_mut(&e.owner) {
+                mark_port_unavailable(s, &e.listener, &e.message, &now_value);
+            }
+        }
         for (key, status) in statuses.iter_mut() {
             if let Some(prev) = current.last_status.get(key) {
                 carry_transition_times(prev, status);
@@ -171,8 +186,14 @@ impl Site {
             return Err("config not applied yet".into());
         }
         let obs = self.dataplane.observe();
-        match obs.bind_errors.iter().next() {
-            Some((key, e)) => Err(format!("{key}: {e}")),
+        if let Some((key, e)) = obs.bind_errors.iter().next() {
+            return Err(format!("{key}: {e}"));
+        }
+        match obs.gateway_errors.first() {
+            Some(e) => Err(format!(
+                "{} listener {}: {}",
+                e.owner, e.listener, e.message
+            )),
             None => Ok(()),
         }
     }
@@ -180,7 +201,12 @@ impl Site {
 
 fn all_errors(current: &Current) -> Vec<ConfigError> {
     let mut all = current.reconciled.errors.clone();
-    for p in &current.resolution.problems {
+    for p in current
+        .resolution
+        .problems
+        .iter()
+        .chain(&current.gateway.resolution().problems)
+    {
         if !all.contains(p) {
             all.push(p.clone());
         }

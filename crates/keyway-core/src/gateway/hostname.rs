@@ -53,6 +53,7 @@ mod tests {
     type Case<'a> = (Option<&'a str>, &'a [&'a str], Option<&'a [&'a str]>);
 
     #[test]
+    #[allow(clippy::type_complexity)]
     fn intersection_table() {
         let cases: &[Case<'_>] = &[
             (None, &[], Some(&[])),

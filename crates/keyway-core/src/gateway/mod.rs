@@ -41,6 +41,7 @@ use routes::{OwnerView, RouteIn};
 use status::{C, ListenerStatus, Model, ParentStatus};
 
 pub use plan::GatewayPlan;
+pub use status::mark_port_unavailable;
 
 /// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).
 pub const CONTROLLER_NAME: &str = "keyway.io/gateway-controller";

@@ -127,6 +127,8 @@ pub struct HttpRule {
     pub matches: Vec<HttpRouteRulesMatches>,
     pub filters: Vec<HttpRouteRulesFilters>,
     pub backends: Vec<WeightedBackend>,
+    /// `timeouts.request` in milliseconds (`None`, or a malformed or zero duration: no timeout).
+    pub request_timeout_ms: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -171,4 +173,52 @@ pub struct Endpoint {
 
 pub(crate) fn key_string<S: serde::Serializer>(key: &ObjectKey, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&format!("{}/{}/{}", key.kind, key.namespace, key.name))
+}
+
+/// A Gateway API duration (GEP-2257: `1h`, `30s`, `500ms`, `1m30s`) in milliseconds.
+pub fn parse_gateway_duration_ms(text: &str) -> Option<u64> {
+    let mut total = 0u64;
+    let mut rest = text;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 || digits > 5 {
+            return None;
+        }
+        let n: u64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let (unit, len) = if rest.starts_with("ms") {
+            (1, 2)
+        } else if rest.starts_with('s') {
+            (1000, 1)
+        } else if rest.starts_with('m') {
+            (60_000, 1)
+        } else if rest.starts_with('h') {
+            (3_600_000, 1)
+        } else {
+            return None;
+        };
+        rest = &rest[len..];
+        total = total.checked_add(n.checked_mul(unit)?)?;
+    }
+    Some(total)
+}
+
+#[cfg(test)]
+mod duration_tests {
+    use super::parse_gateway_duration_ms as p;
+
+    #[test]
+    fn gateway_durations() {
+        assert_eq!(p("10s"), Some(10_000));
+        assert_eq!(p("500ms"), Some(500));
+        assert_eq!(p("1h30m"), Some(5_400_000));
+        assert_eq!(p("1m1s1ms"), Some(61_001));
+        assert_eq!(p(""), None);
+        assert_eq!(p("10"), None);
+        assert_eq!(p("s"), None);
+        assert_eq!(p("1x"), None);
+    }
 }

@@ -122,6 +122,12 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                             at,
                             &mut err
                         ),
+                        request_timeout_ms: rule
+                            .timeouts
+                            .as_ref()
+                            .and_then(|t| t.request.as_deref())
+                            .and_then(super::plan::parse_gateway_duration_ms)
+                            .filter(|ms| *ms > 0),
                     }
                 })
                 .collect();

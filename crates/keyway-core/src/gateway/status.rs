@@ -181,3 +181,31 @@ pub(crate) fn render_with(model: &Model, now: &Value, previous: Option<&Value>) 
     }
     v
 }
+
+/// Overrides a programmed listener's status with what the data plane saw: its port could not be
+/// bound, so it is `Programmed=False/PortUnavailable` (status never says healthy over a dead
+/// port). `status` is the rendered status of the listener's Gateway or ListenerSet.
+pub fn mark_port_unavailable(status: &mut Value, listener: &str, message: &str, now: &Value) {
+    let Some(listeners) = status.get_mut("listeners").and_then(Value::as_array_mut) else {
+        return;
+    };
+    let Some(entry) = listeners
+        .iter_mut()
+        .find(|l| l.get("name").and_then(Value::as_str) == Some(listener))
+    else {
+        return;
+    };
+    let Some(conds) = entry.get_mut("conditions").and_then(Value::as_array_mut) else {
+        return;
+    };
+    for c in conds.iter_mut() {
+        if c.get("type").and_then(Value::as_str) == Some("Programmed") {
+            if c.get("status").and_then(Value::as_str) != Some("False") {
+                c["lastTransitionTime"] = now.clone();
+            }
+            c["status"] = Value::from("False");
+            c["reason"] = Value::from("PortUnavailable");
+            c["message"] = Value::from(message);
+        }
+    }
+}

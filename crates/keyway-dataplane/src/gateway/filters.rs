@@ -1,0 +1,270 @@
+//! HTTPRoute filters, compiled once per config: header modifiers, redirects and URL rewrites.
+//! Filters keyway does not implement answer 500, as the Gateway API asks of an implementation
+//! that accepted a route it cannot fully serve.
+
+use gateway_api::apis::standard::grpcroutes::GrpcRouteRulesFilters;
+use gateway_api::apis::standard::httproutes::{
+    HttpRouteRulesFilters, HttpRouteRulesFiltersRequestRedirectScheme,
+};
+use hyper::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+/// RequestHeaderModifier / ResponseHeaderModifier.
+#[derive(Clone, Debug, Default)]
+pub struct HeaderMod {
+    pub set: Vec<(HeaderName, HeaderValue)>,
+    pub add: Vec<(HeaderName, HeaderValue)>,
+    pub remove: Vec<HeaderName>,
+}
+
+impl HeaderMod {
+    pub fn apply(&self, h: &mut HeaderMap) {
+        for (n, v) in &self.set {
+            h.insert(n.clone(), v.clone());
+        }
+        for (n, v) in &self.add {
+            h.append(n.clone(), v.clone());
+        }
+        for n in &self.remove {
+            h.remove(n);
+        }
+    }
+}
+
+/// How a path is replaced by a redirect or rewrite.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PathMod {
+    Full(String),
+    /// Replace the matched `PathPrefix` with this.
+    Prefix(String),
+}
+
+impl PathMod {
+    /// The new path; `matched` is the rule's prefix match (without trailing slash), if any.
+    pub fn apply(&self, path: &str, matched: Option<&str>) -> String {
+        match self {
+            PathMod::Full(p) => p.clone(),
+            PathMod::Prefix(repl) => {
+                let prefix = matched.unwrap_or("");
+                let rest = path.get(prefix.len()..).unwrap_or("");
+                let repl = repl.trim_end_matches('/');
+                let mut out = format!("{repl}{rest}");
+                if !out.starts_with('/') {
+                    out.insert(0, '/');
+                }
+                out
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Redirect {
+    pub scheme: Option<&'static str>,
+    pub hostname: Option<String>,
+    pub path: Option<PathMod>,
+    pub port: Option<u16>,
+    pub status: StatusCode,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Rewrite {
+    pub hostname: Option<HeaderValue>,
+    pub path: Option<PathMod>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Filters {
+    pub request_headers: Vec<HeaderMod>,
+    pub response_headers: Vec<HeaderMod>,
+    pub redirect: Option<Redirect>,
+    pub rewrite: Option<Rewrite>,
+    /// Names of filters that cannot be served: the rule answers 500.
+    pub unsupported: Option<String>,
+}
+
+macro_rules! header_mod {
+    ($m:expr, $errors:expr) => {{
+        let m = $m;
+        let mut out = HeaderMod::default();
+        let mut pair = |name: &str, value: &str| -> Option<(HeaderName, HeaderValue)> {
+            match (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_str(value),
+            ) {
+                (Ok(n), Ok(v)) => Some((n, v)),
+                _ => {
+                    $errors.push(format!("invalid header {name:?}: {value:?}"));
+                    None
+                }
+            }
+        };
+        for s in m.set.iter().flatten() {
+            out.set.extend(pair(&s.name, &s.value));
+        }
+        for a in m.add.iter().flatten() {
+            out.add.extend(pair(&a.name, &a.value));
+        }
+        for r in m.remove.iter().flatten() {
+            match HeaderName::from_bytes(r.as_bytes()) {
+                Ok(n) => out.remove.push(n),
+                Err(_) => $errors.push(format!("invalid header name {r:?}")),
+            }
+        }
+        out
+    }};
+}
+
+fn path_mod(full: Option<&String>, prefix: Option<&String>) -> Option<PathMod> {
+    full.map(|p| PathMod::Full(p.clone()))
+        .or_else(|| prefix.map(|p| PathMod::Prefix(p.clone())))
+}
+
+/// Compiles HTTPRoute filters; `errors` collects what could not be compiled (reported, not
+/// fatal).
+pub fn compile_http(list: &[HttpRouteRulesFilters], errors: &mut Vec<String>) -> Filters {
+    let mut f = Filters::default();
+    for x in list {
+        if let Some(m) = &x.request_header_modifier {
+            f.request_headers.push(header_mod!(m, errors));
+        } else if let Some(m) = &x.response_header_modifier {
+            f.response_headers.push(header_mod!(m, errors));
+        } else if let Some(r) = &x.request_redirect {
+            let status = match r.status_code {
+                Some(301) => StatusCode::MOVED_PERMANENTLY,
+                _ => StatusCode::FOUND,
+            };
+            f.redirect = Some(Redirect {
+                scheme: r.scheme.as_ref().map(|s| match s {
+                    HttpRouteRulesFiltersRequestRedirectScheme::Http => "http",
+                    HttpRouteRulesFiltersRequestRedirectScheme::Https => "https",
+                }),
+                hostname: r.hostname.clone(),
+                path: r.path.as_ref().and_then(|p| {
+                    path_mod(
+                        p.replace_full_path.as_ref(),
+                        p.replace_prefix_match.as_ref(),
+                    )
+                }),
+                port: r.port.and_then(|p| u16::try_from(p).ok()),
+                status,
+            });
+        } else if let Some(r) = &x.url_rewrite {
+            let hostname = r
+                .hostname
+                .as_ref()
+                .and_then(|h| match HeaderValue::from_str(h) {
+                    Ok(v) => Some(v),
+                    Err(_) => {
+                        errors.push(format!("invalid rewrite hostname {h:?}"));
+                        None
+                    }
+                });
+            f.rewrite = Some(Rewrite {
+                hostname,
+                path: r.path.as_ref().and_then(|p| {
+                    path_mod(
+                        p.replace_full_path.as_ref(),
+                        p.replace_prefix_match.as_ref(),
+                    )
+                }),
+            });
+        } else {
+            f.unsupported = Some(type_name(&x.r#type));
+        }
+    }
+    f
+}
+
+fn type_name<T: std::fmt::Debug>(t: &T) -> String {
+    format!("{t:?}")
+}
+
+/// Compiles GRPCRoute filters (header modifiers; the rest answer 500).
+pub fn compile_grpc(list: &[GrpcRouteRulesFilters], errors: &mut Vec<String>) -> Filters {
+    let mut f = Filters::default();
+    for x in list {
+        if let Some(m) = &x.request_header_modifier {
+            f.request_headers.push(header_mod!(m, errors));
+        } else if let Some(m) = &x.response_header_modifier {
+            f.response_headers.push(header_mod!(m, errors));
+        } else {
+            f.unsupported = Some(type_name(&x.r#type));
+        }
+    }
+    f
+}
+
+/// The `Location` of a redirect. Without an explicit port, a changed scheme gets its
+/// well-known port and otherwise the listener's port is kept; well-known ports are left out.
+pub fn location(
+    r: &Redirect,
+    scheme: &str,
+    host: &str,
+    listener_port: u16,
+    path: &str,
+    matched_prefix: Option<&str>,
+    query: Option<&str>,
+) -> String {
+    let scheme_out = r.scheme.unwrap_or(scheme);
+    let host = r.hostname.as_deref().unwrap_or(host);
+    let port = match (r.port, r.scheme) {
+        (Some(p), _) => Some(p),
+        (None, Some(_)) => None,
+        (None, None) => Some(listener_port),
+    };
+    let default = if scheme_out == "https" { 443 } else { 80 };
+    let port = port.filter(|p| *p != default);
+    let path = match &r.path {
+        Some(p) => p.apply(path, matched_prefix),
+        None => path.to_string(),
+    };
+    let mut out = format!("{scheme_out}://{host}");
+    if let Some(p) = port {
+        out.push_str(&format!(":{p}"));
+    }
+    out.push_str(&path);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_replacement() {
+        let p = PathMod::Prefix("/bar".into());
+        assert_eq!(p.apply("/foo/baz", Some("/foo")), "/bar/baz");
+        assert_eq!(p.apply("/foo", Some("/foo")), "/bar");
+        let root = PathMod::Prefix("/".into());
+        assert_eq!(root.apply("/foo/baz", Some("/foo")), "/baz");
+        assert_eq!(root.apply("/foo", Some("/foo")), "/");
+    }
+
+    #[test]
+    fn redirect_location() {
+        let r = Redirect {
+            scheme: Some("https"),
+            hostname: None,
+            path: None,
+            port: None,
+            status: StatusCode::FOUND,
+        };
+        assert_eq!(
+            location(&r, "http", "a.example", 8080, "/x", None, Some("q=1")),
+            "https://a.example/x?q=1"
+        );
+        let r = Redirect {
+            scheme: None,
+            hostname: Some("b".into()),
+            ..r
+        };
+        assert_eq!(
+            location(&r, "http", "a", 8080, "/x", None, None),
+            "http://b:8080/x"
+        );
+    }
+}

@@ -1,0 +1,452 @@
+//! HTTP/1.1 and HTTP/2 serving for HTTP and HTTPS listeners (hyper-util `auto`: ALPN over TLS,
+//! prior-knowledge h2c in cleartext), routing each request through the listener that best
+//! matches its Host, and forwarding it to a backend.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::http::uri::{Authority, PathAndQuery, Scheme};
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode, Uri, Version};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use keyway_core::gateway::plan::{Backend, Protocol};
+
+use super::route_match::{self, PathMatch};
+use super::upstream::{Body, ConnectError, H2Error, Io};
+use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
+
+/// What a request needs to know about its connection.
+struct ConnInfo {
+    peer: SocketAddr,
+    /// `None`: cleartext; `Some(sni)`: TLS, with the server name the client sent.
+    tls: Option<Option<String>>,
+}
+
+/// Serves one client connection until it closes.
+pub async fn serve<I: Io>(
+    ctx: Arc<Ctx>,
+    config: Arc<ArcSwap<PortConfig>>,
+    io: I,
+    peer: SocketAddr,
+    tls: Option<Option<String>>,
+) {
+    let info = Arc::new(ConnInfo { peer, tls });
+    let svc = service_fn(move |req| {
+        let (ctx, config, info) = (ctx.clone(), config.clone(), info.clone());
+        async move { Ok::<_, Infallible>(handle(&ctx, &config, &info, req).await) }
+    });
+    let builder = auto::Builder::new(TokioExecutor::new());
+    if let Err(e) = builder
+        .serve_connection_with_upgrades(TokioIo::new(io), svc)
+        .await
+    {
+        tracing::debug!(%peer, "HTTP connection ended: {e}");
+    }
+}
+
+fn full(status: StatusCode, text: &str) -> Response<Body> {
+    let mut r = Response::new(
+        Full::new(Bytes::from(format!("{text}\n")))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+/// The request's host, lower-case, without port: the URI authority (HTTP/2, absolute-form)
+/// or the Host header.
+fn request_host(req: &Request<Incoming>) -> String {
+    let raw = req
+        .uri()
+        .authority()
+        .map(Authority::as_str)
+        .or_else(|| {
+            req.headers()
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+        })
+        .unwrap_or_default();
+    let host = match raw.parse::<Authority>() {
+        Ok(a) => a.host().to_string(),
+        Err(_) => raw.to_string(),
+    };
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .trim_end_matches('.')
+        .to_ascii_lowercase()
+}
+
+async fn handle(
+    ctx: &Ctx,
+    config: &ArcSwap<PortConfig>,
+    info: &ConnInfo,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let cfg = config.load_full();
+    let host = request_host(&req);
+    let want = if info.tls.is_some() {
+        Protocol::Https
+    } else {
+        Protocol::Http
+    };
+    // Listener isolation: only the most specific listener for the Host serves it.
+    let Some(listener) = cfg.select(Some(&host), |l| l.protocol == want) else {
+        return full(StatusCode::NOT_FOUND, "no listener for this host");
+    };
+    if let Some(Some(sni)) = &info.tls
+        && *sni != host
+    {
+        let by_sni = cfg.select(Some(sni), |l| l.protocol == want);
+        if !by_sni.is_some_and(|l| std::ptr::eq(l, listener)) {
+            return full(
+                StatusCode::MISDIRECTED_REQUEST,
+                "the Host is served by another listener than the TLS server name",
+            );
+        }
+    }
+    let view = route_match::Request {
+        method: req.method(),
+        path: req.uri().path(),
+        query: req.uri().query(),
+        headers: req.headers(),
+    };
+    let Some(entry) = listener.http.table.find(&host, &view) else {
+        return full(StatusCode::NOT_FOUND, "no route matches");
+    };
+    let Some(rule) = listener.http.rule(entry) else {
+        return full(StatusCode::NOT_FOUND, "no route matches");
+    };
+    let prefix = match &entry.m.path {
+        PathMatch::Prefix(p) => Some(p.clone()),
+        _ => None,
+    };
+    rule.metrics.requests.inc();
+    let resp = forward(
+        ctx,
+        &cfg,
+        listener,
+        rule,
+        prefix.as_deref(),
+        info,
+        &host,
+        req,
+    )
+    .await;
+    rule.metrics.response(resp.status().as_u16());
+    resp
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
+const HOP: [HeaderName; 6] = [
+    header::CONNECTION,
+    HeaderName::from_static("proxy-connection"),
+    HeaderName::from_static("keep-alive"),
+    header::TRANSFER_ENCODING,
+    header::TRAILER,
+    header::UPGRADE,
+];
+
+fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    let upgrade = h.get(header::UPGRADE).cloned();
+    for n in HOP.iter().chain(&named) {
+        h.remove(n);
+    }
+    if keep_upgrade && let Some(u) = upgrade {
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        h.insert(header::UPGRADE, u);
+    }
+}
+
+fn is_upgrade(req: &Request<Incoming>) -> bool {
+    req.version() == Version::HTTP_11
+        && req.headers().contains_key(header::UPGRADE)
+        && req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| {
+                v.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn forward(
+    ctx: &Ctx,
+    cfg: &PortConfig,
+    _listener: &Listener,
+    rule: &Rule,
+    matched_prefix: Option<&str>,
+    info: &ConnInfo,
+    host: &str,
+    mut req: Request<Incoming>,
+) -> Response<Body> {
+    let f = &rule.filters;
+    if let Some(name) = &f.unsupported {
+        return full(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &format!("filter {name} is not supported by keyway"),
+        );
+    }
+    let scheme = if info.tls.is_some() { "https" } else { "http" };
+    if let Some(r) = &f.redirect {
+        let loc = filters::location(
+            r,
+            scheme,
+            host,
+            cfg.port,
+            req.uri().path(),
+            matched_prefix,
+            req.uri().query(),
+        );
+        let mut resp = full(r.status, "redirect");
+        match HeaderValue::from_str(&loc) {
+            Ok(v) => {
+                resp.headers_mut().insert(header::LOCATION, v);
+            }
+            Err(_) => return full(StatusCode::INTERNAL_SERVER_ERROR, "invalid redirect"),
+        }
+        for m in &f.response_headers {
+            m.apply(resp.headers_mut());
+        }
+        return resp;
+    }
+    let Some(wb) = pick(&rule.backends) else {
+        return full(StatusCode::INTERNAL_SERVER_ERROR, "no backend");
+    };
+    if let Backend::Unresolved { reason } = &wb.backend {
+        return full(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &format!("backend cannot be resolved ({reason})"),
+        );
+    }
+    let upgrade = is_upgrade(&req);
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    // Host for HTTP/2 clients (they send :authority) and absolute-form requests.
+    if !req.headers().contains_key(header::HOST)
+        && let Ok(v) =
+            HeaderValue::from_str(req.uri().authority().map(Authority::as_str).unwrap_or(host))
+    {
+        req.headers_mut().insert(header::HOST, v);
+    }
+    let te_trailers = req
+        .headers()
+        .get(header::TE)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
+    strip_hop_by_hop(req.headers_mut(), upgrade);
+    req.headers_mut().remove(header::TE);
+    if rule.grpc && te_trailers {
+        req.headers_mut()
+            .insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+    for m in &f.request_headers {
+        m.apply(req.headers_mut());
+    }
+    let mut path_and_query = req
+        .uri()
+        .path_and_query()
+        .map(PathAndQuery::as_str)
+        .unwrap_or("/")
+        .to_string();
+    if let Some(rw) = &f.rewrite {
+        if let Some(h) = &rw.hostname {
+            req.headers_mut().insert(header::HOST, h.clone());
+        }
+        if let Some(p) = &rw.path {
+            let new = p.apply(req.uri().path(), matched_prefix);
+            path_and_query = match req.uri().query() {
+                Some(q) => format!("{new}?{q}"),
+                None => new,
+            };
+        }
+    }
+    // X-Forwarded-For: append the client; X-Forwarded-Proto: what the client spoke.
+    let ip = info.peer.ip().to_string();
+    let xff = match req
+        .headers()
+        .get("x-forwarded-for")
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(prev) => format!("{prev}, {ip}"),
+        None => ip,
+    };
+    if let Ok(v) = HeaderValue::from_str(&xff) {
+        req.headers_mut().insert("x-forwarded-for", v);
+    }
+    req.headers_mut().insert(
+        "x-forwarded-proto",
+        HeaderValue::from_static(if scheme == "https" { "https" } else { "http" }),
+    );
+
+    let (mut parts, body) = req.into_parts();
+    let authority = parts
+        .headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.parse::<Authority>().ok());
+    let uri = if rule.grpc {
+        let mut b = Uri::builder()
+            .scheme(Scheme::HTTP)
+            .path_and_query(path_and_query);
+        if let Some(a) = authority {
+            b = b.authority(a);
+        } else {
+            b = b.authority("backend");
+        }
+        b.build()
+    } else {
+        Uri::builder().path_and_query(path_and_query).build()
+    };
+    let Ok(uri) = uri else {
+        return full(StatusCode::BAD_REQUEST, "invalid request path");
+    };
+    parts.uri = uri;
+    parts.version = if rule.grpc {
+        Version::HTTP_2
+    } else {
+        Version::HTTP_11
+    };
+    if rule.grpc {
+        parts.headers.remove(header::HOST);
+    }
+    let req = Request::from_parts(parts, body.boxed());
+
+    let send = async {
+        if rule.grpc {
+            send_h2(ctx, &wb.backend, req).await
+        } else {
+            send_h1(ctx, &wb.backend, req).await
+        }
+    };
+    let result = match rule.timeout {
+        Some(t) => match tokio::time::timeout(t, send).await {
+            Ok(r) => r,
+            Err(_) => return full(StatusCode::GATEWAY_TIMEOUT, "request timed out"),
+        },
+        None => send.await,
+    };
+    let mut resp = match result {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(client) = client_upgrade else {
+            return full(
+                StatusCode::BAD_GATEWAY,
+                "backend switched protocols unasked",
+            );
+        };
+        let backend = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            match (client.await, backend.await) {
+                (Ok(c), Ok(b)) => {
+                    let (mut c, mut b) = (TokioIo::new(c), TokioIo::new(b));
+                    let _ = tokio::io::copy_bidirectional(&mut c, &mut b).await;
+                }
+                (Err(e), _) | (_, Err(e)) => tracing::debug!("upgrade failed: {e}"),
+            }
+        });
+        let (parts, _) = resp.into_parts();
+        let mut out = Response::from_parts(parts, Body::default());
+        for m in &f.response_headers {
+            m.apply(out.headers_mut());
+        }
+        return out;
+    }
+    strip_hop_by_hop(resp.headers_mut(), false);
+    for m in &f.response_headers {
+        m.apply(resp.headers_mut());
+    }
+    resp.map(|b| b.boxed())
+}
+
+fn connect_error(e: &ConnectError) -> Response<Body> {
+    match e {
+        ConnectError::Unresolved(_) => full(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        // No healthy endpoint: 503, the conventional "try again later".
+        ConnectError::Unreachable(_) => full(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+/// Sends over a pooled keep-alive connection, or a new one. A pooled connection that turns
+/// out closed before the request left is retried once on a fresh connection.
+async fn send_h1(
+    ctx: &Ctx,
+    backend: &Backend,
+    mut req: Request<Body>,
+) -> Result<Response<Incoming>, Response<Body>> {
+    if let Some((key, mut sender)) = ctx.pool.idle_h1(&ctx.shared, backend) {
+        match sender.try_send_request(req).await {
+            Ok(resp) => {
+                ctx.pool.put_h1(key, sender);
+                return Ok(resp);
+            }
+            Err(mut e) => match e.take_message() {
+                Some(r) => req = r,
+                None => {
+                    return Err(full(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("backend: {}", e.error()),
+                    ));
+                }
+            },
+        }
+    }
+    let c = ctx
+        .pool
+        .connect(&ctx.shared, backend)
+        .await
+        .map_err(|e| connect_error(&e))?;
+    let (key, mut sender) = ctx
+        .pool
+        .open_h1(c)
+        .await
+        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))?;
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        ctx.pool.put_h1(key, sender);
+    }
+    Ok(resp)
+}
+
+async fn send_h2(
+    ctx: &Ctx,
+    backend: &Backend,
+    req: Request<Body>,
+) -> Result<Response<Incoming>, Response<Body>> {
+    let mut sender = ctx
+        .pool
+        .h2(&ctx.shared, backend)
+        .await
+        .map_err(|e| match e {
+            H2Error::Connect(c) => connect_error(&c),
+            H2Error::Http(e) => full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")),
+        })?;
+    sender
+        .send_request(req)
+        .await
+        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))
+}

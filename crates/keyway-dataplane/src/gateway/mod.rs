@@ -1,0 +1,691 @@
+//! The Gateway API data plane (SPEC §4 "Traffic"): one accept task per port, shared by every
+//! winning listener on it (the Gateway's and its ListenerSets' alike).
+//!
+//! A port's listeners, routes and certificates are compiled into a [`PortConfig`] and swapped
+//! in place ([`ArcSwap`]) on reload: no rebind, no dropped connection, and keep-alive
+//! connections see the new routes on their next request. A port that cannot be bound is
+//! reported per listener, so status says `Programmed=False/PortUnavailable` instead of healthy.
+
+pub mod filters;
+pub mod http;
+pub mod route_match;
+pub mod sni;
+pub mod tcp;
+pub mod upstream;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use keyway_core::ObjectKey;
+use keyway_core::gateway::plan::{
+    GatewayPlan, ListenerBind, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode,
+    WeightedBackend,
+};
+use keyway_core::plan::ServerTls;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use rustls::ServerConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use crate::{ConnectionTracker, Shared};
+use route_match::{Entry, Table, host_rank};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Per-route metric families (SPEC §6), registered once in the data plane's registry.
+pub struct GatewayMetrics {
+    requests: Family<Labels, Counter>,
+    responses: Family<Labels, Counter>,
+    bytes: Family<Labels, Counter>,
+}
+
+impl GatewayMetrics {
+    fn new(m: &crate::metrics::Metrics) -> Self {
+        let g = GatewayMetrics {
+            requests: Family::default(),
+            responses: Family::default(),
+            bytes: Family::default(),
+        };
+        m.register(
+            "gateway_requests",
+            "HTTP/gRPC requests matched to a route, by route",
+            g.requests.clone(),
+        );
+        m.register(
+            "gateway_responses",
+            "HTTP/gRPC responses, by route and status class (2xx...)",
+            g.responses.clone(),
+        );
+        m.register(
+            "gateway_stream_bytes",
+            "Bytes forwarded by TLS passthrough and TCP routes, by route and direction (in = from client)",
+            g.bytes.clone(),
+        );
+        g
+    }
+
+    fn route(&self, route: &str) -> Arc<RouteMetrics> {
+        let l = |extra: Option<(&'static str, &str)>| -> Labels {
+            let mut v = vec![("route", route.to_string())];
+            if let Some((k, x)) = extra {
+                v.push((k, x.to_string()));
+            }
+            v
+        };
+        // One family lookup per statement: the guard of `get_or_create` must not outlive it.
+        let requests = self.requests.get_or_create(&l(None)).clone();
+        let mut classes = Vec::with_capacity(5);
+        for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
+            classes.push(self.responses.get_or_create(&l(Some(("class", c)))).clone());
+        }
+        let bytes_in = self
+            .bytes
+            .get_or_create(&l(Some(("direction", "in"))))
+            .clone();
+        let bytes_out = self
+            .bytes
+            .get_or_create(&l(Some(("direction", "out"))))
+            .clone();
+        Arc::new(RouteMetrics {
+            requests,
+            classes,
+            bytes_in,
+            bytes_out,
+        })
+    }
+}
+
+/// Handles of one route's series, created at compile time so requests do no label work.
+pub struct RouteMetrics {
+    pub requests: Counter,
+    classes: Vec<Counter>,
+    pub bytes_in: Counter,
+    pub bytes_out: Counter,
+}
+
+impl RouteMetrics {
+    pub fn response(&self, status: u16) {
+        let i = usize::from(status / 100).saturating_sub(1).min(4);
+        if let Some(c) = self.classes.get(i) {
+            c.inc();
+        }
+    }
+}
+
+/// One rule of an HTTPRoute or GRPCRoute, ready to serve.
+pub struct Rule {
+    pub grpc: bool,
+    pub filters: filters::Filters,
+    pub backends: Vec<WeightedBackend>,
+    pub timeout: Option<Duration>,
+    pub metrics: Arc<RouteMetrics>,
+}
+
+/// A listener's HTTP routes: the match table and, per route, its rules.
+#[derive(Default)]
+pub struct HttpRoutes {
+    pub table: Table,
+    pub rules: Vec<Vec<Rule>>,
+}
+
+impl HttpRoutes {
+    pub fn rule(&self, e: &Entry) -> Option<&Rule> {
+        self.rules.get(e.route)?.get(e.rule)
+    }
+}
+
+/// A TLSRoute or TCPRoute: hostnames (TLS only) and one weighted backend set.
+pub struct StreamRoute {
+    pub hostnames: Vec<String>,
+    pub backends: Vec<WeightedBackend>,
+    pub metrics: Arc<RouteMetrics>,
+}
+
+/// One winning listener, compiled.
+pub struct Listener {
+    pub owner: ObjectKey,
+    pub name: String,
+    pub hostname: Option<String>,
+    pub protocol: Protocol,
+    pub tls_mode: Option<TlsMode>,
+    /// Terminating listeners: the certificate and ALPN to serve.
+    pub server_config: Option<Arc<ServerConfig>>,
+    pub http: HttpRoutes,
+    pub streams: Vec<StreamRoute>,
+}
+
+/// What one port serves; swapped whole on reload.
+pub struct PortConfig {
+    pub port: u16,
+    pub family: ProtocolFamily,
+    pub listeners: Vec<Listener>,
+}
+
+impl PortConfig {
+    /// The most specific listener for `host` among those `accept` allows: exact hostname, then
+    /// longest wildcard, then no hostname; on a tie the first in merge order. `None` (no SNI)
+    /// matches only listeners without a hostname.
+    pub fn select(
+        &self,
+        host: Option<&str>,
+        accept: impl Fn(&Listener) -> bool,
+    ) -> Option<&Listener> {
+        let mut best: Option<((u8, usize), &Listener)> = None;
+        for l in self.listeners.iter().filter(|l| accept(l)) {
+            let rank = match (&l.hostname, host) {
+                (None, _) => Some((0, 0)),
+                (Some(h), Some(host)) => host_rank(std::slice::from_ref(h), host),
+                (Some(_), None) => None,
+            };
+            if let Some(r) = rank
+                && best.as_ref().is_none_or(|(b, _)| r > *b)
+            {
+                best = Some((r, l));
+            }
+        }
+        best.map(|(_, l)| l)
+    }
+}
+
+/// Picks a backend at random in proportion to the weights; `None` when all weigh 0.
+pub fn pick(backends: &[WeightedBackend]) -> Option<&WeightedBackend> {
+    let total: u64 = backends.iter().map(|b| u64::from(b.weight)).sum();
+    if total == 0 {
+        return None;
+    }
+    let mut r = fastrand::u64(0..total);
+    backends.iter().find(|b| {
+        let w = u64::from(b.weight);
+        if r < w {
+            true
+        } else {
+            r -= w;
+            false
+        }
+    })
+}
+
+/// A listener the data plane could not serve, for status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenerError {
+    /// Gateway or ListenerSet.
+    pub owner: ObjectKey,
+    pub listener: String,
+    pub message: String,
+}
+
+/// State every gateway connection shares.
+pub struct Ctx {
+    pub shared: Arc<Shared>,
+    pub pool: upstream::Pool,
+}
+
+#[derive(Default)]
+struct PortState {
+    error: Mutex<Option<String>>,
+}
+
+struct PortHandle {
+    config: Arc<ArcSwap<PortConfig>>,
+    state: Arc<PortState>,
+    /// Listeners on the port, for error reports.
+    listeners: Vec<(ObjectKey, String)>,
+    stop: watch::Sender<bool>,
+}
+
+impl Drop for PortHandle {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
+    }
+}
+
+/// Every gateway port of the site.
+pub struct Gateways {
+    ctx: Arc<Ctx>,
+    metrics: GatewayMetrics,
+    bind_ip: IpAddr,
+    ports: Mutex<BTreeMap<u16, PortHandle>>,
+    /// Listeners left out by the last apply (port held by another Gateway, bad TLS material).
+    rejected: Mutex<Vec<ListenerError>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Gateways {
+    /// Gateway listeners bind all IPv4 addresses (Gateway `spec.addresses` is not used).
+    pub fn new(shared: Arc<Shared>) -> Self {
+        let metrics = GatewayMetrics::new(&shared.metrics);
+        Gateways {
+            ctx: Arc::new(Ctx {
+                shared,
+                pool: upstream::Pool::default(),
+            }),
+            metrics,
+            bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            ports: Mutex::new(BTreeMap::new()),
+            rejected: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Serves `plan` from now on: ports still in it keep their socket and get the new config;
+    /// new ports are bound; ports no longer in it stop accepting (open connections run on).
+    pub fn apply(&self, plan: &GatewayPlan) {
+        let mut rejected = Vec::new();
+        let mut wanted: BTreeMap<u16, (&ObjectKey, &PortBind)> = BTreeMap::new();
+        for gw in &plan.gateways {
+            for pb in &gw.ports {
+                if let Some((owner, _)) = wanted.get(&pb.port) {
+                    // Two Gateways cannot both own a port; the first in key order keeps it.
+                    for l in &pb.listeners {
+                        rejected.push(ListenerError {
+                            owner: l.owner.clone(),
+                            listener: l.name.clone(),
+                            message: format!(
+                                "port {} is already used by Gateway {}/{}",
+                                pb.port, owner.namespace, owner.name
+                            ),
+                        });
+                    }
+                    continue;
+                }
+                wanted.insert(pb.port, (&gw.gateway, pb));
+            }
+        }
+        let mut ports = lock(&self.ports);
+        let mut next = BTreeMap::new();
+        for (port, (_, pb)) in wanted {
+            let config = self.compile(pb, &mut rejected);
+            let listeners = pb
+                .listeners
+                .iter()
+                .map(|l| (l.owner.clone(), l.name.clone()))
+                .collect();
+            match ports.remove(&port) {
+                Some(mut h) => {
+                    h.config.store(Arc::new(config));
+                    h.listeners = listeners;
+                    next.insert(port, h);
+                }
+                None => {
+                    next.insert(port, self.start(config, listeners));
+                }
+            }
+        }
+        // Dropping the rest stops their accept loops.
+        *ports = next;
+        drop(ports);
+        *lock(&self.rejected) = rejected;
+    }
+
+    /// Listeners not served right now, with why: unbindable ports and rejected listeners.
+    pub fn errors(&self) -> Vec<ListenerError> {
+        let mut out = lock(&self.rejected).clone();
+        for h in lock(&self.ports).values() {
+            if let Some(e) = lock(&h.state.error).clone() {
+                for (owner, listener) in &h.listeners {
+                    out.push(ListenerError {
+                        owner: owner.clone(),
+                        listener: listener.clone(),
+                        message: e.clone(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Stops accepting on every port (shutdown).
+    pub fn stop(&self) {
+        lock(&self.ports).clear();
+    }
+
+    fn start(&self, config: PortConfig, listeners: Vec<(ObjectKey, String)>) -> PortHandle {
+        let addr = SocketAddr::new(self.bind_ip, config.port);
+        let config = Arc::new(ArcSwap::from_pointee(config));
+        let state = Arc::new(PortState::default());
+        let (stop, stop_rx) = watch::channel(false);
+        tokio::spawn(accept_loop(
+            self.ctx.clone(),
+            addr,
+            config.clone(),
+            state.clone(),
+            stop_rx,
+        ));
+        PortHandle {
+            config,
+            state,
+            listeners,
+            stop,
+        }
+    }
+
+    fn compile(&self, pb: &PortBind, rejected: &mut Vec<ListenerError>) -> PortConfig {
+        let mut listeners = Vec::with_capacity(pb.listeners.len());
+        for l in &pb.listeners {
+            match self.compile_listener(l) {
+                Ok(c) => listeners.push(c),
+                Err(message) => {
+                    tracing::warn!(listener = %l.name, owner = %l.owner, "{message}");
+                    rejected.push(ListenerError {
+                        owner: l.owner.clone(),
+                        listener: l.name.clone(),
+                        message,
+                    });
+                }
+            }
+        }
+        PortConfig {
+            port: pb.port,
+            family: pb.family,
+            listeners,
+        }
+    }
+
+    fn compile_listener(&self, l: &ListenerBind) -> Result<Listener, String> {
+        let tls_mode = l.tls.as_ref().map(|t| t.mode);
+        let server_config = match (&l.tls, l.protocol) {
+            (Some(t), Protocol::Https | Protocol::Tls) if t.mode == TlsMode::Terminate => {
+                // The first certificate serves; more (e.g. RSA next to ECDSA) are not chosen
+                // between yet.
+                let material = t
+                    .certificates
+                    .first()
+                    .ok_or("no certificate to terminate TLS with")?;
+                let alpn: &[&[u8]] = if l.protocol == Protocol::Https {
+                    &[b"h2", b"http/1.1"]
+                } else {
+                    &[]
+                };
+                let tls = ServerTls {
+                    material: material.clone(),
+                    require_client_cert: false,
+                };
+                Some(crate::tls::server_config(&tls, alpn).map_err(|e| e.to_string())?)
+            }
+            _ => None,
+        };
+        let mut hostnames = Vec::new();
+        let mut entries = Vec::new();
+        let mut rules = Vec::new();
+        let mut streams = Vec::new();
+        for route in &l.routes {
+            let label = format!(
+                "{}/{}/{}",
+                route.route.kind, route.route.namespace, route.route.name
+            );
+            let metrics = self.metrics.route(&label);
+            let mut errors = Vec::new();
+            match route.rules.as_ref() {
+                RouteRules::Http(rs) => {
+                    let idx = rules.len();
+                    let mut compiled = Vec::new();
+                    for (j, r) in rs.iter().enumerate() {
+                        if r.matches.is_empty() {
+                            entries.push(Entry {
+                                route: idx,
+                                rule: j,
+                                m: route_match::Match::any(),
+                            });
+                        }
+                        for m in &r.matches {
+                            match route_match::compile_http(m) {
+                                Ok(m) => entries.push(Entry {
+                                    route: idx,
+                                    rule: j,
+                                    m,
+                                }),
+                                Err(e) => errors.push(e),
+                            }
+                        }
+                        compiled.push(Rule {
+                            grpc: false,
+                            filters: filters::compile_http(&r.filters, &mut errors),
+                            backends: r.backends.clone(),
+                            timeout: r.request_timeout_ms.map(Duration::from_millis),
+                            metrics: metrics.clone(),
+                        });
+                    }
+                    hostnames.push(route.hostnames.clone());
+                    rules.push(compiled);
+                }
+                RouteRules::Grpc(rs) => {
+                    let idx = rules.len();
+                    let mut compiled = Vec::new();
+                    for (j, r) in rs.iter().enumerate() {
+                        if r.matches.is_empty() {
+                            entries.push(Entry {
+                                route: idx,
+                                rule: j,
+                                m: route_match::Match::any(),
+                            });
+                        }
+                        for m in &r.matches {
+                            match route_match::compile_grpc(m) {
+                                Ok(m) => entries.push(Entry {
+                                    route: idx,
+                                    rule: j,
+                                    m,
+                                }),
+                                Err(e) => errors.push(e),
+                            }
+                        }
+                        compiled.push(Rule {
+                            grpc: true,
+                            filters: filters::compile_grpc(&r.filters, &mut errors),
+                            backends: r.backends.clone(),
+                            timeout: None,
+                            metrics: metrics.clone(),
+                        });
+                    }
+                    hostnames.push(route.hostnames.clone());
+                    rules.push(compiled);
+                }
+                RouteRules::Tls(rs) | RouteRules::Tcp(rs) => {
+                    streams.push(StreamRoute {
+                        hostnames: route.hostnames.clone(),
+                        backends: rs.iter().flatten().cloned().collect(),
+                        metrics: metrics.clone(),
+                    });
+                }
+            }
+            for e in errors {
+                tracing::warn!(route = %label, "{e}");
+            }
+        }
+        Ok(Listener {
+            owner: l.owner.clone(),
+            name: l.name.clone(),
+            hostname: l.hostname.as_ref().map(|h| h.to_ascii_lowercase()),
+            protocol: l.protocol,
+            tls_mode,
+            server_config,
+            http: HttpRoutes {
+                table: Table::new(hostnames, entries),
+                rules,
+            },
+            streams,
+        })
+    }
+}
+
+impl Drop for Gateways {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn accept_loop(
+    ctx: Arc<Ctx>,
+    addr: SocketAddr,
+    config: Arc<ArcSwap<PortConfig>>,
+    state: Arc<PortState>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut failures = 0u32;
+    let socket = loop {
+        if *stop.borrow_and_update() {
+            return;
+        }
+        match TcpListener::bind(addr).await {
+            Ok(s) => {
+                tracing::info!(%addr, "gateway port listening");
+                *lock(&state.error) = None;
+                break s;
+            }
+            Err(e) => {
+                failures += 1;
+                let msg = format!("cannot bind port {}: {e}", addr.port());
+                if failures == 1 || failures.is_multiple_of(30) {
+                    tracing::warn!("{msg}");
+                }
+                *lock(&state.error) = Some(msg);
+                let wait = if failures < 10 { 100 } else { 1000 };
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+        }
+    };
+    loop {
+        tokio::select! {
+            accepted = socket.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let guard = ctx.shared.tracker.track();
+                    tokio::spawn(serve(ctx.clone(), config.clone(), stream, peer, guard));
+                }
+                Err(e) => {
+                    tracing::warn!(%addr, "accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = stop.changed() => {
+                if *stop.borrow_and_update() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn serve(
+    ctx: Arc<Ctx>,
+    config: Arc<ArcSwap<PortConfig>>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    _guard: ConnectionTracker,
+) {
+    let _ = stream.set_nodelay(true);
+    let family = config.load().family;
+    match family {
+        ProtocolFamily::Http => http::serve(ctx, config, stream, peer, None).await,
+        ProtocolFamily::Tls => serve_tls(ctx, config, stream, peer).await,
+        ProtocolFamily::Tcp => {
+            let cfg = config.load_full();
+            let route = cfg.listeners.first().and_then(|l| l.streams.first());
+            match route {
+                Some(r) => tcp::forward(&ctx, r, Vec::new(), stream).await,
+                None => tracing::debug!(%peer, "TCP listener without a route: closing"),
+            }
+        }
+    }
+}
+
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection to an HTTPS/TLS port: read the ClientHello, pick the listener by SNI, then
+/// pass through or terminate.
+async fn serve_tls(
+    ctx: Arc<Ctx>,
+    config: Arc<ArcSwap<PortConfig>>,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+) {
+    let mut buf = Vec::with_capacity(2048);
+    let read_hello = async {
+        loop {
+            match sni::parse(&buf) {
+                sni::Hello::Incomplete if buf.len() < sni::MAX_HELLO => {
+                    let mut chunk = [0u8; 4096];
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return None,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                other => return Some(other),
+            }
+        }
+    };
+    let sni = match tokio::time::timeout(HANDSHAKE_TIMEOUT, read_hello).await {
+        Ok(Some(sni::Hello::Tls(sni))) => sni,
+        Ok(Some(sni::Hello::PlainHttp)) => {
+            let body = "this port speaks TLS (HTTPS); the request was sent as plain HTTP\n";
+            let resp = format!(
+                "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(resp.as_bytes()).await;
+            let _ = stream.shutdown().await;
+            return;
+        }
+        _ => {
+            tracing::debug!(%peer, "not a TLS ClientHello: closing");
+            return;
+        }
+    };
+    let cfg = config.load_full();
+    let Some(l) = cfg.select(sni.as_deref(), |_| true) else {
+        tracing::debug!(%peer, ?sni, "no listener for this server name: closing");
+        return;
+    };
+    if l.tls_mode == Some(TlsMode::Passthrough) {
+        match tcp::by_sni(&l.streams, sni.as_deref()) {
+            Some(route) => tcp::forward(&ctx, route, buf, stream).await,
+            None => tracing::debug!(%peer, ?sni, "no TLSRoute for this server name: closing"),
+        }
+        return;
+    }
+    let acceptor = tokio_rustls::LazyConfigAcceptor::new(
+        rustls::server::Acceptor::default(),
+        sni::Prefixed::new(buf, stream),
+    );
+    let start = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor).await {
+        Ok(Ok(s)) => s,
+        _ => return,
+    };
+    // rustls' own reading of the ClientHello picks the certificate.
+    let name = start
+        .client_hello()
+        .server_name()
+        .map(|s| s.trim_end_matches('.').to_ascii_lowercase());
+    let Some(l) = cfg.select(name.as_deref(), |l| l.server_config.is_some()) else {
+        return;
+    };
+    let Some(server_config) = l.server_config.clone() else {
+        return;
+    };
+    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, start.into_stream(server_config)).await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, "TLS handshake failed: {e}");
+            return;
+        }
+        Err(_) => return,
+    };
+    if l.protocol == Protocol::Https {
+        http::serve(ctx, config.clone(), tls, peer, Some(name)).await;
+    } else {
+        match tcp::by_sni(&l.streams, name.as_deref()) {
+            Some(route) => tcp::forward(&ctx, route, Vec::new(), tls).await,
+            None => tracing::debug!(%peer, "no TLSRoute for this server name: closing"),
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! HTTPRoute and GRPCRoute matching as a pure function of the request.
+//!
+//! Every match of every rule compiles to an [`Entry`] whose [`Rank`] is an `Ord` encoding the
+//! Gateway API precedence (exact path > longest prefix > method > most headers > most query
+//! params), as linkerd2-proxy's `http/route` does; ties go to the older route (lower index in
+//! the listener's route list, which the resolver sorts by age then name), then to the earlier
+//! rule. Entries are sorted once, best first, so a lookup returns the first entry that matches
+//! among the routes with the most specific hostname for the request.
+
+use std::cmp::Reverse;
+
+use gateway_api::apis::standard::grpcroutes::{
+    GrpcRouteRulesMatches, GrpcRouteRulesMatchesHeadersType, GrpcRouteRulesMatchesMethodType,
+};
+use gateway_api::apis::standard::httproutes::{
+    HttpRouteRulesMatches, HttpRouteRulesMatchesHeadersType, HttpRouteRulesMatchesMethod,
+    HttpRouteRulesMatchesPathType, HttpRouteRulesMatchesQueryParamsType,
+};
+use hyper::http::{HeaderMap, HeaderName, Method};
+use regex::Regex;
+
+/// How a path matches.
+#[derive(Clone, Debug)]
+pub enum PathMatch {
+    Exact(String),
+    /// Segment-wise prefix, stored without its trailing slash (`/` is stored empty).
+    Prefix(String),
+    /// Anchored at both ends.
+    Regex(Regex),
+}
+
+impl PathMatch {
+    pub fn matches(&self, path: &str) -> bool {
+        match self {
+            PathMatch::Exact(p) => path == p,
+            PathMatch::Prefix(p) => {
+                path.starts_with(p.as_str())
+                    && (path.len() == p.len() || path.as_bytes().get(p.len()) == Some(&b'/'))
+            }
+            PathMatch::Regex(r) => r.is_match(path),
+        }
+    }
+
+    fn rank(&self) -> PathRank {
+        match self {
+            PathMatch::Exact(p) => PathRank::Exact(p.len()),
+            PathMatch::Prefix(p) => PathRank::Prefix(p.len()),
+            PathMatch::Regex(r) => PathRank::Regex(r.as_str().len()),
+        }
+    }
+
+    pub fn prefix(p: &str) -> PathMatch {
+        PathMatch::Prefix(p.trim_end_matches('/').to_string())
+    }
+}
+
+/// Value matchers for headers and query parameters.
+#[derive(Clone, Debug)]
+pub enum ValueMatch {
+    Exact(String),
+    Regex(Regex),
+}
+
+impl ValueMatch {
+    fn matches(&self, v: &str) -> bool {
+        match self {
+            ValueMatch::Exact(e) => e == v,
+            ValueMatch::Regex(r) => r.is_match(v),
+        }
+    }
+}
+
+/// Declaration order is precedence order (derived `Ord` compares the variant first): exact
+/// paths beat regular expressions, which beat prefixes; longer beats shorter within a kind.
+/// Where regular expressions rank is implementation-specific; this is linkerd's choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PathRank {
+    Prefix(usize),
+    Regex(usize),
+    Exact(usize),
+}
+
+/// Gateway API precedence of one match; greater wins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Rank {
+    pub path: PathRank,
+    pub method: bool,
+    pub headers: usize,
+    pub query: usize,
+}
+
+/// One compiled match.
+#[derive(Clone, Debug)]
+pub struct Match {
+    pub path: PathMatch,
+    pub method: Option<Method>,
+    pub headers: Vec<(HeaderName, ValueMatch)>,
+    pub query: Vec<(String, ValueMatch)>,
+}
+
+/// What a match looks at.
+pub struct Request<'a> {
+    pub method: &'a Method,
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+    pub headers: &'a HeaderMap,
+}
+
+impl Match {
+    /// The upstream default when a rule has no matches: every request.
+    pub fn any() -> Match {
+        Match {
+            path: PathMatch::Prefix(String::new()),
+            method: None,
+            headers: Vec::new(),
+            query: Vec::new(),
+        }
+    }
+
+    pub fn rank(&self) -> Rank {
+        Rank {
+            path: self.path.rank(),
+            method: self.method.is_some(),
+            headers: self.headers.len(),
+            query: self.query.len(),
+        }
+    }
+
+    pub fn matches(&self, req: &Request<'_>) -> bool {
+        if self.method.as_ref().is_some_and(|m| m != req.method) {
+            return false;
+        }
+        if !self.path.matches(req.path) {
+            return false;
+        }
+        let header_ok = |(name, vm): &(HeaderName, ValueMatch)| {
+            req.headers
+                .get_all(name)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .any(|v| vm.matches(v))
+        };
+        if !self.headers.iter().all(header_ok) {
+            return false;
+        }
+        self.query.iter().all(|(name, vm)| {
+            // The first occurrence of a parameter is the one matched (Gateway API guidance).
+            req.query
+                .unwrap_or_default()
+                .split('&')
+                .filter_map(|kv| {
+                    let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+                    (k == name).then_some(v)
+                })
+                .next()
+                .is_some_and(|v| vm.matches(&percent_decode(v)))
+        })
+    }
+}
+
+/// A query value as the user wrote it in YAML (`%20` and `+` decoded); invalid escapes stay.
+fn percent_decode(v: &str) -> String {
+    if !v.contains(['%', '+']) {
+        return v.to_string();
+    }
+    let b = v.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = b
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok());
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(c) => {
+                        out.push(c);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A regular expression anchored at both ends, as the Gateway API means "matches".
+pub fn anchored(re: &str) -> Result<Regex, regex::Error> {
+    Regex::new(&format!("^(?:{re})$"))
+}
+
+fn header_name(name: &str) -> Result<HeaderName, String> {
+    HeaderName::from_bytes(name.as_bytes()).map_err(|e| format!("header name {name:?}: {e}"))
+}
+
+fn bad_regex(what: &str, e: regex::Error) -> String {
+    format!("{what}: invalid regular expression: {e}")
+}
+
+/// Compiles an HTTPRoute match. A match that cannot be compiled (a bad regular expression) is
+/// an error the caller reports; the rest of the route still serves.
+pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
+    let path = match &m.path {
+        None => PathMatch::Prefix(String::new()),
+        Some(p) => {
+            let value = p.value.as_deref().unwrap_or("/");
+            match p.r#type {
+                Some(HttpRouteRulesMatchesPathType::Exact) => PathMatch::Exact(value.to_string()),
+                Some(HttpRouteRulesMatchesPathType::RegularExpression) => {
+                    PathMatch::Regex(anchored(value).map_err(|e| bad_regex("path", e))?)
+                }
+                Some(HttpRouteRulesMatchesPathType::PathPrefix) | None => PathMatch::prefix(value),
+            }
+        }
+    };
+    let method = m.method.as_ref().map(|x| match x {
+        HttpRouteRulesMatchesMethod::Get => Method::GET,
+        HttpRouteRulesMatchesMethod::Head => Method::HEAD,
+        HttpRouteRulesMatchesMethod::Post => Method::POST,
+        HttpRouteRulesMatchesMethod::Put => Method::PUT,
+        HttpRouteRulesMatchesMethod::Delete => Method::DELETE,
+        HttpRouteRulesMatchesMethod::Connect => Method::CONNECT,
+        HttpRouteRulesMatchesMethod::Options => Method::OPTIONS,
+        HttpRouteRulesMatchesMethod::Trace => Method::TRACE,
+        HttpRouteRulesMatchesMethod::Patch => Method::PATCH,
+    });
+    let mut headers = Vec::new();
+    for h in m.headers.iter().flatten() {
+        let vm = match h.r#type {
+            Some(HttpRouteRulesMatchesHeadersType::RegularExpression) => ValueMatch::Regex(
+                anchored(&h.value).map_err(|e| bad_regex(&format!("header {}", h.name), e))?,
+            ),
+            _ => ValueMatch::Exact(h.value.clone()),
+        };
+        headers.push((header_name(&h.name)?, vm));
+    }
+    let mut query = Vec::new();
+    for q in m.query_params.iter().flatten() {
+        let vm = match q.r#type {
+            Some(HttpRouteRulesMatchesQueryParamsType::RegularExpression) => ValueMatch::Regex(
+                anchored(&q.value).map_err(|e| bad_regex(&format!("query {}", q.name), e))?,
+            ),
+            _ => ValueMatch::Exact(q.value.clone()),
+        };
+        query.push((q.name.clone(), vm));
+    }
+    Ok(Match {
+        path,
+        method,
+        headers,
+        query,
+    })
+}
+
+/// Compiles a GRPCRoute match into a path match on `/service/method` (gRPC is POST over h2).
+pub fn compile_grpc(m: &GrpcRouteRulesMatches) -> Result<Match, String> {
+    let path = match &m.method {
+        None => PathMatch::Prefix(String::new()),
+        Some(mm) => {
+            let (s, me) = (mm.service.as_deref(), mm.method.as_deref());
+            match mm.r#type {
+                Some(GrpcRouteRulesMatchesMethodType::RegularExpression) => {
+                    let re = format!("/{}/{}", s.unwrap_or("[^/]+"), me.unwrap_or("[^/]+"));
+                    PathMatch::Regex(anchored(&re).map_err(|e| bad_regex("method", e))?)
+                }
+                _ => match (s, me) {
+                    (Some(s), Some(me)) => PathMatch::Exact(format!("/{s}/{me}")),
+                    (Some(s), None) => PathMatch::prefix(&format!("/{s}")),
+                    (None, Some(me)) => PathMatch::Regex(
+                        anchored(&format!("/[^/]+/{}", regex::escape(me)))
+                            .map_err(|e| bad_regex("method", e))?,
+                    ),
+                    (None, None) => PathMatch::Prefix(String::new()),
+                },
+            }
+        }
+    };
+    let mut headers = Vec::new();
+    for h in m.headers.iter().flatten() {
+        let vm = match h.r#type {
+            Some(GrpcRouteRulesMatchesHeadersType::RegularExpression) => ValueMatch::Regex(
+                anchored(&h.value).map_err(|e| bad_regex(&format!("header {}", h.name), e))?,
+            ),
+            _ => ValueMatch::Exact(h.value.clone()),
+        };
+        headers.push((header_name(&h.name)?, vm));
+    }
+    Ok(Match {
+        path,
+        method: None,
+        headers,
+        query: Vec::new(),
+    })
+}
+
+/// How well a route's hostnames fit a request host; greater wins, `None` does not fit.
+/// (exact: 2, wildcard: 1, no hostnames: 0; then the number of characters.)
+pub type HostRank = (u8, usize);
+
+pub fn host_rank(hostnames: &[String], host: &str) -> Option<HostRank> {
+    if hostnames.is_empty() {
+        return Some((0, 0));
+    }
+    hostnames
+        .iter()
+        .filter_map(|h| {
+            if h.eq_ignore_ascii_case(host) {
+                Some((2, h.len()))
+            } else if let Some(suffix) = h.strip_prefix('*') {
+                // `*.example.com` matches `a.example.com` and `a.b.example.com`, not the apex.
+                (host.len() > suffix.len()
+                    && host
+                        .get(host.len() - suffix.len()..)
+                        .is_some_and(|tail| tail.eq_ignore_ascii_case(suffix)))
+                .then_some((1, h.len()))
+            } else {
+                None
+            }
+        })
+        .max()
+}
+
+/// One match of one rule of one route.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub route: usize,
+    pub rule: usize,
+    pub m: Match,
+}
+
+/// All matches of a listener's routes, best first.
+#[derive(Clone, Debug, Default)]
+pub struct Table {
+    /// Per route: its hostnames (as intersected with the listener's).
+    pub hostnames: Vec<Vec<String>>,
+    pub entries: Vec<Entry>,
+}
+
+impl Table {
+    pub fn new(hostnames: Vec<Vec<String>>, mut entries: Vec<Entry>) -> Table {
+        entries.sort_by_cached_key(|e| Reverse((e.m.rank(), Reverse(e.route), Reverse(e.rule))));
+        Table { hostnames, entries }
+    }
+
+    /// The winning entry for a request to `host`, if any.
+    pub fn find(&self, host: &str, req: &Request<'_>) -> Option<&Entry> {
+        let ranks: Vec<Option<HostRank>> =
+            self.hostnames.iter().map(|h| host_rank(h, host)).collect();
+        let mut levels: Vec<HostRank> = ranks.iter().flatten().copied().collect();
+        levels.sort_unstable_by(|a, b| b.cmp(a));
+        levels.dedup();
+        // Routes with the most specific hostname take precedence; less specific ones only
+        // serve what none of those match.
+        levels.into_iter().find_map(|level| {
+            self.entries
+                .iter()
+                .find(|e| ranks.get(e.route).copied().flatten() == Some(level) && e.m.matches(req))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req<'a>(
+        method: &'a Method,
+        path: &'a str,
+        query: Option<&'a str>,
+        h: &'a HeaderMap,
+    ) -> Request<'a> {
+        Request {
+            method,
+            path,
+            query,
+            headers: h,
+        }
+    }
+
+    fn m(path: PathMatch) -> Match {
+        Match {
+            path,
+            method: None,
+            headers: Vec::new(),
+            query: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn prefix_is_segment_wise() {
+        let p = PathMatch::prefix("/foo/");
+        assert!(p.matches("/foo"));
+        assert!(p.matches("/foo/"));
+        assert!(p.matches("/foo/bar"));
+        assert!(!p.matches("/foobar"));
+        assert!(PathMatch::prefix("/").matches("/anything"));
+    }
+
+    #[test]
+    fn precedence_order() {
+        let get = Method::GET;
+        let h = HeaderMap::new();
+        let mut with_method = m(PathMatch::prefix("/a"));
+        with_method.method = Some(Method::GET);
+        let mut with_header = m(PathMatch::prefix("/a"));
+        with_header
+            .headers
+            .push((HeaderName::from_static("x"), ValueMatch::Exact("1".into())));
+        assert!(m(PathMatch::Exact("/a".into())).rank() > m(PathMatch::prefix("/a/b/c")).rank());
+        assert!(m(PathMatch::prefix("/a/b")).rank() > m(PathMatch::prefix("/a")).rank());
+        assert!(with_method.rank() > with_header.rank());
+        assert!(with_header.rank() > m(PathMatch::prefix("/a")).rank());
+        // Older route wins a tie; earlier rule wins within a route.
+        let t = Table::new(
+            vec![vec![], vec![]],
+            vec![
+                Entry {
+                    route: 1,
+                    rule: 0,
+                    m: m(PathMatch::prefix("/")),
+                },
+                Entry {
+                    route: 0,
+                    rule: 1,
+                    m: m(PathMatch::prefix("/")),
+                },
+                Entry {
+                    route: 0,
+                    rule: 2,
+                    m: m(PathMatch::prefix("/")),
+                },
+            ],
+        );
+        let e = t
+            .find("h", &req(&get, "/x", None, &h))
+            .map(|e| (e.route, e.rule));
+        assert_eq!(e, Some((0, 1)));
+    }
+
+    #[test]
+    fn query_and_hosts() {
+        let get = Method::GET;
+        let h = HeaderMap::new();
+        let mut q = m(PathMatch::prefix("/"));
+        q.query.push(("a".into(), ValueMatch::Exact("b c".into())));
+        assert!(q.matches(&req(&get, "/", Some("x=1&a=b%20c&a=z"), &h)));
+        assert!(!q.matches(&req(&get, "/", Some("a=z&a=b%20c"), &h)));
+        assert_eq!(
+            host_rank(&["*.example.com".into()], "a.example.com"),
+            Some((1, 13))
+        );
+        assert_eq!(host_rank(&["*.example.com".into()], "example.com"), None);
+        assert_eq!(
+            host_rank(&["a.example.com".into()], "A.example.com"),
+            Some((2, 13))
+        );
+        assert_eq!(percent_decode("%zz%4"), "%zz%4");
+    }
+}

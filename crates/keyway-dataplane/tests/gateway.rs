@@ -1,0 +1,708 @@
+//! The gateway data plane through its API: plans compiled from YAML by the core, real HTTP
+//! clients and backends on 127.0.0.1. Listener isolation, precedence, filters, weights,
+//! timeouts, h2c, WebSocket upgrade, TLS passthrough, TCPRoute, in-place reload, bind failure.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{Backend, Ca, IO_TIMEOUT, dataplane, eventually, free_port, read_line};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use keyway_core::plan::Plan;
+use keyway_core::{ObjectState, Time, jiff, load_file, offline};
+use keyway_dataplane::DataPlane;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+fn compile(yaml: &str) -> Plan {
+    let files = vec![load_file("gw.yaml", yaml)];
+    let mut state = ObjectState::default();
+    let c = offline::compile(&files, &mut state, &Time(jiff::Timestamp::now()));
+    c.resolution.plan
+}
+
+/// A Service `name` whose EndpointSlice points at `addr`.
+fn service(name: &str, addr: SocketAddr) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"{}\"]}}]\nports: [{{port: {}}}]\n",
+        addr.ip(),
+        addr.port()
+    )
+}
+
+fn gateway(listeners: &str) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n{listeners}"
+    )
+}
+
+/// An HTTPRoute; `minute` orders creation (older wins ties).
+fn http_route(name: &str, minute: u32, section: &str, rules: &str) -> String {
+    let parent = if section.is_empty() {
+        "{name: gw}".to_string()
+    } else {
+        format!("{{name: gw, sectionName: {section}}}")
+    };
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {name}, creationTimestamp: \"2024-01-01T00:{minute:02}:00Z\"}}\nspec:\n  parentRefs: [{parent}]\n  rules:\n{rules}"
+    )
+}
+
+/// A rule that tags the request with `x-rule: <tag>` and sends it to Service `svc`.
+fn tagged(matches: &str, tag: &str, svc: &str) -> String {
+    format!(
+        "  - matches: {matches}\n    filters: [{{type: RequestHeaderModifier, requestHeaderModifier: {{set: [{{name: x-rule, value: {tag}}}]}}}}]\n    backendRefs: [{{name: {svc}, port: 80}}]\n"
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP backend and client
+
+/// An HTTP backend that answers with its name, the request line and every header, one per
+/// line. `/sleep` waits 2 s; an Upgrade request is accepted and echoed.
+async fn http_backend(name: &'static str) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let svc = service_fn(move |mut req: Request<Incoming>| async move {
+                    if req.headers().contains_key(hyper::header::UPGRADE) {
+                        let up = hyper::upgrade::on(&mut req);
+                        tokio::spawn(async move {
+                            if let Ok(u) = up.await {
+                                let mut u = TokioIo::new(u);
+                                let mut buf = [0u8; 1024];
+                                while let Ok(n) = u.read(&mut buf).await {
+                                    if n == 0 || u.write_all(&buf[..n]).await.is_err() {
+                                        break;
+                                    }
+                                }
+                            }
+                        });
+                        let mut r = Response::new(Full::new(Bytes::new()));
+                        *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+                        r.headers_mut()
+                            .insert("connection", "upgrade".parse().expect("hv"));
+                        r.headers_mut()
+                            .insert("upgrade", "echo".parse().expect("hv"));
+                        return Ok::<_, Infallible>(r);
+                    }
+                    if req.uri().path() == "/sleep" {
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                    }
+                    let mut body = format!(
+                        "backend={name}\nmethod={}\npath={}\n",
+                        req.method(),
+                        req.uri()
+                    );
+                    for (k, v) in req.headers() {
+                        body.push_str(&format!("h:{k}={}\n", v.to_str().unwrap_or("?")));
+                    }
+                    Ok(Response::new(Full::new(Bytes::from(body))))
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection_with_upgrades(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: hyper::HeaderMap,
+    body: String,
+}
+
+impl Reply {
+    /// A `key=value` line of the echoed request.
+    fn field(&self, key: &str) -> Option<&str> {
+        self.body
+            .lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.field(&format!("h:{name}"))
+    }
+}
+
+fn client() -> Client<HttpConnector, Empty<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+async fn send(
+    c: &Client<HttpConnector, Empty<Bytes>>,
+    port: u16,
+    method: &str,
+    host: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Reply {
+    let mut b = Request::builder()
+        .method(method)
+        .uri(format!("http://127.0.0.1:{port}{path}"))
+        .header("host", host);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let req = b.body(Empty::new()).expect("request");
+    let resp = tokio::time::timeout(IO_TIMEOUT, c.request(req))
+        .await
+        .expect("request timed out")
+        .expect("request failed");
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+async fn get(c: &Client<HttpConnector, Empty<Bytes>>, port: u16, host: &str, path: &str) -> Reply {
+    send(c, port, "GET", host, path, &[]).await
+}
+
+/// Applies `yaml` and waits until the gateway port answers.
+async fn start(yaml: &str, port: u16) -> Arc<DataPlane> {
+    let dp = dataplane();
+    dp.apply(&compile(yaml));
+    let up = eventually(Duration::from_secs(3), || async {
+        TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+    })
+    .await;
+    assert!(
+        up,
+        "gateway port {port} never opened: {:?}",
+        dp.observe().gateway_errors
+    );
+    dp
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listener_isolation_across_many_hostnames() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let mut listeners = String::new();
+    let mut yaml = service("svc", be);
+    for i in 0..30 {
+        listeners.push_str(&format!(
+            "  - {{name: h{i}, port: {port}, protocol: HTTP, hostname: h{i}.example.com}}\n"
+        ));
+        yaml.push_str(&http_route(
+            &format!("r{i}"),
+            1,
+            &format!("h{i}"),
+            &tagged(
+                &format!("[{{path: {{type: PathPrefix, value: /h{i}}}}}]"),
+                &format!("h{i}"),
+                "svc",
+            ),
+        ));
+    }
+    listeners.push_str(&format!(
+        "  - {{name: wild, port: {port}, protocol: HTTP, hostname: \"*.example.com\"}}\n  - {{name: any, port: {port}, protocol: HTTP}}\n"
+    ));
+    yaml.push_str(&gateway(&listeners));
+    yaml.push_str(&http_route("rw", 2, "wild", &tagged("[]", "wild", "svc")));
+    yaml.push_str(&http_route(
+        "ra",
+        2,
+        "any",
+        &tagged("[{path: {type: Exact, value: /only}}]", "any", "svc"),
+    ));
+    let _dp = start(&yaml, port).await;
+    let c = client();
+    for i in 0..30 {
+        let r = get(&c, port, &format!("h{i}.example.com"), &format!("/h{i}/x")).await;
+        assert_eq!(r.status, StatusCode::OK, "h{i}: {}", r.body);
+        assert_eq!(r.header("x-rule"), Some(format!("h{i}").as_str()));
+        // Isolation: the exact listener's routes only, even where the wildcard would match.
+        let r = get(&c, port, &format!("h{i}.example.com"), "/other").await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "h{i}/other: {}", r.body);
+    }
+    let r = get(&c, port, "zz.example.com:8080", "/anything").await;
+    assert_eq!(r.header("x-rule"), Some("wild"));
+    let r = get(&c, port, "other.org", "/only").await;
+    assert_eq!(r.header("x-rule"), Some("any"));
+    let r = get(&c, port, "other.org", "/nope").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn match_precedence() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let mut yaml = service("svc", be);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    let mut r1 = String::new();
+    r1.push_str(&tagged(
+        "[{path: {type: PathPrefix, value: /a}}]",
+        "prefix-a",
+        "svc",
+    ));
+    r1.push_str(&tagged(
+        "[{path: {type: PathPrefix, value: /a/b}}]",
+        "prefix-ab",
+        "svc",
+    ));
+    r1.push_str(&tagged(
+        "[{path: {type: Exact, value: /a/b}}]",
+        "exact",
+        "svc",
+    ));
+    yaml.push_str(&http_route("r1", 1, "", &r1));
+    let mut r2 = String::new();
+    r2.push_str(&tagged(
+        "[{path: {type: PathPrefix, value: /m}, queryParams: [{name: q, value: \"1\"}]}]",
+        "query",
+        "svc",
+    ));
+    r2.push_str(&tagged(
+        "[{path: {type: PathPrefix, value: /m}, headers: [{name: x-h, value: \"1\"}]}]",
+        "header",
+        "svc",
+    ));
+    r2.push_str(&tagged(
+        "[{path: {type: PathPrefix, value: /m}, method: POST}]",
+        "method",
+        "svc",
+    ));
+    r2.push_str(&tagged(
+        "[{path: {type: RegularExpression, value: \"/re/[0-9]+\"}}]",
+        "regex",
+        "svc",
+    ));
+    r2.push_str(&tagged("[{path: {type: PathPrefix, value: /h}, headers: [{name: x-v, type: RegularExpression, value: \"v[0-9]\"}]}]", "header-re", "svc"));
+    yaml.push_str(&http_route("r2", 2, "", &r2));
+    // Newer route with the same match as r1's first rule: r1 is older and wins.
+    yaml.push_str(&http_route(
+        "r3",
+        3,
+        "",
+        &tagged("[{path: {type: PathPrefix, value: /a}}]", "newer", "svc"),
+    ));
+    let _dp = start(&yaml, port).await;
+    let c = client();
+    let tag = |r: &Reply| r.header("x-rule").unwrap_or("404").to_string();
+    assert_eq!(tag(&get(&c, port, "x", "/a/b").await), "exact");
+    assert_eq!(tag(&get(&c, port, "x", "/a/b/c").await), "prefix-ab");
+    assert_eq!(tag(&get(&c, port, "x", "/a/x").await), "prefix-a");
+    assert_eq!(
+        get(&c, port, "x", "/ab").await.status,
+        StatusCode::NOT_FOUND
+    );
+    let hq = [("x-h", "1")];
+    assert_eq!(
+        tag(&send(&c, port, "POST", "x", "/m?q=1", &hq).await),
+        "method"
+    );
+    assert_eq!(
+        tag(&send(&c, port, "GET", "x", "/m?q=1", &hq).await),
+        "header"
+    );
+    assert_eq!(tag(&get(&c, port, "x", "/m?q=1").await), "query");
+    assert_eq!(
+        get(&c, port, "x", "/m?q=2").await.status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(tag(&get(&c, port, "x", "/re/123").await), "regex");
+    assert_eq!(
+        get(&c, port, "x", "/re/abc").await.status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        tag(&send(&c, port, "GET", "x", "/h", &[("x-v", "v7")]).await),
+        "header-re"
+    );
+    assert_eq!(
+        send(&c, port, "GET", "x", "/h", &[("x-v", "w7")])
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filters_redirects_rewrites_and_forwarded_headers() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let mut yaml = service("svc", be);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    let rules = "  - matches: [{path: {type: PathPrefix, value: /hdr}}]
+    filters:
+    - {type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-set, value: v}], add: [{name: x-add, value: w}], remove: [x-remove]}}
+    - {type: ResponseHeaderModifier, responseHeaderModifier: {set: [{name: x-resp, value: r}]}}
+    backendRefs: [{name: svc, port: 80}]
+  - matches: [{path: {type: PathPrefix, value: /redir}}]
+    filters: [{type: RequestRedirect, requestRedirect: {scheme: https, hostname: r.example, statusCode: 301}}]
+  - matches: [{path: {type: PathPrefix, value: /old}}]
+    filters: [{type: RequestRedirect, requestRedirect: {path: {type: ReplacePrefixMatch, replacePrefixMatch: /new}}}]
+  - matches: [{path: {type: PathPrefix, value: /full}}]
+    filters: [{type: URLRewrite, urlRewrite: {path: {type: ReplaceFullPath, replaceFullPath: /replaced}}}]
+    backendRefs: [{name: svc, port: 80}]
+  - matches: [{path: {type: PathPrefix, value: /pre}}]
+    filters: [{type: URLRewrite, urlRewrite: {hostname: rw.example, path: {type: ReplacePrefixMatch, replacePrefixMatch: /p2}}}]
+    backendRefs: [{name: svc, port: 80}]
+  - matches: [{path: {type: PathPrefix, value: /missing}}]
+    backendRefs: [{name: nosuch, port: 80}]
+";
+    yaml.push_str(&http_route("f", 1, "", rules));
+    let _dp = start(&yaml, port).await;
+    let c = client();
+    let r = send(
+        &c,
+        port,
+        "GET",
+        "h.example",
+        "/hdr",
+        &[
+            ("x-remove", "1"),
+            ("x-add", "u"),
+            ("x-forwarded-for", "10.0.0.1"),
+        ],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("x-set"), Some("v"));
+    assert!(
+        r.body.contains("h:x-add=u\n") && r.body.contains("h:x-add=w\n"),
+        "{}",
+        r.body
+    );
+    assert_eq!(r.header("x-remove"), None);
+    assert_eq!(r.header("x-forwarded-for"), Some("10.0.0.1, 127.0.0.1"));
+    assert_eq!(r.header("x-forwarded-proto"), Some("http"));
+    assert_eq!(r.header("host"), Some("h.example"));
+    assert_eq!(
+        r.headers.get("x-resp").map(|v| v.as_bytes()),
+        Some(&b"r"[..])
+    );
+
+    let r = get(&c, port, "h.example", "/redir/x?y=1").await;
+    assert_eq!(r.status, StatusCode::MOVED_PERMANENTLY);
+    assert_eq!(r.headers["location"], "https://r.example/redir/x?y=1");
+    let r = get(&c, port, "h.example", "/old/x").await;
+    assert_eq!(r.status, StatusCode::FOUND);
+    assert_eq!(
+        r.headers["location"],
+        format!("http://h.example:{port}/new/x")
+    );
+
+    let r = get(&c, port, "h.example", "/full/a?k=v").await;
+    assert_eq!(r.field("path"), Some("/replaced?k=v"));
+    let r = get(&c, port, "h.example", "/pre/x").await;
+    assert_eq!(r.field("path"), Some("/p2/x"));
+    assert_eq!(r.header("host"), Some("rw.example"));
+
+    // An unresolvable backend answers 500.
+    let r = get(&c, port, "h.example", "/missing").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weighted_backends_timeouts_h2c_and_upgrade() {
+    let a = http_backend("a").await;
+    let b = http_backend("b").await;
+    let port = free_port();
+    let mut yaml = service("sa", a);
+    yaml.push_str(&service("sb", b));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "w",
+        1,
+        "",
+        "  - matches: [{path: {type: PathPrefix, value: /w}}]\n    backendRefs: [{name: sa, port: 80, weight: 1}, {name: sb, port: 80, weight: 3}]\n  - matches: [{path: {type: Exact, value: /sleep}}]\n    timeouts: {request: 300ms}\n    backendRefs: [{name: sa, port: 80}]\n  - backendRefs: [{name: sa, port: 80}]\n",
+    ));
+    let dp = start(&yaml, port).await;
+    let c = client();
+    let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+    for _ in 0..400 {
+        let r = get(&c, port, "x", "/w").await;
+        *counts
+            .entry(r.field("backend").unwrap_or("?").to_string())
+            .or_default() += 1;
+    }
+    let share_b = f64::from(counts.get("b").copied().unwrap_or(0)) / 400.0;
+    assert!(
+        (0.65..=0.85).contains(&share_b),
+        "weights 1:3 gave {counts:?}"
+    );
+
+    let t = Instant::now();
+    let r = get(&c, port, "x", "/sleep").await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(t.elapsed() < Duration::from_millis(1500));
+
+    // Prior-knowledge HTTP/2 in cleartext.
+    let h2: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let r = get(&h2, port, "x", "/h2").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.field("path"), Some("/h2"));
+
+    // WebSocket-style upgrade passes through and echoes.
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        .await
+        .expect("write");
+    let head = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    s.write_all(b"ping\n").await.expect("write");
+    let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut s))
+        .await
+        .expect("echo")
+        .expect("read");
+    assert_eq!(line, "ping");
+
+    // Metrics per route.
+    let text = dp.metrics().encode();
+    assert!(
+        text.contains("keyway_gateway_requests_total{route=\"HTTPRoute/default/w\"}"),
+        "{text}"
+    );
+    assert!(text.contains("class=\"5xx\""), "{text}");
+}
+
+async fn read_head(s: &mut TcpStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(IO_TIMEOUT, s.read(&mut byte))
+            .await
+            .expect("head")
+            .expect("read");
+        if n == 0 {
+            break;
+        }
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_swaps_routes_without_rebinding() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let base = format!(
+        "{}{}",
+        service("svc", be),
+        gateway(&format!(
+            "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+        ))
+    );
+    let v1 = format!(
+        "{base}{}",
+        http_route(
+            "r",
+            1,
+            "",
+            &tagged("[{path: {type: PathPrefix, value: /one}}]", "one", "svc")
+        )
+    );
+    let dp = start(&v1, port).await;
+    // One keep-alive connection across the reload.
+    let s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake::<_, Empty<Bytes>>(TokioIo::new(s))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    let req = |p: &str| {
+        Request::get(p)
+            .header("host", "x")
+            .body(Empty::new())
+            .expect("req")
+    };
+    let r = sender.send_request(req("/one")).await.expect("one");
+    assert_eq!(r.status(), StatusCode::OK);
+    let _ = r.into_body().collect().await;
+    let v2 = format!(
+        "{v1}{}",
+        http_route(
+            "r2",
+            2,
+            "",
+            &tagged("[{path: {type: PathPrefix, value: /two}}]", "two", "svc")
+        )
+    );
+    dp.apply(&compile(&v2));
+    let r = sender
+        .send_request(req("/two"))
+        .await
+        .expect("two on the same connection");
+    assert_eq!(r.status(), StatusCode::OK);
+    let body = r.into_body().collect().await.expect("body").to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("h:x-rule=two"));
+    assert!(dp.observe().gateway_errors.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_failure_is_reported_then_recovers() {
+    let port = free_port();
+    let squatter = std::net::TcpListener::bind(("0.0.0.0", port)).expect("squat");
+    let be = http_backend("be").await;
+    let mut yaml = service("svc", be);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route("r", 1, "", &tagged("[]", "r", "svc")));
+    let dp = dataplane();
+    dp.apply(&compile(&yaml));
+    let reported = eventually(Duration::from_secs(3), || async {
+        dp.observe()
+            .gateway_errors
+            .iter()
+            .any(|e| e.listener == "web" && e.message.contains("cannot bind"))
+    })
+    .await;
+    assert!(reported, "{:?}", dp.observe().gateway_errors);
+    drop(squatter);
+    let recovered = eventually(Duration::from_secs(5), || async {
+        dp.observe().gateway_errors.is_empty()
+    })
+    .await;
+    assert!(recovered);
+    let r = get(&client(), port, "x", "/").await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+/// A TLS backend for passthrough: presents `leaf`, then greets with `name` and echoes.
+async fn tls_backend(name: &'static str, ca: &Ca, host: &str) -> SocketAddr {
+    let leaf = ca.leaf(&[host]);
+    let config = rustls::ServerConfig::builder_with_provider(common::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![common::cert(&leaf.cert_pem)],
+            common::private_key(&leaf.key_pem),
+        )
+        .expect("server config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                if let Ok(mut t) = acceptor.accept(s).await {
+                    let _ = t.write_all(format!("{name}\n").as_bytes()).await;
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = t.read(&mut buf).await {
+                        if n == 0 || t.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_passthrough_by_sni_and_tcp_route() {
+    let ca = Ca::new("test-ca");
+    let pa = tls_backend("pass-a", &ca, "a.pass.test").await;
+    let pb = tls_backend("pass-b", &ca, "b.pass.test").await;
+    let echo = Backend::start("tcp-echo").await;
+    let port = free_port();
+    let tport = free_port();
+    let mut yaml = service("sa", pa);
+    yaml.push_str(&service("sb", pb));
+    yaml.push_str(&service("se", echo.addr));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: pa, port: {port}, protocol: TLS, hostname: a.pass.test, tls: {{mode: Passthrough}}, allowedRoutes: {{kinds: [{{kind: TLSRoute}}]}}}}\n  - {{name: pw, port: {port}, protocol: TLS, hostname: \"*.pass.test\", tls: {{mode: Passthrough}}, allowedRoutes: {{kinds: [{{kind: TLSRoute}}]}}}}\n  - {{name: tcp, port: {tport}, protocol: TCP, allowedRoutes: {{kinds: [{{kind: TCPRoute}}]}}}}\n"
+    )));
+    for (name, section, svc) in [("ta", "pa", "sa"), ("tb", "pw", "sb")] {
+        yaml.push_str(&format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: TLSRoute\nmetadata: {{name: {name}}}\nspec:\n  parentRefs: [{{name: gw, sectionName: {section}}}]\n  hostnames: [\"{}\"]\n  rules: [{{backendRefs: [{{name: {svc}, port: 80}}]}}]\n",
+            if section == "pa" { "a.pass.test" } else { "*.pass.test" }
+        ));
+    }
+    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TCPRoute\nmetadata: {name: tcp}\nspec:\n  parentRefs: [{name: gw, sectionName: tcp}]\n  rules: [{backendRefs: [{name: se, port: 80}]}]\n");
+    let plan = compile(&yaml);
+    let dp = start(&yaml, port).await;
+    assert_eq!(
+        plan.gateways.gateways[0].ports.len(),
+        2,
+        "{:?}",
+        plan.gateways
+    );
+    let connector = common::tls_client(&ca, None);
+    for (sni, want) in [("a.pass.test", "pass-a"), ("b.pass.test", "pass-b")] {
+        let s = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let name = rustls::pki_types::ServerName::try_from(sni.to_string()).expect("name");
+        // The handshake verifies the backend's own certificate for `sni`: not terminated.
+        let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, s))
+            .await
+            .expect("handshake in time")
+            .expect("handshake with the backend");
+        let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut t))
+            .await
+            .expect("greeting")
+            .expect("read");
+        assert_eq!(line, want);
+    }
+    let (mut s, greeting) = common::hello(tport).await.expect("tcp route");
+    assert_eq!(greeting, "tcp-echo");
+    common::echo(&mut s, b"hello\n").await.expect("echo");
+    drop(dp);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_route_matches_service_and_method_over_h2() {
+    let be = http_backend("grpc").await;
+    let port = free_port();
+    let mut yaml = service("svc", be);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata: {name: g}\nspec:\n  parentRefs: [{name: gw}]\n  rules:\n  - matches: [{method: {service: demo.Echo, method: Hi}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: hi}]}}]\n    backendRefs: [{name: svc, port: 80}]\n  - matches: [{method: {service: demo.Echo}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: svc}]}}]\n    backendRefs: [{name: svc, port: 80}]\n");
+    let _dp = start(&yaml, port).await;
+    let h2: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let ct = [("content-type", "application/grpc"), ("te", "trailers")];
+    let r = send(&h2, port, "POST", "x", "/demo.Echo/Hi", &ct).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.header("x-rule"), Some("hi"));
+    let r = send(&h2, port, "POST", "x", "/demo.Echo/Other", &ct).await;
+    assert_eq!(r.header("x-rule"), Some("svc"));
+    let r = send(&h2, port, "POST", "x", "/other.Svc/Hi", &ct).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}

@@ -1,0 +1,415 @@
+//! `keyway run` serving Gateway API traffic: per-listener certificates chosen by SNI on a port
+//! shared by a Gateway and a ListenerSet (checked with `openssl s_client` and `curl`), listener
+//! isolation, an HTTPRoute whose backend is a MultiKeyListener failing over when the preferred
+//! connector's backend dies, and an unbindable port reported as `PortUnavailable`.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A keep-alive HTTP/1.1 backend answering `backend=<name>`. Dropping it closes the listening
+/// socket and every open connection, as a dying process would.
+struct HttpBackend {
+    port: u16,
+    stop: Arc<AtomicBool>,
+}
+
+impl HttpBackend {
+    fn start(name: &'static str) -> HttpBackend {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind backend");
+        let port = listener.local_addr().expect("addr").port();
+        listener.set_nonblocking(true).expect("nonblocking");
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        thread::spawn(move || {
+            while !flag.load(Ordering::Acquire) {
+                match listener.accept() {
+                    Ok((s, _)) => {
+                        let flag = flag.clone();
+                        thread::spawn(move || serve_http(s, name, &flag));
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        HttpBackend { port, stop }
+    }
+}
+
+fn serve_http(mut s: TcpStream, name: &str, stop: &AtomicBool) {
+    let _ = s.set_nonblocking(false);
+    let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !stop.load(Ordering::Acquire) {
+        match s.read(&mut chunk) {
+            Ok(0) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(_) => return,
+        }
+        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            buf.drain(..end + 4);
+            let body = format!("backend={name}\n");
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}",
+                body.len()
+            );
+            if s.write_all(resp.as_bytes()).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for HttpBackend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Let the accept loop and connection threads notice.
+        thread::sleep(Duration::from_millis(80));
+    }
+}
+
+struct Site {
+    child: Child,
+    admin: String,
+}
+
+impl Site {
+    fn start(dir: &Path, wait_ready: bool) -> Site {
+        let admin = format!("127.0.0.1:{}", free_port());
+        let log = std::fs::File::create(dir.join(".keyway.log")).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_keyway"))
+            .args(["run", "--config"])
+            .arg(dir)
+            .args(["--admin", &admin])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn keyway run");
+        let site = Site { child, admin };
+        if wait_ready {
+            site.wait_for("/readyz", |code, _| code == 200);
+        } else {
+            site.wait_for("/healthz", |code, _| code == 200);
+        }
+        site
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        let Ok(mut s) = TcpStream::connect(&self.admin) else {
+            return (0, String::new());
+        };
+        let _ = write!(s, "GET {path} HTTP/1.0\r\n\r\n");
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (code, body)
+    }
+
+    fn wait_for(&self, path: &str, ok: impl Fn(u16, &str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(8);
+        loop {
+            let (code, body) = self.get(path);
+            if ok(code, &body) {
+                return body;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting on {path}: {code} {body}"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("keyway-gw-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    dir
+}
+
+fn service(name: &str, port: u16) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"127.0.0.1\"]}}]\nports: [{{port: {port}}}]\n"
+    )
+}
+
+/// One plain HTTP/1.1 request on a fresh connection: (status, body).
+fn http_get(port: u16, host: &str, path: &str) -> (u16, String) {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    );
+    let mut raw = String::new();
+    let _ = s.read_to_string(&mut raw);
+    let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+struct Pki {
+    ca: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "gw-test-ca");
+        let key = KeyPair::generate().expect("key");
+        Pki {
+            ca: CertifiedIssuer::self_signed(params, key).expect("ca"),
+        }
+    }
+
+    /// A TLS Secret for `host` (CN and SAN).
+    fn secret(&self, name: &str, host: &str) -> String {
+        let mut params = CertificateParams::new(vec![host.to_string()]).expect("params");
+        params.distinguished_name.push(DnType::CommonName, host);
+        let key = KeyPair::generate().expect("key");
+        let cert = params.signed_by(&key, &self.ca).expect("sign");
+        let indent = |pem: &str| {
+            pem.lines()
+                .map(|l| format!("    {l}\n"))
+                .collect::<String>()
+        };
+        format!(
+            "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
+            indent(&cert.pem()),
+            indent(&key.serialize_pem())
+        )
+    }
+}
+
+#[test]
+fn sni_certificates_and_isolation_on_a_port_shared_with_a_listener_set() {
+    let dir = temp_dir("sni");
+    let pki = Pki::new();
+    let ca_file = dir.join(".ca.pem");
+    std::fs::write(&ca_file, pki.ca.pem()).expect("ca file");
+    let (a, b, w) = (
+        HttpBackend::start("A"),
+        HttpBackend::start("B"),
+        HttpBackend::start("W"),
+    );
+    let port = free_port();
+    let mut yaml = String::new();
+    yaml.push_str(&pki.secret("cert-a", "a.example.com"));
+    yaml.push_str(&pki.secret("cert-b", "b.example.com"));
+    yaml.push_str(&pki.secret("cert-w", "*.example.com"));
+    yaml.push_str(&service("svc-a", a.port));
+    yaml.push_str(&service("svc-b", b.port));
+    yaml.push_str(&service("svc-w", w.port));
+    yaml.push_str(&format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: Same}}}}\n  listeners:\n  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-a}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: ls}}\nspec:\n  parentRef: {{name: gw}}\n  listeners:\n  - {{name: b, port: {port}, protocol: HTTPS, hostname: b.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-b}}]}}}}\n  - {{name: w, port: {port}, protocol: HTTPS, hostname: \"*.example.com\", tls: {{mode: Terminate, certificateRefs: [{{name: cert-w}}]}}}}\n"
+    ));
+    for (route, parent, path, svc) in [
+        ("ra", "{name: gw}", "/", "svc-a"),
+        (
+            "rb",
+            "{group: gateway.networking.k8s.io, kind: ListenerSet, name: ls, sectionName: b}",
+            "/b",
+            "svc-b",
+        ),
+        (
+            "rw",
+            "{group: gateway.networking.k8s.io, kind: ListenerSet, name: ls, sectionName: w}",
+            "/",
+            "svc-w",
+        ),
+    ] {
+        yaml.push_str(&format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {route}}}\nspec:\n  parentRefs: [{parent}]\n  rules:\n  - matches: [{{path: {{type: PathPrefix, value: {path}}}}}]\n    backendRefs: [{{name: {svc}, port: 80}}]\n"
+        ));
+    }
+    std::fs::write(dir.join("gw.yaml"), yaml).expect("write config");
+    let site = Site::start(&dir, true);
+
+    // The certificate is the most specific listener's, by SNI.
+    for (sni, subject) in [
+        ("a.example.com", "a.example.com"),
+        ("b.example.com", "b.example.com"),
+        ("c.example.com", "*.example.com"),
+    ] {
+        let out = Command::new("openssl")
+            .args([
+                "s_client",
+                "-connect",
+                &format!("127.0.0.1:{port}"),
+                "-servername",
+                sni,
+            ])
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .expect("run openssl s_client");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("subject="))
+            .unwrap_or_default();
+        assert!(line.ends_with(subject), "SNI {sni}: {line:?}");
+    }
+
+    // Routes of the most specific listener only; curl verifies the certificate against the CA.
+    let curl = |host: &str, path: &str| -> String {
+        let out = Command::new("curl")
+            .args([
+                "-s",
+                "--max-time",
+                "5",
+                "--http2",
+                "-w",
+                " %{http_code} %{http_version}",
+            ])
+            .arg("--cacert")
+            .arg(&ca_file)
+            .args(["--resolve", &format!("{host}:{port}:127.0.0.1")])
+            .arg(format!("https://{host}:{port}{path}"))
+            .output()
+            .expect("run curl");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(curl("a.example.com", "/x"), "backend=A 200 2");
+    assert_eq!(curl("b.example.com", "/b/x"), "backend=B 200 2");
+    assert!(
+        curl("b.example.com", "/x").ends_with(" 404 2"),
+        "isolation: b's listener only"
+    );
+    assert_eq!(curl("c.example.com", "/x"), "backend=W 200 2");
+
+    // Plain HTTP to the TLS port gets a clear 400.
+    let (code, body) = http_get(port, "a.example.com", "/");
+    assert_eq!(code, 400, "{body}");
+
+    // Live status: every listener on the port programmed.
+    let status: serde_json::Value =
+        serde_json::from_str(&site.get("/status").1).expect("status json");
+    let items = status["items"].as_array().cloned().unwrap_or_default();
+    let ls = items
+        .iter()
+        .find(|i| i["kind"] == "ListenerSet")
+        .expect("ListenerSet in status");
+    for l in ls["status"]["listeners"].as_array().expect("listeners") {
+        let programmed = l["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "Programmed"))
+            .expect("Programmed");
+        assert_eq!(programmed["status"], "True", "{l}");
+    }
+}
+
+#[test]
+fn http_route_to_multi_key_listener_fails_over_when_the_preferred_backend_dies() {
+    let dir = temp_dir("mkl");
+    let one = HttpBackend::start("one");
+    let two = HttpBackend::start("two");
+    let (port, mkl_port) = (free_port(), free_port());
+    let mut yaml = String::new();
+    for (name, key, p) in [("c1", "k1", one.port), ("c2", "k2", two.port)] {
+        yaml.push_str(&format!(
+            "---\napiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata: {{name: {name}}}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {p}\n  settings: {{health-check-interval: 200ms, health-check-failures: \"2\"}}\n"
+        ));
+    }
+    yaml.push_str(&format!(
+        "---\napiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata: {{name: mkl}}\nspec:\n  host: 127.0.0.1\n  port: {mkl_port}\n  strategy: {{priorityFailover: {{routingKeys: [k1, k2]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners: [{{name: web, port: {port}, protocol: HTTP}}]\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: to-mkl}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules: [{{backendRefs: [{{group: skupper.io, kind: MultiKeyListener, name: mkl}}]}}]\n"
+    ));
+    std::fs::write(dir.join("gw.yaml"), yaml).expect("write config");
+    let _site = Site::start(&dir, true);
+    for _ in 0..5 {
+        assert_eq!(http_get(port, "x", "/"), (200, "backend=one\n".into()));
+    }
+    drop(one);
+    // Every request succeeds: a failed connect to the dead backend fails over at once.
+    let start = Instant::now();
+    let mut served_by_two = 0;
+    while served_by_two < 5 {
+        let (code, body) = http_get(port, "x", "/");
+        assert_eq!(code, 200, "request failed during failover: {body}");
+        if body == "backend=two\n" {
+            served_by_two += 1;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "never failed over"
+        );
+    }
+}
+
+#[test]
+fn unbindable_port_is_reported_as_port_unavailable() {
+    let dir = temp_dir("bind");
+    let port = free_port();
+    let _squatter = TcpListener::bind(("0.0.0.0", port)).expect("squat");
+    let be = HttpBackend::start("be");
+    let mut yaml = service("svc", be.port);
+    yaml.push_str(&format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners: [{{name: web, port: {port}, protocol: HTTP}}]\n"
+    ));
+    std::fs::write(dir.join("gw.yaml"), yaml).expect("write config");
+    let site = Site::start(&dir, false);
+    site.wait_for("/status", |_, body| {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        v["items"].as_array().into_iter().flatten().any(|i| {
+            i["kind"] == "Gateway"
+                && i["status"]["listeners"][0]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| {
+                        c["type"] == "Programmed"
+                            && c["status"] == "False"
+                            && c["reason"] == "PortUnavailable"
+                    })
+        })
+    });
+    let (code, body) = site.get("/readyz");
+    assert_ne!(code, 200, "{body}");
+}
