@@ -25,7 +25,7 @@ pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl D
                     // config dir as `.keyway-state`: neither may trigger a reload.
                     let relevant = events
                         .iter()
-                        .any(|e| e.paths.iter().any(|p| !is_hidden(&root, p)));
+                        .any(|e| e.paths.iter().any(|p| may_hold_manifests(&root, p)));
                     if relevant {
                         let _ = tx.send(());
                     }
@@ -40,6 +40,17 @@ pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl D
         )?;
     debouncer.watch(dir, RecursiveMode::Recursive)?;
     Ok(debouncer)
+}
+
+/// Whether a change at `path` can change what the loader reads: a manifest file, or a directory
+/// (created, removed or renamed with manifests inside). Logs and other files written next to the
+/// manifests must not cause reloads.
+fn may_hold_manifests(root: &Path, path: &Path) -> bool {
+    if is_hidden(root, path) {
+        return false;
+    }
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    keyway_core::load::is_manifest_file(name) || path.is_dir() || (!path.exists() && !name.contains('.'))
 }
 
 /// Whether `path` (under `root`) is a dot-file or inside a dot-directory.
