@@ -43,6 +43,24 @@ def wait_port(port, timeout=10):
             time.sleep(0.05)
     raise RuntimeError(f"port {port} did not open")
 
+# Process groups of each proxy under test, for CPU time per request (robust on a noisy machine:
+# the CPU a proxy spends per request does not depend on how much CPU others leave it).
+PGIDS = {}
+
+def group_cpu_secs(pgids):
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids:  # pgrp
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / os.sysconf("SC_CLK_TCK")
+
 class Procs:
     def __init__(self): self.procs = []
     def start(self, cmd, **kw):
@@ -98,7 +116,8 @@ def setup_linked(work, procs, keyway):
                             f"spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}\n")
         with open(f"{cfg}/site.yaml", "w") as f: f.write("---\n".join(docs))
         admin = 29902 if site == "a" else 29903
-        procs.start([keyway, "run", "--config", cfg, "--admin", f"127.0.0.1:{admin}"], env=dict(os.environ, RUST_LOG="warn"))
+        p = procs.start([keyway, "run", "--config", cfg, "--admin", f"127.0.0.1:{admin}"], env=dict(os.environ, RUST_LOG="warn"))
+        PGIDS.setdefault("linked", []).append(p.pid)
 # HTTP-terminating proxies in front of the same origin.
 HTTP_PATHS = {"keyway-gateway": 28094, "haproxy-http": 28095, "nginx-http": 28096}
 
@@ -118,13 +137,13 @@ def setup(work, procs):
         f.write("global\n  maxconn 8000\n  nbthread 1\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n")
         for name, (front, back) in (("http", (PATHS["haproxy"][0], PATHS["direct"][0])), ("iperf", (PATHS["haproxy"][1], PATHS["direct"][1]))):
             f.write(f"listen {name}\n  bind 127.0.0.1:{front}\n  server s1 127.0.0.1:{back}\n")
-    procs.start(["haproxy", "-f", f"{work}/haproxy.cfg"])
+    PGIDS["haproxy"] = [procs.start(["haproxy", "-f", f"{work}/haproxy.cfg"]).pid]
     # HAProxy, http mode, keep-alive to the origin.
     with open(f"{work}/haproxy-http.cfg", "w") as f:
         f.write("global\n  maxconn 8000\n  nbthread 1\ndefaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n"
                 "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
                 f"listen http\n  bind 127.0.0.1:{HTTP_PATHS['haproxy-http']}\n  server s1 127.0.0.1:{PATHS['direct'][0]}\n")
-    procs.start(["haproxy", "-f", f"{work}/haproxy-http.cfg"])
+    PGIDS["haproxy-http"] = [procs.start(["haproxy", "-f", f"{work}/haproxy-http.cfg"]).pid]
     # nginx as an HTTP reverse proxy with an upstream keep-alive pool.
     with open(f"{work}/proxy.conf", "w") as f:
         f.write(common.format(pid=f"{work}/proxy.pid", name="proxy") +
@@ -132,7 +151,7 @@ def setup(work, procs):
                 f"http {{ access_log off; upstream origin {{ server 127.0.0.1:{PATHS['direct'][0]}; keepalive 64; }}\n"
                 f"  server {{ listen 127.0.0.1:{HTTP_PATHS['nginx-http']} backlog=4096; keepalive_requests 1000000;\n"
                 "    location / { proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\"; } } }\n")
-    procs.start(["nginx", "-c", f"{work}/proxy.conf", "-e", f"{work}/proxy.err"])
+    PGIDS["nginx-http"] = [procs.start(["nginx", "-c", f"{work}/proxy.conf", "-e", f"{work}/proxy.err"]).pid]
     # nginx stream module.
     with open(f"{work}/stream.conf", "w") as f:
         f.write("load_module /usr/lib/nginx/modules/ngx_stream_module.so;\n" +
@@ -140,7 +159,7 @@ def setup(work, procs):
                 "events { worker_connections 20000; }\nstream {\n"
                 f"  server {{ listen 127.0.0.1:{PATHS['nginx'][0]} backlog=4096; proxy_pass 127.0.0.1:{PATHS['direct'][0]}; }}\n"
                 f"  server {{ listen 127.0.0.1:{PATHS['nginx'][1]}; proxy_pass 127.0.0.1:{PATHS['direct'][1]}; }}\n}}\n")
-    procs.start(["nginx", "-c", f"{work}/stream.conf", "-e", f"{work}/stream.err"])
+    PGIDS["nginx"] = [procs.start(["nginx", "-c", f"{work}/stream.conf", "-e", f"{work}/stream.err"]).pid]
     # keyway: a Listener + Connector per service.
     cfg = f"{work}/keyway.d"; os.makedirs(cfg, exist_ok=True)
     with open(f"{cfg}/bench.yaml", "w") as f:
@@ -185,7 +204,8 @@ endpoints: [{{addresses: ["127.0.0.1"]}}]
 ports: [{{port: {PATHS['direct'][0]}}}]
 """)
     keyway = os.path.join(ROOT, "target", "release", "keyway")
-    procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=dict(os.environ, RUST_LOG="warn"))
+    p = procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=dict(os.environ, RUST_LOG="warn"))
+    PGIDS["keyway"] = PGIDS["keyway-gateway"] = [p.pid]
     setup_linked(work, procs, keyway)
     for front, back in PATHS.values():
         wait_port(front); wait_port(back)
@@ -196,15 +216,23 @@ def iperf(port, secs):
     out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(secs), "-J"], capture_output=True, text=True, check=True).stdout
     return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9
 
-def wrk(port, secs, close):
+def wrk(port, secs, close, pgids=(), cpu_out=None):
+    """Requests/s, p99 ms and socket errors; appends the proxy's CPU µs per request to cpu_out."""
     cmd = ["wrk", "-t2", "-c50", f"-d{secs}s", "--latency"]
     if close: cmd += ["-H", "Connection: close"]
+    before = group_cpu_secs(pgids)
     out = subprocess.run(cmd + [f"http://127.0.0.1:{port}/index.html"], capture_output=True, text=True, check=True).stdout
+    if cpu_out is not None and pgids:
+        total = int(re.search(r"(\d+) requests in", out).group(1))
+        cpu_out.append((group_cpu_secs(pgids) - before) * 1e6 / max(total, 1))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
     p99 = float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
     errors = re.search(r"Socket errors: (.*)", out)
     return rps, p99, (errors.group(1) if errors else "")
+
+def fmt_cpu(v):
+    return "-" if v is None else f"{v:.1f}"
 
 def main():
     ap = argparse.ArgumentParser()
@@ -227,12 +255,15 @@ def main():
         for name, (http_port, iperf_port) in PATHS.items():
             if args.http_only or name not in only:
                 continue
-            t, ka, nc = [], [], []
+            t, ka, nc, ka_cpu, nc_cpu = [], [], [], [], []
+            pg = PGIDS.get(name, ())
             for _ in range(runs):
                 t.append(iperf(iperf_port, secs))
-                ka.append(wrk(http_port, secs, close=False))
-                nc.append(wrk(http_port, secs, close=True))
+                ka.append(wrk(http_port, secs, close=False, pgids=pg, cpu_out=ka_cpu))
+                nc.append(wrk(http_port, secs, close=True, pgids=pg, cpu_out=nc_cpu))
             results[name] = {
+                "ka_cpu": statistics.median(ka_cpu) if ka_cpu else None,
+                "nc_cpu": statistics.median(nc_cpu) if nc_cpu else None,
                 "gbps": statistics.median(t),
                 "ka_rps": statistics.median(r for r, _, _ in ka), "ka_p99": statistics.median(p for _, p, _ in ka),
                 "nc_rps": statistics.median(r for r, _, _ in nc), "nc_p99": statistics.median(p for _, p, _ in nc),
@@ -243,11 +274,13 @@ def main():
         # run so a noisy neighbour hits every path alike.
         l7 = {"direct": PATHS["direct"][0], **HTTP_PATHS}
         samples = {n: [] for n in l7}
+        cpu = {n: [] for n in l7}
         for _ in range(runs):
             for name, port in l7.items():
-                samples[name].append(wrk(port, secs, close=False))
+                samples[name].append(wrk(port, secs, close=False, pgids=PGIDS.get(name, ()), cpu_out=cpu[name]))
         for name, ka in samples.items():
             http[name] = {"rps": statistics.median(r for r, _, _ in ka), "p99": statistics.median(p for _, p, _ in ka),
+                          "cpu": statistics.median(cpu[name]) if cpu[name] else None,
                           "errors": "; ".join(e for _, _, e in ka if e)}
             print(name, json.dumps(http[name]), flush=True)
     finally:
@@ -255,18 +288,20 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
     lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s)", ""]
     if results:
-        lines += ["| path | 1 stream Gbit/s (x direct) | keep-alive req/s (x HAProxy) | p99 ms | new conn/s (x HAProxy) | p99 ms |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["CPU µs/req is the proxy's own CPU time per request (all its processes), which does not",
+                  "depend on how much CPU a noisy neighbour leaves: lower is better.", "",
+                  "| path | 1 stream Gbit/s (x direct) | keep-alive req/s (x HAProxy) | p99 ms | CPU µs/req | new conn/s (x HAProxy) | p99 ms | CPU µs/conn |",
+                  "|---|---|---|---|---|---|---|---|"]
     d, h = results.get("direct"), results.get("haproxy")
     for name, r in results.items():
         lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
-                     f"| {r['nc_rps']:.0f} ({r['nc_rps']/h['nc_rps']:.2f}x) | {r['nc_p99']:.2f} |")
+                     f"| {fmt_cpu(r['ka_cpu'])} | {r['nc_rps']:.0f} ({r['nc_rps']/h['nc_rps']:.2f}x) | {r['nc_p99']:.2f} | {fmt_cpu(r['nc_cpu'])} |")
     if http:
         hh = http["haproxy-http"]
         lines += ["", "HTTP proxies (L7, keep-alive to the origin; wrk -c50 keep-alive):", "",
-                  "| path | req/s (x HAProxy http) | p99 ms |", "|---|---|---|"]
+                  "| path | req/s (x HAProxy http) | p99 ms | CPU µs/req |", "|---|---|---|---|"]
         for name, r in http.items():
-            lines.append(f"| {name} | {r['rps']:.0f} ({r['rps']/hh['rps']:.2f}x) | {r['p99']:.2f} |")
+            lines.append(f"| {name} | {r['rps']:.0f} ({r['rps']/hh['rps']:.2f}x) | {r['p99']:.2f} | {fmt_cpu(r['cpu'])} |")
     errs = [f"- {n}: {r['errors']}" for n, r in list(results.items()) + list(http.items()) if r["errors"]]
     if errs: lines += ["", "Socket errors reported by wrk:", *errs]
     text = "\n".join(lines) + "\n"

@@ -49,8 +49,13 @@ fn may_hold_manifests(root: &Path, path: &Path) -> bool {
     if is_hidden(root, path) {
         return false;
     }
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-    keyway_core::load::is_manifest_file(name) || path.is_dir() || (!path.exists() && !name.contains('.'))
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    keyway_core::load::is_manifest_file(name)
+        || path.is_dir()
+        || (!path.exists() && !name.contains('.'))
 }
 
 /// Whether `path` (under `root`) is a dot-file or inside a dot-directory.
