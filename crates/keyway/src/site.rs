@@ -13,12 +13,32 @@ use keyway_core::gateway::{GatewayResolver, mark_port_unavailable};
 use keyway_core::load::ConfigError;
 use keyway_core::report::{self, Filter};
 use keyway_core::service_network::{self, Reachability, Resolution};
-use keyway_core::{Index, ObjectKey, ObjectState, Reconciled, reconcile};
+use keyway_core::{Index, Kind, ObjectKey, ObjectState, Reconciled, Resource, reconcile};
 use keyway_dataplane::DataPlane;
 use keyway_network::Network;
+use keyway_network::grant::{Credentials, GrantHandler, RedeemRequest, Refusal};
 use serde_json::Value;
 
+use crate::grants::{self, GrantBook, GrantContext, GrantFacts};
 use crate::{cli, source, state};
+
+/// Token redemptions arriving on the RouterAccess port, answered by the site.
+pub struct SiteGrants(pub std::sync::Weak<Site>);
+
+impl GrantHandler for SiteGrants {
+    fn redeem(
+        &self,
+        namespace: &str,
+        name: &str,
+        request: &RedeemRequest,
+    ) -> Result<Credentials, Refusal> {
+        let site = self
+            .0
+            .upgrade()
+            .ok_or_else(|| Refusal::new(503, "the site is shutting down"))?;
+        site.redeem(namespace, name, request)
+    }
+}
 
 /// Everything derived from the config in force.
 #[derive(Default)]
@@ -40,6 +60,8 @@ pub struct Site {
     pub network: Network,
     current: Mutex<Current>,
     applied: AtomicBool,
+    /// AccessGrant redemption counts (persisted in the state directory).
+    grants: GrantBook,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -55,6 +77,7 @@ impl Site {
         dataplane: Arc<DataPlane>,
     ) -> anyhow::Result<Self> {
         let objects = state::load(&state_dir)?;
+        let grants = GrantBook::load(&state_dir)?;
         let network = Network::new(dataplane.clone());
         Ok(Site {
             config,
@@ -66,6 +89,7 @@ impl Site {
                 ..Current::default()
             }),
             applied: AtomicBool::new(false),
+            grants,
         })
     }
 
@@ -146,6 +170,14 @@ impl Site {
         let now = cli::now();
         let mut statuses =
             service_network::statuses(&current.index, &current.resolution, &reach, &now);
+        statuses.extend(grants::grant_statuses(
+            &GrantContext {
+                index: &current.index,
+                router_access: current.resolution.plan.router_access.as_ref(),
+                now: &now,
+            },
+            &self.grants,
+        ));
         let gw = current.gateway.resolution();
         statuses.extend(gw.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
         // What the data plane saw overrides what the resolver expected: a listener on a port
@@ -173,6 +205,55 @@ impl Site {
             .collect();
         list["metadata"] = serde_json::json!({ "configErrors": errors });
         list
+    }
+
+    /// Answers a token redemption for AccessGrant `ns/name` (SPEC §3.2): checks the code, expiry
+    /// and remaining redemptions, issues a client certificate for the redeeming site, and counts
+    /// the redemption. Messages never carry the code or key material.
+    pub fn redeem(
+        &self,
+        ns: &str,
+        name: &str,
+        request: &RedeemRequest,
+    ) -> Result<Credentials, Refusal> {
+        let (facts, ca, ra_ca, port, site_name) = {
+            let current = lock(&self.current);
+            let key = ObjectKey::new(Kind::AccessGrant, ns, name);
+            let Some(Resource::AccessGrant(grant)) = current.index.get(&key).map(|o| &o.resource)
+            else {
+                return Err(Refusal::new(
+                    404,
+                    format!("no AccessGrant {ns}/{name} at this site"),
+                ));
+            };
+            let facts = GrantFacts::of(&key, grant)
+                .ok_or_else(|| Refusal::new(404, format!("AccessGrant {ns}/{name} has no code")))?;
+            let Some(ra) = current.resolution.plan.router_access.as_ref() else {
+                return Err(Refusal::new(503, "this site has no RouterAccess"));
+            };
+            let ca = grants::issuing_ca(&current.index, &ra.id, grant.spec.issuer.as_deref());
+            let ra_ca = grants::router_access_ca(&current.index, &ra.id);
+            (
+                facts,
+                ca,
+                ra_ca,
+                ra.port,
+                current.resolution.plan.site_name.clone(),
+            )
+        };
+        let now = cli::now().0;
+        self.grants.redeem(&facts, &request.code, now, || {
+            let ca = ca?;
+            let ra_ca = ra_ca.ok_or("the RouterAccess Secret has no ca.crt")?;
+            let (cert, key) = grants::issue_client_cert(&ca, &request.site, now)?;
+            Ok(Credentials {
+                site: site_name,
+                port,
+                cert,
+                key,
+                ca: ra_ca,
+            })
+        })
     }
 
     /// The plan the data plane runs (SPEC §6 `/config`).
