@@ -302,3 +302,44 @@ fn issue_without_a_ca_key_says_how_to_fix_it() {
     assert!(text(&out).contains("RouterAccess"), "{}", text(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The RouterAccess port accepts TLS without a client certificate only for redemptions: a link
+/// protocol on such a connection is closed before anything is read, and no link comes up.
+#[test]
+fn link_protocols_without_a_client_certificate_are_refused() {
+    use std::io::{Read, Write};
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, port) = west(&ca, &backend);
+    let roots = keyway_core::tls::parse_certificates(ca.pem().as_bytes()).expect("ca");
+    for alpn in [&b"keyway-link/1"[..], &b"keyway-link-reverse/1"[..]] {
+        let config = keyway_dataplane::tls::grant_client_config(&roots, alpn).expect("config");
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+        let conn = rustls::ClientConnection::new(config, name).expect("conn");
+        let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        tcp.set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        let mut tls = rustls::StreamOwned::new(conn, tcp);
+        // The HTTP/2 preface: a link peer would answer with its SETTINGS.
+        let _ =
+            tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00");
+        let mut buf = [0u8; 64];
+        let started = std::time::Instant::now();
+        // EOF or an error (reset, alert) within the read timeout: the site closed it.
+        let n = tls.read(&mut buf).unwrap_or(0);
+        assert_eq!(n, 0, "the site answered an unauthenticated link connection");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the connection was left open"
+        );
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || west
+            .log()
+            .contains("link refused: no client certificate")),
+        "{}",
+        west.log()
+    );
+    assert_eq!(west.sites_in_network(), 1);
+}
