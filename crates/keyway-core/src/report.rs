@@ -158,7 +158,19 @@ fn columns_for(kind: &str) -> Vec<Column> {
             ("STATUS", |v| s(&v["status"]["status"])),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
-        "RouterAccess" | "AccessGrant" | "AccessToken" => {
+        "AccessGrant" => vec![
+            ("REDEMPTIONS", |v| {
+                format!(
+                    "{}/{}",
+                    v["status"]["redemptions"].as_i64().unwrap_or(0),
+                    v["spec"]["redemptionsAllowed"].as_i64().unwrap_or(1)
+                )
+            }),
+            ("EXPIRES", |v| s(&v["status"]["expirationTime"])),
+            ("STATUS", |v| s(&v["status"]["status"])),
+            ("MESSAGE", |v| s(&v["status"]["message"])),
+        ],
+        "RouterAccess" | "AccessToken" => {
             vec![
                 ("STATUS", |v| s(&v["status"]["status"])),
                 ("MESSAGE", |v| s(&v["status"]["message"])),

@@ -284,11 +284,23 @@ fn status(
         print_items(items, output)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let compiled = compile_dir(config)?;
+    let mut compiled = compile_dir(config)?;
     let errors = compiled.errors();
     for e in &errors {
         eprintln!("error: {e}");
     }
+    // AccessGrant redemption counts live in the state directory.
+    let book = grants::GrantBook::load(&default_state_dir(config))?;
+    let now = now();
+    let grant_statuses = grants::grant_statuses(
+        &grants::GrantContext {
+            index: &compiled.index,
+            router_access: compiled.resolution.plan.router_access.as_ref(),
+            now: &now,
+        },
+        &book,
+    );
+    compiled.statuses.extend(grant_statuses);
     let items = report::objects(&compiled.index, &compiled.statuses, &filter);
     print_items(items, output)?;
     Ok(if errors.is_empty() {
