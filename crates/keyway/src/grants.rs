@@ -574,3 +574,37 @@ mod tests {
         assert!(e.contains("does the CA key belong"), "{e}");
     }
 }
+
+/// What a running site knows of an AccessToken it is redeeming (redeemed ones have their Link).
+#[derive(Clone, Debug, Default)]
+pub struct TokenAttempt {
+    /// Digest of the code this attempt is for: an edited token is tried afresh.
+    pub code: [u8; 32],
+    pub in_flight: bool,
+    /// Why the last attempt failed.
+    pub error: Option<String>,
+    /// A refusal (bad code, expired, used up, wrong CA): not retried until the token changes.
+    pub permanent: bool,
+    /// Redeemed; the Link appears with the next reload.
+    pub done: bool,
+}
+
+/// AccessToken status: `redeemed` once the Link named after it exists.
+pub fn token_status(
+    generation: i64,
+    redeemed: bool,
+    attempt: Option<&TokenAttempt>,
+    now: &Time,
+) -> Value {
+    let cond = if redeemed {
+        Cond::ready("Redeemed")
+    } else {
+        match attempt.and_then(|a| a.error.as_deref()) {
+            Some(e) => Cond::error("Redeemed", e),
+            None => Cond::pending("Redeemed", "Redeeming"),
+        }
+    };
+    let mut v = ready_from(vec![cond], generation, now);
+    v["redeemed"] = json!(redeemed);
+    v
+}

@@ -245,17 +245,7 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
             return fail(code, e);
         }
     };
-    let cost = token.spec.link_cost.filter(|c| *c > 0).unwrap_or(1);
-    let manifest = format!(
-        "# Link to site {remote}, from redeeming {token_url}\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: {name}\nspec:\n  tlsCredentials: {name}\n  cost: {cost}\n  endpoints:\n  - name: inter-router\n    host: {host}\n    port: \"{port}\"\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{crt}  tls.key: |\n{key}  ca.crt: |\n{ca}",
-        remote = creds.site,
-        token_url = token.spec.url,
-        host = url.host,
-        port = creds.port,
-        crt = indent(&creds.cert),
-        key = indent(&creds.key),
-        ca = indent(&creds.ca),
-    );
+    let manifest = link_manifest(namespace, &name, &token, &url.host, &creds);
     let path = config.join(format!("link-{name}.yaml"));
     write_private(&path, &manifest)?;
     eprintln!(
@@ -264,6 +254,27 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         path.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The Link (named `name`, dialing the token url's host at the granting site's inter-router
+/// port, cost from `linkCost`) and its Secret (same name) holding the issued credentials.
+pub fn link_manifest(
+    namespace: &str,
+    name: &str,
+    token: &AccessToken,
+    host: &str,
+    creds: &grant::Credentials,
+) -> String {
+    let cost = token.spec.link_cost.filter(|c| *c > 0).unwrap_or(1);
+    format!(
+        "# Link to site {remote}, from redeeming {token_url}\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: {name}\n  namespace: {namespace}\nspec:\n  tlsCredentials: {name}\n  cost: {cost}\n  endpoints:\n  - name: inter-router\n    host: {host}\n    port: \"{port}\"\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{crt}  tls.key: |\n{key}  ca.crt: |\n{ca}",
+        remote = creds.site,
+        token_url = token.spec.url,
+        port = creds.port,
+        crt = indent(&creds.cert),
+        key = indent(&creds.key),
+        ca = indent(&creds.ca),
+    )
 }
 
 fn indent(pem: &str) -> String {
@@ -286,7 +297,7 @@ fn random_bytes(n: usize) -> Result<Vec<u8>> {
 
 /// Writes a file readable by its owner only (it holds a code or a private key): a dot-file
 /// first (the config watcher and loader skip those), then renamed into place.
-fn write_private(path: &Path, text: &str) -> Result<()> {
+pub fn write_private(path: &Path, text: &str) -> Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

@@ -343,3 +343,50 @@ fn link_protocols_without_a_client_certificate_are_refused() {
     );
     assert_eq!(west.sites_in_network(), 1);
 }
+
+/// An AccessToken dropped into a running site's config dir is redeemed by the site itself (as
+/// Skupper does): the Link appears, traffic flows, the token's status says `redeemed`. A token
+/// that is refused says why in its status.
+#[test]
+fn a_running_site_redeems_tokens_in_its_config_dir() {
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, _port) = west(&ca, &backend);
+    let listen = free_port();
+    let east = SiteProc::start(
+        "east",
+        &[site_yaml("east"), listener_yaml("db", "db", listen)],
+    );
+    let token = issue(&west, "auto", &[]);
+    let original = std::fs::read_to_string(&token).expect("token");
+    let code = code_of(&token);
+    write_file(
+        &east.config_dir(),
+        "bad-token.yaml",
+        &original
+            .replace("name: auto", "name: bad")
+            .replace(&code, "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"),
+    );
+    write_file(&east.config_dir(), "token.yaml", &original);
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-west")),
+        "no traffic after auto-redemption: {:?}\neast log:\n{}",
+        who(listen),
+        east.log()
+    );
+    let status = east.status_of("AccessToken", "auto").expect("token status");
+    assert_eq!(status["redeemed"], true, "{status}");
+    assert!(eventually(Duration::from_secs(5), || east
+        .status_of("AccessToken", "bad")
+        .is_some_and(|s| s["status"] == "Error"
+            && s["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("wrong code")))));
+    assert_eq!(
+        east.status_of("AccessToken", "bad").expect("bad")["redeemed"],
+        false
+    );
+    assert!(!east.log().contains(&code) && !west.log().contains(&code));
+}
