@@ -163,6 +163,11 @@ fn issue_then_redeem_links_the_sites_and_carries_traffic() {
     assert!(text(&out).contains("redeemed 1 of 1"), "{}", text(&out));
     assert!(!again.join("link-to-west.yaml").exists());
 
+    for status in [west.get("/status"), east.get("/status")] {
+        let status = status.expect("status");
+        assert!(!status.contains(&code), "/status shows the code");
+        assert!(!status.contains("PRIVATE KEY"), "/status shows a key");
+    }
     for log in [west.log(), east.log()] {
         assert!(!log.contains(&code), "a log holds the code");
         assert!(!log.contains("PRIVATE KEY"), "a log holds a key");
