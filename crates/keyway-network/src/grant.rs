@@ -194,6 +194,29 @@ fn parse_path(path: &str) -> Option<(String, String)> {
     (ok(ns) && ok(name)).then(|| (ns.to_string(), name.to_string()))
 }
 
+/// A site name as the control protocol accepts it, restricted to DNS-style characters.
+pub fn is_site_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+}
+
+/// What the redeemer writes into its config dir must be what it claims to be.
+fn check_credentials(c: &Credentials) -> Result<(), String> {
+    use keyway_core::tls::{parse_certificates, parse_private_key};
+    if !is_site_name(&c.site) {
+        return Err("site is not a DNS-style name".into());
+    }
+    if c.port == 0 {
+        return Err("port 0".into());
+    }
+    parse_certificates(c.cert.as_bytes()).map_err(|e| format!("cert: {e}"))?;
+    parse_private_key(c.key.as_bytes()).map_err(|e| format!("key: {e}"))?;
+    parse_certificates(c.ca.as_bytes()).map_err(|e| format!("ca: {e}"))?;
+    Ok(())
+}
+
 /// Serves redemptions on one accepted connection (ALPN [`ALPN_GRANT`]).
 pub(crate) async fn serve<S>(handler: Arc<dyn GrantHandler>, io: S) -> Result<(), crate::NetError>
 where
@@ -259,6 +282,10 @@ async fn handle(
         .map_err(|e| Refusal::new(400, e))?;
     let request: RedeemRequest = serde_json::from_slice(&body)
         .map_err(|e| Refusal::new(400, format!("malformed redemption request: {e}")))?;
+    // The name goes into a certificate and the log: a DNS-style name only.
+    if !is_site_name(&request.site) {
+        return Err(Refusal::new(400, "site must be a DNS-style name"));
+    }
     tracing::info!(grant = %format!("{namespace}/{name}"), site = %request.site, "token redemption");
     tokio::task::spawn_blocking(move || handler.redeem(&namespace, &name, &request))
         .await
@@ -355,8 +382,10 @@ pub async fn redeem(
                 message,
             });
         }
-        serde_json::from_slice::<Credentials>(&body)
-            .map_err(|e| protocol(format!("malformed answer: {e}")))
+        let creds = serde_json::from_slice::<Credentials>(&body)
+            .map_err(|e| protocol(format!("malformed answer: {e}")))?;
+        check_credentials(&creds).map_err(|e| protocol(format!("malformed answer: {e}")))?;
+        Ok(creds)
     };
     tokio::time::timeout(TIMEOUT, exchange)
         .await
