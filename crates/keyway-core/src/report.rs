@@ -43,7 +43,8 @@ impl Filter {
 }
 
 /// Every object in force (filtered) as `{apiVersion, kind, metadata, spec, status}`, in kind order.
-/// Secret values are never shown: each is replaced by its size.
+/// Secret values are never shown: each is replaced by its size; AccessGrant and AccessToken codes
+/// are redacted.
 pub fn objects(
     index: &Index,
     statuses: &BTreeMap<ObjectKey, Value>,
@@ -57,6 +58,13 @@ pub fn objects(
             map.insert("kind".into(), json!(obj.written_kind));
             if obj.key.kind == Kind::Secret {
                 redact_secret(map);
+            }
+            // A grant's or token's code is as secret as a key: whoever holds it can link in.
+            if matches!(obj.key.kind, Kind::AccessGrant | Kind::AccessToken)
+                && let Some(Value::Object(spec)) = map.get_mut("spec")
+                && spec.contains_key("code")
+            {
+                spec.insert("code".into(), json!("<redacted>"));
             }
             map.remove("status");
             if let Some(s) = statuses.get(&obj.key) {
@@ -158,7 +166,19 @@ fn columns_for(kind: &str) -> Vec<Column> {
             ("STATUS", |v| s(&v["status"]["status"])),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
-        "RouterAccess" | "AccessGrant" | "AccessToken" => {
+        "AccessGrant" => vec![
+            ("REDEMPTIONS", |v| {
+                format!(
+                    "{}/{}",
+                    v["status"]["redemptions"].as_i64().unwrap_or(0),
+                    v["spec"]["redemptionsAllowed"].as_i64().unwrap_or(1)
+                )
+            }),
+            ("EXPIRES", |v| s(&v["status"]["expirationTime"])),
+            ("STATUS", |v| s(&v["status"]["status"])),
+            ("MESSAGE", |v| s(&v["status"]["message"])),
+        ],
+        "RouterAccess" | "AccessToken" => {
             vec![
                 ("STATUS", |v| s(&v["status"]["status"])),
                 ("MESSAGE", |v| s(&v["status"]["message"])),

@@ -238,6 +238,18 @@ pub fn link_server_config(
     material: &keyway_core::tls::TlsMaterial,
     alpn: &[&[u8]],
 ) -> Result<Arc<ServerConfig>, TlsError> {
+    access_server_config(material, alpn, false)
+}
+
+/// The RouterAccess port's server config. With `optional_client_cert`, a client that presents no
+/// certificate still completes the handshake (one that presents a certificate must chain to
+/// `ca.crt`); the caller must then refuse every protocol but token redemption to a connection
+/// without a verified peer certificate (see `keyway-network`'s accept loop).
+pub fn access_server_config(
+    material: &keyway_core::tls::TlsMaterial,
+    alpn: &[&[u8]],
+    optional_client_cert: bool,
+) -> Result<Arc<ServerConfig>, TlsError> {
     let m = material;
     let err = |source| TlsError::Rustls {
         secret: m.secret.clone(),
@@ -251,13 +263,15 @@ pub fn link_server_config(
             message: "no tls.key".into(),
         })?
         .to_key();
-    let verifier =
-        WebPkiClientVerifier::builder_with_provider(Arc::new(roots(&m.secret, &m.ca)?), provider())
-            .build()
-            .map_err(|e| TlsError::Material {
-                secret: m.secret.clone(),
-                message: e.to_string(),
-            })?;
+    let mut verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots(&m.secret, &m.ca)?), provider());
+    if optional_client_cert {
+        verifier = verifier.allow_unauthenticated();
+    }
+    let verifier = verifier.build().map_err(|e| TlsError::Material {
+        secret: m.secret.clone(),
+        message: e.to_string(),
+    })?;
     let mut config = ServerConfig::builder_with_provider(link_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(err)?
@@ -307,6 +321,36 @@ pub fn link_client_config(
         .with_custom_certificate_verifier(Arc::new(ChainOnly(webpki)))
         .with_client_auth_cert(m.cert_chain.clone(), key)
         .map_err(err)?;
+    config.alpn_protocols = vec![alpn.to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The redeeming side of a token (no client certificate): TLS 1.3 only, and the granting site's
+/// chain must verify against `ca` (the token's `ca`). As for links, only the chain is checked,
+/// not the name.
+pub fn grant_client_config(
+    ca: &[CertificateDer<'static>],
+    alpn: &[u8],
+) -> Result<Arc<ClientConfig>, TlsError> {
+    let secret = "AccessToken ca";
+    let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        Arc::new(roots(secret, ca)?),
+        provider(),
+    )
+    .build()
+    .map_err(|e| TlsError::Material {
+        secret: secret.into(),
+        message: e.to_string(),
+    })?;
+    let mut config = ClientConfig::builder_with_provider(link_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|source| TlsError::Rustls {
+            secret: secret.into(),
+            source,
+        })?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(ChainOnly(webpki)))
+        .with_no_client_auth();
     config.alpn_protocols = vec![alpn.to_vec()];
     Ok(Arc::new(config))
 }

@@ -558,6 +558,8 @@ async fn reload_swaps_routes_without_rebinding() {
         )
     );
     dp.apply(&compile(&v2));
+    // HTTP/1: the connection is reusable only once hyper has seen the first response end.
+    sender.ready().await.expect("connection ready again");
     let r = sender
         .send_request(req("/two"))
         .await

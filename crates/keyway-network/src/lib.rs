@@ -8,6 +8,7 @@
 //! connections: on one the dialing site is the HTTP/2 client, on the other (told apart by ALPN)
 //! the accepting site is. Each site opens streams only on connections where it is the client.
 
+pub mod grant;
 pub mod graph;
 pub mod protocol;
 mod session;
@@ -104,6 +105,8 @@ pub(crate) struct Inner {
     state: Mutex<State>,
     next_conn: AtomicU64,
     runtime: tokio::runtime::Handle,
+    /// Answers token redemptions on the RouterAccess port (none: redemptions are refused).
+    grants: Mutex<Option<Arc<dyn grant::GrantHandler>>>,
 }
 
 /// Aborts a task when dropped, so replacing or removing a Link or RouterAccess stops its
@@ -169,6 +172,7 @@ impl Network {
             }),
             next_conn: AtomicU64::new(1),
             runtime: tokio::runtime::Handle::current(),
+            grants: Mutex::new(None),
         });
         dataplane.set_remote_dialer(Arc::new(Dialer(Arc::downgrade(&inner))));
         let refresher = AbortOnDrop(tokio::spawn(refresh_loop(Arc::downgrade(&inner))));
@@ -176,6 +180,11 @@ impl Network {
             inner,
             _refresher: refresher,
         }
+    }
+
+    /// Who answers token redemptions arriving on the RouterAccess port.
+    pub fn set_grant_handler(&self, handler: Arc<dyn grant::GrantHandler>) {
+        *lock(&self.inner.grants) = Some(handler);
     }
 
     /// Runs the plan's site name, RouterAccess and Links; unchanged ones keep their connections.
@@ -452,6 +461,10 @@ impl Inner {
         if let Some(ls) = st.link_state.get_mut(link) {
             ls.error = Some(why);
         }
+    }
+
+    fn grant_handler(&self) -> Option<Arc<dyn grant::GrantHandler>> {
+        lock(&self.grants).clone()
     }
 
     fn site(&self) -> String {

@@ -18,6 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use crate::grant::{self, ALPN_GRANT};
 use crate::protocol::{Decoder, Message, VERSION};
 use crate::stream::H2Stream;
 use crate::{
@@ -44,8 +45,12 @@ pub(crate) fn start_access(
     inner: &Arc<Inner>,
     ra: &RouterAccessPlan,
 ) -> Result<AbortOnDrop, NetError> {
-    let config = tls::link_server_config(&ra.tls, &[ALPN_FORWARD, ALPN_REVERSE])
-        .map_err(|e| NetError::Tls(e.to_string()))?;
+    // A client certificate is optional at the TLS layer only so that a site without credentials
+    // can redeem a token (ALPN keyway-grant/1); `accepted_role` refuses every link protocol on a
+    // connection without a verified client certificate.
+    let config =
+        tls::access_server_config(&ra.tls, &[ALPN_FORWARD, ALPN_REVERSE, ALPN_GRANT], true)
+            .map_err(|e| NetError::Tls(e.to_string()))?;
     let std_listener =
         std::net::TcpListener::bind((ra.bind_host.as_str(), ra.port)).map_err(|e| {
             NetError::Peer(format!(
@@ -92,11 +97,22 @@ pub(crate) fn start_access(
                         return;
                     }
                 };
-                let forward = match tls.get_ref().1.alpn_protocol() {
-                    Some(p) if p == ALPN_FORWARD => true,
-                    Some(p) if p == ALPN_REVERSE => false,
-                    _ => {
-                        tracing::warn!(%peer, "link refused: no keyway ALPN protocol");
+                let session = tls.get_ref().1;
+                let authenticated = session.peer_certificates().is_some_and(|c| !c.is_empty());
+                let forward = match accepted_role(session.alpn_protocol(), authenticated) {
+                    Ok(Role::Link { forward }) => forward,
+                    Ok(Role::Grant) => {
+                        let Some(handler) = inner.grant_handler() else {
+                            tracing::warn!(%peer, "token redemption refused: no grant handler");
+                            return;
+                        };
+                        if let Err(e) = grant::serve(handler, tls).await {
+                            tracing::warn!(%peer, "token redemption connection: {e}");
+                        }
+                        return;
+                    }
+                    Err(why) => {
+                        tracing::warn!(%peer, "link refused: {why}");
                         return;
                     }
                 };
@@ -109,6 +125,34 @@ pub(crate) fn start_access(
         }
     });
     Ok(AbortOnDrop(task))
+}
+
+/// What an accepted connection on the RouterAccess port may do.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// A link connection; `forward`: the dialer is the HTTP/2 client.
+    Link { forward: bool },
+    /// A token redemption (no routing key is ever reachable from it).
+    Grant,
+}
+
+/// Decides from the negotiated ALPN and whether the peer presented a certificate that chains to
+/// the RouterAccess CA. Link protocols require that certificate: nothing unauthenticated
+/// reaches a routing key.
+pub(crate) fn accepted_role(
+    alpn: Option<&[u8]>,
+    authenticated: bool,
+) -> Result<Role, &'static str> {
+    let role = match alpn {
+        Some(p) if p == ALPN_FORWARD => Role::Link { forward: true },
+        Some(p) if p == ALPN_REVERSE => Role::Link { forward: false },
+        Some(p) if p == ALPN_GRANT => return Ok(Role::Grant),
+        _ => return Err("no keyway ALPN protocol"),
+    };
+    if !authenticated {
+        return Err("no client certificate");
+    }
+    Ok(role)
 }
 
 /// Dials a Link: one connection where this site is the HTTP/2 client and one where the peer is,
@@ -560,4 +604,26 @@ pub(crate) async fn open_stream(
         resp.into_body(),
         Some(Box::new(count)),
     )))
+}
+
+#[cfg(test)]
+mod role_tests {
+    use super::*;
+
+    #[test]
+    fn links_need_a_client_certificate_redemptions_do_not() {
+        assert_eq!(
+            accepted_role(Some(ALPN_FORWARD), true),
+            Ok(Role::Link { forward: true })
+        );
+        assert_eq!(
+            accepted_role(Some(ALPN_REVERSE), true),
+            Ok(Role::Link { forward: false })
+        );
+        assert!(accepted_role(Some(ALPN_FORWARD), false).is_err());
+        assert!(accepted_role(Some(ALPN_REVERSE), false).is_err());
+        assert_eq!(accepted_role(Some(ALPN_GRANT), false), Ok(Role::Grant));
+        assert!(accepted_role(None, true).is_err());
+        assert!(accepted_role(Some(b"h2"), true).is_err());
+    }
 }

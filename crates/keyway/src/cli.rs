@@ -9,7 +9,7 @@ use keyway_core::offline::{self, Compiled};
 use keyway_core::report::{self, Filter};
 use keyway_core::{Kind, Time, jiff};
 
-use crate::{source, state};
+use crate::{grants, source, state, token};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -64,6 +64,52 @@ enum Command {
         /// Only this name.
         name: Option<String>,
     },
+    /// Link sites with one-time tokens (AccessGrant / AccessToken), as `skupper token`.
+    #[command(subcommand)]
+    Token(TokenCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum TokenCommand {
+    /// Write an AccessGrant into this site's config dir and print (or write) the AccessToken
+    /// another site redeems to link here. Needs a RouterAccess whose Secret holds ca.key.
+    Issue {
+        /// Config directory of the granting site.
+        #[arg(long, default_value = "./keyway.d")]
+        config: PathBuf,
+        /// How many times the token may be redeemed.
+        #[arg(long, default_value_t = grants::DEFAULT_REDEMPTIONS)]
+        redemptions: i64,
+        /// How long the token may be redeemed (15m, 1h30m, 90s).
+        #[arg(long, default_value = grants::DEFAULT_EXPIRY)]
+        expiry: String,
+        /// Name of the AccessGrant and AccessToken (default: token-<random>).
+        #[arg(long)]
+        name: Option<String>,
+        /// Host other sites reach this site at (default: the RouterAccess bindHost, or its
+        /// first subjectAlternativeName when it binds a wildcard address).
+        #[arg(long)]
+        host: Option<String>,
+        /// A Secret holding the issuing CA as tls.crt + tls.key (default: ca.crt + ca.key of
+        /// the RouterAccess Secret).
+        #[arg(long)]
+        issuer: Option<String>,
+        /// Write the token here (mode 0600) instead of stdout.
+        #[arg(short = 'o', long = "output")]
+        output: Option<PathBuf>,
+    },
+    /// Redeem an AccessToken at the granting site and write the resulting Link and its Secret
+    /// into this site's config dir.
+    Redeem {
+        /// The AccessToken YAML file.
+        file: PathBuf,
+        /// Config directory of the redeeming site.
+        #[arg(long, default_value = "./keyway.d")]
+        config: PathBuf,
+        /// Name of the Link and its Secret (default: the token's name).
+        #[arg(long)]
+        name: Option<String>,
+    },
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
@@ -74,9 +120,9 @@ enum Output {
 }
 
 /// Exit code for invalid input.
-const INVALID: u8 = 1;
+pub const INVALID: u8 = 1;
 /// Exit code for failures other than invalid input.
-const FAILURE: u8 = 3;
+pub const FAILURE: u8 = 3;
 
 pub fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -110,6 +156,26 @@ pub fn main() -> ExitCode {
             kind,
             name,
         } => status(&config, admin.as_deref(), output, namespace, kind, name),
+        Command::Token(TokenCommand::Issue {
+            config,
+            redemptions,
+            expiry,
+            name,
+            host,
+            issuer,
+            output,
+        }) => token::issue(token::IssueArgs {
+            config,
+            redemptions,
+            expiry,
+            name,
+            output,
+            host,
+            issuer,
+        }),
+        Command::Token(TokenCommand::Redeem { file, config, name }) => {
+            token::redeem(&file, &config, name)
+        }
     };
     match result {
         Ok(code) => code,
@@ -130,7 +196,7 @@ pub fn default_state_dir(config: &Path) -> PathBuf {
 }
 
 /// Compiles a directory offline, reading (never writing) its state directory.
-fn compile_dir(config: &Path) -> Result<Compiled> {
+pub fn compile_dir(config: &Path) -> Result<Compiled> {
     if !config.is_dir() {
         anyhow::bail!(
             "config directory {} does not exist; pass --config DIR (try --config examples/quickstart)",
@@ -218,11 +284,23 @@ fn status(
         print_items(items, output)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let compiled = compile_dir(config)?;
+    let mut compiled = compile_dir(config)?;
     let errors = compiled.errors();
     for e in &errors {
         eprintln!("error: {e}");
     }
+    // AccessGrant redemption counts live in the state directory.
+    let book = grants::GrantBook::load(&default_state_dir(config))?;
+    let now = now();
+    let grant_statuses = grants::grant_statuses(
+        &grants::GrantContext {
+            index: &compiled.index,
+            router_access: compiled.resolution.plan.router_access.as_ref(),
+            now: &now,
+        },
+        &book,
+    );
+    compiled.statuses.extend(grant_statuses);
     let items = report::objects(&compiled.index, &compiled.statuses, &filter);
     print_items(items, output)?;
     Ok(if errors.is_empty() {

@@ -3,10 +3,12 @@
 
 mod admin;
 mod cli;
+mod grants;
 mod run;
 mod site;
 mod source;
 mod state;
+mod token;
 mod watch;
 
 use std::process::ExitCode;

@@ -11,7 +11,7 @@ use keyway_dataplane::DataPlane;
 use keyway_dataplane::metrics::Metrics;
 use tokio::sync::mpsc;
 
-use crate::site::Site;
+use crate::site::{Site, SiteGrants};
 use crate::{admin, watch};
 
 pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -> Result<ExitCode> {
@@ -37,12 +37,16 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
     runtime.block_on(async move {
         let dataplane = Arc::new(DataPlane::new(Arc::new(Metrics::default())));
         let site = Arc::new(Site::new(config.clone(), state, dataplane)?);
+        site.network
+            .set_grant_handler(Arc::new(SiteGrants(Arc::downgrade(&site))));
+        // Watch before the first load, so a file written while the site starts is not missed
+        // (a change during the first load just triggers one more reload).
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let _watch = watch::watch(&config, tx).context("cannot watch the config directory")?;
         site.reload();
         let admin = admin::start(admin_addr, site.clone())?;
         tracing::info!(config = %config.display(), admin = %admin, "site running");
 
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let _watch = watch::watch(&config, tx).context("cannot watch the config directory")?;
         let reloader = {
             let site = site.clone();
             tokio::spawn(async move {

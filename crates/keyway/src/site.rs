@@ -13,12 +13,32 @@ use keyway_core::gateway::{GatewayResolver, mark_port_unavailable};
 use keyway_core::load::ConfigError;
 use keyway_core::report::{self, Filter};
 use keyway_core::service_network::{self, Reachability, Resolution};
-use keyway_core::{Index, ObjectKey, ObjectState, Reconciled, reconcile};
+use keyway_core::{Index, Kind, ObjectKey, ObjectState, Reconciled, Resource, reconcile};
 use keyway_dataplane::DataPlane;
 use keyway_network::Network;
+use keyway_network::grant::{Credentials, GrantHandler, RedeemRequest, Refusal};
 use serde_json::Value;
 
+use crate::grants::{self, GrantBook, GrantContext, GrantFacts, TokenAttempt};
 use crate::{cli, source, state};
+
+/// Token redemptions arriving on the RouterAccess port, answered by the site.
+pub struct SiteGrants(pub std::sync::Weak<Site>);
+
+impl GrantHandler for SiteGrants {
+    fn redeem(
+        &self,
+        namespace: &str,
+        name: &str,
+        request: &RedeemRequest,
+    ) -> Result<Credentials, Refusal> {
+        let site = self
+            .0
+            .upgrade()
+            .ok_or_else(|| Refusal::new(503, "the site is shutting down"))?;
+        site.redeem(namespace, name, request)
+    }
+}
 
 /// Everything derived from the config in force.
 #[derive(Default)]
@@ -40,6 +60,10 @@ pub struct Site {
     pub network: Network,
     current: Mutex<Current>,
     applied: AtomicBool,
+    /// AccessGrant redemption counts (persisted in the state directory).
+    grants: GrantBook,
+    /// AccessTokens of the config dir being redeemed by this site.
+    tokens: Arc<Mutex<BTreeMap<ObjectKey, TokenAttempt>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -55,6 +79,7 @@ impl Site {
         dataplane: Arc<DataPlane>,
     ) -> anyhow::Result<Self> {
         let objects = state::load(&state_dir)?;
+        let grants = GrantBook::load(&state_dir)?;
         let network = Network::new(dataplane.clone());
         Ok(Site {
             config,
@@ -66,6 +91,8 @@ impl Site {
                 ..Current::default()
             }),
             applied: AtomicBool::new(false),
+            grants,
+            tokens: Arc::default(),
         })
     }
 
@@ -116,7 +143,83 @@ impl Site {
             connectors = current.resolution.plan.connectors.len(),
             "config applied"
         );
+        self.redeem_tokens(&current);
         self.applied.store(true, Ordering::Release);
+    }
+
+    /// Redeems every AccessToken of the config dir that has no Link of its name yet (as Skupper
+    /// does): the Link and its Secret are written into the config dir, and the reload that
+    /// follows starts the link. Refusals are not retried until the token changes; failures to
+    /// reach the granting site are retried every few seconds.
+    fn redeem_tokens(&self, current: &Current) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut tokens = lock(&self.tokens);
+        tokens.retain(|k, _| current.index.get(k).is_some());
+        for obj in current.index.of_kind(Kind::AccessToken) {
+            let Resource::AccessToken(token) = &obj.resource else {
+                continue;
+            };
+            let key = obj.key.clone();
+            if current
+                .index
+                .resource(Kind::Link, &key.namespace, &key.name)
+                .is_some()
+            {
+                tokens.remove(&key);
+                continue;
+            }
+            let code = grants::code_digest(&token.spec.code);
+            let attempt = tokens.entry(key.clone()).or_default();
+            if attempt.code != code {
+                *attempt = TokenAttempt {
+                    code,
+                    ..TokenAttempt::default()
+                };
+            }
+            if attempt.in_flight || attempt.permanent || attempt.done {
+                continue;
+            }
+            attempt.in_flight = true;
+            let request = RedeemRequest {
+                code: token.spec.code.clone(),
+                site: current.resolution.plan.site_name.clone(),
+            };
+            let token = (**token).clone();
+            let config = self.config.clone();
+            let table = self.tokens.clone();
+            runtime.spawn(async move {
+                loop {
+                    let result = redeem_token(&key, &token, &request, &config).await;
+                    {
+                        let mut tokens = lock(&table);
+                        // The token was deleted or edited: a newer attempt owns it.
+                        let Some(attempt) = tokens.get_mut(&key).filter(|a| a.code == code) else {
+                            return;
+                        };
+                        match result {
+                            Ok(()) => {
+                                attempt.in_flight = false;
+                                attempt.error = None;
+                                attempt.done = true;
+                                return;
+                            }
+                            Err((e, permanent)) => {
+                                tracing::warn!(token = %key, "cannot redeem AccessToken: {e}");
+                                attempt.error = Some(e);
+                                if permanent {
+                                    attempt.in_flight = false;
+                                    attempt.permanent = true;
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                }
+            });
+        }
     }
 
     /// Live status of every object (SPEC §6 `/status`), as a `List`.
@@ -146,6 +249,28 @@ impl Site {
         let now = cli::now();
         let mut statuses =
             service_network::statuses(&current.index, &current.resolution, &reach, &now);
+        statuses.extend(grants::grant_statuses(
+            &GrantContext {
+                index: &current.index,
+                router_access: current.resolution.plan.router_access.as_ref(),
+                now: &now,
+            },
+            &self.grants,
+        ));
+        {
+            let tokens = lock(&self.tokens);
+            for obj in current.index.of_kind(Kind::AccessToken) {
+                let redeemed = current
+                    .index
+                    .resource(Kind::Link, &obj.key.namespace, &obj.key.name)
+                    .is_some();
+                let generation = obj.resource.meta().generation.unwrap_or(1);
+                statuses.insert(
+                    obj.key.clone(),
+                    grants::token_status(generation, redeemed, tokens.get(&obj.key), &now),
+                );
+            }
+        }
         let gw = current.gateway.resolution();
         statuses.extend(gw.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
         // What the data plane saw overrides what the resolver expected: a listener on a port
@@ -173,6 +298,55 @@ impl Site {
             .collect();
         list["metadata"] = serde_json::json!({ "configErrors": errors });
         list
+    }
+
+    /// Answers a token redemption for AccessGrant `ns/name` (SPEC §3.2): checks the code, expiry
+    /// and remaining redemptions, issues a client certificate for the redeeming site, and counts
+    /// the redemption. Messages never carry the code or key material.
+    pub fn redeem(
+        &self,
+        ns: &str,
+        name: &str,
+        request: &RedeemRequest,
+    ) -> Result<Credentials, Refusal> {
+        let (facts, ca, ra_ca, port, site_name) = {
+            let current = lock(&self.current);
+            let key = ObjectKey::new(Kind::AccessGrant, ns, name);
+            let Some(Resource::AccessGrant(grant)) = current.index.get(&key).map(|o| &o.resource)
+            else {
+                return Err(Refusal::new(
+                    404,
+                    format!("no AccessGrant {ns}/{name} at this site"),
+                ));
+            };
+            let facts = GrantFacts::of(&key, grant)
+                .ok_or_else(|| Refusal::new(404, format!("AccessGrant {ns}/{name} has no code")))?;
+            let Some(ra) = current.resolution.plan.router_access.as_ref() else {
+                return Err(Refusal::new(503, "this site has no RouterAccess"));
+            };
+            let ca = grants::issuing_ca(&current.index, &ra.id, grant.spec.issuer.as_deref());
+            let ra_ca = grants::router_access_ca(&current.index, &ra.id);
+            (
+                facts,
+                ca,
+                ra_ca,
+                ra.port,
+                current.resolution.plan.site_name.clone(),
+            )
+        };
+        let now = cli::now().0;
+        self.grants.redeem(&facts, &request.code, now, || {
+            let ca = ca?;
+            let ra_ca = ra_ca.ok_or("the RouterAccess Secret has no ca.crt")?;
+            let (cert, key) = grants::issue_client_cert(&ca, &request.site, now)?;
+            Ok(Credentials {
+                site: site_name,
+                port,
+                cert,
+                key,
+                ca: ra_ca,
+            })
+        })
     }
 
     /// The plan the data plane runs (SPEC §6 `/config`).
@@ -212,4 +386,30 @@ fn all_errors(current: &Current) -> Vec<ConfigError> {
         }
     }
     all
+}
+
+/// One redemption by a running site; the error says whether retrying can help.
+async fn redeem_token(
+    key: &ObjectKey,
+    token: &keyway_core::skupper::AccessToken,
+    request: &RedeemRequest,
+    config: &std::path::Path,
+) -> Result<(), (String, bool)> {
+    use keyway_network::grant::{GrantUrl, RedeemError, redeem};
+    let url = GrantUrl::parse(&token.spec.url).map_err(|e| (e, true))?;
+    let creds = redeem(&token.spec.url, &token.spec.ca, request)
+        .await
+        .map_err(|e| {
+            let permanent = match &e {
+                RedeemError::BadToken(_) | RedeemError::Tls { .. } => true,
+                RedeemError::Refused { status, .. } => *status < 500,
+                _ => false,
+            };
+            (e.to_string(), permanent)
+        })?;
+    let manifest = crate::token::link_manifest(&key.namespace, &key.name, token, &url.host, &creds);
+    let path = config.join(format!("link-{}.yaml", key.name));
+    crate::token::write_private(&path, &manifest).map_err(|e| (format!("{e:#}"), false))?;
+    tracing::info!(token = %key, remote = %creds.site, "AccessToken redeemed; Link written to {}", path.display());
+    Ok(())
 }

@@ -67,6 +67,22 @@ impl Ca {
     }
 }
 
+impl Ca {
+    /// As [`Ca::secret_yaml`], plus the CA's private key as `ca.key`, so the site can issue
+    /// tokens (`keyway token issue`).
+    pub fn secret_yaml_with_ca_key(&self, name: &str) -> String {
+        format!(
+            "{}  ca.key: |\n{}",
+            self.secret_yaml(name),
+            indent(&self.0.key().serialize_pem())
+        )
+    }
+
+    pub fn pem(&self) -> String {
+        self.0.pem()
+    }
+}
+
 fn indent(pem: &str) -> String {
     pem.lines().map(|l| format!("    {l}\n")).collect()
 }

@@ -1,0 +1,325 @@
+//! `keyway token issue` and `keyway token redeem` (SPEC §3.2), as `skupper token issue/redeem`.
+//!
+//! Both only write manifests into a config directory; a running site picks them up by hot
+//! reload (the granting site serves the new AccessGrant, the redeeming site dials the new Link).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use base64::Engine;
+use keyway_core::load::DocOutcome;
+use keyway_core::resource::{Kind, Resource};
+use keyway_core::skupper::AccessToken;
+use keyway_core::validate::parse_duration_secs;
+use keyway_network::grant::{self, GrantUrl, RedeemError, RedeemRequest};
+
+use crate::cli::{self, FAILURE, INVALID};
+use crate::grants;
+
+/// Options of `token issue`.
+pub struct IssueArgs {
+    pub config: PathBuf,
+    pub redemptions: i64,
+    pub expiry: String,
+    pub name: Option<String>,
+    pub output: Option<PathBuf>,
+    pub host: Option<String>,
+    pub issuer: Option<String>,
+}
+
+/// Prints a one-line error and returns its exit code.
+fn fail(code: u8, message: impl std::fmt::Display) -> Result<ExitCode> {
+    eprintln!("error: {message}");
+    Ok(ExitCode::from(code))
+}
+
+pub fn issue(args: IssueArgs) -> Result<ExitCode> {
+    if args.redemptions < 1 {
+        return fail(INVALID, "--redemptions must be at least 1");
+    }
+    if parse_duration_secs(&args.expiry).is_none_or(|s| s == 0) {
+        return fail(
+            INVALID,
+            format!(
+                "--expiry `{}` is not a duration like 15m or 1h30m",
+                args.expiry
+            ),
+        );
+    }
+    let compiled = cli::compile_dir(&args.config)?;
+    let Some(ra) = compiled.resolution.plan.router_access.clone() else {
+        let why = compiled
+            .errors()
+            .iter()
+            .find(|e| {
+                e.object
+                    .as_ref()
+                    .is_some_and(|k| k.kind == Kind::RouterAccess)
+            })
+            .map(|e| format!(" ({e})"))
+            .unwrap_or_default();
+        return fail(
+            INVALID,
+            format!(
+                "{} has no usable RouterAccess with an inter-router role{why}; other sites need one to link in",
+                args.config.display()
+            ),
+        );
+    };
+    let namespace = ra.id.namespace.clone();
+    let name = match args.name {
+        Some(n) => n,
+        None => format!("token-{}", hex(&random_bytes(4)?)),
+    };
+    if !keyway_core::validate::is_dns_subdomain(&name) {
+        return fail(
+            INVALID,
+            format!("--name `{name}` is not a valid object name"),
+        );
+    }
+    if compiled
+        .index
+        .resource(Kind::AccessGrant, &namespace, &name)
+        .is_some()
+    {
+        return fail(
+            INVALID,
+            format!("an AccessGrant {namespace}/{name} already exists; pass another --name"),
+        );
+    }
+    // Prove now that the site can sign certificates, rather than at redemption time.
+    let ca = match grants::issuing_ca(&compiled.index, &ra.id, args.issuer.as_deref()) {
+        Ok(ca) => ca,
+        Err(e) => return fail(INVALID, e),
+    };
+    if let Err(e) = grants::issue_client_cert(&ca, "probe", cli::now().0) {
+        return fail(INVALID, e);
+    }
+    let Some(ca_pem) = grants::router_access_ca(&compiled.index, &ra.id) else {
+        return fail(INVALID, "the RouterAccess Secret has no ca.crt");
+    };
+    let host = match args.host.or_else(|| {
+        match compiled
+            .index
+            .resource(Kind::RouterAccess, &namespace, &ra.id.name)
+        {
+            Some(Resource::RouterAccess(r)) => grants::public_host(r),
+            _ => None,
+        }
+    }) {
+        Some(h) => h,
+        None => {
+            return fail(
+                INVALID,
+                "the RouterAccess binds a wildcard address; pass --host HOST (how other sites reach this one) or set its bindHost or subjectAlternativeNames",
+            );
+        }
+    };
+    let code = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(random_bytes(24)?);
+    let created = cli::now().0;
+    let mut grant = format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: AccessGrant\nmetadata:\n  name: {name}\n  namespace: {namespace}\n  creationTimestamp: \"{created}\"\nspec:\n  redemptionsAllowed: {}\n  expirationWindow: {}\n  code: {code}\n",
+        args.redemptions, args.expiry
+    );
+    if let Some(issuer) = &args.issuer {
+        grant.push_str(&format!("  issuer: {issuer}\n"));
+    }
+    let url = GrantUrl::format(&host, ra.port, &namespace, &name);
+    let token = format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: AccessToken\nmetadata:\n  name: {name}\nspec:\n  url: {url}\n  code: {code}\n  ca: |\n{}",
+        indent(&ca_pem)
+    );
+    let grant_path = args.config.join(format!("accessgrant-{name}.yaml"));
+    write_private(&grant_path, &grant)?;
+    match &args.output {
+        Some(path) => write_private(path, &token)?,
+        None => {
+            let mut out = std::io::stdout().lock();
+            out.write_all(token.as_bytes())
+                .and_then(|_| out.flush())
+                .context("cannot write the token to stdout")?;
+        }
+    }
+    let expires = keyway_core::jiff::SignedDuration::from_secs(
+        parse_duration_secs(&args.expiry)
+            .and_then(|s| i64::try_from(s).ok())
+            .unwrap_or(0),
+    );
+    eprintln!(
+        "AccessGrant {namespace}/{name} written to {}; the token allows {} redemption(s) until {}",
+        grant_path.display(),
+        args.redemptions,
+        created
+            .checked_add(expires)
+            .map(|t| t.to_string())
+            .unwrap_or_default()
+    );
+    if let Some(path) = &args.output {
+        eprintln!(
+            "token written to {}; redeem it at another site with: keyway token redeem {}",
+            path.display(),
+            path.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<ExitCode> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(e) => {
+            return fail(
+                INVALID,
+                format!("cannot read token {}: {e}", file.display()),
+            );
+        }
+    };
+    let load = keyway_core::load_file(&file.display().to_string(), &text);
+    let mut token: Option<AccessToken> = None;
+    for outcome in load.outcomes {
+        match outcome {
+            DocOutcome::Object(obj) => {
+                if let Resource::AccessToken(t) = obj.resource {
+                    token = Some(*t);
+                    break;
+                }
+            }
+            DocOutcome::Rejected(e) => return fail(INVALID, e),
+            DocOutcome::Ignored(_) => {}
+        }
+    }
+    let Some(token) = token else {
+        return fail(INVALID, format!("{} holds no AccessToken", file.display()));
+    };
+    let compiled = cli::compile_dir(config)?;
+    let site = compiled.resolution.plan.site_name.clone();
+    let name = match link_name.or_else(|| token.metadata.name.clone()) {
+        Some(n) => n,
+        None => {
+            return fail(
+                INVALID,
+                "the token has no metadata.name; pass --name LINKNAME",
+            );
+        }
+    };
+    if !keyway_core::validate::is_dns_subdomain(&name) {
+        return fail(
+            INVALID,
+            format!("link name `{name}` is not a valid object name"),
+        );
+    }
+    let namespace = "default";
+    for kind in [Kind::Link, Kind::Secret] {
+        if compiled.index.resource(kind, namespace, &name).is_some() {
+            return fail(
+                INVALID,
+                format!(
+                    "a {kind} {namespace}/{name} already exists in {}; pass --name LINKNAME",
+                    config.display()
+                ),
+            );
+        }
+    }
+    let url = match GrantUrl::parse(&token.spec.url) {
+        Ok(u) => u,
+        Err(e) => return fail(INVALID, format!("invalid token: {e}")),
+    };
+    let request = RedeemRequest {
+        code: token.spec.code.clone(),
+        site: site.clone(),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let creds = match runtime.block_on(grant::redeem(&token.spec.url, &token.spec.ca, &request)) {
+        Ok(c) => c,
+        Err(e) => {
+            let code = match &e {
+                RedeemError::BadToken(_) | RedeemError::Tls { .. } => INVALID,
+                RedeemError::Refused { status, .. } if *status < 500 => INVALID,
+                _ => FAILURE,
+            };
+            return fail(code, e);
+        }
+    };
+    let manifest = link_manifest(namespace, &name, &token, &url.host, &creds);
+    let path = config.join(format!("link-{name}.yaml"));
+    write_private(&path, &manifest)?;
+    eprintln!(
+        "Link {name} to site {} written to {}; the running site links within a second",
+        creds.site,
+        path.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The Link (named `name`, dialing the token url's host at the granting site's inter-router
+/// port, cost from `linkCost`) and its Secret (same name) holding the issued credentials.
+pub fn link_manifest(
+    namespace: &str,
+    name: &str,
+    token: &AccessToken,
+    host: &str,
+    creds: &grant::Credentials,
+) -> String {
+    let cost = token.spec.link_cost.filter(|c| *c > 0).unwrap_or(1);
+    format!(
+        "# Link to site {remote}, from redeeming {token_url}\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: {name}\n  namespace: {namespace}\nspec:\n  tlsCredentials: {name}\n  cost: {cost}\n  endpoints:\n  - name: inter-router\n    host: {host}\n    port: \"{port}\"\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{crt}  tls.key: |\n{key}  ca.crt: |\n{ca}",
+        remote = creds.site,
+        token_url = token.spec.url,
+        port = creds.port,
+        crt = indent(&creds.cert),
+        key = indent(&creds.key),
+        ca = indent(&creds.ca),
+    )
+}
+
+fn indent(pem: &str) -> String {
+    pem.lines().map(|l| format!("    {l}\n")).collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Bytes from the operating system's CSPRNG.
+fn random_bytes(n: usize) -> Result<Vec<u8>> {
+    use ring::rand::SecureRandom;
+    let mut buf = vec![0u8; n];
+    ring::rand::SystemRandom::new()
+        .fill(&mut buf)
+        .map_err(|_| anyhow::anyhow!("the system random number generator failed"))?;
+    Ok(buf)
+}
+
+/// Writes a file readable by its owner only (it holds a code or a private key): a dot-file
+/// first (the config watcher and loader skip those), then renamed into place.
+pub fn write_private(path: &Path, text: &str) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let file = path
+        .file_name()
+        .map(|f| f.to_string_lossy().to_string())
+        .unwrap_or_else(|| "out".into());
+    let tmp = dir.join(format!(".{file}.tmp"));
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut f = options
+        .open(&tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    f.write_all(text.as_bytes())
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}

@@ -1,0 +1,397 @@
+//! Token linking end to end (SPEC §3.2): `keyway token issue` at a running site, `keyway token
+//! redeem` for another, a working link, and every way a redemption is refused.
+
+mod sites;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use sites::*;
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn keyway(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(args)
+        .output()
+        .expect("run keyway")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A granting site `west` with a RouterAccess whose Secret holds ca.key, and a Connector `db`.
+fn west(ca: &Ca, backend: &Backend) -> (SiteProc, u16) {
+    let port = free_port();
+    let site = SiteProc::start(
+        "west",
+        &[
+            site_yaml("west"),
+            ca.secret_yaml_with_ca_key("link-tls"),
+            router_access_yaml(port, "link-tls"),
+            connector_yaml("db", "db", backend.port),
+        ],
+    );
+    (site, port)
+}
+
+/// `token issue` at `site`; waits until the running site serves the new grant. Returns the
+/// token file.
+fn issue(site: &SiteProc, name: &str, extra: &[&str]) -> PathBuf {
+    let token = site.dir.join(format!("{name}.token.yaml"));
+    let config = site.config_dir();
+    let mut args = vec![
+        "token",
+        "issue",
+        "--config",
+        config.to_str().expect("utf8"),
+        "--name",
+        name,
+        "-o",
+        token.to_str().expect("utf8"),
+    ];
+    args.extend_from_slice(extra);
+    let out = keyway(&args);
+    assert!(out.status.success(), "token issue failed: {}", text(&out));
+    assert!(
+        eventually(Duration::from_secs(5), || site
+            .status_of("AccessGrant", name)
+            .is_some()),
+        "the site did not load AccessGrant {name}"
+    );
+    token
+}
+
+/// A config directory for a redeeming site that need not be running.
+fn redeemer_dir(base: &Path, name: &str) -> PathBuf {
+    let dir = base.join(format!("redeemer-{name}"));
+    std::fs::create_dir_all(&dir).expect("dir");
+    write_file(&dir, "site.yaml", &site_yaml(name));
+    dir
+}
+
+fn redeem(token: &Path, config: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "token",
+        "redeem",
+        token.to_str().expect("utf8"),
+        "--config",
+        config.to_str().expect("utf8"),
+    ];
+    args.extend_from_slice(extra);
+    keyway(&args)
+}
+
+fn code_of(token: &Path) -> String {
+    let t = std::fs::read_to_string(token).expect("token");
+    t.lines()
+        .find_map(|l| l.trim().strip_prefix("code: "))
+        .expect("code")
+        .to_string()
+}
+
+/// Issue at west, redeem for a running east: east's Listener reaches west's Connector over the
+/// new link; the grant's status counts the redemption; nothing logs the code or the key.
+#[test]
+fn issue_then_redeem_links_the_sites_and_carries_traffic() {
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, _port) = west(&ca, &backend);
+    let listen = free_port();
+    let east = SiteProc::start(
+        "east",
+        &[site_yaml("east"), listener_yaml("db", "db", listen)],
+    );
+
+    let token = issue(&west, "to-west", &["--expiry", "10m"]);
+    let code = code_of(&token);
+    let out = redeem(&token, &east.config_dir(), &[]);
+    assert!(out.status.success(), "redeem failed: {}", text(&out));
+    assert!(!text(&out).contains(&code));
+
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-west")),
+        "no traffic over the redeemed link: {:?}\nwest log:\n{}\neast log:\n{}",
+        who(listen),
+        west.log(),
+        east.log()
+    );
+    let link = east.status_of("Link", "to-west").expect("link status");
+    assert_eq!(link["remoteSiteName"], "west", "{link}");
+
+    let grant = west
+        .status_of("AccessGrant", "to-west")
+        .expect("grant status");
+    assert_eq!(grant["redemptions"], 1, "{grant}");
+    assert_eq!(
+        grant["status"], "Error",
+        "an exhausted grant is not ready: {grant}"
+    );
+    assert!(
+        grant["url"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("https://127.0.0.1:")),
+        "{grant}"
+    );
+    assert!(
+        grant["ca"]
+            .as_str()
+            .is_some_and(|c| c.contains("BEGIN CERTIFICATE"))
+    );
+    assert!(grant["expirationTime"].is_string(), "{grant}");
+    assert!(
+        grant.get("code").is_none(),
+        "the code is not echoed: {grant}"
+    );
+
+    // A second redemption of a one-time token is refused.
+    let again = redeemer_dir(&west.dir, "north");
+    let out = redeem(&token, &again, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("redeemed 1 of 1"), "{}", text(&out));
+    assert!(!again.join("link-to-west.yaml").exists());
+
+    for status in [west.get("/status"), east.get("/status")] {
+        let status = status.expect("status");
+        assert!(!status.contains(&code), "/status shows the code");
+        assert!(!status.contains("PRIVATE KEY"), "/status shows a key");
+    }
+    for log in [west.log(), east.log()] {
+        assert!(!log.contains(&code), "a log holds the code");
+        assert!(!log.contains("PRIVATE KEY"), "a log holds a key");
+    }
+}
+
+/// Wrong code, unknown grant, wrong CA, unreachable url, expired grant: each a one-line error
+/// with the right exit code, and no Link written.
+#[test]
+fn refused_redemptions_say_why() {
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, port) = west(&ca, &backend);
+    let token = issue(&west, "good", &["--redemptions", "5"]);
+    let original = std::fs::read_to_string(&token).expect("token");
+    let code = code_of(&token);
+    let dir = redeemer_dir(&west.dir, "east");
+
+    let variant = |name: &str, text: String| {
+        let path = west.dir.join(format!("{name}.yaml"));
+        std::fs::write(&path, text).expect("write");
+        path
+    };
+    let other_ca = Ca::new("other");
+    let other_pem: String = other_ca
+        .pem()
+        .lines()
+        .map(|l| format!("    {l}\n"))
+        .collect();
+    let ca_start = original.find("  ca: |\n").expect("ca") + "  ca: |\n".len();
+    let cases = [
+        (
+            "wrong-code",
+            original.replace(&code, "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"),
+            1,
+            "wrong code",
+        ),
+        (
+            "unknown-grant",
+            original.replace("/default/good", "/default/nope"),
+            1,
+            "no AccessGrant default/nope",
+        ),
+        (
+            "wrong-ca",
+            format!("{}{other_pem}", &original[..ca_start]),
+            1,
+            "TLS handshake",
+        ),
+        (
+            "unreachable",
+            original.replace(&format!(":{port}/"), &format!(":{}/", free_port())),
+            3,
+            "cannot reach",
+        ),
+    ];
+    for (name, body, exit, want) in cases {
+        let out = redeem(&variant(name, body), &dir, &["--name", name]);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(exit), "{name}: {t}");
+        assert!(t.contains(want), "{name}: {t}");
+        assert_eq!(t.trim().lines().count(), 1, "{name}: one line: {t}");
+        assert!(!t.contains(&code), "{name}: the error shows the code");
+        assert!(!dir.join(format!("link-{name}.yaml")).exists());
+    }
+
+    let quick = issue(&west, "quick", &["--expiry", "1s"]);
+    std::thread::sleep(Duration::from_millis(1200));
+    let out = redeem(&quick, &dir, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("expired"), "{}", text(&out));
+    let grant = west.status_of("AccessGrant", "quick").expect("status");
+    assert_eq!(grant["redemptions"], 0, "{grant}");
+    assert!(!west.log().contains(&code));
+}
+
+/// Redemptions are counted in the state directory: a restarted site does not hand out more
+/// than the grant allows.
+#[test]
+fn a_restart_does_not_reset_the_redemption_count() {
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (mut west, _port) = west(&ca, &backend);
+    let token = issue(&west, "twice", &["--redemptions", "2"]);
+    let dir = redeemer_dir(&west.dir, "east");
+
+    let out = redeem(&token, &dir, &["--name", "first"]);
+    assert!(out.status.success(), "{}", text(&out));
+    west.kill();
+    west.spawn();
+    assert!(eventually(Duration::from_secs(5), || west
+        .status_of("AccessGrant", "twice")
+        .is_some_and(|s| s["redemptions"] == 1)));
+    let out = redeem(&token, &dir, &["--name", "second"]);
+    assert!(out.status.success(), "{}", text(&out));
+    west.kill();
+    west.spawn();
+    let out = redeem(&token, &dir, &["--name", "third"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("redeemed 2 of 2"), "{}", text(&out));
+}
+
+/// `token issue` without the CA key says how to fix it.
+#[test]
+fn issue_without_a_ca_key_says_how_to_fix_it() {
+    let ca = Ca::new("ca");
+    let dir = std::env::temp_dir().join(format!("keyway-token-nokey-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    write_file(
+        &dir,
+        "site.yaml",
+        &[
+            site_yaml("west"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(free_port(), "link-tls"),
+        ]
+        .join("---\n"),
+    );
+    let out = keyway(&["token", "issue", "--config", dir.to_str().expect("utf8")]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(t.contains("no ca.key") && t.contains("--issuer"), "{t}");
+    assert!(
+        std::fs::read_dir(&dir)
+            .expect("dir")
+            .filter_map(Result::ok)
+            .all(|e| !e.file_name().to_string_lossy().starts_with("accessgrant-")),
+        "no grant written"
+    );
+    // Without a RouterAccess at all.
+    write_file(&dir, "site.yaml", &site_yaml("west"));
+    let out = keyway(&["token", "issue", "--config", dir.to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("RouterAccess"), "{}", text(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The RouterAccess port accepts TLS without a client certificate only for redemptions: a link
+/// protocol on such a connection is closed before anything is read, and no link comes up.
+#[test]
+fn link_protocols_without_a_client_certificate_are_refused() {
+    use std::io::{Read, Write};
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, port) = west(&ca, &backend);
+    let roots = keyway_core::tls::parse_certificates(ca.pem().as_bytes()).expect("ca");
+    for alpn in [&b"keyway-link/1"[..], &b"keyway-link-reverse/1"[..]] {
+        let config = keyway_dataplane::tls::grant_client_config(&roots, alpn).expect("config");
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+        let conn = rustls::ClientConnection::new(config, name).expect("conn");
+        let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        tcp.set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        let mut tls = rustls::StreamOwned::new(conn, tcp);
+        // The HTTP/2 preface: a link peer would answer with its SETTINGS.
+        let _ =
+            tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00");
+        let mut buf = [0u8; 64];
+        let started = std::time::Instant::now();
+        // EOF or an error (reset, alert) within the read timeout: the site closed it.
+        let n = tls.read(&mut buf).unwrap_or(0);
+        assert_eq!(n, 0, "the site answered an unauthenticated link connection");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the connection was left open"
+        );
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || west
+            .log()
+            .contains("link refused: no client certificate")),
+        "{}",
+        west.log()
+    );
+    assert_eq!(west.sites_in_network(), 1);
+}
+
+/// An AccessToken dropped into a running site's config dir is redeemed by the site itself (as
+/// Skupper does): the Link appears, traffic flows, the token's status says `redeemed`. A token
+/// that is refused says why in its status.
+#[test]
+fn a_running_site_redeems_tokens_in_its_config_dir() {
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, _port) = west(&ca, &backend);
+    let listen = free_port();
+    let east = SiteProc::start(
+        "east",
+        &[site_yaml("east"), listener_yaml("db", "db", listen)],
+    );
+    let token = issue(&west, "auto", &[]);
+    let original = std::fs::read_to_string(&token).expect("token");
+    let code = code_of(&token);
+    write_file(
+        &east.config_dir(),
+        "bad-token.yaml",
+        &original
+            .replace("name: auto", "name: bad")
+            .replace(&code, "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"),
+    );
+    write_file(&east.config_dir(), "token.yaml", &original);
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-west")),
+        "no traffic after auto-redemption: {:?}\neast log:\n{}",
+        who(listen),
+        east.log()
+    );
+    let status = east.status_of("AccessToken", "auto").expect("token status");
+    assert_eq!(status["redeemed"], true, "{status}");
+    assert!(eventually(Duration::from_secs(5), || east
+        .status_of("AccessToken", "bad")
+        .is_some_and(|s| s["status"] == "Error"
+            && s["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("wrong code")))));
+    assert_eq!(
+        east.status_of("AccessToken", "bad").expect("bad")["redeemed"],
+        false
+    );
+    assert!(!east.log().contains(&code) && !west.log().contains(&code));
+}
