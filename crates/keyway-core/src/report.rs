@@ -124,7 +124,11 @@ pub fn tables_width(items: &[Value], width: usize) -> String {
         columns.extend(columns_for(&kind));
         let mut rows: Vec<Vec<String>> = vec![columns.iter().map(|(h, _)| h.to_string()).collect()];
         for item in list {
-            rows.push(columns.iter().map(|(_, f)| f(item)).collect());
+            if kind == "MultiKeyListener" {
+                rows.extend(mkl_rows(item, &columns));
+            } else {
+                rows.push(columns.iter().map(|(_, f)| f(item)).collect());
+            }
         }
         let _ = writeln!(out, "{kind}s:");
         out.push_str(&render_rows(&rows, width));
@@ -138,6 +142,11 @@ pub fn tables_width(items: &[Value], width: usize) -> String {
 
 type Column = (&'static str, fn(&Value) -> String);
 
+/// MultiKeyListener columns filled per routing key.
+const KEY: &str = "ROUTING KEYS";
+const REACHABLE: &str = "REACHABLE";
+const IN_USE: &str = "IN USE";
+
 /// Listener conflicts of a Gateway or ListenerSet, else why it is not accepted.
 const CONFLICTS: &str = "CONFLICTS / REASON";
 
@@ -145,7 +154,6 @@ const CONFLICTS: &str = "CONFLICTS / REASON";
 const CUTTABLE: &[&str] = &[
     "MESSAGE",
     "ROUTING KEY",
-    "ROUTING KEYS",
     CONFLICTS,
     "KEYS REACHABLE AT",
     "HOSTNAMES",
@@ -173,13 +181,14 @@ fn columns_for(kind: &str) -> Vec<Column> {
             }),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
+        // One row per routing key, in spec order; see `mkl_rows`.
         "MultiKeyListener" => vec![
             ("STATUS", status_word),
-            ("STRATEGY", strategy_kind),
-            ("ROUTING KEYS", mkl_keys),
             ("HOST:PORT", host_port),
-            ("REACHABLE", mkl_reachable),
-            ("ACTIVE KEY", mkl_active),
+            ("STRATEGY", strategy_kind),
+            (KEY, |_| String::new()),
+            (REACHABLE, |_| String::new()),
+            (IN_USE, |_| String::new()),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
         "Site" => vec![
@@ -282,72 +291,88 @@ fn strategy(v: &Value) -> Option<(&String, &Value)> {
     v.as_object().and_then(|m| m.iter().next())
 }
 
-/// `priority` (for `priorityFailover` and its upstream alias `priority`) or `weighted`.
+/// `priorityFailover` (or its upstream alias `priority`) or `weighted`, as written.
 fn strategy_kind(v: &Value) -> String {
-    match strategy(&v["spec"]["strategy"]) {
-        Some((k, _)) if k == "priorityFailover" => "priority".into(),
-        Some((k, _)) => k.clone(),
-        None => String::new(),
-    }
-}
-
-/// Priority: `k1>k2>k3` (preference order); weighted: `k1=3,k2=1`.
-fn mkl_keys(v: &Value) -> String {
-    let Some((_, inner)) = strategy(&v["spec"]["strategy"]) else {
-        return String::new();
-    };
-    match &inner["routingKeys"] {
-        Value::Array(keys) => keys.iter().map(s).collect::<Vec<_>>().join(">"),
-        Value::Object(weights) => weights
-            .iter()
-            .map(|(k, w)| format!("{k}={}", s(w)))
-            .collect::<Vec<_>>()
-            .join(","),
-        _ => String::new(),
-    }
-}
-
-fn mkl_key_count(v: &Value) -> usize {
-    strategy(&v["spec"]["strategy"]).map_or(0, |(_, inner)| match &inner["routingKeys"] {
-        Value::Array(keys) => keys.len(),
-        Value::Object(weights) => weights.len(),
-        _ => 0,
-    })
-}
-
-fn reachable_keys(v: &Value) -> Vec<String> {
-    strategy(&v["status"]["strategy"])
-        .and_then(|(_, inner)| inner["routingKeysReachable"].as_array())
-        .map(|a| a.iter().map(s).collect())
+    strategy(&v["spec"]["strategy"])
+        .map(|(k, _)| k.clone())
         .unwrap_or_default()
 }
 
-/// `reachable/declared`, e.g. `2/3`.
-fn mkl_reachable(v: &Value) -> String {
-    if v["status"].is_null() {
-        return String::new();
+/// Per routing key of a MultiKeyListener, in spec order: (label, reachable, in use). Priority
+/// labels are `1. key` (preference order) and the key in use is the active one; weighted labels
+/// are `key (weight)` and every reachable key is in use.
+fn mkl_keys(v: &Value) -> Vec<(String, String, String)> {
+    let Some((kind, inner)) = strategy(&v["spec"]["strategy"]) else {
+        return Vec::new();
+    };
+    let has_status = !v["status"].is_null();
+    let status = strategy(&v["status"]["strategy"]).map(|(_, s)| s);
+    let reachable: Vec<String> = status
+        .and_then(|st| st["routingKeysReachable"].as_array())
+        .map(|a| a.iter().map(s).collect())
+        .unwrap_or_default();
+    let active = status
+        .map(|st| s(&st["activeRoutingKey"]))
+        .unwrap_or_default();
+    let weighted = kind == "weighted";
+    let flags = |key: &str| {
+        if !has_status {
+            return (String::new(), String::new());
+        }
+        let up = reachable.iter().any(|k| k == key);
+        let in_use = if weighted { up } else { key == active };
+        (
+            yes_no(&Value::Bool(up)),
+            if in_use { "yes".into() } else { String::new() },
+        )
+    };
+    match &inner["routingKeys"] {
+        Value::Array(keys) => keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let key = s(k);
+                let (up, used) = flags(&key);
+                (format!("{}. {key}", i + 1), up, used)
+            })
+            .collect(),
+        Value::Object(weights) => weights
+            .iter()
+            .map(|(key, w)| {
+                let (up, used) = flags(key);
+                (format!("{key} ({})", s(w)), up, used)
+            })
+            .collect(),
+        _ => Vec::new(),
     }
-    format!("{}/{}", reachable_keys(v).len(), mkl_key_count(v))
 }
 
-/// Priority: the key new connections use now (`-` when none); weighted: the keys drawn from.
-fn mkl_active(v: &Value) -> String {
-    if v["status"].is_null() {
-        return String::new();
+/// The rows of one MultiKeyListener: its first key on the object's row, each further key on a
+/// row of its own under it.
+fn mkl_rows(v: &Value, columns: &[Column]) -> Vec<Vec<String>> {
+    let first: Vec<String> = columns.iter().map(|(_, f)| f(v)).collect();
+    let at = |h: &str| columns.iter().position(|(c, _)| *c == h);
+    let (Some(k), Some(r), Some(u)) = (at(KEY), at(REACHABLE), at(IN_USE)) else {
+        return vec![first];
+    };
+    let keys = mkl_keys(v);
+    if keys.is_empty() {
+        return vec![first];
     }
-    let active = strategy(&v["status"]["strategy"])
-        .map(|(_, inner)| s(&inner["activeRoutingKey"]))
-        .unwrap_or_default();
-    if !active.is_empty() {
-        return active;
-    }
-    let is_weighted = strategy(&v["spec"]["strategy"]).is_some_and(|(k, _)| k == "weighted");
-    let reachable = reachable_keys(v);
-    if is_weighted && !reachable.is_empty() {
-        reachable.join(",")
-    } else {
-        "-".into()
-    }
+    keys.into_iter()
+        .enumerate()
+        .map(|(i, (key, up, used))| {
+            let mut row = if i == 0 {
+                first.clone()
+            } else {
+                vec![String::new(); columns.len()]
+            };
+            row[k] = key;
+            row[r] = up;
+            row[u] = used;
+            row
+        })
+        .collect()
 }
 
 /// `True`, or `False (Reason)`; the reason is shown whenever it is not the condition's own name.
@@ -593,46 +618,82 @@ mod table_tests {
         })
     }
 
-    #[test]
-    fn multikeylistener_shows_keys_in_order_reachable_count_and_active_key() {
-        let out = tables(&[mkl(Some("backend-west"), &["backend-west", "backend-all"])]);
-        let lines: Vec<&str> = out.lines().collect();
-        assert_eq!(lines[0], "MultiKeyListeners:");
-        for h in [
-            "NAME",
-            "STATUS",
-            "STRATEGY",
-            "ROUTING KEYS",
-            "HOST:PORT",
-            "REACHABLE",
-        ] {
-            assert!(lines[1].contains(h), "{out}");
-        }
-        assert!(
-            !lines[1].contains("NAMESPACE"),
-            "default namespace is not shown: {out}"
-        );
-        assert_eq!(
-            cells(lines[2]),
-            [
-                "backend",
-                "Ready",
-                "priority",
-                "backend-east>backend-west>backend-all",
-                "127.0.0.1:17000",
-                "2/3",
-                "backend-west",
-                "OK"
-            ],
-            "{out}"
-        );
-        let none = tables(&[mkl(None, &[])]);
-        let row = none.lines().nth(2).map(cells).unwrap_or_default();
-        assert_eq!(row[5..7], ["0/3", "-"], "{none}");
+    /// The text of `line` under `header` of `head` (up to the next column).
+    fn field(head: &str, line: &str, header: &str) -> String {
+        let Some(start) = head.find(header) else {
+            return format!("<no {header}>");
+        };
+        let rest = &head[start + header.len()..];
+        let end = rest
+            .find(|c: char| c != ' ')
+            .map(|i| start + header.len() + i)
+            .unwrap_or(usize::MAX);
+        let chars: Vec<char> = line.chars().collect();
+        let end = end.min(chars.len());
+        chars
+            .get(start.min(end)..end)
+            .map(|c| c.iter().collect::<String>().trim().to_string())
+            .unwrap_or_default()
     }
 
     #[test]
-    fn weighted_listener_shows_weights_and_the_keys_it_draws_from() {
+    fn multikeylistener_shows_one_row_per_key_with_reachability_and_the_key_in_use() {
+        let out = tables(&[mkl(Some("backend-west"), &["backend-west", "backend-all"])]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], "MultiKeyListeners:");
+        assert_eq!(
+            cells(lines[1]),
+            [
+                "NAME",
+                "STATUS",
+                "HOST:PORT",
+                "STRATEGY",
+                "ROUTING KEYS",
+                "REACHABLE",
+                "IN USE",
+                "MESSAGE"
+            ],
+            "default namespace is not shown: {out}"
+        );
+        assert_eq!(lines.iter().filter(|l| !l.is_empty()).count(), 5, "{out}");
+        let col = |row: usize, h: &str| field(lines[1], lines[row], h);
+        assert_eq!(col(2, "NAME"), "backend");
+        assert_eq!(col(2, "STATUS"), "Ready");
+        assert_eq!(col(2, "HOST:PORT"), "127.0.0.1:17000");
+        assert_eq!(col(2, "STRATEGY"), "priorityFailover");
+        assert_eq!(col(2, "MESSAGE"), "OK");
+        let keys: Vec<(String, String, String)> = (2..5)
+            .map(|r| {
+                (
+                    col(r, "ROUTING KEYS"),
+                    col(r, "REACHABLE"),
+                    col(r, "IN USE"),
+                )
+            })
+            .collect();
+        let want = [
+            ("1. backend-east", "no", ""),
+            ("2. backend-west", "yes", "yes"),
+            ("3. backend-all", "yes", ""),
+        ];
+        for (got, want) in keys.iter().zip(want) {
+            assert_eq!(
+                (got.0.as_str(), got.1.as_str(), got.2.as_str()),
+                want,
+                "{out}"
+            );
+        }
+        assert_eq!(col(3, "NAME"), "", "continuation rows are blank: {out}");
+
+        let none = tables(&[mkl(None, &[])]);
+        assert!(
+            !none.contains("yes"),
+            "nothing reachable, nothing in use: {none}"
+        );
+    }
+
+    #[test]
+    fn weighted_listener_shows_weights_and_uses_every_reachable_key() {
         let v = json!({
             "kind": "MultiKeyListener",
             "metadata": {"name": "split"},
@@ -642,9 +703,27 @@ mod table_tests {
                 "strategy": {"weighted": {"routingKeysReachable": ["b"]}}},
         });
         let out = tables(&[v]);
-        assert!(out.contains("weighted") && out.contains("a=3,b=1"), "{out}");
-        let row = out.lines().nth(2).map(cells).unwrap_or_default();
-        assert_eq!(row[5..7], ["1/2", "b"], "{out}");
+        let lines: Vec<&str> = out.lines().collect();
+        let col = |row: usize, h: &str| field(lines[1], lines[row], h);
+        assert_eq!(col(2, "STRATEGY"), "weighted");
+        assert_eq!(
+            (
+                col(2, "ROUTING KEYS"),
+                col(2, "REACHABLE"),
+                col(2, "IN USE")
+            ),
+            ("a (3)".into(), "no".into(), String::new()),
+            "{out}"
+        );
+        assert_eq!(
+            (
+                col(3, "ROUTING KEYS"),
+                col(3, "REACHABLE"),
+                col(3, "IN USE")
+            ),
+            ("b (1)".into(), "yes".into(), "yes".into()),
+            "{out}"
+        );
     }
 
     fn listener_set(ns: &str, name: &str, conflicted: bool) -> Value {
