@@ -130,7 +130,8 @@ pub fn tables_width(items: &[Value], width: usize) -> String {
                 rows.push(columns.iter().map(|(_, f)| f(item)).collect());
             }
         }
-        let _ = writeln!(out, "{kind}s:");
+        let plural = if kind.ends_with('s') { "es" } else { "s" };
+        let _ = writeln!(out, "{kind}{plural}:");
         out.push_str(&render_rows(&rows, width));
         out.push('\n');
     }

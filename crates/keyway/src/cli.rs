@@ -64,6 +64,15 @@ enum Command {
         /// Only this name.
         name: Option<String>,
     },
+    /// Start a small network on loopback (three linked sites, workloads, a Gateway) and print what to try.
+    Demo {
+        /// First port of the range the demo uses: base, +10, +80, +443 and +901..+903.
+        #[arg(long, default_value_t = 17000)]
+        port_base: u16,
+        /// Keep the temp directory (configs, certificates, logs) after stopping.
+        #[arg(long)]
+        keep: bool,
+    },
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
@@ -110,6 +119,7 @@ pub fn main() -> ExitCode {
             kind,
             name,
         } => status(&config, admin.as_deref(), output, namespace, kind, name),
+        Command::Demo { port_base, keep } => crate::demo::run(port_base, keep),
     };
     match result {
         Ok(code) => code,

@@ -3,6 +3,7 @@
 
 mod admin;
 mod cli;
+mod demo;
 mod run;
 mod site;
 mod source;
