@@ -865,7 +865,7 @@ mod table_tests {
             "spec": {"routingKey": "a-routing-key-that-is-long-too", "host": "127.0.0.1", "port": 17000},
             "status": {"status": "Pending", "message": long, "hasMatchingConnector": false},
         });
-        let out = tables(&[v.clone()]);
+        let out = tables(std::slice::from_ref(&v));
         assert!(widest(&out) <= TABLE_WIDTH, "{out}");
         assert!(out.contains('…'), "{out}");
         assert!(

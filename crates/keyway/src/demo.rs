@@ -200,7 +200,6 @@ async fn demo(ports: Ports, keep: bool) -> Result<ExitCode> {
         ],
     ];
     let exe = std::env::current_exe().context("cannot find the keyway executable")?;
-    // Central first: the others dial it.
     for (i, files) in configs.iter().enumerate() {
         let name = SITES[i];
         let dir = net.root.join(name);
@@ -217,13 +216,18 @@ async fn demo(ports: Ports, keep: bool) -> Result<ExitCode> {
             exit_reported: false,
         });
     }
-    for i in [1, 0, 2] {
-        net.sites[i].spawn(&exe)?;
-    }
-    for site in &mut net.sites {
-        site.wait_ready().await?;
-    }
-    let converged = wait_converged(&net.sites[1].admin).await;
+    // Ctrl-C/SIGTERM/SIGHUP from here on stop everything, also while the sites start.
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let started = tokio::select! {
+        started = start_sites(&mut net, &exe) => Some(started?),
+        _ = &mut shutdown => None,
+    };
+    let Some(converged) = started else {
+        println!("Interrupted while starting; stopping the sites...");
+        let _ = tokio::task::spawn_blocking(move || net.stop()).await;
+        return Ok(ExitCode::SUCCESS);
+    };
 
     print!("{}", instructions(&net, ports, &exe));
     if !converged {
@@ -244,8 +248,6 @@ async fn demo(ports: Ports, keep: bool) -> Result<ExitCode> {
         }
     });
 
-    let shutdown = crate::run::shutdown_signal();
-    tokio::pin!(shutdown);
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     loop {
         tokio::select! {
@@ -287,6 +289,43 @@ async fn demo(ports: Ports, keep: bool) -> Result<ExitCode> {
         println!("Stopped {n} site(s). Removed {}", dir.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Starts the sites (central first: the others dial it), waits until each is ready and the
+/// network has converged; false when it did not converge in time.
+async fn start_sites(net: &mut Network, exe: &Path) -> Result<bool> {
+    for i in [1, 0, 2] {
+        net.sites[i].spawn(exe)?;
+    }
+    for site in &mut net.sites {
+        site.wait_ready().await?;
+    }
+    Ok(wait_converged(&net.sites[1].admin).await)
+}
+
+/// Ctrl-C, SIGTERM, or SIGHUP (the terminal went away).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+            _ = hup.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// The sites and their temp directory; stopping (also on drop) ends every child.
