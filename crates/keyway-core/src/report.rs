@@ -97,8 +97,19 @@ pub fn as_list(items: Vec<Value>) -> Value {
     json!({"apiVersion": "v1", "kind": "List", "items": items})
 }
 
-/// One table per kind, for people.
+/// Widest line a table may print, as `kubectl` output is read in a terminal of this width.
+pub const TABLE_WIDTH: usize = 120;
+
+/// One table per kind, for people: what a person checks first (name, status, routing keys,
+/// address, what it is matched to or uses now, conflicts) and a message, cut with `…` so every
+/// line fits in [`TABLE_WIDTH`] columns. The NAMESPACE column appears only when some object of
+/// the table is outside `default`. `-o yaml`/`-o json` have everything.
 pub fn tables(items: &[Value]) -> String {
+    tables_width(items, TABLE_WIDTH)
+}
+
+/// [`tables`] for a given line width.
+pub fn tables_width(items: &[Value], width: usize) -> String {
     let mut by_kind: Vec<(String, Vec<&Value>)> = Vec::new();
     for item in items {
         let kind = item["kind"].as_str().unwrap_or_default().to_string();
@@ -109,13 +120,27 @@ pub fn tables(items: &[Value]) -> String {
     }
     let mut out = String::new();
     for (kind, list) in by_kind {
-        let columns = columns_for(&kind);
+        let show_namespace = list.iter().any(|v| {
+            let ns = v["metadata"]["namespace"].as_str().unwrap_or_default();
+            !ns.is_empty() && ns != "default"
+        });
+        let mut columns: Vec<Column> = Vec::new();
+        if show_namespace {
+            columns.push(("NAMESPACE", |v| s(&v["metadata"]["namespace"])));
+        }
+        columns.push(("NAME", |v| s(&v["metadata"]["name"])));
+        columns.extend(columns_for(&kind));
         let mut rows: Vec<Vec<String>> = vec![columns.iter().map(|(h, _)| h.to_string()).collect()];
         for item in list {
-            rows.push(columns.iter().map(|(_, f)| f(item)).collect());
+            if kind == "MultiKeyListener" {
+                rows.extend(mkl_rows(item, &columns));
+            } else {
+                rows.push(columns.iter().map(|(_, f)| f(item)).collect());
+            }
         }
-        let _ = writeln!(out, "{kind}s:");
-        out.push_str(&render_rows(&rows));
+        let plural = if kind.ends_with('s') { "es" } else { "s" };
+        let _ = writeln!(out, "{kind}{plural}:");
+        out.push_str(&render_rows(&rows, width));
         out.push('\n');
     }
     if out.is_empty() {
@@ -126,44 +151,67 @@ pub fn tables(items: &[Value]) -> String {
 
 type Column = (&'static str, fn(&Value) -> String);
 
+/// MultiKeyListener columns filled per routing key.
+const KEY: &str = "ROUTING KEYS";
+const REACHABLE: &str = "REACHABLE";
+const IN_USE: &str = "IN USE";
+
+/// Listener conflicts of a Gateway or ListenerSet, else why it is not accepted.
+const CONFLICTS: &str = "CONFLICTS / REASON";
+
+/// Columns that may be cut to fit the width; names, statuses and addresses are never cut.
+const CUTTABLE: &[&str] = &[
+    "MESSAGE",
+    "ROUTING KEY",
+    CONFLICTS,
+    "KEYS REACHABLE AT",
+    "HOSTNAMES",
+    "PARENTS",
+    "CONTROLLER",
+];
+
 fn columns_for(kind: &str) -> Vec<Column> {
-    let mut cols: Vec<Column> = vec![
-        ("NAMESPACE", |v| s(&v["metadata"]["namespace"])),
-        ("NAME", |v| s(&v["metadata"]["name"])),
-    ];
-    let specific: Vec<Column> = match kind {
+    match kind {
         "Listener" => vec![
+            ("STATUS", status_word),
             ("ROUTING KEY", |v| s(&v["spec"]["routingKey"])),
             ("HOST:PORT", host_port),
-            ("MATCHED", |v| yes_no(&v["status"]["hasMatchingConnector"])),
-            ("STATUS", |v| s(&v["status"]["status"])),
+            ("MATCHING CONNECTORS", |v| {
+                yes_no(&v["status"]["hasMatchingConnector"])
+            }),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
         "Connector" => vec![
+            ("STATUS", status_word),
             ("ROUTING KEY", |v| s(&v["spec"]["routingKey"])),
             ("HOST:PORT", host_port),
-            ("MATCHED", |v| yes_no(&v["status"]["hasMatchingListener"])),
-            ("STATUS", |v| s(&v["status"]["status"])),
+            ("MATCHING LISTENERS", |v| {
+                yes_no(&v["status"]["hasMatchingListener"])
+            }),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
+        // One row per routing key, in spec order; see `mkl_rows`.
         "MultiKeyListener" => vec![
-            ("STRATEGY", |v| first_key(&v["spec"]["strategy"])),
-            ("ROUTING KEYS", mkl_keys),
+            ("STATUS", status_word),
             ("HOST:PORT", host_port),
-            ("REACHABLE", |v| strategy_status(v, "routingKeysReachable")),
-            ("ACTIVE", |v| strategy_status(v, "activeRoutingKey")),
-            ("STATUS", |v| s(&v["status"]["status"])),
+            ("STRATEGY", strategy_kind),
+            (KEY, |_| String::new()),
+            (REACHABLE, |_| String::new()),
+            (IN_USE, |_| String::new()),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
         "Site" => vec![
-            ("SITES IN NETWORK", |v| s(&v["status"]["sitesInNetwork"])),
+            ("STATUS", status_word),
+            ("SITES", |v| s(&v["status"]["sitesInNetwork"])),
             ("KEYS REACHABLE AT", keys_by_site),
-            ("STATUS", |v| s(&v["status"]["status"])),
         ],
         "Link" => vec![
+            ("STATUS", status_word),
             ("REMOTE SITE", |v| s(&v["status"]["remoteSiteName"])),
-            ("COST", |v| s(&v["spec"]["cost"])),
-            ("STATUS", |v| s(&v["status"]["status"])),
+            ("COST", |v| match &v["spec"]["cost"] {
+                Value::Null => "1".into(),
+                cost => s(cost),
+            }),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
         "AccessGrant" => vec![
@@ -175,35 +223,48 @@ fn columns_for(kind: &str) -> Vec<Column> {
                 )
             }),
             ("EXPIRES", |v| s(&v["status"]["expirationTime"])),
-            ("STATUS", |v| s(&v["status"]["status"])),
+            ("STATUS", status_word),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
-        "RouterAccess" | "AccessToken" => {
-            vec![
-                ("STATUS", |v| s(&v["status"]["status"])),
-                ("MESSAGE", |v| s(&v["status"]["message"])),
-            ]
-        }
+        "RouterAccess" | "AccessToken" => vec![
+            ("STATUS", status_word),
+            ("MESSAGE", |v| s(&v["status"]["message"])),
+        ],
+        "GatewayClass" => vec![
+            ("CONTROLLER", |v| s(&v["spec"]["controllerName"])),
+            ("ACCEPTED", |v| condition(&v["status"], "Accepted")),
+        ],
         "Gateway" => vec![
             ("CLASS", |v| s(&v["spec"]["gatewayClassName"])),
-            ("ACCEPTED", |v| condition(v, "Accepted")),
-            ("PROGRAMMED", |v| condition(v, "Programmed")),
-            ("LISTENERSETS", |v| s(&v["status"]["attachedListenerSets"])),
+            ("ACCEPTED", |v| condition_status(&v["status"], "Accepted")),
+            ("PROGRAMMED", |v| {
+                condition_status(&v["status"], "Programmed")
+            }),
+            ("LISTENERS", listeners_accepted),
+            ("ATTACHED SETS", |v| s(&v["status"]["attachedListenerSets"])),
+            (CONFLICTS, conflicts_or_reason),
         ],
         "ListenerSet" | "XListenerSet" => vec![
             ("PARENT", |v| s(&v["spec"]["parentRef"]["name"])),
-            ("ACCEPTED", |v| condition(v, "Accepted")),
-            ("PROGRAMMED", |v| condition(v, "Programmed")),
-            ("CONFLICTS", conflicted_listeners),
+            ("ACCEPTED", |v| condition_status(&v["status"], "Accepted")),
+            ("PROGRAMMED", |v| {
+                condition_status(&v["status"], "Programmed")
+            }),
+            ("LISTENERS", listeners_accepted),
+            ("ROUTES", attached_routes),
+            (CONFLICTS, conflicts_or_reason),
         ],
         "HTTPRoute" | "GRPCRoute" | "TLSRoute" | "TCPRoute" => vec![
             ("HOSTNAMES", |v| list(&v["spec"]["hostnames"])),
             ("PARENTS", route_parents),
+            ("RESOLVED REFS", route_resolved),
         ],
         _ => vec![],
-    };
-    cols.extend(specific);
-    cols
+    }
+}
+
+fn status_word(v: &Value) -> String {
+    s(&v["status"]["status"])
 }
 
 /// `key@site` for every key a site of the network has connectors for.
@@ -229,10 +290,10 @@ fn s(v: &Value) -> String {
 }
 
 fn yes_no(v: &Value) -> String {
-    if v.as_bool() == Some(true) {
-        "yes".into()
-    } else {
-        "no".into()
+    match v.as_bool() {
+        Some(true) => "yes".into(),
+        Some(false) => "no".into(),
+        None => String::new(),
     }
 }
 
@@ -246,93 +307,249 @@ fn host_port(v: &Value) -> String {
     format!("{}:{}", s(&v["spec"]["host"]), s(&v["spec"]["port"]))
 }
 
-fn first_key(v: &Value) -> String {
-    v.as_object()
-        .and_then(|m| m.keys().next().cloned())
+/// The one strategy of a MultiKeyListener spec or status: (kind, body).
+fn strategy(v: &Value) -> Option<(&String, &Value)> {
+    v.as_object().and_then(|m| m.iter().next())
+}
+
+/// `priorityFailover` (or its upstream alias `priority`) or `weighted`, as written.
+fn strategy_kind(v: &Value) -> String {
+    strategy(&v["spec"]["strategy"])
+        .map(|(k, _)| k.clone())
         .unwrap_or_default()
 }
 
-fn mkl_keys(v: &Value) -> String {
-    let strategy = &v["spec"]["strategy"];
-    let Some((_, inner)) = strategy.as_object().and_then(|m| m.iter().next()) else {
-        return String::new();
+/// Per routing key of a MultiKeyListener, in spec order: (label, reachable, in use). Priority
+/// labels are `1. key` (preference order) and the key in use is the active one; weighted labels
+/// are `key (weight)` and every reachable key is in use.
+fn mkl_keys(v: &Value) -> Vec<(String, String, String)> {
+    let Some((kind, inner)) = strategy(&v["spec"]["strategy"]) else {
+        return Vec::new();
+    };
+    let has_status = !v["status"].is_null();
+    let status = strategy(&v["status"]["strategy"]).map(|(_, s)| s);
+    let reachable: Vec<String> = status
+        .and_then(|st| st["routingKeysReachable"].as_array())
+        .map(|a| a.iter().map(s).collect())
+        .unwrap_or_default();
+    let active = status
+        .map(|st| s(&st["activeRoutingKey"]))
+        .unwrap_or_default();
+    let weighted = kind == "weighted";
+    let flags = |key: &str| {
+        if !has_status {
+            return (String::new(), String::new());
+        }
+        let up = reachable.iter().any(|k| k == key);
+        let in_use = if weighted { up } else { key == active };
+        (
+            yes_no(&Value::Bool(up)),
+            if in_use { "yes".into() } else { String::new() },
+        )
     };
     match &inner["routingKeys"] {
-        Value::Array(keys) => keys.iter().map(s).collect::<Vec<_>>().join(">"),
+        Value::Array(keys) => keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let key = s(k);
+                let (up, used) = flags(&key);
+                (format!("{}. {key}", i + 1), up, used)
+            })
+            .collect(),
         Value::Object(weights) => weights
             .iter()
-            .map(|(k, w)| format!("{k}={}", s(w)))
-            .collect::<Vec<_>>()
-            .join(","),
-        _ => String::new(),
+            .map(|(key, w)| {
+                let (up, used) = flags(key);
+                (format!("{key} ({})", s(w)), up, used)
+            })
+            .collect(),
+        _ => Vec::new(),
     }
 }
 
-fn strategy_status(v: &Value, field: &str) -> String {
-    let Some((_, inner)) = v["status"]["strategy"]
-        .as_object()
-        .and_then(|m| m.iter().next())
-    else {
-        return String::new();
+/// The rows of one MultiKeyListener: its first key on the object's row, each further key on a
+/// row of its own under it.
+fn mkl_rows(v: &Value, columns: &[Column]) -> Vec<Vec<String>> {
+    let first: Vec<String> = columns.iter().map(|(_, f)| f(v)).collect();
+    let at = |h: &str| columns.iter().position(|(c, _)| *c == h);
+    let (Some(k), Some(r), Some(u)) = (at(KEY), at(REACHABLE), at(IN_USE)) else {
+        return vec![first];
     };
-    match &inner[field] {
-        Value::Array(a) => a.iter().map(s).collect::<Vec<_>>().join(","),
-        other => s(other),
+    let keys = mkl_keys(v);
+    if keys.is_empty() {
+        return vec![first];
     }
+    keys.into_iter()
+        .enumerate()
+        .map(|(i, (key, up, used))| {
+            let mut row = if i == 0 {
+                first.clone()
+            } else {
+                vec![String::new(); columns.len()]
+            };
+            row[k] = key;
+            row[r] = up;
+            row[u] = used;
+            row
+        })
+        .collect()
 }
 
-fn condition(v: &Value, type_: &str) -> String {
-    v["status"]["conditions"]
+/// `True`, or `False (Reason)`; the reason is shown whenever it is not the condition's own name.
+fn condition(status: &Value, type_: &str) -> String {
+    status["conditions"]
         .as_array()
         .and_then(|c| c.iter().find(|c| c["type"] == type_))
-        .map(|c| format!("{} ({})", s(&c["status"]), s(&c["reason"])))
+        .map(|c| {
+            let (st, reason) = (s(&c["status"]), s(&c["reason"]));
+            if reason.is_empty() || reason == type_ {
+                st
+            } else {
+                format!("{st} ({reason})")
+            }
+        })
         .unwrap_or_default()
 }
 
-fn conflicted_listeners(v: &Value) -> String {
+/// `True`/`False` alone; the reason goes in [`CONFLICTS`].
+fn condition_status(status: &Value, type_: &str) -> String {
+    status["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == type_))
+        .map(|c| s(&c["status"]))
+        .unwrap_or_default()
+}
+
+fn condition_true(status: &Value, type_: &str) -> bool {
+    status["conditions"].as_array().is_some_and(|c| {
+        c.iter()
+            .any(|c| c["type"] == type_ && c["status"] == "True")
+    })
+}
+
+/// `accepted/declared` listeners of a Gateway or ListenerSet, e.g. `1/2`.
+fn listeners_accepted(v: &Value) -> String {
+    let declared = v["spec"]["listeners"].as_array().map_or(0, Vec::len);
+    let accepted = v["status"]["listeners"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|l| condition_true(l, "Accepted"))
+        .count();
+    if v["status"].is_null() {
+        declared.to_string()
+    } else {
+        format!("{accepted}/{declared}")
+    }
+}
+
+fn attached_routes(v: &Value) -> String {
     let Some(listeners) = v["status"]["listeners"].as_array() else {
         return String::new();
     };
     listeners
         .iter()
-        .filter(|l| {
-            l["conditions"].as_array().is_some_and(|c| {
-                c.iter()
-                    .any(|c| c["type"] == "Conflicted" && c["status"] == "True")
-            })
-        })
-        .map(|l| s(&l["name"]))
-        .collect::<Vec<_>>()
-        .join(",")
+        .map(|l| l["attachedRoutes"].as_u64().unwrap_or(0))
+        .sum::<u64>()
+        .to_string()
 }
 
+/// `listener: Reason` for every listener with `Conflicted=True`; when there is none, the reason
+/// of `Accepted` or `Programmed` if either is not `True` (or is `True` with a reason other than
+/// its own name, as a Gateway with some invalid listeners).
+fn conflicts_or_reason(v: &Value) -> String {
+    let conflicts = conflicts(v);
+    if !conflicts.is_empty() {
+        return conflicts;
+    }
+    for type_ in ["Accepted", "Programmed"] {
+        let c = condition(&v["status"], type_);
+        if let Some(reason) = c.split_once(" (").map(|(_, r)| r.trim_end_matches(')')) {
+            return reason.to_string();
+        }
+    }
+    String::new()
+}
+
+/// `listener: Reason` for every listener with `Conflicted=True`.
+fn conflicts(v: &Value) -> String {
+    v["status"]["listeners"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| {
+            let c = l["conditions"]
+                .as_array()?
+                .iter()
+                .find(|c| c["type"] == "Conflicted" && c["status"] == "True")?;
+            Some(format!("{}: {}", s(&l["name"]), s(&c["reason"])))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `parent: Accepted` or `parent: Reason` per parentRef.
 fn route_parents(v: &Value) -> String {
-    let Some(parents) = v["status"]["parents"].as_array() else {
-        return String::new();
-    };
-    parents
-        .iter()
+    v["status"]["parents"]
+        .as_array()
+        .into_iter()
+        .flatten()
         .map(|p| {
-            let accepted = p["conditions"]
-                .as_array()
-                .and_then(|c| c.iter().find(|c| c["type"] == "Accepted"))
-                .map(|c| {
-                    if c["status"] == "True" {
-                        "accepted".to_string()
-                    } else {
-                        s(&c["reason"])
-                    }
-                })
-                .unwrap_or_default();
-            format!("{}:{}", s(&p["parentRef"]["name"]), accepted)
+            let accepted = condition(p, "Accepted");
+            let state = match accepted.as_str() {
+                "True" => "Accepted".to_string(),
+                other => other
+                    .strip_prefix("False (")
+                    .and_then(|r| r.strip_suffix(')'))
+                    .unwrap_or(other)
+                    .to_string(),
+            };
+            format!("{}: {state}", s(&p["parentRef"]["name"]))
         })
         .collect::<Vec<_>>()
-        .join(",")
+        .join(", ")
 }
 
-fn render_rows(rows: &[Vec<String>]) -> String {
+/// `True` when every parent resolved its backends, else the first failing reason.
+fn route_resolved(v: &Value) -> String {
+    let parents = v["status"]["parents"].as_array();
+    let mut out = String::new();
+    for p in parents.into_iter().flatten() {
+        let c = condition(p, "ResolvedRefs");
+        if c.is_empty() {
+            continue;
+        }
+        if c != "True" {
+            return c;
+        }
+        out = c;
+    }
+    out
+}
+
+/// Cuts `text` to `width` characters, ending in `…` when something was cut.
+fn truncate(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_string();
+    }
+    if width == 0 {
+        return String::new();
+    }
+    let mut out: String = text.chars().take(width - 1).collect();
+    out.push('…');
+    out
+}
+
+/// Aligned columns, two spaces apart, as `kubectl get` prints them. When a line would be wider
+/// than `max`, the widest [`CUTTABLE`] columns give up characters first (never below 12), cells
+/// cut with `…`; names are never cut.
+fn render_rows(rows: &[Vec<String>], max: usize) -> String {
+    const INDENT: usize = 0;
+    const GAP: usize = 2;
+    const MIN: usize = 12;
     let n = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..n)
+    let mut widths: Vec<usize> = (0..n)
         .map(|i| {
             rows.iter()
                 .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
@@ -340,20 +557,373 @@ fn render_rows(rows: &[Vec<String>]) -> String {
                 .unwrap_or(0)
         })
         .collect();
-    let mut out = String::new();
-    for row in rows {
-        let line: Vec<String> = row
+    let total = |w: &[usize]| INDENT + w.iter().sum::<usize>() + GAP * w.len().saturating_sub(1);
+    let cuttable: Vec<bool> = (0..n)
+        .map(|i| {
+            rows.first()
+                .and_then(|h| h.get(i))
+                .is_some_and(|h| CUTTABLE.contains(&h.as_str()))
+        })
+        .collect();
+    while total(&widths) > max {
+        let widest = widths
             .iter()
             .enumerate()
-            .map(|(i, c)| {
-                if i + 1 == row.len() {
-                    c.clone()
-                } else {
-                    format!("{c:<w$}", w = widths[i])
-                }
-            })
-            .collect();
-        let _ = writeln!(out, "  {}", line.join("   ").trim_end());
+            .filter(|(i, w)| cuttable[*i] && **w > MIN)
+            .max_by_key(|(i, w)| (**w, *i));
+        let Some((i, &w)) = widest else {
+            break;
+        };
+        let excess = total(&widths) - max;
+        // Shrink the widest column down to the next widest (or by the excess), at least one.
+        let next = widths
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i && cuttable[*j])
+            .map(|(_, w)| *w)
+            .max()
+            .unwrap_or(0);
+        let step = excess.min(w - next.max(MIN)).max(1);
+        widths[i] = w - step;
+    }
+    let mut out = String::new();
+    for row in rows {
+        let mut line = " ".repeat(INDENT);
+        for (i, cell) in row.iter().enumerate() {
+            let w = widths.get(i).copied().unwrap_or(0);
+            let cell = truncate(cell, w);
+            line.push_str(&cell);
+            if i + 1 < row.len() {
+                let pad = w - cell.chars().count() + GAP;
+                line.push_str(&" ".repeat(pad));
+            }
+        }
+        let _ = writeln!(out, "{}", line.trim_end());
     }
     out
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    fn cond(type_: &str, status: &str, reason: &str) -> Value {
+        json!({"type": type_, "status": status, "reason": reason, "message": "m"})
+    }
+
+    /// The cells of a table line (columns are at least two spaces apart).
+    fn cells(line: &str) -> Vec<String> {
+        line.split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
+    fn widest(text: &str) -> usize {
+        text.lines().map(|l| l.chars().count()).max().unwrap_or(0)
+    }
+
+    fn mkl(active: Option<&str>, reachable: &[&str]) -> Value {
+        let mut strategy = json!({"routingKeysReachable": reachable});
+        if let Some(a) = active {
+            strategy["activeRoutingKey"] = json!(a);
+        }
+        json!({
+            "kind": "MultiKeyListener",
+            "metadata": {"name": "backend", "namespace": "default"},
+            "spec": {"host": "127.0.0.1", "port": 17000, "strategy": {"priorityFailover": {
+                "routingKeys": ["backend-east", "backend-west", "backend-all"]}}},
+            "status": {"status": "Ready", "message": "OK",
+                "strategy": {"priorityFailover": strategy}},
+        })
+    }
+
+    /// The text of `line` under `header` of `head` (up to the next column).
+    fn field(head: &str, line: &str, header: &str) -> String {
+        let Some(start) = head.find(header) else {
+            return format!("<no {header}>");
+        };
+        let rest = &head[start + header.len()..];
+        let end = rest
+            .find(|c: char| c != ' ')
+            .map(|i| start + header.len() + i)
+            .unwrap_or(usize::MAX);
+        let chars: Vec<char> = line.chars().collect();
+        let end = end.min(chars.len());
+        chars
+            .get(start.min(end)..end)
+            .map(|c| c.iter().collect::<String>().trim().to_string())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn multikeylistener_shows_one_row_per_key_with_reachability_and_the_key_in_use() {
+        let out = tables(&[mkl(Some("backend-west"), &["backend-west", "backend-all"])]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], "MultiKeyListeners:");
+        assert_eq!(
+            cells(lines[1]),
+            [
+                "NAME",
+                "STATUS",
+                "HOST:PORT",
+                "STRATEGY",
+                "ROUTING KEYS",
+                "REACHABLE",
+                "IN USE",
+                "MESSAGE"
+            ],
+            "default namespace is not shown: {out}"
+        );
+        assert_eq!(lines.iter().filter(|l| !l.is_empty()).count(), 5, "{out}");
+        let col = |row: usize, h: &str| field(lines[1], lines[row], h);
+        assert_eq!(col(2, "NAME"), "backend");
+        assert_eq!(col(2, "STATUS"), "Ready");
+        assert_eq!(col(2, "HOST:PORT"), "127.0.0.1:17000");
+        assert_eq!(col(2, "STRATEGY"), "priorityFailover");
+        assert_eq!(col(2, "MESSAGE"), "OK");
+        let keys: Vec<(String, String, String)> = (2..5)
+            .map(|r| {
+                (
+                    col(r, "ROUTING KEYS"),
+                    col(r, "REACHABLE"),
+                    col(r, "IN USE"),
+                )
+            })
+            .collect();
+        let want = [
+            ("1. backend-east", "no", ""),
+            ("2. backend-west", "yes", "yes"),
+            ("3. backend-all", "yes", ""),
+        ];
+        for (got, want) in keys.iter().zip(want) {
+            assert_eq!(
+                (got.0.as_str(), got.1.as_str(), got.2.as_str()),
+                want,
+                "{out}"
+            );
+        }
+        assert_eq!(col(3, "NAME"), "", "continuation rows are blank: {out}");
+
+        let none = tables(&[mkl(None, &[])]);
+        assert!(
+            !none.contains("yes"),
+            "nothing reachable, nothing in use: {none}"
+        );
+    }
+
+    #[test]
+    fn weighted_listener_shows_weights_and_uses_every_reachable_key() {
+        let v = json!({
+            "kind": "MultiKeyListener",
+            "metadata": {"name": "split"},
+            "spec": {"host": "127.0.0.1", "port": 1, "strategy": {"weighted": {
+                "routingKeys": {"a": 3, "b": 1}}}},
+            "status": {"status": "Ready", "message": "OK",
+                "strategy": {"weighted": {"routingKeysReachable": ["b"]}}},
+        });
+        let out = tables(&[v]);
+        let lines: Vec<&str> = out.lines().collect();
+        let col = |row: usize, h: &str| field(lines[1], lines[row], h);
+        assert_eq!(col(2, "STRATEGY"), "weighted");
+        assert_eq!(
+            (
+                col(2, "ROUTING KEYS"),
+                col(2, "REACHABLE"),
+                col(2, "IN USE")
+            ),
+            ("a (3)".into(), "no".into(), String::new()),
+            "{out}"
+        );
+        assert_eq!(
+            (
+                col(3, "ROUTING KEYS"),
+                col(3, "REACHABLE"),
+                col(3, "IN USE")
+            ),
+            ("b (1)".into(), "yes".into(), "yes".into()),
+            "{out}"
+        );
+    }
+
+    fn listener_set(ns: &str, name: &str, conflicted: bool) -> Value {
+        let listener = if conflicted {
+            json!({"name": "second", "attachedRoutes": 1, "conditions": [
+                cond("Accepted", "False", "HostnameConflict"),
+                cond("Programmed", "False", "HostnameConflict"),
+                cond("Conflicted", "True", "HostnameConflict")]})
+        } else {
+            json!({"name": "first", "attachedRoutes": 2, "conditions": [
+                cond("Accepted", "True", "Accepted"),
+                cond("Programmed", "True", "Programmed"),
+                cond("Conflicted", "False", "NoConflicts")]})
+        };
+        let (a, p) = if conflicted {
+            (
+                cond("Accepted", "False", "ListenersNotValid"),
+                cond("Programmed", "False", "ListenersNotValid"),
+            )
+        } else {
+            (
+                cond("Accepted", "True", "Accepted"),
+                cond("Programmed", "True", "Programmed"),
+            )
+        };
+        json!({
+            "kind": "ListenerSet",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"parentRef": {"name": "parent-gateway"}, "listeners": [{"name": "x"}]},
+            "status": {"conditions": [a, p], "listeners": [listener]},
+        })
+    }
+
+    #[test]
+    fn listenersets_show_acceptance_attached_routes_and_conflicts_with_reasons() {
+        let out = tables(&[
+            listener_set("team-1-ns", "first-workload-listeners", false),
+            listener_set("team-2-ns", "second-workload-listeners", true),
+        ]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[1].starts_with("NAMESPACE  NAME"), "{out}");
+        for h in [
+            "ACCEPTED",
+            "PROGRAMMED",
+            "LISTENERS",
+            "ROUTES",
+            "CONFLICTS / REASON",
+        ] {
+            assert!(lines[1].contains(h), "{out}");
+        }
+        assert_eq!(
+            cells(lines[2]),
+            [
+                "team-1-ns",
+                "first-workload-listeners",
+                "parent-gateway",
+                "True",
+                "True",
+                "1/1",
+                "2"
+            ],
+            "{out}"
+        );
+        assert_eq!(
+            cells(lines[3]),
+            [
+                "team-2-ns",
+                "second-workload-listeners",
+                "parent-gateway",
+                "False",
+                "False",
+                "0/1",
+                "1",
+                "second: HostnameConflict"
+            ],
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn gateway_counts_attached_sets_and_own_conflicts() {
+        let v = json!({
+            "kind": "Gateway",
+            "metadata": {"name": "parent-gateway", "namespace": "default"},
+            "spec": {"gatewayClassName": "keyway", "listeners": [{"name": "a"}, {"name": "b"}]},
+            "status": {"attachedListenerSets": 1,
+                "conditions": [cond("Accepted", "True", "ListenersNotValid"),
+                    cond("Programmed", "True", "Programmed")],
+                "listeners": [
+                    {"name": "a", "conditions": [cond("Accepted", "True", "Accepted")]},
+                    {"name": "b", "conditions": [cond("Accepted", "False", "ProtocolConflict"),
+                        cond("Conflicted", "True", "ProtocolConflict")]}]},
+        });
+        let out = tables(&[v]);
+        assert!(out.contains("ATTACHED SETS"), "{out}");
+        let row = out.lines().nth(2).map(cells).unwrap_or_default();
+        assert_eq!(
+            row,
+            [
+                "parent-gateway",
+                "keyway",
+                "True",
+                "True",
+                "1/2",
+                "1",
+                "b: ProtocolConflict"
+            ],
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn a_listenerset_that_is_not_allowed_says_why() {
+        let v = json!({
+            "kind": "ListenerSet",
+            "metadata": {"name": "ls", "namespace": "default"},
+            "spec": {"parentRef": {"name": "gw"}, "listeners": [{"name": "a"}]},
+            "status": {"conditions": [cond("Accepted", "False", "NotAllowed"),
+                cond("Programmed", "False", "NotAllowed")],
+                "listeners": [{"name": "a", "attachedRoutes": 0,
+                    "conditions": [cond("Accepted", "False", "NotAllowed")]}]},
+        });
+        let out = tables(&[v]);
+        let row = out.lines().nth(2).map(cells).unwrap_or_default();
+        assert_eq!(
+            row,
+            ["ls", "gw", "False", "False", "0/1", "0", "NotAllowed"],
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn long_messages_are_cut_to_fit_120_columns() {
+        let long = "hostname `first.foo.com` on port 17443 is already claimed by another listener; the Gateway's own listeners win, then the oldest ListenerSet";
+        let v = json!({
+            "kind": "Listener",
+            "metadata": {"name": "a-listener-with-a-rather-long-name", "namespace": "team-a"},
+            "spec": {"routingKey": "a-routing-key-that-is-long-too", "host": "127.0.0.1", "port": 17000},
+            "status": {"status": "Pending", "message": long, "hasMatchingConnector": false},
+        });
+        let out = tables(std::slice::from_ref(&v));
+        assert!(widest(&out) <= TABLE_WIDTH, "{out}");
+        assert!(out.contains('…'), "{out}");
+        assert!(
+            out.contains("a-listener-with-a-rather-long-name"),
+            "names stay whole: {out}"
+        );
+        assert!(
+            out.contains("MATCHING CONNECTORS") && out.contains(" no "),
+            "{out}"
+        );
+        // A short message in a table that fits is not cut.
+        let mut short = v.clone();
+        short["status"]["message"] = json!("No matching connectors");
+        short["spec"]["routingKey"] = json!("db");
+        short["metadata"]["name"] = json!("db");
+        assert!(tables(&[short]).contains("No matching connectors"));
+        // Narrower than names allow: cut columns stop at 12 characters, names stay whole.
+        let narrow = tables_width(&[v], 60);
+        assert!(
+            narrow.contains("a-listener-with-a-rather-long-name  Pending  a-routing-k…")
+                && narrow.trim_end().ends_with("hostname `f…"),
+            "{narrow}"
+        );
+    }
+
+    #[test]
+    fn short_tables_are_not_cut() {
+        assert_eq!(truncate("abc", 3), "abc");
+        assert_eq!(truncate("abcd", 3), "ab…");
+        let rows = vec![
+            vec!["A".to_string(), "B".to_string()],
+            vec!["x".into(), "y".into()],
+        ];
+        assert_eq!(render_rows(&rows, 120), "A  B\nx  y\n");
+    }
+
+    #[test]
+    fn empty_input_says_so() {
+        assert_eq!(tables(&[]), "No objects.\n");
+    }
 }

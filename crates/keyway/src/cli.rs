@@ -64,6 +64,15 @@ enum Command {
         /// Only this name.
         name: Option<String>,
     },
+    /// Start a small network on loopback (three linked sites, workloads, a Gateway) and print what to try.
+    Demo {
+        /// First port of the range the demo uses: base, +10, +80, +443 and +901..+903.
+        #[arg(long, default_value_t = 17000)]
+        port_base: u16,
+        /// Keep the temp directory (configs, certificates, logs) after stopping.
+        #[arg(long)]
+        keep: bool,
+    },
     /// Link sites with one-time tokens (AccessGrant / AccessToken), as `skupper token`.
     #[command(subcommand)]
     Token(TokenCommand),
@@ -176,6 +185,7 @@ pub fn main() -> ExitCode {
         Command::Token(TokenCommand::Redeem { file, config, name }) => {
             token::redeem(&file, &config, name)
         }
+        Command::Demo { port_base, keep } => crate::demo::run(port_base, keep),
     };
     match result {
         Ok(code) => code,

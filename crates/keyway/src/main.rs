@@ -3,6 +3,7 @@
 
 mod admin;
 mod cli;
+mod demo;
 mod grants;
 mod run;
 mod site;

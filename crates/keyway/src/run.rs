@@ -75,7 +75,8 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
     })
 }
 
-async fn shutdown_signal() {
+/// SIGINT (Ctrl-C) or SIGTERM.
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
