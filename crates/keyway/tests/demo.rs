@@ -274,6 +274,12 @@ fn demo_prints_instructions_that_work_then_stops_cleanly() {
         let (code, out, err) = run_line(line, &[]);
         assert_eq!(code, 0, "{err}");
         assert!(out.contains("Sites:") && out.contains(site), "{out}");
+        assert!(
+            out.lines()
+                .chain(table.lines())
+                .all(|l| l.chars().count() <= 120),
+            "status tables fit in 120 columns:\n{out}"
+        );
     }
 
     // Kill east: new connections go to backend-west within a few seconds.
