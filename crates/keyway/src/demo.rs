@@ -58,7 +58,10 @@ pub fn run(port_base: u16, keep: bool) -> Result<ExitCode> {
         .thread_name("keyway-demo")
         .build()
         .context("cannot start the runtime")?;
-    runtime.block_on(demo(ports, keep))
+    let result = runtime.block_on(demo(ports, keep));
+    // An admin fetch to a frozen (SIGSTOP) site may still be waiting: do not wait for it.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
 }
 
 /// Every port the demo binds, from one base.
@@ -87,22 +90,30 @@ impl Ports {
     /// Fails with a clear message when a port is taken. Gateway listeners bind every address.
     fn check_free(self) -> Result<()> {
         let mut wanted = vec![
-            (self.at(MKL), "127.0.0.1", "the MultiKeyListener"),
+            (
+                self.at(MKL),
+                "127.0.0.1",
+                "the MultiKeyListener".to_string(),
+            ),
             (
                 self.at(INTER_ROUTER),
                 "127.0.0.1",
-                "central's inter-router port",
+                "central's inter-router port".to_string(),
             ),
-            (self.at(HTTP), "0.0.0.0", "the Gateway's HTTP listener"),
+            (
+                self.at(HTTP),
+                "0.0.0.0",
+                "the Gateway's HTTP listener".to_string(),
+            ),
             (
                 self.at(HTTPS),
                 "0.0.0.0",
-                "the ListenerSets' HTTPS listener",
+                "the ListenerSets' HTTPS listener".to_string(),
             ),
         ];
         for (i, site) in SITES.iter().enumerate() {
             let port = self.at(ADMIN) + i as u16;
-            wanted.push((port, "127.0.0.1", site));
+            wanted.push((port, "127.0.0.1", format!("{site}'s admin endpoint")));
         }
         for (port, host, what) in wanted {
             if let Err(e) = std::net::TcpListener::bind((host, port)) {

@@ -75,8 +75,7 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
     })
 }
 
-/// SIGINT (Ctrl-C) or SIGTERM.
-pub(crate) async fn shutdown_signal() {
+async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
