@@ -10,6 +10,7 @@
 mod fxhash;
 mod hostname;
 mod listeners;
+mod merge;
 pub mod plan;
 #[cfg(test)]
 mod props;
@@ -35,6 +36,7 @@ use crate::reconcile::precedence_of;
 use crate::resource::{Kind, ObjectKey, Resource};
 use fxhash::{FxMap as HashMap, FxSet as HashSet};
 use listeners::{ListenerIn, ListenerSpec, Standing};
+use merge::Merge;
 use plan::{AttachedRoute, GatewayBind, ListenerBind, PortBind, ProtocolFamily};
 use refs::{GATEWAY_GROUP, Selector, World};
 use routes::{OwnerView, RouteIn};
@@ -81,6 +83,8 @@ pub struct GatewayResolver {
     route_results: HashMap<ObjectKey, RouteResult>,
     owner_results: HashMap<ObjectKey, OwnerResult>,
     models: HashMap<ObjectKey, Model>,
+    /// Per Gateway of ours: the object its merge was built for, and the merge.
+    merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
     out: GatewayResolution,
 }
 
@@ -284,6 +288,7 @@ impl GatewayResolver {
             self.route_inputs.clear();
             self.route_results.clear();
             self.owner_results.clear();
+            self.merges.clear();
         }
         let world = World::new(index, &dep_objs);
         let mut changed: Vec<ObjectKey> = Vec::new();
@@ -306,6 +311,8 @@ impl GatewayResolver {
             }
         }
 
+        let merges = &mut self.merges;
+        merges.retain(|k, (obj, _)| index.get(k).is_some_and(|now| Arc::ptr_eq(now, obj)));
         let next_version = &mut self.next_version;
         let inputs = &mut self.inputs;
         let mut input = |obj: &Arc<LoadedObject>| -> (u64, Arc<Vec<ListenerIn>>) {
@@ -398,9 +405,17 @@ impl GatewayResolver {
                 kids.into_iter().partition(|k| allows(&k.key.namespace));
             let kid_inputs: Vec<(u64, Arc<Vec<ListenerIn>>)> =
                 admitted.iter().map(|k| input(k)).collect();
-            let mut lists: Vec<&[ListenerIn]> = vec![own.as_slice()];
-            lists.extend(kid_inputs.iter().map(|(_, l)| l.as_slice()));
-            let mut standings = listeners::settle(&lists).into_iter();
+            let mut members: Vec<(&ObjectKey, &Arc<Vec<ListenerIn>>)> = vec![(*key, &own)];
+            members.extend(
+                admitted
+                    .iter()
+                    .map(|k| &k.key)
+                    .zip(kid_inputs.iter().map(|(_, l)| l)),
+            );
+            let (_, merge) = merges
+                .entry((*key).clone())
+                .or_insert_with(|| (Arc::clone(gw_obj), Merge::default()));
+            let mut standings = merge.settle(&members).into_iter();
             let own_standings = standings.next().unwrap_or_default();
             let accepted = own.is_empty() || own_standings.contains(&Standing::Accepted);
             let gw_index = owners.len();
