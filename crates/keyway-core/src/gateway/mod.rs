@@ -81,6 +81,11 @@ pub struct GatewayResolver {
     inputs: HashMap<ObjectKey, Cached<Vec<ListenerIn>>>,
     route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
     route_results: HashMap<ObjectKey, RouteResult>,
+    /// Route objects of the last run, in index order, to find changed routes by pointer.
+    route_objs: Vec<Arc<LoadedObject>>,
+    /// Reverse index: Gateway or ListenerSet key → routes with a parentRef naming it, so a
+    /// changed owner revisits only its routes.
+    by_target: HashMap<ObjectKey, HashSet<ObjectKey>>,
     owner_results: HashMap<ObjectKey, OwnerResult>,
     models: HashMap<ObjectKey, Model>,
     /// Per Gateway of ours: the object its merge was built for, and the merge.
@@ -98,9 +103,10 @@ struct Cached<T> {
 /// Where one route attached, valid while its input and its parents' fingerprints are unchanged.
 struct RouteResult {
     version: u64,
+    /// What the parentRefs name (kept to maintain `by_target` when the route changes).
+    targets: Vec<Option<ObjectKey>>,
     parent_fps: Vec<Option<u64>>,
     attaches: Vec<(ObjectKey, usize, Vec<String>)>,
-    seen: u64,
 }
 
 /// What a Gateway or ListenerSet contributed last time.
@@ -287,6 +293,8 @@ impl GatewayResolver {
             self.inputs.clear();
             self.route_inputs.clear();
             self.route_results.clear();
+            self.route_objs.clear();
+            self.by_target.clear();
             self.owner_results.clear();
             self.merges.clear();
         }
@@ -471,10 +479,45 @@ impl GatewayResolver {
             .map(|(i, o)| (&o.obj.key, i))
             .collect();
 
-        // Routes: recompute only those whose input or parents changed.
+        // Routes: visit only those that changed and those naming a changed owner.
         let mut dirty_keys: HashSet<ObjectKey> = HashSet::default();
         let mut removed: Vec<ObjectKey> = Vec::new();
-        for obj in &route_objs {
+        let (mut visit, gone) = changed_objects(&self.route_objs, &route_objs);
+        let mut changed_owners: Vec<&ObjectKey> = owners
+            .iter()
+            .filter(|o| {
+                self.owner_results
+                    .get(&o.obj.key)
+                    .is_none_or(|r| r.fp != o.fp)
+            })
+            .map(|o| &o.obj.key)
+            .collect();
+        changed_owners.extend(
+            self.owner_results
+                .keys()
+                .filter(|k| !owner_at.contains_key(k)),
+        );
+        let mut visiting: HashSet<&ObjectKey> = visit.iter().map(|o| &o.key).collect();
+        for owner in changed_owners {
+            for r in self.by_target.get(owner).into_iter().flatten() {
+                if let Some(obj) = index.get(r)
+                    && visiting.insert(&obj.key)
+                {
+                    visit.push(obj);
+                }
+            }
+        }
+        for key in gone {
+            self.route_inputs.remove(&key);
+            if let Some(rr) = self.route_results.remove(&key) {
+                for (owner, _, _) in &rr.attaches {
+                    dirty_keys.insert(owner.clone());
+                }
+                unlink_targets(&mut self.by_target, &key, &rr.targets);
+            }
+            removed.push(key);
+        }
+        for obj in visit {
             let Some((version, rin)) = cached(
                 &mut self.route_inputs,
                 &mut self.next_version,
@@ -484,9 +527,6 @@ impl GatewayResolver {
             ) else {
                 continue;
             };
-            if let Some((path, e)) = &rin.backend_error {
-                problems.push(obj.error_at(path, e.to_string()));
-            }
             let fp_of = |t: &Option<ObjectKey>| {
                 t.as_ref()
                     .and_then(|k| owner_at.get(k))
@@ -501,7 +541,6 @@ impl GatewayResolver {
                     .zip(&rin.targets)
                     .all(|(fp, t)| *fp == fp_of(t))
             {
-                rr.seen = run;
                 continue;
             }
             let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();
@@ -571,26 +610,30 @@ impl GatewayResolver {
                 obj.key.clone(),
                 RouteResult {
                     version,
+                    targets: rin.targets.clone(),
                     parent_fps: fps,
                     attaches,
-                    seen: run,
                 },
             );
-            for (k, _, _) in old.iter().flat_map(|o| &o.attaches) {
-                dirty_keys.insert(k.clone());
+            if let Some(old) = &old {
+                for (k, _, _) in &old.attaches {
+                    dirty_keys.insert(k.clone());
+                }
+                unlink_targets(&mut self.by_target, &obj.key, &old.targets);
+            }
+            for t in rin.targets.iter().flatten() {
+                self.by_target
+                    .entry(t.clone())
+                    .or_default()
+                    .insert(obj.key.clone());
             }
         }
-        self.route_inputs.retain(|_, c| c.seen == run);
-        self.route_results.retain(|k, rr| {
-            let keep = rr.seen == run;
-            if !keep {
-                for (owner, _, _) in &rr.attaches {
-                    dirty_keys.insert(owner.clone());
-                }
-                removed.push(k.clone());
+        self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
+        for c in self.route_inputs.values() {
+            if let Some((path, e)) = &c.value.backend_error {
+                problems.push(c.obj.error_at(path, e.to_string()));
             }
-            keep
-        });
+        }
 
         // Which Gateways and ListenerSets must be rebuilt.
         let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
@@ -616,13 +659,14 @@ impl GatewayResolver {
             .collect();
         let mut counts: HashMap<(usize, usize), i32> = HashMap::default();
         let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::default();
-        if dirty.iter().any(|d| *d) {
-            for (rkey, rr) in &self.route_results {
+        for (i, _) in dirty.iter().enumerate().filter(|(_, d)| **d) {
+            let key = &owners[i].obj.key;
+            for rkey in self.by_target.get(key).into_iter().flatten() {
+                let Some(rr) = self.route_results.get(rkey) else {
+                    continue;
+                };
                 for (owner, listener, hostnames) in &rr.attaches {
-                    let Some(&i) = owner_at.get(owner) else {
-                        continue;
-                    };
-                    if !dirty[i] {
+                    if owner != key {
                         continue;
                     }
                     *counts.entry((i, *listener)).or_default() += 1;
@@ -769,6 +813,61 @@ impl GatewayResolver {
         self.out.problems = problems;
         self.out.plan = plan;
         &self.out
+    }
+}
+
+/// Objects of `now` that are new or changed since `before` (both in key order, as the index
+/// iterates), and keys of objects gone. Unchanged objects keep their `Arc`, so this is a walk
+/// of pointer comparisons.
+fn changed_objects<'a>(
+    before: &[Arc<LoadedObject>],
+    now: &[&'a Arc<LoadedObject>],
+) -> (Vec<&'a Arc<LoadedObject>>, Vec<ObjectKey>) {
+    let (mut changed, mut gone) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    loop {
+        match (before.get(i), now.get(j)) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (i, j) = (i + 1, j + 1),
+            (Some(a), Some(b)) => match a.key.cmp(&b.key) {
+                std::cmp::Ordering::Less => {
+                    gone.push(a.key.clone());
+                    i += 1;
+                }
+                std::cmp::Ordering::Greater => {
+                    changed.push(*b);
+                    j += 1;
+                }
+                std::cmp::Ordering::Equal => {
+                    changed.push(*b);
+                    (i, j) = (i + 1, j + 1);
+                }
+            },
+            (Some(a), None) => {
+                gone.push(a.key.clone());
+                i += 1;
+            }
+            (None, Some(b)) => {
+                changed.push(*b);
+                j += 1;
+            }
+            (None, None) => return (changed, gone),
+        }
+    }
+}
+
+/// Removes `route` from the reverse index entries of `targets`.
+fn unlink_targets(
+    by_target: &mut HashMap<ObjectKey, HashSet<ObjectKey>>,
+    route: &ObjectKey,
+    targets: &[Option<ObjectKey>],
+) {
+    for t in targets.iter().flatten() {
+        if let Some(routes) = by_target.get_mut(t) {
+            routes.remove(route);
+            if routes.is_empty() {
+                by_target.remove(t);
+            }
+        }
     }
 }
 
