@@ -32,7 +32,6 @@ use serde_json::Value;
 use crate::Time;
 use crate::index::Index;
 use crate::load::{ConfigError, LoadedObject};
-use crate::reconcile::precedence_of;
 use crate::resource::{Kind, ObjectKey, Resource};
 use fxhash::{FxMap as HashMap, FxSet as HashSet};
 use listeners::{ListenerIn, ListenerSpec, Standing};
@@ -178,6 +177,15 @@ impl Owner<'_> {
         (self.version, self.admission, &self.standings).hash(&mut h);
         h.finish()
     }
+}
+
+/// [`crate::reconcile::precedence_of`] without copying: (creation time, namespace, name).
+fn precedence_ref(obj: &LoadedObject) -> (Option<&Time>, &str, &str) {
+    (
+        obj.resource.meta().creation_timestamp.as_ref(),
+        &obj.key.namespace,
+        &obj.key.name,
+    )
 }
 
 fn generation(obj: &LoadedObject) -> i64 {
@@ -371,14 +379,14 @@ impl GatewayResolver {
             // A Gateway of another class: its controller's business.
         }
 
-        // Merge and settle, Gateway by Gateway.
         for (key, gw_obj) in &our_gateways {
             let Resource::Gateway(gw) = &gw_obj.resource else {
                 continue;
             };
             let (version, own) = input(gw_obj);
             let mut kids = children.remove(*key).unwrap_or_default();
-            kids.sort_by_cached_key(|o| precedence_of(o));
+            // Precedence order (`precedence_of`), compared borrowed: no key is allocated.
+            kids.sort_by(|a, b| precedence_ref(a).cmp(&precedence_ref(b)));
             let allowed_ns = gw
                 .spec
                 .allowed_listeners
@@ -635,7 +643,6 @@ impl GatewayResolver {
             }
         }
 
-        // Which Gateways and ListenerSets must be rebuilt.
         let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
         for o in &owners {
             if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
@@ -686,7 +693,6 @@ impl GatewayResolver {
             }
         }
 
-        // Status and plan contribution of each Gateway and ListenerSet.
         for (i, o) in owners.iter().enumerate() {
             for (j, l) in o.listeners.iter().enumerate() {
                 listener_problems(o.obj, j, l, &mut problems);
@@ -756,7 +762,6 @@ impl GatewayResolver {
             keep
         });
 
-        // Plan: accepted Gateways, their programmed listeners in merge order.
         let mut by_gateway: BTreeMap<&ObjectKey, BTreeMap<u16, PortBind>> = BTreeMap::new();
         for o in &owners {
             let Some(gw) = owners.get(o.gateway) else {
@@ -793,7 +798,6 @@ impl GatewayResolver {
                 .collect(),
         };
 
-        // Forget what is gone; render only what changed.
         if !same_deps {
             // Caches were dropped, so deletions cannot be told from them: sweep the models.
             let mut alive: HashSet<&ObjectKey> = class_keys.iter().copied().collect();
