@@ -3,9 +3,12 @@
 //!
 //! Pure: callers hand in the index and the time. [`resolve`] computes from scratch;
 //! [`GatewayResolver`] keeps per-object work (normalized listeners with parsed certificates,
-//! resolved routes, rendered status) between calls, so a reload that changes one ListenerSet
-//! redoes only the cheap, hash-based merge and attachment passes and re-renders only statuses
-//! whose content changed.
+//! resolved routes, rendered status) between calls, plus a per-port merge table per Gateway
+//! (`merge.rs`) and an owner → routes reverse index, so a reload that changes one ListenerSet
+//! re-settles only the hostname groups it touches, revisits only routes naming an owner whose
+//! result changed, and re-renders only statuses whose content changed. A change to anything
+//! listener or route inputs depend on (Secrets, grants, backends, Namespaces, classes) still
+//! drops every cache.
 
 mod fxhash;
 mod hostname;
