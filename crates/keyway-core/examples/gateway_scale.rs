@@ -141,14 +141,13 @@ fn thread_cpu() -> Duration {
 fn process_cpu() -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     let after = stat.rsplit(')').next().unwrap_or_default();
-    let f: Vec<u64> = after
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    // Fields after the command: state is skipped by the parse; utime and stime are 14 and 15
-    // overall, i.e. 11 and 12 here once `state` (non-numeric) is dropped.
-    let ticks = f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0);
-    Duration::from_millis(ticks * 10)
+    // Fields by position after the command, starting with `state` (field 3): utime and stime
+    // are fields 14 and 15, i.e. positions 11 and 12 here. Fields must not be filtered by
+    // whether they parse: `tpgid` is -1 without a controlling terminal, and dropping it shifts
+    // the count so that stime + cutime would be read instead.
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    Duration::from_millis((field(11) + field(12)) * 10)
 }
 
 /// Runs `f`, returning (wall, cpu) with cpu from `cpu`.

@@ -333,7 +333,14 @@ fn pair_clash(a: (Protocol, &str), b: (Protocol, &str)) -> Option<Conflict> {
 
 /// Settles the listeners of `resources` (Gateway first, then ListenerSets in precedence order).
 /// Returns each resource's standings, in listener order.
-pub(crate) fn settle<'a>(resources: &[&'a [ListenerIn]]) -> Vec<Vec<Standing>> {
+pub(crate) fn settle(resources: &[&[ListenerIn]]) -> Vec<Vec<Standing>> {
+    let refs: Vec<Vec<&ListenerIn>> = resources.iter().map(|r| r.iter().collect()).collect();
+    settle_refs(&refs)
+}
+
+/// [`settle`] over any selection of each resource's listeners. Ports never interact, so the
+/// listeners of one port alone settle exactly as they do among all (see `merge.rs`).
+pub(crate) fn settle_refs<'a>(resources: &[Vec<&'a ListenerIn>]) -> Vec<Vec<Standing>> {
     let mut ports: HashMap<i32, PortState<'a>> = HashMap::default();
     let mut out = Vec::with_capacity(resources.len());
     for listeners in resources {

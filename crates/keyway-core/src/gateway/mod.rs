@@ -3,13 +3,17 @@
 //!
 //! Pure: callers hand in the index and the time. [`resolve`] computes from scratch;
 //! [`GatewayResolver`] keeps per-object work (normalized listeners with parsed certificates,
-//! resolved routes, rendered status) between calls, so a reload that changes one ListenerSet
-//! redoes only the cheap, hash-based merge and attachment passes and re-renders only statuses
-//! whose content changed.
+//! resolved routes, rendered status) between calls, plus a per-port merge table per Gateway
+//! (`merge.rs`) and an owner → routes reverse index, so a reload that changes one ListenerSet
+//! re-settles only the hostname groups it touches, revisits only routes naming an owner whose
+//! result changed, and re-renders only statuses whose content changed. A change to anything
+//! listener or route inputs depend on (Secrets, grants, backends, Namespaces, classes) still
+//! drops every cache.
 
 mod fxhash;
 mod hostname;
 mod listeners;
+mod merge;
 pub mod plan;
 #[cfg(test)]
 mod props;
@@ -31,10 +35,10 @@ use serde_json::Value;
 use crate::Time;
 use crate::index::Index;
 use crate::load::{ConfigError, LoadedObject};
-use crate::reconcile::precedence_of;
 use crate::resource::{Kind, ObjectKey, Resource};
 use fxhash::{FxMap as HashMap, FxSet as HashSet};
 use listeners::{ListenerIn, ListenerSpec, Standing};
+use merge::Merge;
 use plan::{AttachedRoute, GatewayBind, ListenerBind, PortBind, ProtocolFamily};
 use refs::{GATEWAY_GROUP, Selector, World};
 use routes::{OwnerView, RouteIn};
@@ -79,8 +83,15 @@ pub struct GatewayResolver {
     inputs: HashMap<ObjectKey, Cached<Vec<ListenerIn>>>,
     route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
     route_results: HashMap<ObjectKey, RouteResult>,
+    /// Route objects of the last run, in index order, to find changed routes by pointer.
+    route_objs: Vec<Arc<LoadedObject>>,
+    /// Reverse index: Gateway or ListenerSet key → routes with a parentRef naming it, so a
+    /// changed owner revisits only its routes.
+    by_target: HashMap<ObjectKey, HashSet<ObjectKey>>,
     owner_results: HashMap<ObjectKey, OwnerResult>,
     models: HashMap<ObjectKey, Model>,
+    /// Per Gateway of ours: the object its merge was built for, and the merge.
+    merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
     out: GatewayResolution,
 }
 
@@ -94,9 +105,10 @@ struct Cached<T> {
 /// Where one route attached, valid while its input and its parents' fingerprints are unchanged.
 struct RouteResult {
     version: u64,
+    /// What the parentRefs name (kept to maintain `by_target` when the route changes).
+    targets: Vec<Option<ObjectKey>>,
     parent_fps: Vec<Option<u64>>,
     attaches: Vec<(ObjectKey, usize, Vec<String>)>,
-    seen: u64,
 }
 
 /// What a Gateway or ListenerSet contributed last time.
@@ -168,6 +180,15 @@ impl Owner<'_> {
         (self.version, self.admission, &self.standings).hash(&mut h);
         h.finish()
     }
+}
+
+/// [`crate::reconcile::precedence_of`] without copying: (creation time, namespace, name).
+fn precedence_ref(obj: &LoadedObject) -> (Option<&Time>, &str, &str) {
+    (
+        obj.resource.meta().creation_timestamp.as_ref(),
+        &obj.key.namespace,
+        &obj.key.name,
+    )
 }
 
 fn generation(obj: &LoadedObject) -> i64 {
@@ -283,7 +304,10 @@ impl GatewayResolver {
             self.inputs.clear();
             self.route_inputs.clear();
             self.route_results.clear();
+            self.route_objs.clear();
+            self.by_target.clear();
             self.owner_results.clear();
+            self.merges.clear();
         }
         let world = World::new(index, &dep_objs);
         let mut changed: Vec<ObjectKey> = Vec::new();
@@ -306,6 +330,8 @@ impl GatewayResolver {
             }
         }
 
+        let merges = &mut self.merges;
+        merges.retain(|k, (obj, _)| index.get(k).is_some_and(|now| Arc::ptr_eq(now, obj)));
         let next_version = &mut self.next_version;
         let inputs = &mut self.inputs;
         let mut input = |obj: &Arc<LoadedObject>| -> (u64, Arc<Vec<ListenerIn>>) {
@@ -356,14 +382,14 @@ impl GatewayResolver {
             // A Gateway of another class: its controller's business.
         }
 
-        // Merge and settle, Gateway by Gateway.
         for (key, gw_obj) in &our_gateways {
             let Resource::Gateway(gw) = &gw_obj.resource else {
                 continue;
             };
             let (version, own) = input(gw_obj);
             let mut kids = children.remove(*key).unwrap_or_default();
-            kids.sort_by_cached_key(|o| precedence_of(o));
+            // Precedence order (`precedence_of`), compared borrowed: no key is allocated.
+            kids.sort_by(|a, b| precedence_ref(a).cmp(&precedence_ref(b)));
             let allowed_ns = gw
                 .spec
                 .allowed_listeners
@@ -398,9 +424,17 @@ impl GatewayResolver {
                 kids.into_iter().partition(|k| allows(&k.key.namespace));
             let kid_inputs: Vec<(u64, Arc<Vec<ListenerIn>>)> =
                 admitted.iter().map(|k| input(k)).collect();
-            let mut lists: Vec<&[ListenerIn]> = vec![own.as_slice()];
-            lists.extend(kid_inputs.iter().map(|(_, l)| l.as_slice()));
-            let mut standings = listeners::settle(&lists).into_iter();
+            let mut members: Vec<(&ObjectKey, &Arc<Vec<ListenerIn>>)> = vec![(*key, &own)];
+            members.extend(
+                admitted
+                    .iter()
+                    .map(|k| &k.key)
+                    .zip(kid_inputs.iter().map(|(_, l)| l)),
+            );
+            let (_, merge) = merges
+                .entry((*key).clone())
+                .or_insert_with(|| (Arc::clone(gw_obj), Merge::default()));
+            let mut standings = merge.settle(&members).into_iter();
             let own_standings = standings.next().unwrap_or_default();
             let accepted = own.is_empty() || own_standings.contains(&Standing::Accepted);
             let gw_index = owners.len();
@@ -456,10 +490,45 @@ impl GatewayResolver {
             .map(|(i, o)| (&o.obj.key, i))
             .collect();
 
-        // Routes: recompute only those whose input or parents changed.
+        // Routes: visit only those that changed and those naming a changed owner.
         let mut dirty_keys: HashSet<ObjectKey> = HashSet::default();
         let mut removed: Vec<ObjectKey> = Vec::new();
-        for obj in &route_objs {
+        let (mut visit, gone) = changed_objects(&self.route_objs, &route_objs);
+        let mut changed_owners: Vec<&ObjectKey> = owners
+            .iter()
+            .filter(|o| {
+                self.owner_results
+                    .get(&o.obj.key)
+                    .is_none_or(|r| r.fp != o.fp)
+            })
+            .map(|o| &o.obj.key)
+            .collect();
+        changed_owners.extend(
+            self.owner_results
+                .keys()
+                .filter(|k| !owner_at.contains_key(k)),
+        );
+        let mut visiting: HashSet<&ObjectKey> = visit.iter().map(|o| &o.key).collect();
+        for owner in changed_owners {
+            for r in self.by_target.get(owner).into_iter().flatten() {
+                if let Some(obj) = index.get(r)
+                    && visiting.insert(&obj.key)
+                {
+                    visit.push(obj);
+                }
+            }
+        }
+        for key in gone {
+            self.route_inputs.remove(&key);
+            if let Some(rr) = self.route_results.remove(&key) {
+                for (owner, _, _) in &rr.attaches {
+                    dirty_keys.insert(owner.clone());
+                }
+                unlink_targets(&mut self.by_target, &key, &rr.targets);
+            }
+            removed.push(key);
+        }
+        for obj in visit {
             let Some((version, rin)) = cached(
                 &mut self.route_inputs,
                 &mut self.next_version,
@@ -469,9 +538,6 @@ impl GatewayResolver {
             ) else {
                 continue;
             };
-            if let Some((path, e)) = &rin.backend_error {
-                problems.push(obj.error_at(path, e.to_string()));
-            }
             let fp_of = |t: &Option<ObjectKey>| {
                 t.as_ref()
                     .and_then(|k| owner_at.get(k))
@@ -486,7 +552,6 @@ impl GatewayResolver {
                     .zip(&rin.targets)
                     .all(|(fp, t)| *fp == fp_of(t))
             {
-                rr.seen = run;
                 continue;
             }
             let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();
@@ -556,28 +621,31 @@ impl GatewayResolver {
                 obj.key.clone(),
                 RouteResult {
                     version,
+                    targets: rin.targets.clone(),
                     parent_fps: fps,
                     attaches,
-                    seen: run,
                 },
             );
-            for (k, _, _) in old.iter().flat_map(|o| &o.attaches) {
-                dirty_keys.insert(k.clone());
+            if let Some(old) = &old {
+                for (k, _, _) in &old.attaches {
+                    dirty_keys.insert(k.clone());
+                }
+                unlink_targets(&mut self.by_target, &obj.key, &old.targets);
+            }
+            for t in rin.targets.iter().flatten() {
+                self.by_target
+                    .entry(t.clone())
+                    .or_default()
+                    .insert(obj.key.clone());
             }
         }
-        self.route_inputs.retain(|_, c| c.seen == run);
-        self.route_results.retain(|k, rr| {
-            let keep = rr.seen == run;
-            if !keep {
-                for (owner, _, _) in &rr.attaches {
-                    dirty_keys.insert(owner.clone());
-                }
-                removed.push(k.clone());
+        self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
+        for c in self.route_inputs.values() {
+            if let Some((path, e)) = &c.value.backend_error {
+                problems.push(c.obj.error_at(path, e.to_string()));
             }
-            keep
-        });
+        }
 
-        // Which Gateways and ListenerSets must be rebuilt.
         let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
         for o in &owners {
             if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
@@ -601,13 +669,14 @@ impl GatewayResolver {
             .collect();
         let mut counts: HashMap<(usize, usize), i32> = HashMap::default();
         let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::default();
-        if dirty.iter().any(|d| *d) {
-            for (rkey, rr) in &self.route_results {
+        for (i, _) in dirty.iter().enumerate().filter(|(_, d)| **d) {
+            let key = &owners[i].obj.key;
+            for rkey in self.by_target.get(key).into_iter().flatten() {
+                let Some(rr) = self.route_results.get(rkey) else {
+                    continue;
+                };
                 for (owner, listener, hostnames) in &rr.attaches {
-                    let Some(&i) = owner_at.get(owner) else {
-                        continue;
-                    };
-                    if !dirty[i] {
+                    if owner != key {
                         continue;
                     }
                     *counts.entry((i, *listener)).or_default() += 1;
@@ -627,7 +696,6 @@ impl GatewayResolver {
             }
         }
 
-        // Status and plan contribution of each Gateway and ListenerSet.
         for (i, o) in owners.iter().enumerate() {
             for (j, l) in o.listeners.iter().enumerate() {
                 listener_problems(o.obj, j, l, &mut problems);
@@ -697,7 +765,6 @@ impl GatewayResolver {
             keep
         });
 
-        // Plan: accepted Gateways, their programmed listeners in merge order.
         let mut by_gateway: BTreeMap<&ObjectKey, BTreeMap<u16, PortBind>> = BTreeMap::new();
         for o in &owners {
             let Some(gw) = owners.get(o.gateway) else {
@@ -734,7 +801,6 @@ impl GatewayResolver {
                 .collect(),
         };
 
-        // Forget what is gone; render only what changed.
         if !same_deps {
             // Caches were dropped, so deletions cannot be told from them: sweep the models.
             let mut alive: HashSet<&ObjectKey> = class_keys.iter().copied().collect();
@@ -754,6 +820,61 @@ impl GatewayResolver {
         self.out.problems = problems;
         self.out.plan = plan;
         &self.out
+    }
+}
+
+/// Objects of `now` that are new or changed since `before` (both in key order, as the index
+/// iterates), and keys of objects gone. Unchanged objects keep their `Arc`, so this is a walk
+/// of pointer comparisons.
+fn changed_objects<'a>(
+    before: &[Arc<LoadedObject>],
+    now: &[&'a Arc<LoadedObject>],
+) -> (Vec<&'a Arc<LoadedObject>>, Vec<ObjectKey>) {
+    let (mut changed, mut gone) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    loop {
+        match (before.get(i), now.get(j)) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (i, j) = (i + 1, j + 1),
+            (Some(a), Some(b)) => match a.key.cmp(&b.key) {
+                std::cmp::Ordering::Less => {
+                    gone.push(a.key.clone());
+                    i += 1;
+                }
+                std::cmp::Ordering::Greater => {
+                    changed.push(*b);
+                    j += 1;
+                }
+                std::cmp::Ordering::Equal => {
+                    changed.push(*b);
+                    (i, j) = (i + 1, j + 1);
+                }
+            },
+            (Some(a), None) => {
+                gone.push(a.key.clone());
+                i += 1;
+            }
+            (None, Some(b)) => {
+                changed.push(*b);
+                j += 1;
+            }
+            (None, None) => return (changed, gone),
+        }
+    }
+}
+
+/// Removes `route` from the reverse index entries of `targets`.
+fn unlink_targets(
+    by_target: &mut HashMap<ObjectKey, HashSet<ObjectKey>>,
+    route: &ObjectKey,
+    targets: &[Option<ObjectKey>],
+) {
+    for t in targets.iter().flatten() {
+        if let Some(routes) = by_target.get_mut(t) {
+            routes.remove(route);
+            if routes.is_empty() {
+                by_target.remove(t);
+            }
+        }
     }
 }
 

@@ -1355,3 +1355,146 @@ fn offline_compile_merges_gateway_status_and_plan() {
         c.errors()
     );
 }
+
+// Incremental paths: each scenario runs through one long-lived resolver (objects that did not
+// change keep their `Arc`, as on a site reload) and is compared with a fresh resolve at every
+// step.
+
+use super::props::assert_incremental;
+
+fn ns_doc(name: &str, labels: &str) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}, labels: {{{labels}}}}}\n"
+    )
+}
+
+/// A Gateway on 80, two teams' sets and a route per set; `a` and `b` are the sets' listeners.
+fn two_sets(from: &str, a: &str, b: &str) -> Vec<String> {
+    vec![
+        gateway(
+            "infra",
+            "gw",
+            from,
+            &l("web", 80, "HTTP", Some("gw.example.com")),
+        ),
+        secret("infra", "cert"),
+        secret("team-a", "cert"),
+        secret("team-b", "cert"),
+        svc("team-a", "app"),
+        listener_set("team-a", "ls-a", 1, "gw", a),
+        listener_set("team-b", "ls-b", 2, "gw", b),
+        http_route(
+            "team-a",
+            "ra",
+            "[{name: ls-a, kind: ListenerSet}]",
+            "[]",
+            "{name: app, port: 80}",
+        ),
+        http_route(
+            "team-b",
+            "rb",
+            "[{name: ls-b, kind: ListenerSet}]",
+            "[]",
+            "{name: app, port: 80}",
+        ),
+    ]
+}
+
+#[test]
+fn incremental_listener_set_port_change() {
+    let shared = l("x", 80, "HTTP", Some("shop.example.com"));
+    let r = assert_incremental(&[
+        two_sets("from: All", &shared, &shared),
+        two_sets(
+            "from: All",
+            &l("x", 8080, "HTTP", Some("shop.example.com")),
+            &shared,
+        ),
+        two_sets("from: All", &shared, &shared),
+    ]);
+    assert_eq!(
+        lcond(&r, Kind::ListenerSet, "team-b", "ls-b", "x", "Accepted"),
+        no("HostnameConflict")
+    );
+}
+
+#[test]
+fn incremental_deleting_the_winner_promotes_the_next() {
+    let shared = l("x", 80, "HTTP", Some("shop.example.com"));
+    let mut without_a = two_sets("from: All", &shared, &shared);
+    without_a.remove(5);
+    let r = assert_incremental(&[two_sets("from: All", &shared, &shared), without_a]);
+    assert_eq!(
+        lcond(&r, Kind::ListenerSet, "team-b", "ls-b", "x", "Accepted"),
+        yes("Accepted")
+    );
+}
+
+#[test]
+fn incremental_mixed_ports_and_same_resource_clashes() {
+    let a = l("x", 443, "HTTPS", Some("a.example.com"));
+    // HTTPS and TLS share a family: two of one resource on one hostname both lose.
+    let both = l("x", 443, "HTTPS", Some("a.example.com"))
+        + &l("second", 443, "TLS", Some("a.example.com"));
+    // A TCP listener makes port 443 mixed: everything there settles whole.
+    let tcp = l("raw", 443, "TCP", None);
+    assert_incremental(&[
+        two_sets("from: All", &a, &a),
+        two_sets("from: All", &both, &a),
+        two_sets("from: All", &both, &(a.clone() + &tcp)),
+        two_sets("from: All", &tcp, &a),
+        two_sets("from: All", &a, &a),
+    ]);
+}
+
+#[test]
+fn incremental_namespace_label_flips_selector_admission() {
+    let from = "{from: Selector, selector: {matchLabels: {tier: gold}}}";
+    let a = l("x", 80, "HTTP", Some("a.example.com"));
+    let b = l("x", 80, "HTTP", Some("b.example.com"));
+    let with_ns = |tier: &str| {
+        let mut docs = two_sets(from, &a, &b);
+        docs.push(ns_doc("team-a", &format!("tier: {tier}")));
+        docs.push(ns_doc("team-b", "tier: gold"));
+        docs
+    };
+    let r = assert_incremental(&[with_ns("gold"), with_ns("silver"), with_ns("gold")]);
+    assert_eq!(
+        top(&r, Kind::ListenerSet, "team-a", "ls-a", "Accepted"),
+        yes("Accepted")
+    );
+}
+
+#[test]
+fn incremental_secret_change() {
+    let https = l("x", 443, "HTTPS", Some("a.example.com"));
+    let mut missing = two_sets("from: All", &https, &l("x", 80, "HTTP", None));
+    missing.remove(2);
+    assert_incremental(&[
+        two_sets("from: All", &https, &l("x", 80, "HTTP", None)),
+        missing,
+        two_sets("from: All", &https, &l("x", 80, "HTTP", None)),
+    ]);
+}
+
+#[test]
+fn incremental_route_parent_ref_change() {
+    let a = l("x", 80, "HTTP", Some("a.example.com"));
+    let b = l("x", 80, "HTTP", Some("b.example.com"));
+    let mut moved = two_sets("from: All", &a, &b);
+    moved[7] = http_route(
+        "team-a",
+        "ra",
+        "[{name: ls-b, namespace: team-b, kind: ListenerSet}]",
+        "[]",
+        "{name: app, port: 80}",
+    );
+    let mut gone = moved.clone();
+    gone.remove(7);
+    assert_incremental(&[
+        two_sets("from: All", &a, &b),
+        moved,
+        gone,
+        two_sets("from: All", &a, &b),
+    ]);
+}

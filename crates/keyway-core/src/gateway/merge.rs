@@ -1,0 +1,286 @@
+//! One Gateway's listener merge (SPEC §4), kept between resolves as a per-port table so that a
+//! change to one resource re-settles only what that change can affect.
+//!
+//! Why this is exact: settlement never looks across ports, so a port settles alone exactly as it
+//! does among all ports. On a port where every eligible listener is HTTP, or every one is
+//! HTTPS/TLS, there are no protocol conflicts, and a listener only ever clashes with listeners of
+//! the same hostname; each (port, hostname) group then settles alone too: in merge order, the
+//! first resource with exactly one listener of that hostname holds it, a resource with several
+//! loses them all without blocking anyone, and every later one is conflicted. Ports with TCP or
+//! with both families are settled whole. A change to one resource thus re-settles the hostname
+//! groups it has or had, or the whole port when the port is (or was) mixed. Fresh resolves use
+//! [`listeners::settle`] over everything; the property tests compare the two.
+
+use std::sync::Arc;
+
+use super::fxhash::{FxMap as HashMap, FxSet as HashSet};
+use super::listeners::{self, Conflict, ListenerIn, Standing};
+use super::plan::ProtocolFamily;
+use crate::resource::ObjectKey;
+
+/// One resource taking part in the merge.
+struct Member {
+    key: ObjectKey,
+    /// Position in merge order (Gateway 0, then ListenerSets by precedence).
+    rank: usize,
+    listeners: Arc<Vec<ListenerIn>>,
+    standings: Vec<Standing>,
+}
+
+/// The eligible listeners on one port.
+#[derive(Default)]
+struct Port {
+    /// How many are HTTP, HTTPS/TLS and TCP (indexed by [`family_slot`]).
+    families: [u32; 3],
+    /// By hostname: (member, listener index), in no particular order.
+    hosts: HashMap<String, Vec<(usize, usize)>>,
+}
+
+impl Port {
+    /// Whether hostname groups settle independently (see the module docs).
+    fn uniform(&self) -> bool {
+        let [http, tls, tcp] = self.families;
+        tcp == 0 && (http == 0 || tls == 0)
+    }
+}
+
+fn family_slot(f: ProtocolFamily) -> usize {
+    match f {
+        ProtocolFamily::Http => 0,
+        ProtocolFamily::Tls => 1,
+        ProtocolFamily::Tcp => 2,
+    }
+}
+
+/// The persistent merge of one Gateway. Drop it when the Gateway or anything listener inputs
+/// depend on changes; it only tracks changes of ListenerSets (added, removed, changed, moved).
+#[derive(Default)]
+pub(crate) struct Merge {
+    ids: HashMap<ObjectKey, usize>,
+    /// Slots; `None` is free.
+    members: Vec<Option<Member>>,
+    ports: HashMap<i32, Port>,
+}
+
+/// Ports and hostnames whose settlement a change may affect, with whether each port was uniform
+/// before the change.
+#[derive(Default)]
+struct Touched {
+    ports: HashMap<i32, (bool, HashSet<String>)>,
+}
+
+impl Merge {
+    /// Settles `resources` (Gateway first, then ListenerSets in precedence order), reusing the
+    /// last settlement where nothing it depends on changed. Returns each resource's standings.
+    pub fn settle(
+        &mut self,
+        resources: &[(&ObjectKey, &Arc<Vec<ListenerIn>>)],
+    ) -> Vec<Vec<Standing>> {
+        let dead = self.members.len() - self.ids.len();
+        if self.members.is_empty() || dead > self.ids.len().max(64) {
+            // First run, or slots of removed resources outnumber live ones: start over.
+            *self = Merge::default();
+            return self.settle_fresh(resources);
+        }
+        let mut touched = Touched::default();
+        let mut live = vec![false; self.members.len()];
+        let mut order = Vec::with_capacity(resources.len());
+        for (rank, (key, listeners)) in resources.iter().enumerate() {
+            let id = match self.ids.get(*key) {
+                Some(&id) => {
+                    let m = self.members[id].as_mut().expect("live member");
+                    m.rank = rank;
+                    if !Arc::ptr_eq(&m.listeners, listeners) {
+                        self.unlink(id, Some(&mut touched));
+                        let m = self.members[id].as_mut().expect("live member");
+                        m.listeners = Arc::clone(listeners);
+                        self.link(id, Some(&mut touched));
+                    }
+                    id
+                }
+                None => {
+                    let id = self.insert(key, rank, listeners);
+                    self.link(id, Some(&mut touched));
+                    id
+                }
+            };
+            if let Some(l) = live.get_mut(id) {
+                *l = true;
+            }
+            order.push(id);
+        }
+        for (id, live) in live.into_iter().enumerate() {
+            if !live && self.members[id].is_some() {
+                self.unlink(id, Some(&mut touched));
+                if let Some(m) = self.members[id].take() {
+                    self.ids.remove(&m.key);
+                }
+            }
+        }
+        for (port, (was_uniform, hosts)) in touched.ports {
+            let uniform = self.ports.get(&port).is_some_and(Port::uniform);
+            if was_uniform && uniform {
+                for host in &hosts {
+                    self.settle_host(port, host);
+                }
+            } else {
+                self.settle_port(port);
+            }
+            if self.ports.get(&port).is_some_and(|p| p.hosts.is_empty()) {
+                self.ports.remove(&port);
+            }
+        }
+        order
+            .into_iter()
+            .map(|id| self.member(id).standings.clone())
+            .collect()
+    }
+
+    /// Settles everything with [`listeners::settle`] and builds the table from the result.
+    fn settle_fresh(
+        &mut self,
+        resources: &[(&ObjectKey, &Arc<Vec<ListenerIn>>)],
+    ) -> Vec<Vec<Standing>> {
+        let lists: Vec<&[ListenerIn]> = resources.iter().map(|(_, l)| l.as_slice()).collect();
+        let standings = listeners::settle(&lists);
+        for (rank, ((key, listeners), s)) in resources.iter().zip(&standings).enumerate() {
+            let id = self.insert(key, rank, listeners);
+            self.link(id, None);
+            if let Some(m) = self.members[id].as_mut() {
+                m.standings = s.clone();
+            }
+        }
+        standings
+    }
+
+    fn member(&self, id: usize) -> &Member {
+        self.members[id].as_ref().expect("live member")
+    }
+
+    fn insert(&mut self, key: &ObjectKey, rank: usize, listeners: &Arc<Vec<ListenerIn>>) -> usize {
+        let member = Member {
+            key: key.clone(),
+            rank,
+            listeners: Arc::clone(listeners),
+            standings: Vec::new(),
+        };
+        let id = self.members.len();
+        self.members.push(Some(member));
+        self.ids.insert(key.clone(), id);
+        id
+    }
+
+    /// Notes that `port`/`host` must be re-settled, remembering whether the port was uniform
+    /// before this change first touched it.
+    fn touch(&self, touched: Option<&mut Touched>, port: i32, host: &str) {
+        let Some(touched) = touched else { return };
+        let entry = touched.ports.entry(port).or_insert_with(|| {
+            let uniform = self.ports.get(&port).is_none_or(Port::uniform);
+            (uniform, HashSet::default())
+        });
+        if !entry.1.contains(host) {
+            entry.1.insert(host.to_string());
+        }
+    }
+
+    /// Adds member `id`'s eligible listeners to the table; every listener starts `Invalid` and
+    /// the eligible ones are settled by the caller (their groups are touched).
+    fn link(&mut self, id: usize, mut touched: Option<&mut Touched>) {
+        let listeners = Arc::clone(&self.member(id).listeners);
+        for (j, l) in listeners.iter().enumerate() {
+            let Some(p) = l.eligible() else { continue };
+            self.touch(touched.as_deref_mut(), l.spec.port, l.hostname());
+            let port = self.ports.entry(l.spec.port).or_default();
+            port.families[family_slot(p.family())] += 1;
+            port.hosts
+                .entry(l.hostname().to_string())
+                .or_default()
+                .push((id, j));
+        }
+        if let Some(m) = self.members[id].as_mut() {
+            m.standings = vec![Standing::Invalid; listeners.len()];
+        }
+    }
+
+    /// Removes member `id`'s listeners from the table.
+    fn unlink(&mut self, id: usize, mut touched: Option<&mut Touched>) {
+        let listeners = Arc::clone(&self.member(id).listeners);
+        for l in listeners.iter() {
+            let Some(p) = l.eligible() else { continue };
+            self.touch(touched.as_deref_mut(), l.spec.port, l.hostname());
+            let Some(port) = self.ports.get_mut(&l.spec.port) else {
+                continue;
+            };
+            port.families[family_slot(p.family())] -= 1;
+            if let Some(group) = port.hosts.get_mut(l.hostname()) {
+                group.retain(|(m, _)| *m != id);
+                if group.is_empty() {
+                    port.hosts.remove(l.hostname());
+                }
+            }
+        }
+    }
+
+    /// Entries of `entries` in merge order.
+    fn sorted(&self, mut entries: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+        entries.sort_by_key(|&(id, j)| (self.member(id).rank, j));
+        entries
+    }
+
+    /// Re-settles one hostname group of a uniform port (see the module docs).
+    fn settle_host(&mut self, port: i32, host: &str) {
+        let Some(group) = self.ports.get(&port).and_then(|p| p.hosts.get(host)) else {
+            return;
+        };
+        let entries = self.sorted(group.clone());
+        let mut held = false;
+        let mut i = 0;
+        while i < entries.len() {
+            let id = entries[i].0;
+            let n = entries[i..].iter().take_while(|(m, _)| *m == id).count();
+            let standing = if held || n > 1 {
+                Standing::Conflicted(Conflict::Hostname)
+            } else {
+                held = true;
+                Standing::Accepted
+            };
+            if let Some(m) = self.members[id].as_mut() {
+                for &(_, j) in &entries[i..i + n] {
+                    m.standings[j] = standing;
+                }
+            }
+            i += n;
+        }
+    }
+
+    /// Re-settles every listener on `port` with [`listeners::settle_refs`].
+    fn settle_port(&mut self, port: i32) {
+        let Some(p) = self.ports.get(&port) else {
+            return;
+        };
+        let entries = self.sorted(p.hosts.values().flatten().copied().collect());
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (id, j) in entries {
+            match groups.last_mut() {
+                Some((last, js)) if *last == id => js.push(j),
+                _ => groups.push((id, vec![j])),
+            }
+        }
+        let lists: Vec<Vec<&ListenerIn>> = groups
+            .iter()
+            .map(|(id, js)| {
+                let ls = &self.member(*id).listeners;
+                js.iter().map(|&j| &ls[j]).collect()
+            })
+            .collect();
+        let standings = listeners::settle_refs(&lists);
+        drop(lists);
+        for ((id, js), s) in groups.into_iter().zip(standings) {
+            if let Some(m) = self.members[id].as_mut() {
+                for (j, s) in js.into_iter().zip(s) {
+                    m.standings[j] = s;
+                }
+            }
+        }
+    }
+}
