@@ -427,23 +427,8 @@ impl Gateways {
                     let idx = rules.len();
                     let mut compiled = Vec::new();
                     for (j, r) in rs.iter().enumerate() {
-                        if r.matches.is_empty() {
-                            entries.push(Entry {
-                                route: idx,
-                                rule: j,
-                                m: route_match::Match::any(),
-                            });
-                        }
-                        for m in &r.matches {
-                            match route_match::compile_http(m) {
-                                Ok(m) => entries.push(Entry {
-                                    route: idx,
-                                    rule: j,
-                                    m,
-                                }),
-                                Err(e) => errors.push(e),
-                            }
-                        }
+                        let matches = r.matches.iter().map(route_match::compile_http);
+                        push_entries(&mut entries, &mut errors, idx, j, matches);
                         compiled.push(Rule {
                             grpc: false,
                             filters: filters::compile_http(&r.filters, &mut errors),
@@ -459,23 +444,8 @@ impl Gateways {
                     let idx = rules.len();
                     let mut compiled = Vec::new();
                     for (j, r) in rs.iter().enumerate() {
-                        if r.matches.is_empty() {
-                            entries.push(Entry {
-                                route: idx,
-                                rule: j,
-                                m: route_match::Match::any(),
-                            });
-                        }
-                        for m in &r.matches {
-                            match route_match::compile_grpc(m) {
-                                Ok(m) => entries.push(Entry {
-                                    route: idx,
-                                    rule: j,
-                                    m,
-                                }),
-                                Err(e) => errors.push(e),
-                            }
-                        }
+                        let matches = r.matches.iter().map(route_match::compile_grpc);
+                        push_entries(&mut entries, &mut errors, idx, j, matches);
                         compiled.push(Rule {
                             grpc: true,
                             filters: filters::compile_grpc(&r.filters, &mut errors),
@@ -686,6 +656,31 @@ async fn serve_tls(
         match tcp::by_sni(&l.streams, name.as_deref()) {
             Some(route) => tcp::forward(&ctx, route, Vec::new(), tls).await,
             None => tracing::debug!(%peer, "no TLSRoute for this server name: closing"),
+        }
+    }
+}
+
+/// Adds the match entries of rule `rule` of route `route`: one per compiled match, or a
+/// match-anything entry for a rule without matches (the Gateway API default). HTTPRoute and
+/// GRPCRoute rules differ only in how a match compiles.
+fn push_entries(
+    entries: &mut Vec<Entry>,
+    errors: &mut Vec<String>,
+    route: usize,
+    rule: usize,
+    compiled: impl ExactSizeIterator<Item = Result<route_match::Match, String>>,
+) {
+    if compiled.len() == 0 {
+        entries.push(Entry {
+            route,
+            rule,
+            m: route_match::Match::any(),
+        });
+    }
+    for m in compiled {
+        match m {
+            Ok(m) => entries.push(Entry { route, rule, m }),
+            Err(e) => errors.push(e),
         }
     }
 }
