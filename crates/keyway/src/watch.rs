@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use notify::RecursiveMode;
+use notify::{EventKind, RecursiveMode};
 use notify_debouncer_full::{DebounceEventResult, new_debouncer};
 use tokio::sync::mpsc;
 
@@ -23,9 +23,12 @@ pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl D
                 Ok(events) => {
                     // Dot-files are skipped by the loader, and our own state directory lives under the
                     // config dir as `.keyway-state`: neither may trigger a reload.
-                    let relevant = events
-                        .iter()
-                        .any(|e| e.paths.iter().any(|p| may_hold_manifests(&root, p)));
+                    // Reading the directory or a file reports Access events (open/close): the
+                    // reload itself causes them, and they must not trigger the next one.
+                    let relevant = events.iter().any(|e| {
+                        !matches!(e.kind, EventKind::Access(_))
+                            && e.paths.iter().any(|p| may_hold_manifests(&root, p))
+                    });
                     if relevant {
                         let _ = tx.send(());
                     }

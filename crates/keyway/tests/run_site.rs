@@ -320,14 +320,18 @@ fn twenty_reloads_keep_live_connections_and_bad_files_keep_last_valid() {
         } else {
             &["key-a"]
         };
+        let before = reload_count(&site.get("/metrics").1);
         site.write("mkl.yaml", &mkl("backend", port, keys));
         if i % 2 == 0 {
             site.write("other.yaml", &mkl("other", other, &["key-a"]));
         } else {
             let _ = std::fs::remove_file(dir.join("other.yaml"));
         }
-        let want = i + 2;
-        site.wait_for("/metrics", |_, body| reload_count(body) >= want as u64);
+        site.wait_for("/metrics", |_, body| reload_count(body) > before);
+        let serving = i % 2 == 0;
+        wait_until("the other listener to follow its file", || {
+            hello(other).is_ok() == serving
+        });
         assert!(
             echo(&mut live, &format!("reload {i}")),
             "live connection lost at reload {i}"
@@ -349,6 +353,29 @@ fn twenty_reloads_keep_live_connections_and_bad_files_keep_last_valid() {
     site.write("junk.yaml", "{{{ not yaml");
     site.wait_for("/status", |_, body| body.contains("junk.yaml:1"));
     assert_eq!(hello(port).expect("still serving").0, "a");
+}
+
+#[test]
+fn only_manifest_changes_reload() {
+    let a = Backend::start("a");
+    let dir = temp_dir("quiet");
+    let port = free_port();
+    std::fs::write(dir.join("mkl.yaml"), mkl("backend", port, &["key-a"])).expect("write");
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    let site = Site::start(&dir);
+    let count = || reload_count(&site.get("/metrics").1);
+    let started = count();
+    // Reading the config (the reload itself), the state directory, logs and other files next
+    // to the manifests: none of them may cause a reload. Give the watcher several debounce
+    // windows to prove it.
+    std::fs::write(dir.join("notes.txt"), "not a manifest").expect("write");
+    std::fs::write(dir.join(".keyway-state").join("scratch"), "x").expect("write");
+    thread::sleep(Duration::from_millis(1500));
+    assert_eq!(count(), started, "reloads without a manifest change");
+    site.write("a.yaml", &connector("a", "key-a", a.port));
+    site.wait_for("/metrics", |_, body| reload_count(body) > started);
+    thread::sleep(Duration::from_millis(1000));
+    assert_eq!(count(), started + 1, "one edit, one reload");
 }
 
 fn reload_count(metrics: &str) -> u64 {
