@@ -212,9 +212,14 @@ ports: [{{port: {PATHS['direct'][0]}}}]
     for port in HTTP_PATHS.values():
         wait_port(port)
 
-def iperf(port, secs):
+def iperf(port, secs, pgids=(), cpu_out=None):
+    """Gbit/s of one stream; appends the proxy's CPU ms per GB carried to cpu_out."""
+    before = group_cpu_secs(pgids)
     out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(secs), "-J"], capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9
+    end = json.loads(out)["end"]["sum_received"]
+    if cpu_out is not None and pgids:
+        cpu_out.append((group_cpu_secs(pgids) - before) * 1e3 / max(end["bytes"] / 1e9, 1e-9))
+    return end["bits_per_second"] / 1e9
 
 def wrk(port, secs, close, pgids=(), cpu_out=None):
     """Requests/s, p99 ms and socket errors; appends the proxy's CPU µs per request to cpu_out."""
@@ -252,19 +257,25 @@ def main():
     try:
         setup(work, procs)
         time.sleep(1.5)  # first health checks
+        # One stream: interleaved per run so a noisy neighbour hits every path alike.
+        streams = {n: [] for n in PATHS if n in only and not args.http_only}
+        stream_cpu = {n: [] for n in streams}
+        for _ in range(runs):
+            for name in streams:
+                streams[name].append(iperf(PATHS[name][1], secs, PGIDS.get(name, ()), stream_cpu[name]))
         for name, (http_port, iperf_port) in PATHS.items():
             if args.http_only or name not in only:
                 continue
-            t, ka, nc, ka_cpu, nc_cpu = [], [], [], [], []
+            t, ka, nc, ka_cpu, nc_cpu = streams[name], [], [], [], []
             pg = PGIDS.get(name, ())
             for _ in range(runs):
-                t.append(iperf(iperf_port, secs))
                 ka.append(wrk(http_port, secs, close=False, pgids=pg, cpu_out=ka_cpu))
                 nc.append(wrk(http_port, secs, close=True, pgids=pg, cpu_out=nc_cpu))
             results[name] = {
                 "ka_cpu": statistics.median(ka_cpu) if ka_cpu else None,
                 "nc_cpu": statistics.median(nc_cpu) if nc_cpu else None,
                 "gbps": statistics.median(t),
+                "gb_cpu": statistics.median(stream_cpu[name]) if stream_cpu[name] else None,
                 "ka_rps": statistics.median(r for r, _, _ in ka), "ka_p99": statistics.median(p for _, p, _ in ka),
                 "nc_rps": statistics.median(r for r, _, _ in nc), "nc_p99": statistics.median(p for _, p, _ in nc),
                 "errors": "; ".join(e for _, _, e in ka + nc if e),
@@ -289,12 +300,13 @@ def main():
     lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s)", ""]
     if results:
         lines += ["CPU µs/req is the proxy's own CPU time per request (all its processes), which does not",
-                  "depend on how much CPU a noisy neighbour leaves: lower is better.", "",
-                  "| path | 1 stream Gbit/s (x direct) | keep-alive req/s (x HAProxy) | p99 ms | CPU µs/req | new conn/s (x HAProxy) | p99 ms | CPU µs/conn |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "depend on how much CPU a noisy neighbour leaves: lower is better. CPU ms/GB is the same for",
+                  "the one-stream test: the proxy's CPU time per gigabyte it carried.", "",
+                  "| path | 1 stream Gbit/s (x direct) | CPU ms/GB | keep-alive req/s (x HAProxy) | p99 ms | CPU µs/req | new conn/s (x HAProxy) | p99 ms | CPU µs/conn |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     d, h = results.get("direct"), results.get("haproxy")
     for name, r in results.items():
-        lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
+        lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {fmt_cpu(r['gb_cpu'])} | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
                      f"| {fmt_cpu(r['ka_cpu'])} | {r['nc_rps']:.0f} ({r['nc_rps']/h['nc_rps']:.2f}x) | {r['nc_p99']:.2f} | {fmt_cpu(r['nc_cpu'])} |")
     if http:
         hh = http["haproxy-http"]

@@ -72,18 +72,173 @@ where
     tokio::try_join!(copy_half(ar, bw, a_to_b), copy_half(br, aw, b_to_a))
 }
 
-/// The same for two plain TCP streams, without the lock `tokio::io::split` needs.
+/// The same for two plain TCP streams. Short exchanges are copied through a small buffer; a
+/// direction that keeps filling 64 KiB reads is a bulk transfer and moves on to splice(2) through a
+/// pipe, so its bytes never cross into user space (half the copies of a read/write loop).
 pub async fn bidirectional_tcp(
-    a: &mut tokio::net::TcpStream,
-    b: &mut tokio::net::TcpStream,
+    a: &tokio::net::TcpStream,
+    b: &tokio::net::TcpStream,
     a_to_b: &Counter,
     b_to_a: &Counter,
 ) -> io::Result<(u64, u64)> {
-    let (ar, aw) = a.split();
-    let (br, bw) = b.split();
     let finished = AtomicBool::new(false);
     tokio::try_join!(
-        copy_until_eof(ar, bw, a_to_b, Some(&finished)),
-        copy_until_eof(br, aw, b_to_a, Some(&finished))
+        tcp::copy(a, b, a_to_b, &finished),
+        tcp::copy(b, a, b_to_a, &finished)
     )
+}
+
+/// One direction between plain TCP sockets, driven by readiness on shared references (both
+/// directions use both sockets at once, which `TcpStream::readable`/`writable` allow).
+mod tcp {
+    use std::io;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use prometheus_client::metrics::counter::Counter;
+    use tokio::net::TcpStream;
+
+    use super::{INITIAL, MAX};
+
+    /// A read this large that fills its buffer marks a bulk transfer.
+    const SPLICE_AFTER: usize = 64 * 1024;
+
+    pub(super) async fn copy(
+        src: &TcpStream,
+        dst: &TcpStream,
+        counter: &Counter,
+        finished: &AtomicBool,
+    ) -> io::Result<u64> {
+        let mut buf = vec![0u8; INITIAL];
+        let mut total = 0u64;
+        loop {
+            let n = read(src, &mut buf).await?;
+            if n == 0 {
+                return finish(dst, finished).map(|()| total);
+            }
+            write_all(dst, &buf[..n]).await?;
+            total += n as u64;
+            counter.inc_by(n as u64);
+            if n < buf.len() {
+                continue;
+            }
+            #[cfg(target_os = "linux")]
+            if buf.len() >= SPLICE_AFTER {
+                // Without a pipe (out of descriptors) the buffer loop simply carries on.
+                if let Ok(pipe) = splice::Pipe::new() {
+                    drop(buf);
+                    return splice::copy(src, dst, pipe, counter, total)
+                        .await
+                        .and_then(|total| finish(dst, finished).map(|()| total));
+                }
+            }
+            if buf.len() < MAX {
+                buf.resize(buf.len() * 2, 0);
+            }
+        }
+    }
+
+    /// Shuts down `dst`'s sending side, unless the other direction already finished: both peers
+    /// are then done and the close that follows sends the same FIN.
+    fn finish(dst: &TcpStream, finished: &AtomicBool) -> io::Result<()> {
+        if finished.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        match rustix::net::shutdown(dst, rustix::net::Shutdown::Write) {
+            // The peer already went away: nothing left to tell it.
+            Err(rustix::io::Errno::NOTCONN) => Ok(()),
+            other => other.map_err(io::Error::from),
+        }
+    }
+
+    async fn read(src: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            src.readable().await?;
+            match src.try_read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                result => return result,
+            }
+        }
+    }
+
+    async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+        while !data.is_empty() {
+            dst.writable().await?;
+            match dst.try_write(data) {
+                Ok(n) => data = &data[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(target_os = "linux")]
+    mod splice {
+        use std::io;
+        use std::os::fd::OwnedFd;
+
+        use prometheus_client::metrics::counter::Counter;
+        use rustix::pipe::{SpliceFlags, fcntl_setpipe_size, pipe_with, splice};
+        use tokio::io::Interest;
+        use tokio::net::TcpStream;
+
+        /// Bytes a pipe holds: enough to move a full socket buffer per system call.
+        const PIPE_SIZE: usize = 1024 * 1024;
+
+        pub(super) struct Pipe {
+            read: OwnedFd,
+            write: OwnedFd,
+            size: usize,
+        }
+
+        impl Pipe {
+            pub(super) fn new() -> io::Result<Pipe> {
+                use rustix::pipe::PipeFlags;
+                let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
+                // Above /proc/sys/fs/pipe-max-size this fails; the default size still works.
+                let size = fcntl_setpipe_size(&write, PIPE_SIZE).unwrap_or(64 * 1024);
+                Ok(Pipe { read, write, size })
+            }
+        }
+
+        /// Socket → pipe → socket until EOF. The pipe is empty whenever `src` is read, so
+        /// `EAGAIN` there means the socket has nothing; while the pipe holds bytes only `dst` is
+        /// waited on, so `EAGAIN` there means the socket is full.
+        pub(super) async fn copy(
+            src: &TcpStream,
+            dst: &TcpStream,
+            pipe: Pipe,
+            counter: &Counter,
+            mut total: u64,
+        ) -> io::Result<u64> {
+            let flags = SpliceFlags::MOVE | SpliceFlags::NONBLOCK;
+            loop {
+                let n = loop {
+                    src.readable().await?;
+                    match src.try_io(Interest::READABLE, || {
+                        Ok(splice(src, None, &pipe.write, None, pipe.size, flags)?)
+                    }) {
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                        result => break result?,
+                    }
+                };
+                if n == 0 {
+                    return Ok(total);
+                }
+                let mut in_pipe = n;
+                while in_pipe > 0 {
+                    dst.writable().await?;
+                    match dst.try_io(Interest::WRITABLE, || {
+                        Ok(splice(&pipe.read, None, dst, None, in_pipe, flags)?)
+                    }) {
+                        Ok(moved) => in_pipe -= moved,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+                total += n as u64;
+                counter.inc_by(n as u64);
+            }
+        }
+    }
 }

@@ -366,8 +366,8 @@ async fn serve(
     m.active.inc();
     let (bytes_in, bytes_out) = (&m.bytes_in, &m.bytes_out);
     let result = match (client, upstream) {
-        (Downstream::Plain(mut c), Upstream::Plain(mut u)) => {
-            copy::bidirectional_tcp(&mut c, &mut u, bytes_in, bytes_out).await
+        (Downstream::Plain(c), Upstream::Plain(u)) => {
+            copy::bidirectional_tcp(&c, &u, bytes_in, bytes_out).await
         }
         (Downstream::Plain(c), Upstream::Tls(u)) => {
             copy::bidirectional(c, u, bytes_in, bytes_out).await
