@@ -11,6 +11,7 @@ pub mod listener;
 pub mod metrics;
 pub mod targets;
 pub mod tls;
+pub mod tunnel;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -35,8 +36,9 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> I
 pub type BoxIo = Box<dyn Io>;
 
 /// A future returned by [`RemoteDialer::dial`].
-pub type DialFuture<'a> =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<BoxIo, String>> + Send + 'a>>;
+pub type DialFuture<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<tunnel::BoxTunnel, String>> + Send + 'a>,
+>;
 
 /// Opens a stream to a routing key at another site. The network implements it; the data plane
 /// calls it for remote targets, so the data plane does not depend on the transport.

@@ -20,7 +20,8 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::copy;
 use crate::metrics::Metrics;
 use crate::targets::{OpenGuard, Registry, Target};
-use crate::{BoxIo, ConnectionTracker, Shared};
+use crate::tunnel::{self, BoxTunnel};
+use crate::{ConnectionTracker, Shared};
 
 /// What a listener runs with; swapped in place on reload without touching the socket.
 pub struct ListenerRuntime {
@@ -207,7 +208,7 @@ pub fn key_order(selection: &KeySelection, registry: &Registry) -> Vec<String> {
 pub enum Upstream {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
-    Remote(BoxIo),
+    Remote(BoxTunnel),
 }
 
 /// A connection to a local target made for a stream from another site.
@@ -378,11 +379,13 @@ async fn serve(
         (Downstream::Tls(c), Upstream::Tls(u)) => {
             copy::bidirectional(c, u, bytes_in, bytes_out).await
         }
-        (Downstream::Plain(c), Upstream::Remote(u)) => {
-            copy::bidirectional(c, u, bytes_in, bytes_out).await
+        (Downstream::Plain(mut c), Upstream::Remote(u)) => {
+            let (r, w) = c.split();
+            tunnel::bidirectional(r, w, u, bytes_in, bytes_out).await
         }
         (Downstream::Tls(c), Upstream::Remote(u)) => {
-            copy::bidirectional(c, u, bytes_in, bytes_out).await
+            let (r, w) = tokio::io::split(c);
+            tunnel::bidirectional(r, w, u, bytes_in, bytes_out).await
         }
     };
     m.active.dec();

@@ -23,7 +23,8 @@ use bytes::Bytes;
 use keyway_core::ObjectKey;
 use keyway_core::plan::{LinkPlan, Plan, RouterAccessPlan};
 use keyway_core::skupper::{LinkRecord, ServiceRecord, SiteRecord};
-use keyway_dataplane::{BoxIo, DataPlane, DialFuture, RemoteDialer};
+use keyway_dataplane::tunnel::BoxTunnel;
+use keyway_dataplane::{DataPlane, DialFuture, RemoteDialer};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -552,6 +553,6 @@ impl Drop for StreamCount {
 }
 
 /// Boxes a stream for the data plane.
-pub(crate) fn boxed(s: stream::H2Stream) -> BoxIo {
+pub(crate) fn boxed(s: stream::H2Stream) -> BoxTunnel {
     Box::new(s)
 }

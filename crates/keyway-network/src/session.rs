@@ -11,7 +11,8 @@ use http::{HeaderValue, Method, Request, Response, StatusCode};
 use keyway_core::plan::{LinkPlan, RouterAccessPlan};
 use keyway_dataplane::listener::Upstream;
 use keyway_dataplane::metrics::Metrics;
-use keyway_dataplane::{BoxIo, copy, tls};
+use keyway_dataplane::tls;
+use keyway_dataplane::tunnel::{self, BoxTunnel};
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
@@ -515,7 +516,7 @@ async fn serve_stream(
                     Ok(s) => s,
                     Err(_) => return,
                 };
-                let tunnel = H2Stream::new(send, req.into_body(), None);
+                let stream: BoxTunnel = Box::new(H2Stream::new(send, req.into_body(), None));
                 let metrics = inner.dataplane.metrics();
                 let labels = Metrics::connection_labels("network", &key, &target);
                 let mut in_l = labels.clone();
@@ -524,14 +525,17 @@ async fn serve_stream(
                 out_l.push(("direction", "out".into()));
                 let bytes_in = metrics.bytes.get_or_create(&in_l).clone();
                 let bytes_out = metrics.bytes.get_or_create(&out_l).clone();
+                // Bytes from the tunnel go out to the target ("in" to the workload).
                 let r = match local.upstream {
-                    Upstream::Plain(u) => {
-                        copy::bidirectional(tunnel, u, &bytes_in, &bytes_out).await
+                    Upstream::Plain(mut u) => {
+                        let (r, w) = u.split();
+                        tunnel::bidirectional(r, w, stream, &bytes_out, &bytes_in).await
                     }
-                    Upstream::Tls(u) => copy::bidirectional(tunnel, u, &bytes_in, &bytes_out).await,
-                    Upstream::Remote(u) => {
-                        copy::bidirectional(tunnel, u, &bytes_in, &bytes_out).await
+                    Upstream::Tls(u) => {
+                        let (r, w) = tokio::io::split(u);
+                        tunnel::bidirectional(r, w, stream, &bytes_out, &bytes_in).await
                     }
+                    Upstream::Remote(u) => tunnel::relay(stream, u, &bytes_in, &bytes_out).await,
                 };
                 if let Err(e) = r {
                     tracing::debug!(routing_key = %key, "tunnel ended: {e}");
@@ -553,10 +557,10 @@ async fn serve_stream(
         Ok(s) => s,
         Err(_) => return,
     };
-    let tunnel = H2Stream::new(send, req.into_body(), None);
+    let stream: BoxTunnel = Box::new(H2Stream::new(send, req.into_body(), None));
     let counter = Default::default();
     if let Upstream::Remote(u) = upstream {
-        let _ = copy::bidirectional(tunnel, u, &counter, &counter).await;
+        let _ = tunnel::relay(stream, u, &counter, &counter).await;
     }
 }
 
@@ -567,7 +571,7 @@ pub(crate) async fn open_stream(
     site: &str,
     key: &str,
     hops: u8,
-) -> Result<BoxIo, String> {
+) -> Result<BoxTunnel, String> {
     let conn = inner.next_hop(site)?;
     let Some(sender) = conn.sender.clone() else {
         return Err("no HTTP/2 client on this connection".into());

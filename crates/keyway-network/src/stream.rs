@@ -6,16 +6,25 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
+use keyway_dataplane::tunnel::{ChunkSink, ChunkSource, Tunnel};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// The reusable outgoing buffer's size: a few of the data plane's largest writes.
+const OUT_CAPACITY: usize = 1024 * 1024;
 
 pub struct H2Stream {
     send: SendStream<Bytes>,
     recv: RecvStream,
     buf: Bytes,
+    /// Outgoing bytes are copied here and handed to h2 as frozen slices. Once h2 has written
+    /// them the allocation is reclaimed, so bulk transfers reuse one buffer instead of
+    /// allocating (and page-faulting in) a fresh one per write.
+    out: BytesMut,
     /// Held so the owning connection's stream count stays right while the stream lives.
     _guard: Option<Box<dyn Send + Sync>>,
 }
@@ -30,6 +39,7 @@ impl H2Stream {
             send,
             recv,
             buf: Bytes::new(),
+            out: BytesMut::new(),
             _guard: guard,
         }
     }
@@ -88,11 +98,11 @@ impl AsyncWrite for H2Stream {
                 Some(Ok(0)) => continue,
                 Some(Ok(n)) => {
                     let n = n.min(buf.len());
-                    break this
-                        .send
-                        .send_data(Bytes::copy_from_slice(&buf[..n]), false)
-                        .ok()
-                        .map(|()| n);
+                    // Reclaims the whole buffer when h2 has released every earlier slice.
+                    this.out.reserve(OUT_CAPACITY.max(n));
+                    this.out.extend_from_slice(&buf[..n]);
+                    let chunk = this.out.split().freeze();
+                    break this.send.send_data(chunk, false).ok().map(|()| n);
                 }
                 _ => break None,
             }
@@ -119,5 +129,94 @@ impl AsyncWrite for H2Stream {
         // END_STREAM with no data: the peer sees EOF; our receive side stays open.
         let _ = self.send.send_data(Bytes::new(), true);
         Poll::Ready(Ok(()))
+    }
+}
+
+impl Tunnel for H2Stream {
+    fn into_chunks(self: Box<Self>) -> (Box<dyn ChunkSource>, Box<dyn ChunkSink>) {
+        let H2Stream {
+            send,
+            recv,
+            buf,
+            _guard,
+            ..
+        } = *self;
+        let guard = Arc::new(_guard);
+        (
+            Box::new(H2Source {
+                recv,
+                pending: buf,
+                _guard: guard.clone(),
+            }),
+            Box::new(H2Sink {
+                send,
+                _guard: guard,
+            }),
+        )
+    }
+}
+
+type Guard = Arc<Option<Box<dyn Send + Sync>>>;
+
+/// The receiving half: DATA frames as they arrived.
+struct H2Source {
+    recv: RecvStream,
+    /// What a byte-stream read left over before the split.
+    pending: Bytes,
+    _guard: Guard,
+}
+
+impl ChunkSource for H2Source {
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Bytes>>> {
+        if !self.pending.is_empty() {
+            return Poll::Ready(Ok(Some(std::mem::take(&mut self.pending))));
+        }
+        loop {
+            return match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) if data.is_empty() => continue,
+                Some(Ok(data)) => Poll::Ready(Ok(Some(data))),
+                Some(Err(e)) if e.reason() == Some(h2::Reason::NO_ERROR) => Poll::Ready(Ok(None)),
+                Some(Err(e)) => Poll::Ready(Err(to_io(e))),
+                None => Poll::Ready(Ok(None)),
+            };
+        }
+    }
+
+    fn release(&mut self, n: usize) {
+        let _ = self.recv.flow_control().release_capacity(n);
+    }
+}
+
+/// The sending half: chunks become DATA frames without a copy.
+struct H2Sink {
+    send: SendStream<Bytes>,
+    _guard: Guard,
+}
+
+impl ChunkSink for H2Sink {
+    fn poll_capacity(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        self.send.reserve_capacity(want);
+        loop {
+            match ready!(self.send.poll_capacity(cx)) {
+                // Capacity can be reported as 0 after a window update race; wait again.
+                Some(Ok(0)) => continue,
+                Some(Ok(n)) => return Poll::Ready(Ok(n.min(want))),
+                Some(Err(e)) => return Poll::Ready(Err(to_io(e))),
+                None => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "tunnel stream closed",
+                    )));
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, chunk: Bytes) -> io::Result<()> {
+        self.send.send_data(chunk, false).map_err(to_io)
+    }
+
+    fn finish(&mut self) -> io::Result<()> {
+        self.send.send_data(Bytes::new(), true).map_err(to_io)
     }
 }
