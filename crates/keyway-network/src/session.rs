@@ -33,6 +33,9 @@ const STREAM_WINDOW: u32 = 4 << 20;
 const CONN_WINDOW: u32 = 16 << 20;
 const MAX_FRAME: u32 = 256 << 10;
 const SEND_BUFFER: usize = 4 << 20;
+/// Plaintext rustls takes per write before it must be flushed (default 64 KiB): larger lets one
+/// writev carry up to 64 records instead of four.
+const TLS_SEND_BUFFER: usize = 1 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
 /// HTTP/2 PING every half second, 2 s to answer: a silent peer is dropped within 2.5 s.
@@ -98,6 +101,8 @@ pub(crate) fn start_access(
                         return;
                     }
                 };
+                let mut tls = tls;
+                tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
                 let session = tls.get_ref().1;
                 let authenticated = session.peer_certificates().is_some_and(|c| !c.is_empty());
                 let forward = match accepted_role(session.alpn_protocol(), authenticated) {
@@ -227,6 +232,8 @@ async fn dial_once(
     .await
     .map_err(|_| NetError::Timeout("TLS handshake"))?
     .map_err(|e| NetError::Tls(format!("TLS handshake failed: {e}")))?;
+    let mut tls = tls;
+    tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
     run_session(inner, tls, client, link.cost, Some(link.id.name.clone())).await
 }
 
