@@ -236,6 +236,14 @@ def wrk(port, secs, close, pgids=(), cpu_out=None):
     errors = re.search(r"Socket errors: (.*)", out)
     return rps, p99, (errors.group(1) if errors else "")
 
+def p50_one_connection(port, secs):
+    """Median latency (ms) of requests on one keep-alive connection: what the path adds to a lone
+    request, without queueing."""
+    out = subprocess.run(["wrk", "-t1", "-c1", f"-d{secs}s", "--latency", f"http://127.0.0.1:{port}/index.html"],
+                         capture_output=True, text=True, check=True).stdout
+    m = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
+    return float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
+
 def fmt_cpu(v):
     return "-" if v is None else f"{v:.1f}"
 
@@ -266,9 +274,10 @@ def main():
         for name, (http_port, iperf_port) in PATHS.items():
             if args.http_only or name not in only:
                 continue
-            t, ka, nc, ka_cpu, nc_cpu = streams[name], [], [], [], []
+            t, ka, nc, ka_cpu, nc_cpu, lat = streams[name], [], [], [], [], []
             pg = PGIDS.get(name, ())
             for _ in range(runs):
+                lat.append(p50_one_connection(http_port, secs))
                 ka.append(wrk(http_port, secs, close=False, pgids=pg, cpu_out=ka_cpu))
                 nc.append(wrk(http_port, secs, close=True, pgids=pg, cpu_out=nc_cpu))
             results[name] = {
@@ -276,6 +285,7 @@ def main():
                 "nc_cpu": statistics.median(nc_cpu) if nc_cpu else None,
                 "gbps": statistics.median(t),
                 "gb_cpu": statistics.median(stream_cpu[name]) if stream_cpu[name] else None,
+                "p50_1c": statistics.median(lat),
                 "ka_rps": statistics.median(r for r, _, _ in ka), "ka_p99": statistics.median(p for _, p, _ in ka),
                 "nc_rps": statistics.median(r for r, _, _ in nc), "nc_p99": statistics.median(p for _, p, _ in nc),
                 "errors": "; ".join(e for _, _, e in ka + nc if e),
@@ -302,11 +312,11 @@ def main():
         lines += ["CPU µs/req is the proxy's own CPU time per request (all its processes), which does not",
                   "depend on how much CPU a noisy neighbour leaves: lower is better. CPU ms/GB is the same for",
                   "the one-stream test: the proxy's CPU time per gigabyte it carried.", "",
-                  "| path | 1 stream Gbit/s (x direct) | CPU ms/GB | keep-alive req/s (x HAProxy) | p99 ms | CPU µs/req | new conn/s (x HAProxy) | p99 ms | CPU µs/conn |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| path | 1 stream Gbit/s (x direct) | CPU ms/GB | added p50, 1 conn (µs) | keep-alive req/s (x HAProxy) | p99 ms | CPU µs/req | new conn/s (x HAProxy) | p99 ms | CPU µs/conn |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
     d, h = results.get("direct"), results.get("haproxy")
     for name, r in results.items():
-        lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {fmt_cpu(r['gb_cpu'])} | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
+        lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {fmt_cpu(r['gb_cpu'])} | {(r['p50_1c'] - d['p50_1c']) * 1000:+.0f} | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
                      f"| {fmt_cpu(r['ka_cpu'])} | {r['nc_rps']:.0f} ({r['nc_rps']/h['nc_rps']:.2f}x) | {r['nc_p99']:.2f} | {fmt_cpu(r['nc_cpu'])} |")
     if http:
         hh = http["haproxy-http"]
