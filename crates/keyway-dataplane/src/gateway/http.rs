@@ -19,14 +19,18 @@ use hyper_util::server::conn::auto;
 use keyway_core::gateway::plan::{Backend, Protocol};
 
 use super::route_match::{self, PathMatch};
-use super::upstream::{Body, ConnectError, H2Error, Io};
+use super::upstream::{Body, ConnectError, H1, H2Error, Io, Relay, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
 
 /// What a request needs to know about its connection.
 struct ConnInfo {
     peer: SocketAddr,
+    /// The client address as an X-Forwarded-For value, formatted once per connection.
+    peer_ip: Option<HeaderValue>,
     /// `None`: cleartext; `Some(sni)`: TLS, with the server name the client sent.
     tls: Option<Option<String>>,
+    /// The HTTP/1.1 backend connection kept between this connection's requests.
+    upstream: Arc<Sticky>,
 }
 
 /// Serves one client connection until it closes.
@@ -37,7 +41,14 @@ pub async fn serve<I: Io>(
     peer: SocketAddr,
     tls: Option<Option<String>>,
 ) {
-    let info = Arc::new(ConnInfo { peer, tls });
+    let upstream = Arc::new(Sticky::default());
+    let info = Arc::new(ConnInfo {
+        peer,
+        peer_ip: HeaderValue::from_str(&peer.ip().to_string()).ok(),
+        tls,
+        upstream: upstream.clone(),
+    });
+    let pool = ctx.pool.clone();
     let svc = service_fn(move |req| {
         let (ctx, config, info) = (ctx.clone(), config.clone(), info.clone());
         async move { Ok::<_, Infallible>(handle(&ctx, &config, &info, req).await) }
@@ -49,6 +60,7 @@ pub async fn serve<I: Io>(
     {
         tracing::debug!(%peer, "HTTP connection ended: {e}");
     }
+    pool.close_sticky(&upstream);
 }
 
 fn full(status: StatusCode, text: &str) -> Response<Body> {
@@ -129,24 +141,17 @@ async fn handle(
         return full(StatusCode::NOT_FOUND, "no route matches");
     };
     let prefix = match &entry.m.path {
-        PathMatch::Prefix(p) => Some(p.clone()),
+        PathMatch::Prefix(p) => Some(p.as_str()),
         _ => None,
     };
     rule.metrics.requests.inc();
-    let resp = forward(
-        ctx,
-        &cfg,
-        listener,
-        rule,
-        prefix.as_deref(),
-        info,
-        &host,
-        req,
-    )
-    .await;
+    let resp = forward(ctx, &cfg, listener, rule, prefix, info, &host, req).await;
     rule.metrics.response(resp.status().as_u16());
     resp
 }
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
 const HOP: [HeaderName; 6] = [
@@ -281,20 +286,19 @@ async fn forward(
         }
     }
     // X-Forwarded-For: append the client; X-Forwarded-Proto: what the client spoke.
-    let ip = info.peer.ip().to_string();
     let xff = match req
         .headers()
-        .get("x-forwarded-for")
+        .get(X_FORWARDED_FOR)
         .and_then(|v| v.to_str().ok())
     {
-        Some(prev) => format!("{prev}, {ip}"),
-        None => ip,
+        Some(prev) => HeaderValue::from_str(&format!("{prev}, {}", info.peer.ip())).ok(),
+        None => info.peer_ip.clone(),
     };
-    if let Ok(v) = HeaderValue::from_str(&xff) {
-        req.headers_mut().insert("x-forwarded-for", v);
+    if let Some(v) = xff {
+        req.headers_mut().insert(X_FORWARDED_FOR, v);
     }
     req.headers_mut().insert(
-        "x-forwarded-proto",
+        X_FORWARDED_PROTO,
         HeaderValue::from_static(if scheme == "https" { "https" } else { "http" }),
     );
 
@@ -333,9 +337,11 @@ async fn forward(
 
     let send = async {
         if rule.grpc {
-            send_h2(ctx, &wb.backend, req).await
+            send_h2(ctx, &wb.backend, req).await.map(|r| (r, None))
         } else {
-            send_h1(ctx, &wb.backend, req).await
+            send_h1(ctx, info, &wb.backend, req)
+                .await
+                .map(|(r, c)| (r, Some(c)))
         }
     };
     let result = match rule.timeout {
@@ -345,7 +351,7 @@ async fn forward(
         },
         None => send.await,
     };
-    let mut resp = match result {
+    let (mut resp, conn) = match result {
         Ok(r) => r,
         Err(resp) => return resp,
     };
@@ -357,6 +363,10 @@ async fn forward(
             );
         };
         let backend = hyper::upgrade::on(&mut resp);
+        // The connection hands its socket over once it has read the 101.
+        if let Some(c) = conn {
+            c.detach();
+        }
         tokio::spawn(async move {
             match (client.await, backend.await) {
                 (Ok(c), Ok(b)) => {
@@ -377,7 +387,10 @@ async fn forward(
     for m in &f.response_headers {
         m.apply(resp.headers_mut());
     }
-    resp.map(|b| b.boxed())
+    match conn {
+        Some(c) => resp.map(|b| Relay::new(b, c, info.upstream.clone(), ctx.pool.clone()).boxed()),
+        None => resp.map(|b| b.boxed()),
+    }
 }
 
 fn connect_error(e: &ConnectError) -> Response<Body> {
@@ -388,28 +401,23 @@ fn connect_error(e: &ConnectError) -> Response<Body> {
     }
 }
 
-/// Sends over a pooled keep-alive connection, or a new one. A pooled connection that turns
-/// out closed before the request left is retried once on a fresh connection.
+/// Sends over the client connection's backend connection or a pooled one, else a new one. A
+/// reused connection that turns out closed before the request left is given up for the next;
+/// the request then goes on a fresh connection. The connection comes back with the response:
+/// its body drives it (see [`Relay`]).
 async fn send_h1(
     ctx: &Ctx,
+    info: &ConnInfo,
     backend: &Backend,
     mut req: Request<Body>,
-) -> Result<Response<Incoming>, Response<Body>> {
-    if let Some((key, mut sender)) = ctx.pool.idle_h1(&ctx.shared, backend) {
-        match sender.try_send_request(req).await {
-            Ok(resp) => {
-                ctx.pool.put_h1(key, sender);
-                return Ok(resp);
+) -> Result<(Response<Incoming>, H1), Response<Body>> {
+    while let Some(mut c) = ctx.pool.take_h1(&ctx.shared, backend, &info.upstream) {
+        match c.send(req).await {
+            Ok(resp) => return Ok((resp, c)),
+            Err((_, Some(r))) => req = r,
+            Err((e, None)) => {
+                return Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")));
             }
-            Err(mut e) => match e.take_message() {
-                Some(r) => req = r,
-                None => {
-                    return Err(full(
-                        StatusCode::BAD_GATEWAY,
-                        &format!("backend: {}", e.error()),
-                    ));
-                }
-            },
         }
     }
     let c = ctx
@@ -417,19 +425,15 @@ async fn send_h1(
         .connect(&ctx.shared, backend)
         .await
         .map_err(|e| connect_error(&e))?;
-    let (key, mut sender) = ctx
+    let mut c = ctx
         .pool
         .open_h1(c)
         .await
         .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))?;
-    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
-        ctx.pool.put_h1(key, sender);
+    match c.send(req).await {
+        Ok(resp) => Ok((resp, c)),
+        Err((e, _)) => Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))),
     }
-    Ok(resp)
 }
 
 async fn send_h2(
