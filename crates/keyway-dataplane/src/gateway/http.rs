@@ -2,6 +2,7 @@
 //! prior-knowledge h2c in cleartext), routing each request through the listener that best
 //! matches its Host, and forwarding it to a backend.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -79,7 +80,7 @@ fn full(status: StatusCode, text: &str) -> Response<Body> {
 
 /// The request's host, lower-case, without port: the URI authority (HTTP/2, absolute-form)
 /// or the Host header.
-fn request_host(req: &Request<Incoming>) -> String {
+fn request_host<B>(req: &Request<B>) -> Cow<'_, str> {
     let raw = req
         .uri()
         .authority()
@@ -90,14 +91,39 @@ fn request_host(req: &Request<Incoming>) -> String {
                 .and_then(|h| h.to_str().ok())
         })
         .unwrap_or_default();
-    let host = match raw.parse::<Authority>() {
-        Ok(a) => a.host().to_string(),
-        Err(_) => raw.to_string(),
+    let host = match plain_host(raw) {
+        Some(h) => Cow::Borrowed(h),
+        None => match raw.parse::<Authority>() {
+            Ok(a) => Cow::Owned(a.host().to_string()),
+            Err(_) => Cow::Borrowed(raw),
+        },
     };
+    let trimmed = trim_host(&host);
+    if trimmed.len() == host.len() && !trimmed.bytes().any(|b| b.is_ascii_uppercase()) {
+        return host;
+    }
+    Cow::Owned(trimmed.to_ascii_lowercase())
+}
+
+/// The host of an authority made of a name or IPv4 address and an optional port (what
+/// clients send), without parsing; `None` for anything else (IPv6, user info, odd bytes).
+fn plain_host(raw: &str) -> Option<&str> {
+    let (host, port) = match raw.split_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (raw, None),
+    };
+    let host_ok = !host.is_empty()
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_');
+    let port_ok = port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    (host_ok && port_ok).then_some(host)
+}
+
+fn trim_host(host: &str) -> &str {
     host.trim_start_matches('[')
         .trim_end_matches(']')
         .trim_end_matches('.')
-        .to_ascii_lowercase()
 }
 
 async fn handle(
@@ -118,7 +144,7 @@ async fn handle(
         return full(StatusCode::NOT_FOUND, "no listener for this host");
     };
     if let Some(Some(sni)) = &info.tls
-        && *sni != host
+        && **sni != *host
     {
         let by_sni = cfg.select(Some(sni), |l| l.protocol == want);
         if !by_sni.is_some_and(|l| std::ptr::eq(l, listener)) {
@@ -145,7 +171,7 @@ async fn handle(
         _ => None,
     };
     rule.metrics.requests.inc();
-    let resp = forward(ctx, &cfg, listener, rule, prefix, info, &host, req).await;
+    let resp = forward(ctx, &cfg, listener, rule, prefix, info, req).await;
     rule.metrics.response(resp.status().as_u16());
     resp
 }
@@ -203,7 +229,6 @@ async fn forward(
     rule: &Rule,
     matched_prefix: Option<&str>,
     info: &ConnInfo,
-    host: &str,
     mut req: Request<Incoming>,
 ) -> Response<Body> {
     let f = &rule.filters;
@@ -218,7 +243,7 @@ async fn forward(
         let loc = filters::location(
             r,
             scheme,
-            host,
+            &request_host(&req),
             cfg.port,
             req.uri().path(),
             matched_prefix,
@@ -249,8 +274,10 @@ async fn forward(
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     // Host for HTTP/2 clients (they send :authority) and absolute-form requests.
     if !req.headers().contains_key(header::HOST)
-        && let Ok(v) =
-            HeaderValue::from_str(req.uri().authority().map(Authority::as_str).unwrap_or(host))
+        && let Ok(v) = HeaderValue::from_str(&match req.uri().authority() {
+            Some(a) => Cow::Borrowed(a.as_str()),
+            None => request_host(&req),
+        })
     {
         req.headers_mut().insert(header::HOST, v);
     }
@@ -267,22 +294,18 @@ async fn forward(
     for m in &f.request_headers {
         m.apply(req.headers_mut());
     }
-    let mut path_and_query = req
-        .uri()
-        .path_and_query()
-        .map(PathAndQuery::as_str)
-        .unwrap_or("/")
-        .to_string();
+    // A rewritten path; otherwise the client's is kept as it is.
+    let mut rewritten: Option<String> = None;
     if let Some(rw) = &f.rewrite {
         if let Some(h) = &rw.hostname {
             req.headers_mut().insert(header::HOST, h.clone());
         }
         if let Some(p) = &rw.path {
             let new = p.apply(req.uri().path(), matched_prefix);
-            path_and_query = match req.uri().query() {
+            rewritten = Some(match req.uri().query() {
                 Some(q) => format!("{new}?{q}"),
                 None => new,
-            };
+            });
         }
     }
     // X-Forwarded-For: append the client; X-Forwarded-Proto: what the client spoke.
@@ -303,25 +326,43 @@ async fn forward(
     );
 
     let (mut parts, body) = req.into_parts();
-    let authority = parts
-        .headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .and_then(|h| h.parse::<Authority>().ok());
-    let uri = if rule.grpc {
-        let mut b = Uri::builder()
-            .scheme(Scheme::HTTP)
-            .path_and_query(path_and_query);
-        if let Some(a) = authority {
-            b = b.authority(a);
-        } else {
-            b = b.authority("backend");
-        }
-        b.build()
-    } else {
-        Uri::builder().path_and_query(path_and_query).build()
+    let path_and_query = match rewritten {
+        Some(p) => PathAndQuery::try_from(p).ok(),
+        None => Some(
+            parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        ),
     };
-    let Ok(uri) = uri else {
+    let uri = if rule.grpc {
+        let authority = parts
+            .headers
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.parse::<Authority>().ok())
+            .unwrap_or_else(|| Authority::from_static("backend"));
+        path_and_query.and_then(|p| {
+            Uri::builder()
+                .scheme(Scheme::HTTP)
+                .authority(authority)
+                .path_and_query(p)
+                .build()
+                .ok()
+        })
+    } else if parts.uri.scheme().is_none()
+        && parts.uri.authority().is_none()
+        && path_and_query
+            .as_ref()
+            .is_some_and(|p| Some(p) == parts.uri.path_and_query())
+    {
+        // Origin-form already (HTTP/1.1 clients): nothing to rebuild.
+        Some(std::mem::take(&mut parts.uri))
+    } else {
+        path_and_query.map(Uri::from)
+    };
+    let Some(uri) = uri else {
         return full(StatusCode::BAD_REQUEST, "invalid request path");
     };
     parts.uri = uri;
@@ -453,4 +494,38 @@ async fn send_h2(
         .send_request(req)
         .await
         .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_host_takes_the_fast_path_only_for_names_and_ipv4() {
+        assert_eq!(plain_host("a.example:8080"), Some("a.example"));
+        assert_eq!(plain_host("A.Example"), Some("A.Example"));
+        assert_eq!(plain_host("10.0.0.1:80"), Some("10.0.0.1"));
+        assert_eq!(plain_host("[::1]:80"), None);
+        assert_eq!(plain_host("user@a.example"), None);
+        assert_eq!(plain_host("a.example:"), None);
+        assert_eq!(plain_host(""), None);
+    }
+
+    #[test]
+    fn request_host_is_lower_case_without_port_or_trailing_dot() {
+        let host = |h: &str| {
+            let req = Request::builder().header(header::HOST, h).body(());
+            req.map(|r| request_host(&r).into_owned())
+                .unwrap_or_default()
+        };
+        assert_eq!(host("a.example:80"), "a.example");
+        assert_eq!(host("A.Example.:80"), "a.example");
+        assert_eq!(host("[::1]:8080"), "::1");
+        assert_eq!(host("[::1]"), "::1");
+        let req = Request::builder().uri("http://B.example:81/x").body(());
+        let h = req
+            .map(|r| request_host(&r).into_owned())
+            .unwrap_or_default();
+        assert_eq!(h, "b.example");
+    }
 }
