@@ -190,6 +190,10 @@ const HOP: [HeaderName; 6] = [
 ];
 
 fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
+    // Usually there is none (one pass over a few names instead of a removal per kind).
+    if !h.keys().any(|k| HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = h
         .get_all(header::CONNECTION)
         .iter()
