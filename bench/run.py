@@ -6,6 +6,7 @@ side in one run, on loopback, reported as ratios.
   python3 bench/run.py            # installs iperf3, wrk, haproxy, nginx from Debian if missing
   python3 bench/run.py --quick    # 1 run of 3 s each instead of 3 runs of 5 s
   python3 bench/run.py --only direct,haproxy,linked   # a subset (direct and haproxy are the baselines)
+  python3 bench/run.py --threads 2   # every proxy gets 2 threads (default 1 each)
 
 Measures: single-stream throughput (iperf3), HTTP keep-alive requests/s and p99 (wrk -c50), and
 new-connection rate (wrk with `Connection: close`). The origin is nginx serving a small file.
@@ -116,37 +117,45 @@ def setup_linked(work, procs, keyway):
                             f"spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}\n")
         with open(f"{cfg}/site.yaml", "w") as f: f.write("---\n".join(docs))
         admin = 29902 if site == "a" else 29903
-        p = procs.start([keyway, "run", "--config", cfg, "--admin", f"127.0.0.1:{admin}"], env=dict(os.environ, RUST_LOG="warn"))
+        p = procs.start([keyway, "run", "--config", cfg, "--admin", f"127.0.0.1:{admin}"], env=keyway_env())
         PGIDS.setdefault("linked", []).append(p.pid)
 # HTTP-terminating proxies in front of the same origin.
 HTTP_PATHS = {"keyway-gateway": 28094, "haproxy-http": 28095, "nginx-http": 28096}
+
+# Threads per proxy under test, the same for each so the comparison is fair: HAProxy
+# `nbthread`, nginx `worker_processes` (the proxies, not the origin), keyway's worker threads.
+# One by default: on 2 cores the load generator and the origin need the rest.
+THREADS = 1
+
+def keyway_env():
+    return dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(THREADS))
 
 def setup(work, procs):
     # Origin: nginx with a 1 KiB body; a separate nginx instance runs the stream proxy.
     os.makedirs(f"{work}/www", exist_ok=True)
     with open(f"{work}/www/index.html", "w") as f: f.write("x" * 1024)
-    common = f"pid {{pid}}; error_log {work}/{{name}}.err; worker_processes 1; daemon off;\n"
+    common = f"pid {{pid}}; error_log {work}/{{name}}.err; worker_processes {{workers}}; daemon off;\n"
     with open(f"{work}/origin.conf", "w") as f:
-        f.write(common.format(pid=f"{work}/origin.pid", name="origin") +
+        f.write(common.format(pid=f"{work}/origin.pid", name="origin", workers=1) +
                 "events { worker_connections 4096; }\n"
                 f"http {{ access_log off; server {{ listen 127.0.0.1:{PATHS['direct'][0]} backlog=4096; root {work}/www; keepalive_requests 1000000; }} }}\n")
     procs.start(["nginx", "-c", f"{work}/origin.conf", "-e", f"{work}/origin.err"])
     procs.start(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(PATHS["direct"][1])])
-    # HAProxy, tcp mode, one thread (like keyway's fair share on 2 cores: the load generator needs the other).
+    # HAProxy, tcp mode, THREADS threads (like every proxy under test).
     with open(f"{work}/haproxy.cfg", "w") as f:
-        f.write("global\n  maxconn 8000\n  nbthread 1\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n")
+        f.write(f"global\n  maxconn 8000\n  nbthread {THREADS}\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n")
         for name, (front, back) in (("http", (PATHS["haproxy"][0], PATHS["direct"][0])), ("iperf", (PATHS["haproxy"][1], PATHS["direct"][1]))):
             f.write(f"listen {name}\n  bind 127.0.0.1:{front}\n  server s1 127.0.0.1:{back}\n")
     PGIDS["haproxy"] = [procs.start(["haproxy", "-f", f"{work}/haproxy.cfg"]).pid]
     # HAProxy, http mode, keep-alive to the origin.
     with open(f"{work}/haproxy-http.cfg", "w") as f:
-        f.write("global\n  maxconn 8000\n  nbthread 1\ndefaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n"
+        f.write(f"global\n  maxconn 8000\n  nbthread {THREADS}\ndefaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n"
                 "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
                 f"listen http\n  bind 127.0.0.1:{HTTP_PATHS['haproxy-http']}\n  server s1 127.0.0.1:{PATHS['direct'][0]}\n")
     PGIDS["haproxy-http"] = [procs.start(["haproxy", "-f", f"{work}/haproxy-http.cfg"]).pid]
     # nginx as an HTTP reverse proxy with an upstream keep-alive pool.
     with open(f"{work}/proxy.conf", "w") as f:
-        f.write(common.format(pid=f"{work}/proxy.pid", name="proxy") +
+        f.write(common.format(pid=f"{work}/proxy.pid", name="proxy", workers=THREADS) +
                 "events { worker_connections 20000; }\n"
                 f"http {{ access_log off; upstream origin {{ server 127.0.0.1:{PATHS['direct'][0]}; keepalive 64; }}\n"
                 f"  server {{ listen 127.0.0.1:{HTTP_PATHS['nginx-http']} backlog=4096; keepalive_requests 1000000;\n"
@@ -155,7 +164,7 @@ def setup(work, procs):
     # nginx stream module.
     with open(f"{work}/stream.conf", "w") as f:
         f.write("load_module /usr/lib/nginx/modules/ngx_stream_module.so;\n" +
-                common.format(pid=f"{work}/stream.pid", name="stream") +
+                common.format(pid=f"{work}/stream.pid", name="stream", workers=THREADS) +
                 "events { worker_connections 20000; }\nstream {\n"
                 f"  server {{ listen 127.0.0.1:{PATHS['nginx'][0]} backlog=4096; proxy_pass 127.0.0.1:{PATHS['direct'][0]}; }}\n"
                 f"  server {{ listen 127.0.0.1:{PATHS['nginx'][1]}; proxy_pass 127.0.0.1:{PATHS['direct'][1]}; }}\n}}\n")
@@ -204,7 +213,7 @@ endpoints: [{{addresses: ["127.0.0.1"]}}]
 ports: [{{port: {PATHS['direct'][0]}}}]
 """)
     keyway = os.path.join(ROOT, "target", "release", "keyway")
-    p = procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=dict(os.environ, RUST_LOG="warn"))
+    p = procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=keyway_env())
     PGIDS["keyway"] = PGIDS["keyway-gateway"] = [p.pid]
     setup_linked(work, procs, keyway)
     for front, back in PATHS.values():
@@ -253,7 +262,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "last-run.md"))
     ap.add_argument("--only", default="", help="comma-separated paths to measure (direct and haproxy always run)")
     ap.add_argument("--http-only", action="store_true", help="only the HTTP (L7) comparison")
+    ap.add_argument("--threads", type=int, default=1, help="threads per proxy under test (HAProxy, nginx, keyway)")
     args = ap.parse_args()
+    global THREADS
+    THREADS = args.threads
     only = set(filter(None, args.only.split(","))) | {"direct", "haproxy"} if args.only else set(PATHS)
     runs, secs = (1, 3) if args.quick else (3, 5)
     ensure_tools()
@@ -307,7 +319,8 @@ def main():
     finally:
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
-    lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s)", ""]
+    lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s, "
+             f"{THREADS} thread(s) per proxy)", ""]
     if results:
         lines += ["CPU µs/req is the proxy's own CPU time per request (all its processes), which does not",
                   "depend on how much CPU a noisy neighbour leaves: lower is better. CPU ms/GB is the same for",

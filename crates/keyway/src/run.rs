@@ -22,10 +22,19 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
             config.display()
         );
     }
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = std::env::var("KEYWAY_WORKER_THREADS")
+    let threads: Option<usize> = std::env::var("KEYWAY_WORKER_THREADS")
         .ok()
-        .and_then(|v| v.parse().ok())
+        .and_then(|v| v.parse().ok());
+    // One thread: tokio's current-thread scheduler does the same work without the
+    // multi-thread scheduler's cross-thread bookkeeping (run queues built for stealing,
+    // waking idle workers), and without a separate worker beside the main thread.
+    let mut builder = if threads == Some(1) {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    if let Some(n) = threads
+        && n > 1
     {
         builder.worker_threads(n);
     }

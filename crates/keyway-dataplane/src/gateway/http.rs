@@ -2,6 +2,7 @@
 //! prior-knowledge h2c in cleartext), routing each request through the listener that best
 //! matches its Host, and forwarding it to a backend.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,14 +20,18 @@ use hyper_util::server::conn::auto;
 use keyway_core::gateway::plan::{Backend, Protocol};
 
 use super::route_match::{self, PathMatch};
-use super::upstream::{Body, ConnectError, H2Error, Io};
+use super::upstream::{Body, ConnectError, H1, H2Error, Io, Relay, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
 
 /// What a request needs to know about its connection.
 struct ConnInfo {
     peer: SocketAddr,
+    /// The client address as an X-Forwarded-For value, formatted once per connection.
+    peer_ip: Option<HeaderValue>,
     /// `None`: cleartext; `Some(sni)`: TLS, with the server name the client sent.
     tls: Option<Option<String>>,
+    /// The HTTP/1.1 backend connection kept between this connection's requests.
+    upstream: Arc<Sticky>,
 }
 
 /// Serves one client connection until it closes.
@@ -37,7 +42,14 @@ pub async fn serve<I: Io>(
     peer: SocketAddr,
     tls: Option<Option<String>>,
 ) {
-    let info = Arc::new(ConnInfo { peer, tls });
+    let upstream = Arc::new(Sticky::default());
+    let info = Arc::new(ConnInfo {
+        peer,
+        peer_ip: HeaderValue::from_str(&peer.ip().to_string()).ok(),
+        tls,
+        upstream: upstream.clone(),
+    });
+    let pool = ctx.pool.clone();
     let svc = service_fn(move |req| {
         let (ctx, config, info) = (ctx.clone(), config.clone(), info.clone());
         async move { Ok::<_, Infallible>(handle(&ctx, &config, &info, req).await) }
@@ -49,6 +61,7 @@ pub async fn serve<I: Io>(
     {
         tracing::debug!(%peer, "HTTP connection ended: {e}");
     }
+    pool.close_sticky(&upstream);
 }
 
 fn full(status: StatusCode, text: &str) -> Response<Body> {
@@ -67,7 +80,7 @@ fn full(status: StatusCode, text: &str) -> Response<Body> {
 
 /// The request's host, lower-case, without port: the URI authority (HTTP/2, absolute-form)
 /// or the Host header.
-fn request_host(req: &Request<Incoming>) -> String {
+fn request_host<B>(req: &Request<B>) -> Cow<'_, str> {
     let raw = req
         .uri()
         .authority()
@@ -78,14 +91,39 @@ fn request_host(req: &Request<Incoming>) -> String {
                 .and_then(|h| h.to_str().ok())
         })
         .unwrap_or_default();
-    let host = match raw.parse::<Authority>() {
-        Ok(a) => a.host().to_string(),
-        Err(_) => raw.to_string(),
+    let host = match plain_host(raw) {
+        Some(h) => Cow::Borrowed(h),
+        None => match raw.parse::<Authority>() {
+            Ok(a) => Cow::Owned(a.host().to_string()),
+            Err(_) => Cow::Borrowed(raw),
+        },
     };
+    let trimmed = trim_host(&host);
+    if trimmed.len() == host.len() && !trimmed.bytes().any(|b| b.is_ascii_uppercase()) {
+        return host;
+    }
+    Cow::Owned(trimmed.to_ascii_lowercase())
+}
+
+/// The host of an authority made of a name or IPv4 address and an optional port (what
+/// clients send), without parsing; `None` for anything else (IPv6, user info, odd bytes).
+fn plain_host(raw: &str) -> Option<&str> {
+    let (host, port) = match raw.split_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (raw, None),
+    };
+    let host_ok = !host.is_empty()
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_');
+    let port_ok = port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    (host_ok && port_ok).then_some(host)
+}
+
+fn trim_host(host: &str) -> &str {
     host.trim_start_matches('[')
         .trim_end_matches(']')
         .trim_end_matches('.')
-        .to_ascii_lowercase()
 }
 
 async fn handle(
@@ -106,7 +144,7 @@ async fn handle(
         return full(StatusCode::NOT_FOUND, "no listener for this host");
     };
     if let Some(Some(sni)) = &info.tls
-        && *sni != host
+        && **sni != *host
     {
         let by_sni = cfg.select(Some(sni), |l| l.protocol == want);
         if !by_sni.is_some_and(|l| std::ptr::eq(l, listener)) {
@@ -129,24 +167,17 @@ async fn handle(
         return full(StatusCode::NOT_FOUND, "no route matches");
     };
     let prefix = match &entry.m.path {
-        PathMatch::Prefix(p) => Some(p.clone()),
+        PathMatch::Prefix(p) => Some(p.as_str()),
         _ => None,
     };
     rule.metrics.requests.inc();
-    let resp = forward(
-        ctx,
-        &cfg,
-        listener,
-        rule,
-        prefix.as_deref(),
-        info,
-        &host,
-        req,
-    )
-    .await;
+    let resp = forward(ctx, &cfg, listener, rule, prefix, info, req).await;
     rule.metrics.response(resp.status().as_u16());
     resp
 }
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
 const HOP: [HeaderName; 6] = [
@@ -159,6 +190,10 @@ const HOP: [HeaderName; 6] = [
 ];
 
 fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
+    // Usually there is none (one pass over a few names instead of a removal per kind).
+    if !h.keys().any(|k| HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = h
         .get_all(header::CONNECTION)
         .iter()
@@ -198,7 +233,6 @@ async fn forward(
     rule: &Rule,
     matched_prefix: Option<&str>,
     info: &ConnInfo,
-    host: &str,
     mut req: Request<Incoming>,
 ) -> Response<Body> {
     let f = &rule.filters;
@@ -213,7 +247,7 @@ async fn forward(
         let loc = filters::location(
             r,
             scheme,
-            host,
+            &request_host(&req),
             cfg.port,
             req.uri().path(),
             matched_prefix,
@@ -244,8 +278,10 @@ async fn forward(
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     // Host for HTTP/2 clients (they send :authority) and absolute-form requests.
     if !req.headers().contains_key(header::HOST)
-        && let Ok(v) =
-            HeaderValue::from_str(req.uri().authority().map(Authority::as_str).unwrap_or(host))
+        && let Ok(v) = HeaderValue::from_str(&match req.uri().authority() {
+            Some(a) => Cow::Borrowed(a.as_str()),
+            None => request_host(&req),
+        })
     {
         req.headers_mut().insert(header::HOST, v);
     }
@@ -262,62 +298,75 @@ async fn forward(
     for m in &f.request_headers {
         m.apply(req.headers_mut());
     }
-    let mut path_and_query = req
-        .uri()
-        .path_and_query()
-        .map(PathAndQuery::as_str)
-        .unwrap_or("/")
-        .to_string();
+    // A rewritten path; otherwise the client's is kept as it is.
+    let mut rewritten: Option<String> = None;
     if let Some(rw) = &f.rewrite {
         if let Some(h) = &rw.hostname {
             req.headers_mut().insert(header::HOST, h.clone());
         }
         if let Some(p) = &rw.path {
             let new = p.apply(req.uri().path(), matched_prefix);
-            path_and_query = match req.uri().query() {
+            rewritten = Some(match req.uri().query() {
                 Some(q) => format!("{new}?{q}"),
                 None => new,
-            };
+            });
         }
     }
     // X-Forwarded-For: append the client; X-Forwarded-Proto: what the client spoke.
-    let ip = info.peer.ip().to_string();
     let xff = match req
         .headers()
-        .get("x-forwarded-for")
+        .get(X_FORWARDED_FOR)
         .and_then(|v| v.to_str().ok())
     {
-        Some(prev) => format!("{prev}, {ip}"),
-        None => ip,
+        Some(prev) => HeaderValue::from_str(&format!("{prev}, {}", info.peer.ip())).ok(),
+        None => info.peer_ip.clone(),
     };
-    if let Ok(v) = HeaderValue::from_str(&xff) {
-        req.headers_mut().insert("x-forwarded-for", v);
+    if let Some(v) = xff {
+        req.headers_mut().insert(X_FORWARDED_FOR, v);
     }
     req.headers_mut().insert(
-        "x-forwarded-proto",
+        X_FORWARDED_PROTO,
         HeaderValue::from_static(if scheme == "https" { "https" } else { "http" }),
     );
 
     let (mut parts, body) = req.into_parts();
-    let authority = parts
-        .headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .and_then(|h| h.parse::<Authority>().ok());
-    let uri = if rule.grpc {
-        let mut b = Uri::builder()
-            .scheme(Scheme::HTTP)
-            .path_and_query(path_and_query);
-        if let Some(a) = authority {
-            b = b.authority(a);
-        } else {
-            b = b.authority("backend");
-        }
-        b.build()
-    } else {
-        Uri::builder().path_and_query(path_and_query).build()
+    let path_and_query = match rewritten {
+        Some(p) => PathAndQuery::try_from(p).ok(),
+        None => Some(
+            parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        ),
     };
-    let Ok(uri) = uri else {
+    let uri = if rule.grpc {
+        let authority = parts
+            .headers
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.parse::<Authority>().ok())
+            .unwrap_or_else(|| Authority::from_static("backend"));
+        path_and_query.and_then(|p| {
+            Uri::builder()
+                .scheme(Scheme::HTTP)
+                .authority(authority)
+                .path_and_query(p)
+                .build()
+                .ok()
+        })
+    } else if parts.uri.scheme().is_none()
+        && parts.uri.authority().is_none()
+        && path_and_query
+            .as_ref()
+            .is_some_and(|p| Some(p) == parts.uri.path_and_query())
+    {
+        // Origin-form already (HTTP/1.1 clients): nothing to rebuild.
+        Some(std::mem::take(&mut parts.uri))
+    } else {
+        path_and_query.map(Uri::from)
+    };
+    let Some(uri) = uri else {
         return full(StatusCode::BAD_REQUEST, "invalid request path");
     };
     parts.uri = uri;
@@ -333,9 +382,11 @@ async fn forward(
 
     let send = async {
         if rule.grpc {
-            send_h2(ctx, &wb.backend, req).await
+            send_h2(ctx, &wb.backend, req).await.map(|r| (r, None))
         } else {
-            send_h1(ctx, &wb.backend, req).await
+            send_h1(ctx, info, &wb.backend, req)
+                .await
+                .map(|(r, c)| (r, Some(c)))
         }
     };
     let result = match rule.timeout {
@@ -345,7 +396,7 @@ async fn forward(
         },
         None => send.await,
     };
-    let mut resp = match result {
+    let (mut resp, conn) = match result {
         Ok(r) => r,
         Err(resp) => return resp,
     };
@@ -357,6 +408,10 @@ async fn forward(
             );
         };
         let backend = hyper::upgrade::on(&mut resp);
+        // The connection hands its socket over once it has read the 101.
+        if let Some(c) = conn {
+            c.detach();
+        }
         tokio::spawn(async move {
             match (client.await, backend.await) {
                 (Ok(c), Ok(b)) => {
@@ -377,7 +432,10 @@ async fn forward(
     for m in &f.response_headers {
         m.apply(resp.headers_mut());
     }
-    resp.map(|b| b.boxed())
+    match conn {
+        Some(c) => resp.map(|b| Relay::new(b, c, info.upstream.clone(), ctx.pool.clone()).boxed()),
+        None => resp.map(|b| b.boxed()),
+    }
 }
 
 fn connect_error(e: &ConnectError) -> Response<Body> {
@@ -388,28 +446,23 @@ fn connect_error(e: &ConnectError) -> Response<Body> {
     }
 }
 
-/// Sends over a pooled keep-alive connection, or a new one. A pooled connection that turns
-/// out closed before the request left is retried once on a fresh connection.
+/// Sends over the client connection's backend connection or a pooled one, else a new one. A
+/// reused connection that turns out closed before the request left is given up for the next;
+/// the request then goes on a fresh connection. The connection comes back with the response:
+/// its body drives it (see [`Relay`]).
 async fn send_h1(
     ctx: &Ctx,
+    info: &ConnInfo,
     backend: &Backend,
     mut req: Request<Body>,
-) -> Result<Response<Incoming>, Response<Body>> {
-    if let Some((key, mut sender)) = ctx.pool.idle_h1(&ctx.shared, backend) {
-        match sender.try_send_request(req).await {
-            Ok(resp) => {
-                ctx.pool.put_h1(key, sender);
-                return Ok(resp);
+) -> Result<(Response<Incoming>, H1), Response<Body>> {
+    while let Some(mut c) = ctx.pool.take_h1(&ctx.shared, backend, &info.upstream) {
+        match c.send(req).await {
+            Ok(resp) => return Ok((resp, c)),
+            Err((_, Some(r))) => req = r,
+            Err((e, None)) => {
+                return Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")));
             }
-            Err(mut e) => match e.take_message() {
-                Some(r) => req = r,
-                None => {
-                    return Err(full(
-                        StatusCode::BAD_GATEWAY,
-                        &format!("backend: {}", e.error()),
-                    ));
-                }
-            },
         }
     }
     let c = ctx
@@ -417,19 +470,15 @@ async fn send_h1(
         .connect(&ctx.shared, backend)
         .await
         .map_err(|e| connect_error(&e))?;
-    let (key, mut sender) = ctx
+    let mut c = ctx
         .pool
         .open_h1(c)
         .await
         .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))?;
-    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
-        ctx.pool.put_h1(key, sender);
+    match c.send(req).await {
+        Ok(resp) => Ok((resp, c)),
+        Err((e, _)) => Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))),
     }
-    Ok(resp)
 }
 
 async fn send_h2(
@@ -449,4 +498,38 @@ async fn send_h2(
         .send_request(req)
         .await
         .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_host_takes_the_fast_path_only_for_names_and_ipv4() {
+        assert_eq!(plain_host("a.example:8080"), Some("a.example"));
+        assert_eq!(plain_host("A.Example"), Some("A.Example"));
+        assert_eq!(plain_host("10.0.0.1:80"), Some("10.0.0.1"));
+        assert_eq!(plain_host("[::1]:80"), None);
+        assert_eq!(plain_host("user@a.example"), None);
+        assert_eq!(plain_host("a.example:"), None);
+        assert_eq!(plain_host(""), None);
+    }
+
+    #[test]
+    fn request_host_is_lower_case_without_port_or_trailing_dot() {
+        let host = |h: &str| {
+            let req = Request::builder().header(header::HOST, h).body(());
+            req.map(|r| request_host(&r).into_owned())
+                .unwrap_or_default()
+        };
+        assert_eq!(host("a.example:80"), "a.example");
+        assert_eq!(host("A.Example.:80"), "a.example");
+        assert_eq!(host("[::1]:8080"), "::1");
+        assert_eq!(host("[::1]"), "::1");
+        let req = Request::builder().uri("http://B.example:81/x").body(());
+        let h = req
+            .map(|r| request_host(&r).into_owned())
+            .unwrap_or_default();
+        assert_eq!(h, "b.example");
+    }
 }

@@ -222,7 +222,7 @@ pub struct ListenerError {
 /// State every gateway connection shares.
 pub struct Ctx {
     pub shared: Arc<Shared>,
-    pub pool: upstream::Pool,
+    pub pool: Arc<upstream::Pool>,
 }
 
 #[derive(Default)]
@@ -265,7 +265,7 @@ impl Gateways {
         Gateways {
             ctx: Arc::new(Ctx {
                 shared,
-                pool: upstream::Pool::default(),
+                pool: Arc::default(),
             }),
             metrics,
             bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),

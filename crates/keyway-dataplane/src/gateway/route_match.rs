@@ -348,6 +348,10 @@ impl Table {
 
     /// The winning entry for a request to `host`, if any.
     pub fn find(&self, host: &str, req: &Request<'_>) -> Option<&Entry> {
+        // Common case: no route names hostnames, so all are equally specific.
+        if self.hostnames.iter().all(Vec::is_empty) {
+            return self.entries.iter().find(|e| e.m.matches(req));
+        }
         let ranks: Vec<Option<HostRank>> =
             self.hostnames.iter().map(|h| host_rank(h, host)).collect();
         let mut levels: Vec<HostRank> = ranks.iter().flatten().copied().collect();
