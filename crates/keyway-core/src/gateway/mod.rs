@@ -6,9 +6,11 @@
 //! resolved routes, rendered status) between calls, plus a per-port merge table per Gateway
 //! (`merge.rs`) and an owner → routes reverse index, so a reload that changes one ListenerSet
 //! re-settles only the hostname groups it touches, revisits only routes naming an owner whose
-//! result changed, and re-renders only statuses whose content changed. A change to anything
-//! listener or route inputs depend on (Secrets, grants, backends, Namespaces, classes) still
-//! drops every cache.
+//! result changed, and renders only statuses whose content changed (and only when read). A
+//! changed Secret re-checks only the listeners naming it, a changed Service, EndpointSlice or
+//! skupper Listener/MultiKeyListener only the routes naming it as a backend; a change to
+//! Namespaces, ReferenceGrants or GatewayClasses (which selectors and permissions of anything
+//! may depend on) still drops every cache.
 
 mod fxhash;
 mod hostname;
@@ -30,7 +32,6 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use gateway_api::apis::standard::gateways::GatewayAllowedListenersNamespacesFrom as ListenersFrom;
-use serde_json::Value;
 
 use crate::Time;
 use crate::index::Index;
@@ -45,7 +46,7 @@ use routes::{OwnerView, RouteIn};
 use status::{C, ListenerStatus, Model, ParentStatus};
 
 pub use plan::GatewayPlan;
-pub use status::mark_port_unavailable;
+pub use status::{StatusEntry, Statuses, mark_port_unavailable};
 
 /// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).
 pub const CONTROLLER_NAME: &str = "keyway.io/gateway-controller";
@@ -56,7 +57,8 @@ pub const BUILTIN_CLASS: &str = "keyway";
 #[derive(Clone, Debug, Default)]
 pub struct GatewayResolution {
     pub plan: GatewayPlan,
-    pub statuses: BTreeMap<ObjectKey, Value>,
+    /// Rendered to JSON on first read.
+    pub statuses: Statuses,
     /// Invalid listeners, unresolvable certificates and backends, located at the field.
     pub problems: Vec<ConfigError>,
 }
@@ -78,7 +80,7 @@ pub struct GatewayResolver {
     run: u64,
     next_version: u64,
     /// Every object listener and route inputs depend on (Secrets, grants, backends, namespaces,
-    /// classes); when any changes, all caches are dropped.
+    /// classes), in index order, to find which changed.
     deps: Vec<Arc<LoadedObject>>,
     inputs: HashMap<ObjectKey, Cached<Vec<ListenerIn>>>,
     route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
@@ -89,7 +91,6 @@ pub struct GatewayResolver {
     /// changed owner revisits only its routes.
     by_target: HashMap<ObjectKey, HashSet<ObjectKey>>,
     owner_results: HashMap<ObjectKey, OwnerResult>,
-    models: HashMap<ObjectKey, Model>,
     /// Per Gateway of ours: the object its merge was built for, and the merge.
     merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
     out: GatewayResolution,
@@ -245,19 +246,6 @@ fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
         .collect()
 }
 
-/// Records `model` for `key`, noting it for rendering when it differs from the last one.
-fn put_model(
-    models: &mut HashMap<ObjectKey, Model>,
-    changed: &mut Vec<ObjectKey>,
-    key: &ObjectKey,
-    model: Model,
-) {
-    if models.get(key) != Some(&model) {
-        models.insert(key.clone(), model);
-        changed.push(key.clone());
-    }
-}
-
 impl GatewayResolver {
     /// The last result.
     pub fn resolution(&self) -> &GatewayResolution {
@@ -294,13 +282,47 @@ impl GatewayResolver {
                 _ => {}
             }
         }
-        let same_deps = dep_objs.len() == self.deps.len()
-            && dep_objs
-                .iter()
-                .zip(&self.deps)
-                .all(|(a, b)| Arc::ptr_eq(a, b));
-        if !same_deps {
-            self.deps = dep_objs.iter().map(|o| Arc::clone(o)).collect();
+        // Secrets invalidate the listeners naming them, backends the routes naming them; any
+        // other dependency (Namespaces, grants, classes) may change anything and drops it all.
+        let mut secrets: HashSet<(String, String)> = HashSet::default();
+        let mut backends: HashSet<refs::BackendKey> = HashSet::default();
+        let mut drop_all = false;
+        for (old, new) in dep_changes(&self.deps, &dep_objs) {
+            for o in [old, new].into_iter().flatten() {
+                match o.key.kind {
+                    Kind::Secret => {
+                        secrets.insert((o.key.namespace.clone(), o.key.name.clone()));
+                    }
+                    Kind::Service | Kind::Listener | Kind::MultiKeyListener => {
+                        backends.insert((o.key.kind, o.key.namespace.clone(), o.key.name.clone()));
+                    }
+                    Kind::EndpointSlice => backends.extend(refs::slice_service(&o)),
+                    _ => drop_all = true,
+                }
+            }
+        }
+        self.deps = dep_objs.iter().map(|o| Arc::clone(o)).collect();
+        let mut stale_routes: Vec<ObjectKey> = Vec::new();
+        if !drop_all {
+            if !secrets.is_empty() {
+                self.inputs.retain(|_, c| {
+                    let ns = c.obj.key.namespace.as_str();
+                    !c.value.iter().any(|l| {
+                        l.secret_refs(ns)
+                            .any(|(ns, name)| secrets.contains(&(ns.to_string(), name.to_string())))
+                    })
+                });
+            }
+            if !backends.is_empty() {
+                self.route_inputs.retain(|k, c| {
+                    let hit = c.value.backend_keys.iter().any(|b| backends.contains(b));
+                    if hit {
+                        stale_routes.push(k.clone());
+                    }
+                    !hit
+                });
+            }
+        } else {
             self.inputs.clear();
             self.route_inputs.clear();
             self.route_results.clear();
@@ -310,7 +332,6 @@ impl GatewayResolver {
             self.merges.clear();
         }
         let world = World::new(index, &dep_objs);
-        let mut changed: Vec<ObjectKey> = Vec::new();
         let mut problems = Vec::new();
 
         // Classes: the built-in one and every object naming our controller.
@@ -326,7 +347,7 @@ impl GatewayResolver {
                 let model = Model::Class {
                     generation: generation(c),
                 };
-                put_model(&mut self.models, &mut changed, &c.key, model);
+                self.out.statuses.put(&c.key, model, now);
             }
         }
 
@@ -509,6 +530,13 @@ impl GatewayResolver {
                 .filter(|k| !owner_at.contains_key(k)),
         );
         let mut visiting: HashSet<&ObjectKey> = visit.iter().map(|o| &o.key).collect();
+        for r in &stale_routes {
+            if let Some(obj) = index.get(r)
+                && visiting.insert(&obj.key)
+            {
+                visit.push(obj);
+            }
+        }
         for owner in changed_owners {
             for r in self.by_target.get(owner).into_iter().flatten() {
                 if let Some(obj) = index.get(r)
@@ -613,7 +641,7 @@ impl GatewayResolver {
                 generation: rin.generation,
                 parents,
             };
-            put_model(&mut self.models, &mut changed, &obj.key, model);
+            self.out.statuses.put(&obj.key, model, now);
             for (k, _, _) in &attaches {
                 dirty_keys.insert(k.clone());
             }
@@ -724,7 +752,7 @@ impl GatewayResolver {
                 listeners,
                 attached_listener_sets: sets,
             };
-            put_model(&mut self.models, &mut changed, &o.obj.key, model);
+            self.out.statuses.put(&o.obj.key, model, now);
             let mut binds = Vec::new();
             for (j, l) in o.listeners.iter().enumerate() {
                 let (true, Ok(protocol), Ok(tls), Ok(port)) = (
@@ -801,20 +829,22 @@ impl GatewayResolver {
                 .collect(),
         };
 
-        if !same_deps {
+        if drop_all {
             // Caches were dropped, so deletions cannot be told from them: sweep the models.
             let mut alive: HashSet<&ObjectKey> = class_keys.iter().copied().collect();
             alive.extend(owners.iter().map(|o| &o.obj.key));
             alive.extend(self.route_results.keys());
-            removed.extend(self.models.keys().filter(|k| !alive.contains(k)).cloned());
+            removed.extend(
+                self.out
+                    .statuses
+                    .keys()
+                    .filter(|k| !alive.contains(k))
+                    .cloned(),
+            );
         }
         for key in &removed {
-            self.models.remove(key);
             self.out.statuses.remove(key);
         }
-        let now_v = serde_json::to_value(now).unwrap_or(Value::Null);
-        let rendered = render_all(&changed, &self.models, &self.out.statuses, &now_v);
-        self.out.statuses.extend(rendered);
         problems.sort();
         problems.dedup();
         self.out.problems = problems;
@@ -862,6 +892,44 @@ fn changed_objects<'a>(
     }
 }
 
+/// One changed dependency: (old, new), `None` for a side where it does not exist.
+type DepChange = (Option<Arc<LoadedObject>>, Option<Arc<LoadedObject>>);
+
+/// Objects that differ between `before` and `now` (both in key order): (old, new), either side
+/// `None` when the object was added or removed.
+fn dep_changes(before: &[Arc<LoadedObject>], now: &[&Arc<LoadedObject>]) -> Vec<DepChange> {
+    let mut out = Vec::new();
+    let (mut i, mut j) = (0, 0);
+    loop {
+        match (before.get(i), now.get(j)) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (i, j) = (i + 1, j + 1),
+            (Some(a), Some(b)) => match a.key.cmp(&b.key) {
+                std::cmp::Ordering::Less => {
+                    out.push((Some(Arc::clone(a)), None));
+                    i += 1;
+                }
+                std::cmp::Ordering::Greater => {
+                    out.push((None, Some(Arc::clone(b))));
+                    j += 1;
+                }
+                std::cmp::Ordering::Equal => {
+                    out.push((Some(Arc::clone(a)), Some(Arc::clone(b))));
+                    (i, j) = (i + 1, j + 1);
+                }
+            },
+            (Some(a), None) => {
+                out.push((Some(Arc::clone(a)), None));
+                i += 1;
+            }
+            (None, Some(b)) => {
+                out.push((None, Some(Arc::clone(b))));
+                j += 1;
+            }
+            (None, None) => return out,
+        }
+    }
+}
+
 /// Removes `route` from the reverse index entries of `targets`.
 fn unlink_targets(
     by_target: &mut HashMap<ObjectKey, HashSet<ObjectKey>>,
@@ -876,38 +944,6 @@ fn unlink_targets(
             }
         }
     }
-}
-
-/// Renders the models of `keys`. Rendering is most of a full resolve's cost (hundreds of
-/// thousands of small JSON maps), so large batches are split over two threads.
-fn render_all(
-    keys: &[ObjectKey],
-    models: &HashMap<ObjectKey, Model>,
-    previous: &BTreeMap<ObjectKey, Value>,
-    now: &Value,
-) -> Vec<(ObjectKey, Value)> {
-    let render = |keys: &[ObjectKey]| -> Vec<(ObjectKey, Value)> {
-        keys.iter()
-            .filter_map(|k| {
-                let model = models.get(k)?;
-                Some((k.clone(), status::render_with(model, now, previous.get(k))))
-            })
-            .collect()
-    };
-    if keys.len() < 2_000 {
-        return render(keys);
-    }
-    let (a, b) = keys.split_at(keys.len() / 2);
-    std::thread::scope(|scope| {
-        let other = scope.spawn(|| render(b));
-        let mut out = render(a);
-        match other.join() {
-            Ok(rest) => out.extend(rest),
-            // A panic while rendering is a bug; render the rest here rather than lose statuses.
-            Err(_) => out.extend(render(b)),
-        }
-        out
-    })
 }
 
 /// Accepted and Programmed of a Gateway or ListenerSet.
