@@ -82,7 +82,15 @@ pub struct GatewayResolver {
     /// Every object listener and route inputs depend on (Secrets, grants, backends, namespaces,
     /// classes), in index order, to find which changed.
     deps: Vec<Arc<LoadedObject>>,
-    inputs: HashMap<ObjectKey, Cached<Vec<ListenerIn>>>,
+    /// Gateways and ListenerSets by slot: a number that names one object for as long as it
+    /// exists, so per-run work over all of them indexes instead of hashing keys.
+    slots: Vec<Option<Slot>>,
+    slot_of: HashMap<ObjectKey, usize>,
+    /// Free slots, and those freed by this run (free from the next one on).
+    free: Vec<usize>,
+    pending_free: Vec<usize>,
+    /// Gateways and ListenerSets of the last run, each in index order, with their slots.
+    owner_objs: [Vec<(Arc<LoadedObject>, usize)>; 2],
     route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
     route_results: HashMap<ObjectKey, RouteResult>,
     /// Route objects of the last run, in index order, to find changed routes by pointer.
@@ -90,7 +98,6 @@ pub struct GatewayResolver {
     /// Reverse index: Gateway or ListenerSet key → routes with a parentRef naming it, so a
     /// changed owner revisits only its routes.
     by_target: HashMap<ObjectKey, HashSet<ObjectKey>>,
-    owner_results: HashMap<ObjectKey, OwnerResult>,
     /// Per Gateway of ours: the object its merge was built for, and the merge.
     merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
     out: GatewayResolution,
@@ -117,7 +124,15 @@ struct OwnerResult {
     fp: u64,
     sets: Option<i32>,
     binds: Vec<(u16, ProtocolFamily, Arc<ListenerBind>)>,
-    seen: u64,
+}
+
+/// What is kept for one Gateway or ListenerSet.
+struct Slot {
+    key: ObjectKey,
+    /// Its normalized listeners.
+    input: Option<Cached<Vec<ListenerIn>>>,
+    /// Its result, while it is a Gateway of ours or a ListenerSet one answers for.
+    result: Option<OwnerResult>,
 }
 
 /// How a Gateway or ListenerSet stands as a whole.
@@ -136,6 +151,7 @@ enum Admission {
 /// One Gateway or ListenerSet in this resolve.
 struct Owner<'a> {
     obj: &'a Arc<LoadedObject>,
+    slot: usize,
     version: u64,
     listeners: Arc<Vec<ListenerIn>>,
     /// Empty unless the resource took part in the merge.
@@ -247,6 +263,76 @@ fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
 }
 
 impl GatewayResolver {
+    /// Slots for `now` (Gateways if `which` is 0, ListenerSets if 1; in index order), by a
+    /// key-order walk against the last run's objects. Frees the slots of objects gone (their
+    /// keys go to `gone`); freed slots are reused only from the next run on.
+    fn assign_slots(
+        &mut self,
+        which: usize,
+        now: &[&Arc<LoadedObject>],
+        gone: &mut Vec<ObjectKey>,
+    ) -> Vec<usize> {
+        let before = std::mem::take(&mut self.owner_objs[which]);
+        let mut freed = Vec::new();
+        let mut out = Vec::with_capacity(now.len());
+        let mut i = 0;
+        for obj in now {
+            let mut found = None;
+            while let Some((b, s)) = before.get(i) {
+                if Arc::ptr_eq(b, obj) {
+                    found = Some(*s);
+                    i += 1;
+                    break;
+                }
+                match b.key.cmp(&obj.key) {
+                    std::cmp::Ordering::Less => {
+                        freed.push(*s);
+                        i += 1;
+                    }
+                    std::cmp::Ordering::Equal => {
+                        found = Some(*s);
+                        i += 1;
+                        break;
+                    }
+                    std::cmp::Ordering::Greater => break,
+                }
+            }
+            let slot = match found {
+                Some(s) => s,
+                None => {
+                    let s = self.free.pop().unwrap_or(self.slots.len());
+                    if s == self.slots.len() {
+                        self.slots.push(None);
+                    }
+                    self.slots[s] = Some(Slot {
+                        key: obj.key.clone(),
+                        input: None,
+                        result: None,
+                    });
+                    self.slot_of.insert(obj.key.clone(), s);
+                    s
+                }
+            };
+            out.push(slot);
+        }
+        freed.extend(before[i.min(before.len())..].iter().map(|(_, s)| *s));
+        for s in freed {
+            if let Some(slot) = self.slots[s].take() {
+                self.slot_of.remove(&slot.key);
+                if slot.result.is_some() {
+                    gone.push(slot.key);
+                }
+            }
+            self.pending_free.push(s);
+        }
+        self.owner_objs[which] = now
+            .iter()
+            .zip(&out)
+            .map(|(o, s)| (Arc::clone(o), *s))
+            .collect();
+        out
+    }
+
     /// The last result.
     pub fn resolution(&self) -> &GatewayResolution {
         &self.out
@@ -256,6 +342,8 @@ impl GatewayResolver {
     pub fn update(&mut self, index: &Index, now: &Time) -> &GatewayResolution {
         self.run += 1;
         let run = self.run;
+        let freed = std::mem::take(&mut self.pending_free);
+        self.free.extend(freed);
         let mut classes = Vec::new();
         let mut gateways = Vec::new();
         let mut sets = Vec::new();
@@ -305,13 +393,19 @@ impl GatewayResolver {
         let mut stale_routes: Vec<ObjectKey> = Vec::new();
         if !drop_all {
             if !secrets.is_empty() {
-                self.inputs.retain(|_, c| {
-                    let ns = c.obj.key.namespace.as_str();
-                    !c.value.iter().any(|l| {
-                        l.secret_refs(ns)
-                            .any(|(ns, name)| secrets.contains(&(ns.to_string(), name.to_string())))
-                    })
-                });
+                for slot in self.slots.iter_mut().flatten() {
+                    let stale = slot.input.as_ref().is_some_and(|c| {
+                        let ns = c.obj.key.namespace.as_str();
+                        c.value.iter().any(|l| {
+                            l.secret_refs(ns).any(|(ns, name)| {
+                                secrets.contains(&(ns.to_string(), name.to_string()))
+                            })
+                        })
+                    });
+                    if stale {
+                        slot.input = None;
+                    }
+                }
             }
             if !backends.is_empty() {
                 self.route_inputs.retain(|k, c| {
@@ -323,14 +417,20 @@ impl GatewayResolver {
                 });
             }
         } else {
-            self.inputs.clear();
+            for slot in self.slots.iter_mut().flatten() {
+                slot.input = None;
+                slot.result = None;
+            }
             self.route_inputs.clear();
             self.route_results.clear();
             self.route_objs.clear();
             self.by_target.clear();
-            self.owner_results.clear();
             self.merges.clear();
         }
+        // Slots of Gateways and ListenerSets; the keys of those gone.
+        let mut gone_owners: Vec<ObjectKey> = Vec::new();
+        let gw_slots = self.assign_slots(0, &gateways, &mut gone_owners);
+        let ls_slots = self.assign_slots(1, &sets, &mut gone_owners);
         let world = World::new(index, &dep_objs);
         let mut problems = Vec::new();
 
@@ -354,26 +454,40 @@ impl GatewayResolver {
         let merges = &mut self.merges;
         merges.retain(|k, (obj, _)| index.get(k).is_some_and(|now| Arc::ptr_eq(now, obj)));
         let next_version = &mut self.next_version;
-        let inputs = &mut self.inputs;
-        let mut input = |obj: &Arc<LoadedObject>| -> (u64, Arc<Vec<ListenerIn>>) {
-            cached(inputs, next_version, run, obj, || {
-                Some(owner_listeners(&world, obj))
-            })
-            .unwrap_or_default()
+        let slots = &mut self.slots;
+        let mut input = |slot: usize, obj: &Arc<LoadedObject>| -> (u64, Arc<Vec<ListenerIn>>) {
+            let Some(s) = slots.get_mut(slot).and_then(Option::as_mut) else {
+                return Default::default();
+            };
+            if let Some(c) = &s.input
+                && Arc::ptr_eq(&c.obj, obj)
+            {
+                return (c.version, c.value.clone());
+            }
+            let value = Arc::new(owner_listeners(&world, obj));
+            *next_version += 1;
+            s.input = Some(Cached {
+                obj: Arc::clone(obj),
+                version: *next_version,
+                value: value.clone(),
+                seen: run,
+            });
+            (*next_version, value)
         };
 
         // Gateways of ours, and ListenerSets grouped under them.
-        let our_gateways: BTreeMap<&ObjectKey, &Arc<LoadedObject>> = gateways
+        let our_gateways: BTreeMap<&ObjectKey, (&Arc<LoadedObject>, usize)> = gateways
             .iter()
-            .filter(|g| match &g.resource {
+            .zip(&gw_slots)
+            .filter(|(g, _)| match &g.resource {
                 Resource::Gateway(gw) => ours.contains(gw.spec.gateway_class_name.as_str()),
                 _ => false,
             })
-            .map(|g| (&g.key, *g))
+            .map(|(g, slot)| (&g.key, (*g, *slot)))
             .collect();
-        let mut children: HashMap<ObjectKey, Vec<&Arc<LoadedObject>>> = HashMap::default();
+        let mut children: HashMap<ObjectKey, Vec<(&Arc<LoadedObject>, usize)>> = HashMap::default();
         let mut owners: Vec<Owner<'_>> = Vec::new();
-        for ls in &sets {
+        for (ls, &slot) in sets.iter().zip(&ls_slots) {
             let Resource::ListenerSet(l) = &ls.resource else {
                 continue;
             };
@@ -386,12 +500,13 @@ impl GatewayResolver {
                 &p.name,
             );
             if is_gateway && our_gateways.contains_key(&parent) {
-                children.entry(parent).or_default().push(ls);
+                children.entry(parent).or_default().push((ls, slot));
             } else if !is_gateway || index.get(&parent).is_none() {
                 // No such Gateway: nobody else will ever answer, so we do.
-                let (version, listeners) = input(ls);
+                let (version, listeners) = input(slot, ls);
                 owners.push(Owner {
                     obj: ls,
+                    slot,
                     version,
                     listeners,
                     standings: Vec::new(),
@@ -403,14 +518,14 @@ impl GatewayResolver {
             // A Gateway of another class: its controller's business.
         }
 
-        for (key, gw_obj) in &our_gateways {
+        for (key, &(gw_obj, gw_slot)) in &our_gateways {
             let Resource::Gateway(gw) = &gw_obj.resource else {
                 continue;
             };
-            let (version, own) = input(gw_obj);
+            let (version, own) = input(gw_slot, gw_obj);
             let mut kids = children.remove(*key).unwrap_or_default();
             // Precedence order (`precedence_of`), compared borrowed: no key is allocated.
-            kids.sort_by(|a, b| precedence_ref(a).cmp(&precedence_ref(b)));
+            kids.sort_by(|a, b| precedence_ref(a.0).cmp(&precedence_ref(b.0)));
             let allowed_ns = gw
                 .spec
                 .allowed_listeners
@@ -442,14 +557,14 @@ impl GatewayResolver {
                 Some(ListenersFrom::None) | None => false,
             };
             let (admitted, refused): (Vec<_>, Vec<_>) =
-                kids.into_iter().partition(|k| allows(&k.key.namespace));
+                kids.into_iter().partition(|k| allows(&k.0.key.namespace));
             let kid_inputs: Vec<(u64, Arc<Vec<ListenerIn>>)> =
-                admitted.iter().map(|k| input(k)).collect();
-            let mut members: Vec<(&ObjectKey, &Arc<Vec<ListenerIn>>)> = vec![(*key, &own)];
+                admitted.iter().map(|&(k, slot)| input(slot, k)).collect();
+            let mut members: Vec<(usize, &Arc<Vec<ListenerIn>>)> = vec![(gw_slot, &own)];
             members.extend(
                 admitted
                     .iter()
-                    .map(|k| &k.key)
+                    .map(|k| k.1)
                     .zip(kid_inputs.iter().map(|(_, l)| l)),
             );
             let (_, merge) = merges
@@ -461,6 +576,7 @@ impl GatewayResolver {
             let gw_index = owners.len();
             owners.push(Owner {
                 obj: gw_obj,
+                slot: gw_slot,
                 version,
                 listeners: own.clone(),
                 standings: own_standings,
@@ -468,7 +584,7 @@ impl GatewayResolver {
                 gateway: gw_index,
                 fp: 0,
             });
-            for ((kid, (version, listeners)), standings) in
+            for (((kid, slot), (version, listeners)), standings) in
                 admitted.into_iter().zip(kid_inputs).zip(standings)
             {
                 let admission = if !accepted {
@@ -480,6 +596,7 @@ impl GatewayResolver {
                 };
                 owners.push(Owner {
                     obj: kid,
+                    slot,
                     version,
                     listeners,
                     standings,
@@ -488,10 +605,11 @@ impl GatewayResolver {
                     fp: 0,
                 });
             }
-            for kid in refused {
-                let (version, listeners) = input(kid);
+            for (kid, slot) in refused {
+                let (version, listeners) = input(slot, kid);
                 owners.push(Owner {
                     obj: kid,
+                    slot,
                     version,
                     listeners,
                     standings: Vec::new(),
@@ -501,15 +619,32 @@ impl GatewayResolver {
                 });
             }
         }
-        self.inputs.retain(|_, c| c.seen == run);
         for o in &mut owners {
             o.fp = o.fingerprint();
         }
-        let owner_at: HashMap<&ObjectKey, usize> = owners
-            .iter()
-            .enumerate()
-            .map(|(i, o)| (&o.obj.key, i))
-            .collect();
+        // Owner (index in `owners`) by slot.
+        let mut owner_of_slot = vec![usize::MAX; self.slots.len()];
+        for (i, o) in owners.iter().enumerate() {
+            owner_of_slot[o.slot] = i;
+        }
+        let slot_of = &self.slot_of;
+        let owner_at = |k: &ObjectKey| -> Option<usize> {
+            slot_of
+                .get(k)
+                .and_then(|&s| owner_of_slot.get(s))
+                .copied()
+                .filter(|&i| i != usize::MAX)
+        };
+        // Objects that had a result and are no owner now (gone, or moved to another class's
+        // Gateway): their routes are revisited and their status goes.
+        for (s, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(slot) = slot
+                && owner_of_slot[s] == usize::MAX
+                && slot.result.take().is_some()
+            {
+                gone_owners.push(slot.key.clone());
+            }
+        }
 
         // Routes: visit only those that changed and those naming a changed owner.
         let mut dirty_keys: HashSet<ObjectKey> = HashSet::default();
@@ -518,17 +653,14 @@ impl GatewayResolver {
         let mut changed_owners: Vec<&ObjectKey> = owners
             .iter()
             .filter(|o| {
-                self.owner_results
-                    .get(&o.obj.key)
+                self.slots[o.slot]
+                    .as_ref()
+                    .and_then(|s| s.result.as_ref())
                     .is_none_or(|r| r.fp != o.fp)
             })
             .map(|o| &o.obj.key)
             .collect();
-        changed_owners.extend(
-            self.owner_results
-                .keys()
-                .filter(|k| !owner_at.contains_key(k)),
-        );
+        changed_owners.extend(&gone_owners);
         let mut visiting: HashSet<&ObjectKey> = visit.iter().map(|o| &o.key).collect();
         for r in &stale_routes {
             if let Some(obj) = index.get(r)
@@ -566,11 +698,7 @@ impl GatewayResolver {
             ) else {
                 continue;
             };
-            let fp_of = |t: &Option<ObjectKey>| {
-                t.as_ref()
-                    .and_then(|k| owner_at.get(k))
-                    .map(|&i| owners[i].fp)
-            };
+            let fp_of = |t: &Option<ObjectKey>| t.as_ref().and_then(owner_at).map(|i| owners[i].fp);
             if let Some(rr) = self.route_results.get_mut(&obj.key)
                 && rr.version == version
                 && rr.parent_fps.len() == rin.targets.len()
@@ -596,7 +724,7 @@ impl GatewayResolver {
             let mut attaches: Vec<(ObjectKey, usize, Vec<String>)> = Vec::new();
             let mut parents = Vec::with_capacity(rin.parents.len());
             for (parent, target) in rin.parents.iter().zip(&rin.targets) {
-                let at = target.as_ref().and_then(|k| owner_at.get(k).copied());
+                let at = target.as_ref().and_then(owner_at);
                 let view = at.map(|i| OwnerView {
                     namespace: &owners[i].obj.key.namespace,
                     accepted: owners[i].admitted(),
@@ -684,17 +812,21 @@ impl GatewayResolver {
             matches!(owners[i].admission, Admission::Gateway { .. })
                 .then(|| accepted_sets.get(&i).copied().unwrap_or(0))
         };
-        let dirty: Vec<bool> = owners
+        let mut dirty: Vec<bool> = owners
             .iter()
             .enumerate()
             .map(|(i, o)| {
-                dirty_keys.contains(&o.obj.key)
-                    || self
-                        .owner_results
-                        .get(&o.obj.key)
-                        .is_none_or(|r| r.fp != o.fp || r.sets != sets_of(i))
+                self.slots[o.slot]
+                    .as_ref()
+                    .and_then(|s| s.result.as_ref())
+                    .is_none_or(|r| r.fp != o.fp || r.sets != sets_of(i))
             })
             .collect();
+        for k in &dirty_keys {
+            if let Some(i) = owner_at(k) {
+                dirty[i] = true;
+            }
+        }
         let mut counts: HashMap<(usize, usize), i32> = HashMap::default();
         let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::default();
         for (i, _) in dirty.iter().enumerate().filter(|(_, d)| **d) {
@@ -729,9 +861,6 @@ impl GatewayResolver {
                 listener_problems(o.obj, j, l, &mut problems);
             }
             if !dirty[i] {
-                if let Some(r) = self.owner_results.get_mut(&o.obj.key) {
-                    r.seen = run;
-                }
                 continue;
             }
             let listeners: Vec<ListenerStatus> = o
@@ -775,23 +904,15 @@ impl GatewayResolver {
                 };
                 binds.push((port, protocol.family(), Arc::new(bind)));
             }
-            self.owner_results.insert(
-                o.obj.key.clone(),
-                OwnerResult {
+            if let Some(slot) = self.slots[o.slot].as_mut() {
+                slot.result = Some(OwnerResult {
                     fp: o.fp,
                     sets,
                     binds,
-                    seen: run,
-                },
-            );
-        }
-        self.owner_results.retain(|k, r| {
-            let keep = r.seen == run;
-            if !keep {
-                removed.push(k.clone());
+                });
             }
-            keep
-        });
+        }
+        removed.append(&mut gone_owners);
 
         let mut by_gateway: BTreeMap<&ObjectKey, BTreeMap<u16, PortBind>> = BTreeMap::new();
         for o in &owners {
@@ -802,9 +923,9 @@ impl GatewayResolver {
                 continue;
             }
             let ports = by_gateway.entry(&gw.obj.key).or_default();
-            for (port, family, bind) in self
-                .owner_results
-                .get(&o.obj.key)
+            for (port, family, bind) in self.slots[o.slot]
+                .as_ref()
+                .and_then(|s| s.result.as_ref())
                 .map(|r| r.binds.as_slice())
                 .unwrap_or_default()
             {
