@@ -93,6 +93,8 @@ pub struct GatewayResolver {
     owner_objs: [Vec<(Arc<LoadedObject>, usize)>; 2],
     route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
     route_results: HashMap<ObjectKey, RouteResult>,
+    /// The unresolvable backendRef of each route that has one, as a config error.
+    route_problems: HashMap<ObjectKey, ConfigError>,
     /// Route objects of the last run, in index order, to find changed routes by pointer.
     route_objs: Vec<Arc<LoadedObject>>,
     /// Reverse index: Gateway or ListenerSet key → routes with a parentRef naming it, so a
@@ -113,8 +115,9 @@ struct Cached<T> {
 /// Where one route attached, valid while its input and its parents' fingerprints are unchanged.
 struct RouteResult {
     version: u64,
-    /// What the parentRefs name (kept to maintain `by_target` when the route changes).
-    targets: Vec<Option<ObjectKey>>,
+    /// The route and its input (whose `targets` maintain `by_target` when the route changes).
+    obj: Arc<LoadedObject>,
+    rin: Arc<RouteIn>,
     parent_fps: Vec<Option<u64>>,
     attaches: Vec<(ObjectKey, usize, Vec<String>)>,
 }
@@ -129,8 +132,9 @@ struct OwnerResult {
 /// What is kept for one Gateway or ListenerSet.
 struct Slot {
     key: ObjectKey,
-    /// Its normalized listeners.
+    /// Its normalized listeners, and the config errors they have.
     input: Option<Cached<Vec<ListenerIn>>>,
+    problems: Vec<ConfigError>,
     /// Its result, while it is a Gateway of ours or a ListenerSet one answers for.
     result: Option<OwnerResult>,
 }
@@ -307,6 +311,7 @@ impl GatewayResolver {
                     self.slots[s] = Some(Slot {
                         key: obj.key.clone(),
                         input: None,
+                        problems: Vec::new(),
                         result: None,
                     });
                     self.slot_of.insert(obj.key.clone(), s);
@@ -373,7 +378,7 @@ impl GatewayResolver {
         // Secrets invalidate the listeners naming them, backends the routes naming them; any
         // other dependency (Namespaces, grants, classes) may change anything and drops it all.
         let mut secrets: HashSet<(String, String)> = HashSet::default();
-        let mut backends: HashSet<refs::BackendKey> = HashSet::default();
+        let mut backends: HashSet<u64> = HashSet::default();
         let mut drop_all = false;
         for (old, new) in dep_changes(&self.deps, &dep_objs) {
             for o in [old, new].into_iter().flatten() {
@@ -382,9 +387,12 @@ impl GatewayResolver {
                         secrets.insert((o.key.namespace.clone(), o.key.name.clone()));
                     }
                     Kind::Service | Kind::Listener | Kind::MultiKeyListener => {
-                        backends.insert((o.key.kind, o.key.namespace.clone(), o.key.name.clone()));
+                        let key = (o.key.kind, o.key.namespace.clone(), o.key.name.clone());
+                        backends.insert(refs::backend_hash(&key));
                     }
-                    Kind::EndpointSlice => backends.extend(refs::slice_service(&o)),
+                    Kind::EndpointSlice => {
+                        backends.extend(refs::slice_service(&o).map(|k| refs::backend_hash(&k)))
+                    }
                     _ => drop_all = true,
                 }
             }
@@ -423,6 +431,7 @@ impl GatewayResolver {
             }
             self.route_inputs.clear();
             self.route_results.clear();
+            self.route_problems.clear();
             self.route_objs.clear();
             self.by_target.clear();
             self.merges.clear();
@@ -465,6 +474,10 @@ impl GatewayResolver {
                 return (c.version, c.value.clone());
             }
             let value = Arc::new(owner_listeners(&world, obj));
+            s.problems.clear();
+            for (j, l) in value.iter().enumerate() {
+                listener_problems(obj, j, l, &mut s.problems);
+            }
             *next_version += 1;
             s.input = Some(Cached {
                 obj: Arc::clone(obj),
@@ -485,7 +498,14 @@ impl GatewayResolver {
             })
             .map(|(g, slot)| (&g.key, (*g, *slot)))
             .collect();
-        let mut children: HashMap<ObjectKey, Vec<(&Arc<LoadedObject>, usize)>> = HashMap::default();
+        // By (namespace, name), to place ListenerSets without building keys.
+        let gw_by_name: HashMap<(&str, &str), usize> = our_gateways
+            .keys()
+            .enumerate()
+            .map(|(g, k)| ((k.namespace.as_str(), k.name.as_str()), g))
+            .collect();
+        let mut children: Vec<Vec<(&Arc<LoadedObject>, usize)>> =
+            vec![Vec::new(); gw_by_name.len()];
         let mut owners: Vec<Owner<'_>> = Vec::new();
         for (ls, &slot) in sets.iter().zip(&ls_slots) {
             let Resource::ListenerSet(l) = &ls.resource else {
@@ -494,14 +514,17 @@ impl GatewayResolver {
             let p = &l.spec.parent_ref;
             let is_gateway = p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
                 && p.kind.as_deref().unwrap_or("Gateway") == "Gateway";
-            let parent = ObjectKey::new(
-                Kind::Gateway,
-                p.namespace.as_deref().unwrap_or(&ls.key.namespace),
-                &p.name,
-            );
-            if is_gateway && our_gateways.contains_key(&parent) {
-                children.entry(parent).or_default().push((ls, slot));
-            } else if !is_gateway || index.get(&parent).is_none() {
+            let parent_ns = p.namespace.as_deref().unwrap_or(&ls.key.namespace);
+            let ours_at = is_gateway
+                .then(|| gw_by_name.get(&(parent_ns, p.name.as_str())))
+                .flatten();
+            if let Some(kids) = ours_at.and_then(|&g| children.get_mut(g)) {
+                kids.push((ls, slot));
+            } else if !is_gateway
+                || index
+                    .get(&ObjectKey::new(Kind::Gateway, parent_ns, &p.name))
+                    .is_none()
+            {
                 // No such Gateway: nobody else will ever answer, so we do.
                 let (version, listeners) = input(slot, ls);
                 owners.push(Owner {
@@ -518,12 +541,12 @@ impl GatewayResolver {
             // A Gateway of another class: its controller's business.
         }
 
-        for (key, &(gw_obj, gw_slot)) in &our_gateways {
+        for (g, (key, &(gw_obj, gw_slot))) in our_gateways.iter().enumerate() {
             let Resource::Gateway(gw) = &gw_obj.resource else {
                 continue;
             };
             let (version, own) = input(gw_slot, gw_obj);
-            let mut kids = children.remove(*key).unwrap_or_default();
+            let mut kids = children.get_mut(g).map(std::mem::take).unwrap_or_default();
             // Precedence order (`precedence_of`), compared borrowed: no key is allocated.
             kids.sort_by(|a, b| precedence_ref(a.0).cmp(&precedence_ref(b.0)));
             let allowed_ns = gw
@@ -680,11 +703,12 @@ impl GatewayResolver {
         }
         for key in gone {
             self.route_inputs.remove(&key);
+            self.route_problems.remove(&key);
             if let Some(rr) = self.route_results.remove(&key) {
                 for (owner, _, _) in &rr.attaches {
                     dirty_keys.insert(owner.clone());
                 }
-                unlink_targets(&mut self.by_target, &key, &rr.targets);
+                unlink_targets(&mut self.by_target, &key, &rr.rin.targets);
             }
             removed.push(key);
         }
@@ -709,6 +733,15 @@ impl GatewayResolver {
                     .all(|(fp, t)| *fp == fp_of(t))
             {
                 continue;
+            }
+            match &rin.backend_error {
+                Some((path, e)) => {
+                    let problem = obj.error_at(path, e.to_string());
+                    self.route_problems.insert(obj.key.clone(), problem);
+                }
+                None => {
+                    self.route_problems.remove(&obj.key);
+                }
             }
             let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();
             let ns = obj.key.namespace.as_str();
@@ -777,7 +810,8 @@ impl GatewayResolver {
                 obj.key.clone(),
                 RouteResult {
                     version,
-                    targets: rin.targets.clone(),
+                    obj: Arc::clone(obj),
+                    rin: Arc::clone(&rin),
                     parent_fps: fps,
                     attaches,
                 },
@@ -786,7 +820,7 @@ impl GatewayResolver {
                 for (k, _, _) in &old.attaches {
                     dirty_keys.insert(k.clone());
                 }
-                unlink_targets(&mut self.by_target, &obj.key, &old.targets);
+                unlink_targets(&mut self.by_target, &obj.key, &old.rin.targets);
             }
             for t in rin.targets.iter().flatten() {
                 self.by_target
@@ -796,11 +830,7 @@ impl GatewayResolver {
             }
         }
         self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
-        for c in self.route_inputs.values() {
-            if let Some((path, e)) = &c.value.backend_error {
-                problems.push(c.obj.error_at(path, e.to_string()));
-            }
-        }
+        problems.extend(self.route_problems.values().cloned());
 
         let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
         for o in &owners {
@@ -828,7 +858,8 @@ impl GatewayResolver {
             }
         }
         let mut counts: HashMap<(usize, usize), i32> = HashMap::default();
-        let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::default();
+        let mut bound: HashMap<(usize, usize), Vec<(&LoadedObject, AttachedRoute)>> =
+            HashMap::default();
         for (i, _) in dirty.iter().enumerate().filter(|(_, d)| **d) {
             let key = &owners[i].obj.key;
             for rkey in self.by_target.get(key).into_iter().flatten() {
@@ -840,15 +871,13 @@ impl GatewayResolver {
                         continue;
                     }
                     *counts.entry((i, *listener)).or_default() += 1;
-                    if owners[i].programmed(*listener)
-                        && let Some(rin) = self.route_inputs.get(rkey)
-                    {
+                    if owners[i].programmed(*listener) {
                         bound.entry((i, *listener)).or_default().push((
-                            &rin.value,
+                            &rr.obj,
                             AttachedRoute {
                                 route: rkey.clone(),
                                 hostnames: hostnames.clone(),
-                                rules: rin.value.rules.clone(),
+                                rules: rr.rin.rules.clone(),
                             },
                         ));
                     }
@@ -857,8 +886,8 @@ impl GatewayResolver {
         }
 
         for (i, o) in owners.iter().enumerate() {
-            for (j, l) in o.listeners.iter().enumerate() {
-                listener_problems(o.obj, j, l, &mut problems);
+            if let Some(slot) = &self.slots[o.slot] {
+                problems.extend(slot.problems.iter().cloned());
             }
             if !dirty[i] {
                 continue;
@@ -893,7 +922,7 @@ impl GatewayResolver {
                     continue;
                 };
                 let mut routes = bound.remove(&(i, j)).unwrap_or_default();
-                routes.sort_by(|a, b| a.0.precedence.cmp(&b.0.precedence));
+                routes.sort_by(|a, b| precedence_ref(a.0).cmp(&precedence_ref(b.0)));
                 let bind = ListenerBind {
                     owner: o.obj.key.clone(),
                     name: l.spec.name.clone(),

@@ -77,6 +77,12 @@ impl Ref {
     }
 }
 
+/// A [`BackendKey`] hashed, to test many routes against a few changed backends cheaply.
+pub(crate) fn backend_hash(key: &BackendKey) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<super::fxhash::FxHasher>::default().hash_one(key)
+}
+
 /// The Service an EndpointSlice belongs to (its `kubernetes.io/service-name` label).
 pub(crate) fn slice_service(obj: &LoadedObject) -> Option<BackendKey> {
     let Resource::EndpointSlice(s) = &obj.resource else {

@@ -9,8 +9,7 @@ use std::sync::Arc;
 use super::hostname::intersect;
 use super::listeners::{ListenerIn, RoutesFrom};
 use super::plan::{GrpcRule, HttpRule, RouteRules, WeightedBackend};
-use super::refs::{BackendKey, GATEWAY_GROUP, Ref, RefError, World, X_GATEWAY_GROUP};
-use crate::Time;
+use super::refs::{GATEWAY_GROUP, Ref, RefError, World, X_GATEWAY_GROUP, backend_hash};
 use crate::load::LoadedObject;
 use crate::resource::{Kind, ObjectKey, Resource};
 
@@ -44,7 +43,6 @@ impl ParentRefIn {
 pub(crate) struct RouteIn {
     pub kind: Kind,
     pub generation: i64,
-    pub precedence: (Option<Time>, String, String),
     pub hostnames: Vec<String>,
     pub parents: Vec<Arc<ParentRefIn>>,
     /// What each parentRef names (see [`ParentRefIn::target`]), computed once.
@@ -52,9 +50,9 @@ pub(crate) struct RouteIn {
     pub rules: Arc<RouteRules>,
     /// The first backendRef that does not resolve, with its field path.
     pub backend_error: Option<(String, RefError)>,
-    /// The objects its backendRefs name (found or not): when one of them changes, the route is
-    /// normalized again.
-    pub backend_keys: Vec<BackendKey>,
+    /// Hashes ([`backend_hash`]) of the objects its backendRefs name (found or not): when one
+    /// of them changes, the route is normalized again (a hash collision only costs that).
+    pub backend_keys: Vec<u64>,
 }
 
 macro_rules! parents {
@@ -90,7 +88,7 @@ macro_rules! backends {
                     namespace: b.namespace.clone(),
                 };
                 if let Some(dep) = r.backend_key($ns) {
-                    $deps.push(dep);
+                    $deps.push(backend_hash(&dep));
                 }
                 let (wb, e) = $world.backend($kind, $ns, &r, b.port, b.weight);
                 if let (Some(e), None) = (e, $err.as_ref()) {
@@ -107,7 +105,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
     let ns = obj.key.namespace.as_str();
     let kind = obj.key.kind;
     let mut err: Option<(String, RefError)> = None;
-    let mut deps: Vec<BackendKey> = Vec::new();
+    let mut deps: Vec<u64> = Vec::new();
     let (hostnames, parents, rules) = match &obj.resource {
         Resource::HTTPRoute(r) => {
             let rules = r
@@ -216,7 +214,6 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
         targets,
         kind,
         generation: obj.resource.meta().generation.unwrap_or(1),
-        precedence: crate::reconcile::precedence_of(obj),
         hostnames,
         parents,
         rules: Arc::new(rules),

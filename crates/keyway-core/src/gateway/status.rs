@@ -309,7 +309,11 @@ impl Statuses {
     /// unchanged model keeps its times and rendering. Top-level conditions whose (type, status)
     /// was there before keep their transition time.
     pub(crate) fn put(&mut self, key: &ObjectKey, model: Model, now: &Time) -> bool {
-        let old = self.entries.get(key);
+        let slot = self.entries.entry(key.clone());
+        let old = match &slot {
+            btree_map::Entry::Occupied(e) => Some(e.get()),
+            btree_map::Entry::Vacant(_) => None,
+        };
         if old.is_some_and(|e| e.model == model) {
             return false;
         }
@@ -332,7 +336,14 @@ impl Statuses {
             top,
             rendered: OnceLock::new(),
         };
-        self.entries.insert(key.clone(), entry);
+        match slot {
+            btree_map::Entry::Occupied(mut e) => {
+                e.insert(entry);
+            }
+            btree_map::Entry::Vacant(e) => {
+                e.insert(entry);
+            }
+        }
         true
     }
 
