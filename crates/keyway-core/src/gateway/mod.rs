@@ -65,7 +65,10 @@ pub struct GatewayResolution {
 
 /// Resolves the Gateway API objects of `index` from scratch.
 pub fn resolve(index: &Index, now: &Time) -> GatewayResolution {
-    let mut resolver = GatewayResolver::default();
+    let mut resolver = GatewayResolver {
+        one_shot: true,
+        ..GatewayResolver::default()
+    };
     resolver.update(index, now);
     resolver.out
 }
@@ -77,6 +80,9 @@ pub fn resolve(index: &Index, now: &Time) -> GatewayResolution {
 /// version number that changes whenever their input is recomputed.
 #[derive(Default)]
 pub struct GatewayResolver {
+    /// Used once ([`resolve`]): builds nothing only a later run would use (merge tables, the
+    /// route input cache, the list of route objects).
+    one_shot: bool,
     run: u64,
     next_version: u64,
     /// Every object listener and route inputs depend on (Secrets, grants, backends, namespaces,
@@ -590,10 +596,16 @@ impl GatewayResolver {
                     .map(|k| k.1)
                     .zip(kid_inputs.iter().map(|(_, l)| l)),
             );
-            let (_, merge) = merges
-                .entry((*key).clone())
-                .or_insert_with(|| (Arc::clone(gw_obj), Merge::default()));
-            let mut standings = merge.settle(&members).into_iter();
+            let standings = if self.one_shot {
+                let lists: Vec<&[ListenerIn]> = members.iter().map(|(_, l)| l.as_slice()).collect();
+                listeners::settle(&lists)
+            } else {
+                let (_, merge) = merges
+                    .entry((*key).clone())
+                    .or_insert_with(|| (Arc::clone(gw_obj), Merge::default()));
+                merge.settle(&members)
+            };
+            let mut standings = standings.into_iter();
             let own_standings = standings.next().unwrap_or_default();
             let accepted = own.is_empty() || own_standings.contains(&Standing::Accepted);
             let gw_index = owners.len();
@@ -713,13 +725,21 @@ impl GatewayResolver {
             removed.push(key);
         }
         for obj in visit {
-            let Some((version, rin)) = cached(
-                &mut self.route_inputs,
-                &mut self.next_version,
-                run,
-                obj,
-                || routes::route_in(&world, obj),
-            ) else {
+            let rin = if self.one_shot {
+                routes::route_in(&world, obj).map(|r| {
+                    self.next_version += 1;
+                    (self.next_version, Arc::new(r))
+                })
+            } else {
+                cached(
+                    &mut self.route_inputs,
+                    &mut self.next_version,
+                    run,
+                    obj,
+                    || routes::route_in(&world, obj),
+                )
+            };
+            let Some((version, rin)) = rin else {
                 continue;
             };
             let fp_of = |t: &Option<ObjectKey>| t.as_ref().and_then(owner_at).map(|i| owners[i].fp);
@@ -829,7 +849,9 @@ impl GatewayResolver {
                     .insert(obj.key.clone());
             }
         }
-        self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
+        if !self.one_shot {
+            self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
+        }
         problems.extend(self.route_problems.values().cloned());
 
         let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
