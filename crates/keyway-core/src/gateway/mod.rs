@@ -125,7 +125,9 @@ struct RouteResult {
     obj: Arc<LoadedObject>,
     rin: Arc<RouteIn>,
     parent_fps: Vec<Option<u64>>,
-    attaches: Vec<(ObjectKey, usize, Vec<String>)>,
+    /// (owner slot, listener, hostnames). Slots are safe to keep here: when an owner goes, its
+    /// routes are revisited in that same run, before its slot can be reused.
+    attaches: Vec<(usize, usize, Vec<String>)>,
 }
 
 /// What a Gateway or ListenerSet contributed last time.
@@ -682,7 +684,8 @@ impl GatewayResolver {
         }
 
         // Routes: visit only those that changed and those naming a changed owner.
-        let mut dirty_keys: HashSet<ObjectKey> = HashSet::default();
+        // Slots of owners whose route lists changed.
+        let mut dirty_slots: Vec<usize> = Vec::new();
         let mut removed: Vec<ObjectKey> = Vec::new();
         let (mut visit, gone) = changed_objects(&self.route_objs, &route_objs);
         let mut changed_owners: Vec<&ObjectKey> = owners
@@ -696,29 +699,30 @@ impl GatewayResolver {
             .map(|o| &o.obj.key)
             .collect();
         changed_owners.extend(&gone_owners);
-        let mut visiting: HashSet<&ObjectKey> = visit.iter().map(|o| &o.key).collect();
+        // Routes to revisit besides the changed ones (deduplicated below).
+        let changed_routes = visit.len();
         for r in &stale_routes {
-            if let Some(obj) = index.get(r)
-                && visiting.insert(&obj.key)
-            {
+            if let Some(obj) = index.get(r) {
                 visit.push(obj);
             }
         }
         for owner in changed_owners {
             for r in self.by_target.get(owner).into_iter().flatten() {
-                if let Some(obj) = index.get(r)
-                    && visiting.insert(&obj.key)
-                {
+                if let Some(obj) = index.get(r) {
                     visit.push(obj);
                 }
             }
+        }
+        if visit.len() > changed_routes {
+            visit.sort_by(|a, b| a.key.cmp(&b.key));
+            visit.dedup_by(|a, b| Arc::ptr_eq(a, b));
         }
         for key in gone {
             self.route_inputs.remove(&key);
             self.route_problems.remove(&key);
             if let Some(rr) = self.route_results.remove(&key) {
                 for (owner, _, _) in &rr.attaches {
-                    dirty_keys.insert(owner.clone());
+                    dirty_slots.push(*owner);
                 }
                 unlink_targets(&mut self.by_target, &key, &rr.rin.targets);
             }
@@ -774,7 +778,7 @@ impl GatewayResolver {
                     "all references resolved",
                 ),
             };
-            let mut attaches: Vec<(ObjectKey, usize, Vec<String>)> = Vec::new();
+            let mut attaches: Vec<(usize, usize, Vec<String>)> = Vec::new();
             let mut parents = Vec::with_capacity(rin.parents.len());
             for (parent, target) in rin.parents.iter().zip(&rin.targets) {
                 let at = target.as_ref().and_then(owner_at);
@@ -793,9 +797,9 @@ impl GatewayResolver {
                         for a in list {
                             let dup = attaches
                                 .iter()
-                                .any(|(k, l, _)| *l == a.listener && k == &owner.obj.key);
+                                .any(|(s, l, _)| *l == a.listener && *s == owner.slot);
                             if !dup {
-                                attaches.push((owner.obj.key.clone(), a.listener, a.hostnames));
+                                attaches.push((owner.slot, a.listener, a.hostnames));
                             }
                         }
                         if live {
@@ -823,8 +827,8 @@ impl GatewayResolver {
                 parents,
             };
             self.out.statuses.put(&obj.key, model, now);
-            for (k, _, _) in &attaches {
-                dirty_keys.insert(k.clone());
+            for (s, _, _) in &attaches {
+                dirty_slots.push(*s);
             }
             let old = self.route_results.insert(
                 obj.key.clone(),
@@ -837,8 +841,8 @@ impl GatewayResolver {
                 },
             );
             if let Some(old) = &old {
-                for (k, _, _) in &old.attaches {
-                    dirty_keys.insert(k.clone());
+                for (s, _, _) in &old.attaches {
+                    dirty_slots.push(*s);
                 }
                 unlink_targets(&mut self.by_target, &obj.key, &old.rin.targets);
             }
@@ -874,9 +878,11 @@ impl GatewayResolver {
                     .is_none_or(|r| r.fp != o.fp || r.sets != sets_of(i))
             })
             .collect();
-        for k in &dirty_keys {
-            if let Some(i) = owner_at(k) {
-                dirty[i] = true;
+        for s in dirty_slots {
+            if let Some(&i) = owner_of_slot.get(s)
+                && let Some(d) = dirty.get_mut(i)
+            {
+                *d = true;
             }
         }
         let mut counts: HashMap<(usize, usize), i32> = HashMap::default();
@@ -889,7 +895,7 @@ impl GatewayResolver {
                     continue;
                 };
                 for (owner, listener, hostnames) in &rr.attaches {
-                    if owner != key {
+                    if *owner != owners[i].slot {
                         continue;
                     }
                     *counts.entry((i, *listener)).or_default() += 1;
