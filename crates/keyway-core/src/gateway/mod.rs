@@ -106,6 +106,10 @@ pub struct GatewayResolver {
     /// Reverse index: Gateway or ListenerSet key → routes with a parentRef naming it, so a
     /// changed owner revisits only its routes.
     by_target: HashMap<ObjectKey, HashSet<ObjectKey>>,
+    /// Owner slots in the order the last plan was built from, and where each owner's binds sit
+    /// in it: (port, position in the port's listeners), in bind order.
+    plan_slots: Vec<usize>,
+    plan_pos: Vec<Vec<(u16, usize)>>,
     /// Per Gateway of ours: the object its merge was built for, and the merge.
     merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
     out: GatewayResolution,
@@ -858,6 +862,8 @@ impl GatewayResolver {
         }
         problems.extend(self.route_problems.values().cloned());
 
+        let mut relayout = false;
+        let mut rebound: Vec<usize> = Vec::new();
         let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
         for o in &owners {
             if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
@@ -962,50 +968,40 @@ impl GatewayResolver {
                 binds.push((port, protocol.family(), Arc::new(bind)));
             }
             if let Some(slot) = self.slots[o.slot].as_mut() {
+                let old = slot.result.take();
+                // The plan can be patched in place when the owner's binds keep their ports.
+                let same_layout = !matches!(o.admission, Admission::Gateway { .. })
+                    && old.as_ref().is_some_and(|old| {
+                        old.binds.len() == binds.len()
+                            && old
+                                .binds
+                                .iter()
+                                .zip(&binds)
+                                .all(|(a, b)| (a.0, a.1) == (b.0, b.1))
+                    });
+                relayout |= !same_layout;
                 slot.result = Some(OwnerResult {
                     fp: o.fp,
                     sets,
                     binds,
                 });
             }
+            rebound.push(i);
         }
         removed.append(&mut gone_owners);
 
-        let mut by_gateway: BTreeMap<&ObjectKey, BTreeMap<u16, PortBind>> = BTreeMap::new();
-        for o in &owners {
-            let Some(gw) = owners.get(o.gateway) else {
-                continue;
-            };
-            if gw.admission != (Admission::Gateway { accepted: true }) {
-                continue;
-            }
-            let ports = by_gateway.entry(&gw.obj.key).or_default();
-            for (port, family, bind) in self.slots[o.slot]
-                .as_ref()
-                .and_then(|s| s.result.as_ref())
-                .map(|r| r.binds.as_slice())
-                .unwrap_or_default()
-            {
-                ports
-                    .entry(*port)
-                    .or_insert_with(|| PortBind {
-                        port: *port,
-                        family: *family,
-                        listeners: Vec::new(),
-                    })
-                    .listeners
-                    .push(bind.clone());
-            }
+        // The plan: patched in place when the owners are the same, in the same order, and every
+        // rebuilt owner kept its ports; built again otherwise.
+        let patched = !relayout
+            && self.plan_slots.len() == owners.len()
+            && owners
+                .iter()
+                .zip(&self.plan_slots)
+                .all(|(o, s)| o.slot == *s)
+            && rebound.iter().all(|&i| self.patch_plan(&owners, i));
+        if !patched {
+            self.build_plan(&owners);
         }
-        let plan = GatewayPlan {
-            gateways: by_gateway
-                .into_iter()
-                .map(|(gateway, ports)| GatewayBind {
-                    gateway: gateway.clone(),
-                    ports: ports.into_values().collect(),
-                })
-                .collect(),
-        };
 
         if drop_all {
             // Caches were dropped, so deletions cannot be told from them: sweep the models.
@@ -1026,8 +1022,87 @@ impl GatewayResolver {
         problems.sort();
         problems.dedup();
         self.out.problems = problems;
-        self.out.plan = plan;
         &self.out
+    }
+
+    /// Puts the binds of owner `i` where its binds were in the plan. False when they cannot be
+    /// found (the caller then builds the plan again).
+    fn patch_plan(&mut self, owners: &[Owner<'_>], i: usize) -> bool {
+        let (Some(o), Some(pos)) = (owners.get(i), self.plan_pos.get(i)) else {
+            return false;
+        };
+        let binds = self.slots[o.slot]
+            .as_ref()
+            .and_then(|s| s.result.as_ref())
+            .map(|r| r.binds.as_slice())
+            .unwrap_or_default();
+        if binds.is_empty() {
+            return pos.is_empty();
+        }
+        let Some(gw) = owners.get(o.gateway) else {
+            return false;
+        };
+        let gateways = &mut self.out.plan.gateways;
+        let Ok(g) = gateways.binary_search_by(|b| b.gateway.cmp(&gw.obj.key)) else {
+            return false;
+        };
+        let ports = &mut gateways[g].ports;
+        if pos.len() != binds.len() {
+            return false;
+        }
+        for ((port, at), (_, _, bind)) in pos.iter().zip(binds) {
+            let Ok(p) = ports.binary_search_by_key(port, |b| b.port) else {
+                return false;
+            };
+            let Some(slot) = ports[p].listeners.get_mut(*at) else {
+                return false;
+            };
+            *slot = Arc::clone(bind);
+        }
+        true
+    }
+
+    /// Builds the plan from every owner's binds, noting where each sits (see `plan_pos`).
+    fn build_plan(&mut self, owners: &[Owner<'_>]) {
+        self.plan_slots = owners.iter().map(|o| o.slot).collect();
+        self.plan_pos = vec![Vec::new(); owners.len()];
+        let mut by_gateway: BTreeMap<&ObjectKey, BTreeMap<u16, PortBind>> = BTreeMap::new();
+        for (i, o) in owners.iter().enumerate() {
+            let Some(gw) = owners.get(o.gateway) else {
+                continue;
+            };
+            if gw.admission != (Admission::Gateway { accepted: true }) {
+                continue;
+            }
+            let ports = by_gateway.entry(&gw.obj.key).or_default();
+            let pos = &mut self.plan_pos[i];
+            for (port, family, bind) in self.slots[o.slot]
+                .as_ref()
+                .and_then(|s| s.result.as_ref())
+                .map(|r| r.binds.as_slice())
+                .unwrap_or_default()
+            {
+                let listeners = &mut ports
+                    .entry(*port)
+                    .or_insert_with(|| PortBind {
+                        port: *port,
+                        family: *family,
+                        listeners: Vec::new(),
+                    })
+                    .listeners;
+                pos.push((*port, listeners.len()));
+                listeners.push(bind.clone());
+            }
+        }
+        self.out.plan = GatewayPlan {
+            gateways: by_gateway
+                .into_iter()
+                .map(|(gateway, ports)| GatewayBind {
+                    gateway: gateway.clone(),
+                    ports: ports.into_values().collect(),
+                })
+                .collect(),
+        };
     }
 }
 
