@@ -137,6 +137,7 @@ struct RouteResult {
 /// What a Gateway or ListenerSet contributed last time.
 struct OwnerResult {
     fp: u64,
+    admission: Admission,
     sets: Option<i32>,
     binds: Vec<(u16, ProtocolFamily, Arc<ListenerBind>)>,
 }
@@ -969,19 +970,21 @@ impl GatewayResolver {
             }
             if let Some(slot) = self.slots[o.slot].as_mut() {
                 let old = slot.result.take();
-                // The plan can be patched in place when the owner's binds keep their ports.
-                let same_layout = !matches!(o.admission, Admission::Gateway { .. })
-                    && old.as_ref().is_some_and(|old| {
-                        old.binds.len() == binds.len()
-                            && old
-                                .binds
-                                .iter()
-                                .zip(&binds)
-                                .all(|(a, b)| (a.0, a.1) == (b.0, b.1))
-                    });
+                // The plan can be patched in place when the owner's binds keep their ports (and
+                // a Gateway its acceptance, which decides whose binds are in the plan at all).
+                let same_layout = old.as_ref().is_some_and(|old| {
+                    old.admission == o.admission
+                        && old.binds.len() == binds.len()
+                        && old
+                            .binds
+                            .iter()
+                            .zip(&binds)
+                            .all(|(a, b)| (a.0, a.1) == (b.0, b.1))
+                });
                 relayout |= !same_layout;
                 slot.result = Some(OwnerResult {
                     fp: o.fp,
+                    admission: o.admission,
                     sets,
                     binds,
                 });
