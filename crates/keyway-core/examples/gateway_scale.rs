@@ -1,8 +1,10 @@
 //! Scale benchmark for the Gateway resolver (not a test):
 //! 1 Gateway + 10,000 ListenerSets × 10 listeners + 50,000 HTTPRoutes, built as typed objects.
 //!
-//! Measures a full resolve from scratch and a re-resolve with [`GatewayResolver`] after one
-//! ListenerSet changes. Run with:
+//! Measures a full resolve from scratch (statuses are rendered on first read, timed apart), and
+//! re-resolves with [`GatewayResolver`] after one ListenerSet, one Secret or one Service changes.
+//! The Gateway also has an HTTPS listener whose certificate Secret the Secret change edits. Run
+//! with:
 //!
 //! ```text
 //! cargo run --release -p keyway-core --example gateway_scale
@@ -71,6 +73,29 @@ fn listener_set(i: usize, variant: &str) -> Value {
     })
 }
 
+const CERT: &str = "-----BEGIN CERTIFICATE-----\nMAMCAQE=\n-----END CERTIFICATE-----\n";
+const KEY: &str = "-----BEGIN PRIVATE KEY-----\nMAMCAQE=\n-----END PRIVATE KEY-----\n";
+
+/// The Gateway's certificate; `variant` goes into a label, so each variant is a changed object.
+fn secret(variant: usize) -> LoadedObject {
+    let mut m = meta("infra", "cert", 0);
+    m["labels"] = json!({"variant": variant.to_string()});
+    object(
+        Kind::Secret,
+        json!({"apiVersion": "v1", "kind": "Secret", "metadata": m, "type": "kubernetes.io/tls",
+               "stringData": {"tls.crt": CERT, "tls.key": KEY}}),
+    )
+}
+
+/// Service `app` of namespace `n`; `variant` changes its target port.
+fn service(n: usize, variant: i32) -> LoadedObject {
+    object(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": meta(&format!("team-{n}"), "app", 0),
+               "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080 + variant}]}}),
+    )
+}
+
 fn build() -> Index {
     let mut index = Index::default();
     index.apply(object(
@@ -82,17 +107,18 @@ fn build() -> Index {
             "spec": {
                 "gatewayClassName": "keyway",
                 "allowedListeners": {"namespaces": {"from": "All"}},
-                "listeners": [{"name": "web", "port": 80, "protocol": "HTTP", "hostname": "gw.example.com"}],
+                "listeners": [
+                    {"name": "web", "port": 80, "protocol": "HTTP", "hostname": "gw.example.com"},
+                    {"name": "tls", "port": 443, "protocol": "HTTPS", "hostname": "gw.example.com",
+                     "tls": {"mode": "Terminate", "certificateRefs": [{"name": "cert"}]}},
+                ],
             },
         }),
     ));
+    index.apply(secret(0));
     for n in 0..NAMESPACES {
         let ns = format!("team-{n}");
-        index.apply(object(
-            Kind::Service,
-            json!({"apiVersion": "v1", "kind": "Service", "metadata": meta(&ns, "app", 0),
-                   "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}),
-        ));
+        index.apply(service(n, 0));
         index.apply(object(
             Kind::EndpointSlice,
             json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
@@ -204,6 +230,12 @@ fn main() {
         ms(median(wall)),
         ms(median(cpu)),
     );
+    let (_, w, c) = timed(process_cpu, || r.statuses.render_pending());
+    println!(
+        "  rendering all its statuses as JSON (on first read): wall {}, cpu {} (all threads)",
+        ms(w),
+        ms(c)
+    );
     println!(
         "  → {served} listeners served, {routes} route attachments, {} statuses",
         r.statuses.len()
@@ -250,11 +282,52 @@ fn main() {
         ms(median(wall)),
         ms(median(cpu))
     );
+
+    let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+    for round in 0..7 {
+        index.apply(secret(round + 1));
+        let (_, w, c) = timed(thread_cpu, || {
+            resolver.update(&index, &now);
+        });
+        wall.push(w);
+        cpu.push(c);
+    }
+    println!(
+        "re-resolve, one Secret changed:      wall {}, cpu {}  [median of 7]",
+        ms(median(wall)),
+        ms(median(cpu))
+    );
+
+    let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+    for round in 0..7 {
+        index.apply(service(7, round + 1));
+        let (_, w, c) = timed(thread_cpu, || {
+            resolver.update(&index, &now);
+        });
+        wall.push(w);
+        cpu.push(c);
+    }
+    println!(
+        "re-resolve, one Service changed:     wall {}, cpu {}  [median of 7] ({} routes use it)",
+        ms(median(wall)),
+        ms(median(cpu)),
+        ROUTES / NAMESPACES
+    );
     let check = gateway::resolve(&index, &now);
     assert_eq!(
         check.plan,
         resolver.resolution().plan,
         "incremental and full plans differ"
     );
-    println!("incremental plan == fresh plan: ok");
+    // Every run used the same `now`, so even transition times must agree.
+    assert!(
+        check.statuses == resolver.resolution().statuses,
+        "incremental and fresh statuses differ"
+    );
+    assert_eq!(
+        check.problems,
+        resolver.resolution().problems,
+        "incremental and fresh problems differ"
+    );
+    println!("incremental == fresh (plan, statuses, problems): ok");
 }

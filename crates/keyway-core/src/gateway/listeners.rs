@@ -157,6 +157,18 @@ impl ListenerIn {
     pub fn hostname(&self) -> &str {
         self.spec.hostname.as_deref().unwrap_or_default()
     }
+
+    /// (namespace, name) of every Secret its certificateRefs may look up, for a listener of a
+    /// resource in `owner_ns`.
+    pub fn secret_refs<'a>(
+        &'a self,
+        owner_ns: &'a str,
+    ) -> impl Iterator<Item = (&'a str, &'a str)> {
+        self.spec.tls.iter().flat_map(move |(_, refs)| {
+            refs.iter()
+                .map(move |r| (r.namespace.as_deref().unwrap_or(owner_ns), r.name.as_str()))
+        })
+    }
 }
 
 /// Route kinds by protocol, when `allowedRoutes.kinds` is not given.

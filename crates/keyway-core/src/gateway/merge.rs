@@ -16,11 +16,9 @@ use std::sync::Arc;
 use super::fxhash::{FxMap as HashMap, FxSet as HashSet};
 use super::listeners::{self, Conflict, ListenerIn, Standing};
 use super::plan::ProtocolFamily;
-use crate::resource::ObjectKey;
 
 /// One resource taking part in the merge.
 struct Member {
-    key: ObjectKey,
     /// Position in merge order (Gateway 0, then ListenerSets by precedence).
     rank: usize,
     listeners: Arc<Vec<ListenerIn>>,
@@ -54,11 +52,13 @@ fn family_slot(f: ProtocolFamily) -> usize {
 
 /// The persistent merge of one Gateway. Drop it when the Gateway or anything listener inputs
 /// depend on changes; it only tracks changes of ListenerSets (added, removed, changed, moved).
+/// Resources are named by the resolver's stable per-object slot, so finding them is indexing.
 #[derive(Default)]
 pub(crate) struct Merge {
-    ids: HashMap<ObjectKey, usize>,
-    /// Slots; `None` is free.
+    /// By slot; `None`: not a member.
     members: Vec<Option<Member>>,
+    /// How many members there are.
+    len: usize,
     ports: HashMap<i32, Port>,
 }
 
@@ -72,49 +72,42 @@ struct Touched {
 impl Merge {
     /// Settles `resources` (Gateway first, then ListenerSets in precedence order), reusing the
     /// last settlement where nothing it depends on changed. Returns each resource's standings.
-    pub fn settle(
-        &mut self,
-        resources: &[(&ObjectKey, &Arc<Vec<ListenerIn>>)],
-    ) -> Vec<Vec<Standing>> {
-        let dead = self.members.len() - self.ids.len();
-        if self.members.is_empty() || dead > self.ids.len().max(64) {
-            // First run, or slots of removed resources outnumber live ones: start over.
+    /// `resources` are (slot, listeners); a slot names one object for as long as it exists.
+    pub fn settle(&mut self, resources: &[(usize, &Arc<Vec<ListenerIn>>)]) -> Vec<Vec<Standing>> {
+        if self.len == 0 {
             *self = Merge::default();
             return self.settle_fresh(resources);
         }
         let mut touched = Touched::default();
+        let top = resources.iter().map(|(id, _)| id + 1).max().unwrap_or(0);
+        if self.members.len() < top {
+            self.members.resize_with(top, || None);
+        }
         let mut live = vec![false; self.members.len()];
-        let mut order = Vec::with_capacity(resources.len());
-        for (rank, (key, listeners)) in resources.iter().enumerate() {
-            let id = match self.ids.get(*key) {
-                Some(&id) => {
-                    let m = self.members[id].as_mut().expect("live member");
+        for (rank, &(id, listeners)) in resources.iter().enumerate() {
+            match self.members[id].as_mut() {
+                Some(m) => {
                     m.rank = rank;
                     if !Arc::ptr_eq(&m.listeners, listeners) {
                         self.unlink(id, Some(&mut touched));
-                        let m = self.members[id].as_mut().expect("live member");
-                        m.listeners = Arc::clone(listeners);
+                        if let Some(m) = self.members[id].as_mut() {
+                            m.listeners = Arc::clone(listeners);
+                        }
                         self.link(id, Some(&mut touched));
                     }
-                    id
                 }
                 None => {
-                    let id = self.insert(key, rank, listeners);
+                    self.insert(id, rank, listeners);
                     self.link(id, Some(&mut touched));
-                    id
                 }
-            };
-            if let Some(l) = live.get_mut(id) {
-                *l = true;
             }
-            order.push(id);
+            live[id] = true;
         }
         for (id, live) in live.into_iter().enumerate() {
             if !live && self.members[id].is_some() {
                 self.unlink(id, Some(&mut touched));
-                if let Some(m) = self.members[id].take() {
-                    self.ids.remove(&m.key);
-                }
+                self.members[id] = None;
+                self.len -= 1;
             }
         }
         for (port, (was_uniform, hosts)) in touched.ports {
@@ -130,21 +123,20 @@ impl Merge {
                 self.ports.remove(&port);
             }
         }
-        order
-            .into_iter()
-            .map(|id| self.member(id).standings.clone())
+        resources
+            .iter()
+            .map(|(id, _)| self.member(*id).standings.clone())
             .collect()
     }
 
     /// Settles everything with [`listeners::settle`] and builds the table from the result.
-    fn settle_fresh(
-        &mut self,
-        resources: &[(&ObjectKey, &Arc<Vec<ListenerIn>>)],
-    ) -> Vec<Vec<Standing>> {
+    fn settle_fresh(&mut self, resources: &[(usize, &Arc<Vec<ListenerIn>>)]) -> Vec<Vec<Standing>> {
         let lists: Vec<&[ListenerIn]> = resources.iter().map(|(_, l)| l.as_slice()).collect();
         let standings = listeners::settle(&lists);
-        for (rank, ((key, listeners), s)) in resources.iter().zip(&standings).enumerate() {
-            let id = self.insert(key, rank, listeners);
+        let top = resources.iter().map(|(id, _)| id + 1).max().unwrap_or(0);
+        self.members.resize_with(top, || None);
+        for (rank, (&(id, listeners), s)) in resources.iter().zip(&standings).enumerate() {
+            self.insert(id, rank, listeners);
             self.link(id, None);
             if let Some(m) = self.members[id].as_mut() {
                 m.standings = s.clone();
@@ -157,17 +149,16 @@ impl Merge {
         self.members[id].as_ref().expect("live member")
     }
 
-    fn insert(&mut self, key: &ObjectKey, rank: usize, listeners: &Arc<Vec<ListenerIn>>) -> usize {
-        let member = Member {
-            key: key.clone(),
+    /// Makes slot `id` (within `members`) a member.
+    fn insert(&mut self, id: usize, rank: usize, listeners: &Arc<Vec<ListenerIn>>) {
+        if self.members[id].is_none() {
+            self.len += 1;
+        }
+        self.members[id] = Some(Member {
             rank,
             listeners: Arc::clone(listeners),
             standings: Vec::new(),
-        };
-        let id = self.members.len();
-        self.members.push(Some(member));
-        self.ids.insert(key.clone(), id);
-        id
+        });
     }
 
     /// Notes that `port`/`host` must be re-settled, remembering whether the port was uniform

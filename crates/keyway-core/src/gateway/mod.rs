@@ -6,9 +6,11 @@
 //! resolved routes, rendered status) between calls, plus a per-port merge table per Gateway
 //! (`merge.rs`) and an owner → routes reverse index, so a reload that changes one ListenerSet
 //! re-settles only the hostname groups it touches, revisits only routes naming an owner whose
-//! result changed, and re-renders only statuses whose content changed. A change to anything
-//! listener or route inputs depend on (Secrets, grants, backends, Namespaces, classes) still
-//! drops every cache.
+//! result changed, and renders only statuses whose content changed (and only when read). A
+//! changed Secret re-checks only the listeners naming it, a changed Service, EndpointSlice or
+//! skupper Listener/MultiKeyListener only the routes naming it as a backend; a change to
+//! Namespaces, ReferenceGrants or GatewayClasses (which selectors and permissions of anything
+//! may depend on) still drops every cache.
 
 mod fxhash;
 mod hostname;
@@ -30,7 +32,6 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use gateway_api::apis::standard::gateways::GatewayAllowedListenersNamespacesFrom as ListenersFrom;
-use serde_json::Value;
 
 use crate::Time;
 use crate::index::Index;
@@ -45,7 +46,7 @@ use routes::{OwnerView, RouteIn};
 use status::{C, ListenerStatus, Model, ParentStatus};
 
 pub use plan::GatewayPlan;
-pub use status::mark_port_unavailable;
+pub use status::{StatusEntry, Statuses, mark_port_unavailable};
 
 /// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).
 pub const CONTROLLER_NAME: &str = "keyway.io/gateway-controller";
@@ -56,14 +57,18 @@ pub const BUILTIN_CLASS: &str = "keyway";
 #[derive(Clone, Debug, Default)]
 pub struct GatewayResolution {
     pub plan: GatewayPlan,
-    pub statuses: BTreeMap<ObjectKey, Value>,
+    /// Rendered to JSON on first read.
+    pub statuses: Statuses,
     /// Invalid listeners, unresolvable certificates and backends, located at the field.
     pub problems: Vec<ConfigError>,
 }
 
 /// Resolves the Gateway API objects of `index` from scratch.
 pub fn resolve(index: &Index, now: &Time) -> GatewayResolution {
-    let mut resolver = GatewayResolver::default();
+    let mut resolver = GatewayResolver {
+        one_shot: true,
+        ..GatewayResolver::default()
+    };
     resolver.update(index, now);
     resolver.out
 }
@@ -75,21 +80,36 @@ pub fn resolve(index: &Index, now: &Time) -> GatewayResolution {
 /// version number that changes whenever their input is recomputed.
 #[derive(Default)]
 pub struct GatewayResolver {
+    /// Used once ([`resolve`]): builds nothing only a later run would use (merge tables, the
+    /// route input cache, the list of route objects).
+    one_shot: bool,
     run: u64,
     next_version: u64,
     /// Every object listener and route inputs depend on (Secrets, grants, backends, namespaces,
-    /// classes); when any changes, all caches are dropped.
+    /// classes), in index order, to find which changed.
     deps: Vec<Arc<LoadedObject>>,
-    inputs: HashMap<ObjectKey, Cached<Vec<ListenerIn>>>,
+    /// Gateways and ListenerSets by slot: a number that names one object for as long as it
+    /// exists, so per-run work over all of them indexes instead of hashing keys.
+    slots: Vec<Option<Slot>>,
+    slot_of: HashMap<ObjectKey, usize>,
+    /// Free slots, and those freed by this run (free from the next one on).
+    free: Vec<usize>,
+    pending_free: Vec<usize>,
+    /// Gateways and ListenerSets of the last run, each in index order, with their slots.
+    owner_objs: [Vec<(Arc<LoadedObject>, usize)>; 2],
     route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
     route_results: HashMap<ObjectKey, RouteResult>,
+    /// The unresolvable backendRef of each route that has one, as a config error.
+    route_problems: HashMap<ObjectKey, ConfigError>,
     /// Route objects of the last run, in index order, to find changed routes by pointer.
     route_objs: Vec<Arc<LoadedObject>>,
     /// Reverse index: Gateway or ListenerSet key → routes with a parentRef naming it, so a
     /// changed owner revisits only its routes.
     by_target: HashMap<ObjectKey, HashSet<ObjectKey>>,
-    owner_results: HashMap<ObjectKey, OwnerResult>,
-    models: HashMap<ObjectKey, Model>,
+    /// Owner slots in the order the last plan was built from, and where each owner's binds sit
+    /// in it: (port, position in the port's listeners), in bind order.
+    plan_slots: Vec<usize>,
+    plan_pos: Vec<Vec<(u16, usize)>>,
     /// Per Gateway of ours: the object its merge was built for, and the merge.
     merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
     out: GatewayResolution,
@@ -105,18 +125,31 @@ struct Cached<T> {
 /// Where one route attached, valid while its input and its parents' fingerprints are unchanged.
 struct RouteResult {
     version: u64,
-    /// What the parentRefs name (kept to maintain `by_target` when the route changes).
-    targets: Vec<Option<ObjectKey>>,
+    /// The route and its input (whose `targets` maintain `by_target` when the route changes).
+    obj: Arc<LoadedObject>,
+    rin: Arc<RouteIn>,
     parent_fps: Vec<Option<u64>>,
-    attaches: Vec<(ObjectKey, usize, Vec<String>)>,
+    /// (owner slot, listener, hostnames). Slots are safe to keep here: when an owner goes, its
+    /// routes are revisited in that same run, before its slot can be reused.
+    attaches: Vec<(usize, usize, Vec<String>)>,
 }
 
 /// What a Gateway or ListenerSet contributed last time.
 struct OwnerResult {
     fp: u64,
+    admission: Admission,
     sets: Option<i32>,
     binds: Vec<(u16, ProtocolFamily, Arc<ListenerBind>)>,
-    seen: u64,
+}
+
+/// What is kept for one Gateway or ListenerSet.
+struct Slot {
+    key: ObjectKey,
+    /// Its normalized listeners, and the config errors they have.
+    input: Option<Cached<Vec<ListenerIn>>>,
+    problems: Vec<ConfigError>,
+    /// Its result, while it is a Gateway of ours or a ListenerSet one answers for.
+    result: Option<OwnerResult>,
 }
 
 /// How a Gateway or ListenerSet stands as a whole.
@@ -135,6 +168,7 @@ enum Admission {
 /// One Gateway or ListenerSet in this resolve.
 struct Owner<'a> {
     obj: &'a Arc<LoadedObject>,
+    slot: usize,
     version: u64,
     listeners: Arc<Vec<ListenerIn>>,
     /// Empty unless the resource took part in the merge.
@@ -245,20 +279,78 @@ fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
         .collect()
 }
 
-/// Records `model` for `key`, noting it for rendering when it differs from the last one.
-fn put_model(
-    models: &mut HashMap<ObjectKey, Model>,
-    changed: &mut Vec<ObjectKey>,
-    key: &ObjectKey,
-    model: Model,
-) {
-    if models.get(key) != Some(&model) {
-        models.insert(key.clone(), model);
-        changed.push(key.clone());
-    }
-}
-
 impl GatewayResolver {
+    /// Slots for `now` (Gateways if `which` is 0, ListenerSets if 1; in index order), by a
+    /// key-order walk against the last run's objects. Frees the slots of objects gone (their
+    /// keys go to `gone`); freed slots are reused only from the next run on.
+    fn assign_slots(
+        &mut self,
+        which: usize,
+        now: &[&Arc<LoadedObject>],
+        gone: &mut Vec<ObjectKey>,
+    ) -> Vec<usize> {
+        let before = std::mem::take(&mut self.owner_objs[which]);
+        let mut freed = Vec::new();
+        let mut out = Vec::with_capacity(now.len());
+        let mut i = 0;
+        for obj in now {
+            let mut found = None;
+            while let Some((b, s)) = before.get(i) {
+                if Arc::ptr_eq(b, obj) {
+                    found = Some(*s);
+                    i += 1;
+                    break;
+                }
+                match b.key.cmp(&obj.key) {
+                    std::cmp::Ordering::Less => {
+                        freed.push(*s);
+                        i += 1;
+                    }
+                    std::cmp::Ordering::Equal => {
+                        found = Some(*s);
+                        i += 1;
+                        break;
+                    }
+                    std::cmp::Ordering::Greater => break,
+                }
+            }
+            let slot = match found {
+                Some(s) => s,
+                None => {
+                    let s = self.free.pop().unwrap_or(self.slots.len());
+                    if s == self.slots.len() {
+                        self.slots.push(None);
+                    }
+                    self.slots[s] = Some(Slot {
+                        key: obj.key.clone(),
+                        input: None,
+                        problems: Vec::new(),
+                        result: None,
+                    });
+                    self.slot_of.insert(obj.key.clone(), s);
+                    s
+                }
+            };
+            out.push(slot);
+        }
+        freed.extend(before[i.min(before.len())..].iter().map(|(_, s)| *s));
+        for s in freed {
+            if let Some(slot) = self.slots[s].take() {
+                self.slot_of.remove(&slot.key);
+                if slot.result.is_some() {
+                    gone.push(slot.key);
+                }
+            }
+            self.pending_free.push(s);
+        }
+        self.owner_objs[which] = now
+            .iter()
+            .zip(&out)
+            .map(|(o, s)| (Arc::clone(o), *s))
+            .collect();
+        out
+    }
+
     /// The last result.
     pub fn resolution(&self) -> &GatewayResolution {
         &self.out
@@ -268,6 +360,8 @@ impl GatewayResolver {
     pub fn update(&mut self, index: &Index, now: &Time) -> &GatewayResolution {
         self.run += 1;
         let run = self.run;
+        let freed = std::mem::take(&mut self.pending_free);
+        self.free.extend(freed);
         let mut classes = Vec::new();
         let mut gateways = Vec::new();
         let mut sets = Vec::new();
@@ -294,23 +388,72 @@ impl GatewayResolver {
                 _ => {}
             }
         }
-        let same_deps = dep_objs.len() == self.deps.len()
-            && dep_objs
-                .iter()
-                .zip(&self.deps)
-                .all(|(a, b)| Arc::ptr_eq(a, b));
-        if !same_deps {
-            self.deps = dep_objs.iter().map(|o| Arc::clone(o)).collect();
-            self.inputs.clear();
+        // Secrets invalidate the listeners naming them, backends the routes naming them; any
+        // other dependency (Namespaces, grants, classes) may change anything and drops it all.
+        let mut secrets: HashSet<(String, String)> = HashSet::default();
+        let mut backends: HashSet<u64> = HashSet::default();
+        let mut drop_all = false;
+        for (old, new) in dep_changes(&self.deps, &dep_objs) {
+            for o in [old, new].into_iter().flatten() {
+                match o.key.kind {
+                    Kind::Secret => {
+                        secrets.insert((o.key.namespace.clone(), o.key.name.clone()));
+                    }
+                    Kind::Service | Kind::Listener | Kind::MultiKeyListener => {
+                        let key = (o.key.kind, o.key.namespace.clone(), o.key.name.clone());
+                        backends.insert(refs::backend_hash(&key));
+                    }
+                    Kind::EndpointSlice => {
+                        backends.extend(refs::slice_service(&o).map(|k| refs::backend_hash(&k)))
+                    }
+                    _ => drop_all = true,
+                }
+            }
+        }
+        self.deps = dep_objs.iter().map(|o| Arc::clone(o)).collect();
+        let mut stale_routes: Vec<ObjectKey> = Vec::new();
+        if !drop_all {
+            if !secrets.is_empty() {
+                for slot in self.slots.iter_mut().flatten() {
+                    let stale = slot.input.as_ref().is_some_and(|c| {
+                        let ns = c.obj.key.namespace.as_str();
+                        c.value.iter().any(|l| {
+                            l.secret_refs(ns).any(|(ns, name)| {
+                                secrets.contains(&(ns.to_string(), name.to_string()))
+                            })
+                        })
+                    });
+                    if stale {
+                        slot.input = None;
+                    }
+                }
+            }
+            if !backends.is_empty() {
+                self.route_inputs.retain(|k, c| {
+                    let hit = c.value.backend_keys.iter().any(|b| backends.contains(b));
+                    if hit {
+                        stale_routes.push(k.clone());
+                    }
+                    !hit
+                });
+            }
+        } else {
+            for slot in self.slots.iter_mut().flatten() {
+                slot.input = None;
+                slot.result = None;
+            }
             self.route_inputs.clear();
             self.route_results.clear();
+            self.route_problems.clear();
             self.route_objs.clear();
             self.by_target.clear();
-            self.owner_results.clear();
             self.merges.clear();
         }
+        // Slots of Gateways and ListenerSets; the keys of those gone.
+        let mut gone_owners: Vec<ObjectKey> = Vec::new();
+        let gw_slots = self.assign_slots(0, &gateways, &mut gone_owners);
+        let ls_slots = self.assign_slots(1, &sets, &mut gone_owners);
         let world = World::new(index, &dep_objs);
-        let mut changed: Vec<ObjectKey> = Vec::new();
         let mut problems = Vec::new();
 
         // Classes: the built-in one and every object naming our controller.
@@ -326,51 +469,80 @@ impl GatewayResolver {
                 let model = Model::Class {
                     generation: generation(c),
                 };
-                put_model(&mut self.models, &mut changed, &c.key, model);
+                self.out.statuses.put(&c.key, model, now);
             }
         }
 
         let merges = &mut self.merges;
         merges.retain(|k, (obj, _)| index.get(k).is_some_and(|now| Arc::ptr_eq(now, obj)));
         let next_version = &mut self.next_version;
-        let inputs = &mut self.inputs;
-        let mut input = |obj: &Arc<LoadedObject>| -> (u64, Arc<Vec<ListenerIn>>) {
-            cached(inputs, next_version, run, obj, || {
-                Some(owner_listeners(&world, obj))
-            })
-            .unwrap_or_default()
+        let slots = &mut self.slots;
+        let mut input = |slot: usize, obj: &Arc<LoadedObject>| -> (u64, Arc<Vec<ListenerIn>>) {
+            let Some(s) = slots.get_mut(slot).and_then(Option::as_mut) else {
+                return Default::default();
+            };
+            if let Some(c) = &s.input
+                && Arc::ptr_eq(&c.obj, obj)
+            {
+                return (c.version, c.value.clone());
+            }
+            let value = Arc::new(owner_listeners(&world, obj));
+            s.problems.clear();
+            for (j, l) in value.iter().enumerate() {
+                listener_problems(obj, j, l, &mut s.problems);
+            }
+            *next_version += 1;
+            s.input = Some(Cached {
+                obj: Arc::clone(obj),
+                version: *next_version,
+                value: value.clone(),
+                seen: run,
+            });
+            (*next_version, value)
         };
 
         // Gateways of ours, and ListenerSets grouped under them.
-        let our_gateways: BTreeMap<&ObjectKey, &Arc<LoadedObject>> = gateways
+        let our_gateways: BTreeMap<&ObjectKey, (&Arc<LoadedObject>, usize)> = gateways
             .iter()
-            .filter(|g| match &g.resource {
+            .zip(&gw_slots)
+            .filter(|(g, _)| match &g.resource {
                 Resource::Gateway(gw) => ours.contains(gw.spec.gateway_class_name.as_str()),
                 _ => false,
             })
-            .map(|g| (&g.key, *g))
+            .map(|(g, slot)| (&g.key, (*g, *slot)))
             .collect();
-        let mut children: HashMap<ObjectKey, Vec<&Arc<LoadedObject>>> = HashMap::default();
+        // By (namespace, name), to place ListenerSets without building keys.
+        let gw_by_name: HashMap<(&str, &str), usize> = our_gateways
+            .keys()
+            .enumerate()
+            .map(|(g, k)| ((k.namespace.as_str(), k.name.as_str()), g))
+            .collect();
+        let mut children: Vec<Vec<(&Arc<LoadedObject>, usize)>> =
+            vec![Vec::new(); gw_by_name.len()];
         let mut owners: Vec<Owner<'_>> = Vec::new();
-        for ls in &sets {
+        for (ls, &slot) in sets.iter().zip(&ls_slots) {
             let Resource::ListenerSet(l) = &ls.resource else {
                 continue;
             };
             let p = &l.spec.parent_ref;
             let is_gateway = p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
                 && p.kind.as_deref().unwrap_or("Gateway") == "Gateway";
-            let parent = ObjectKey::new(
-                Kind::Gateway,
-                p.namespace.as_deref().unwrap_or(&ls.key.namespace),
-                &p.name,
-            );
-            if is_gateway && our_gateways.contains_key(&parent) {
-                children.entry(parent).or_default().push(ls);
-            } else if !is_gateway || index.get(&parent).is_none() {
+            let parent_ns = p.namespace.as_deref().unwrap_or(&ls.key.namespace);
+            let ours_at = is_gateway
+                .then(|| gw_by_name.get(&(parent_ns, p.name.as_str())))
+                .flatten();
+            if let Some(kids) = ours_at.and_then(|&g| children.get_mut(g)) {
+                kids.push((ls, slot));
+            } else if !is_gateway
+                || index
+                    .get(&ObjectKey::new(Kind::Gateway, parent_ns, &p.name))
+                    .is_none()
+            {
                 // No such Gateway: nobody else will ever answer, so we do.
-                let (version, listeners) = input(ls);
+                let (version, listeners) = input(slot, ls);
                 owners.push(Owner {
                     obj: ls,
+                    slot,
                     version,
                     listeners,
                     standings: Vec::new(),
@@ -382,14 +554,14 @@ impl GatewayResolver {
             // A Gateway of another class: its controller's business.
         }
 
-        for (key, gw_obj) in &our_gateways {
+        for (g, (key, &(gw_obj, gw_slot))) in our_gateways.iter().enumerate() {
             let Resource::Gateway(gw) = &gw_obj.resource else {
                 continue;
             };
-            let (version, own) = input(gw_obj);
-            let mut kids = children.remove(*key).unwrap_or_default();
+            let (version, own) = input(gw_slot, gw_obj);
+            let mut kids = children.get_mut(g).map(std::mem::take).unwrap_or_default();
             // Precedence order (`precedence_of`), compared borrowed: no key is allocated.
-            kids.sort_by(|a, b| precedence_ref(a).cmp(&precedence_ref(b)));
+            kids.sort_by(|a, b| precedence_ref(a.0).cmp(&precedence_ref(b.0)));
             let allowed_ns = gw
                 .spec
                 .allowed_listeners
@@ -421,25 +593,32 @@ impl GatewayResolver {
                 Some(ListenersFrom::None) | None => false,
             };
             let (admitted, refused): (Vec<_>, Vec<_>) =
-                kids.into_iter().partition(|k| allows(&k.key.namespace));
+                kids.into_iter().partition(|k| allows(&k.0.key.namespace));
             let kid_inputs: Vec<(u64, Arc<Vec<ListenerIn>>)> =
-                admitted.iter().map(|k| input(k)).collect();
-            let mut members: Vec<(&ObjectKey, &Arc<Vec<ListenerIn>>)> = vec![(*key, &own)];
+                admitted.iter().map(|&(k, slot)| input(slot, k)).collect();
+            let mut members: Vec<(usize, &Arc<Vec<ListenerIn>>)> = vec![(gw_slot, &own)];
             members.extend(
                 admitted
                     .iter()
-                    .map(|k| &k.key)
+                    .map(|k| k.1)
                     .zip(kid_inputs.iter().map(|(_, l)| l)),
             );
-            let (_, merge) = merges
-                .entry((*key).clone())
-                .or_insert_with(|| (Arc::clone(gw_obj), Merge::default()));
-            let mut standings = merge.settle(&members).into_iter();
+            let standings = if self.one_shot {
+                let lists: Vec<&[ListenerIn]> = members.iter().map(|(_, l)| l.as_slice()).collect();
+                listeners::settle(&lists)
+            } else {
+                let (_, merge) = merges
+                    .entry((*key).clone())
+                    .or_insert_with(|| (Arc::clone(gw_obj), Merge::default()));
+                merge.settle(&members)
+            };
+            let mut standings = standings.into_iter();
             let own_standings = standings.next().unwrap_or_default();
             let accepted = own.is_empty() || own_standings.contains(&Standing::Accepted);
             let gw_index = owners.len();
             owners.push(Owner {
                 obj: gw_obj,
+                slot: gw_slot,
                 version,
                 listeners: own.clone(),
                 standings: own_standings,
@@ -447,7 +626,7 @@ impl GatewayResolver {
                 gateway: gw_index,
                 fp: 0,
             });
-            for ((kid, (version, listeners)), standings) in
+            for (((kid, slot), (version, listeners)), standings) in
                 admitted.into_iter().zip(kid_inputs).zip(standings)
             {
                 let admission = if !accepted {
@@ -459,6 +638,7 @@ impl GatewayResolver {
                 };
                 owners.push(Owner {
                     obj: kid,
+                    slot,
                     version,
                     listeners,
                     standings,
@@ -467,10 +647,11 @@ impl GatewayResolver {
                     fp: 0,
                 });
             }
-            for kid in refused {
-                let (version, listeners) = input(kid);
+            for (kid, slot) in refused {
+                let (version, listeners) = input(slot, kid);
                 owners.push(Owner {
                     obj: kid,
+                    slot,
                     version,
                     listeners,
                     standings: Vec::new(),
@@ -480,69 +661,97 @@ impl GatewayResolver {
                 });
             }
         }
-        self.inputs.retain(|_, c| c.seen == run);
         for o in &mut owners {
             o.fp = o.fingerprint();
         }
-        let owner_at: HashMap<&ObjectKey, usize> = owners
-            .iter()
-            .enumerate()
-            .map(|(i, o)| (&o.obj.key, i))
-            .collect();
+        // Owner (index in `owners`) by slot.
+        let mut owner_of_slot = vec![usize::MAX; self.slots.len()];
+        for (i, o) in owners.iter().enumerate() {
+            owner_of_slot[o.slot] = i;
+        }
+        let slot_of = &self.slot_of;
+        let owner_at = |k: &ObjectKey| -> Option<usize> {
+            slot_of
+                .get(k)
+                .and_then(|&s| owner_of_slot.get(s))
+                .copied()
+                .filter(|&i| i != usize::MAX)
+        };
+        // Objects that had a result and are no owner now (gone, or moved to another class's
+        // Gateway): their routes are revisited and their status goes.
+        for (s, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(slot) = slot
+                && owner_of_slot[s] == usize::MAX
+                && slot.result.take().is_some()
+            {
+                gone_owners.push(slot.key.clone());
+            }
+        }
 
         // Routes: visit only those that changed and those naming a changed owner.
-        let mut dirty_keys: HashSet<ObjectKey> = HashSet::default();
+        // Slots of owners whose route lists changed.
+        let mut dirty_slots: Vec<usize> = Vec::new();
         let mut removed: Vec<ObjectKey> = Vec::new();
         let (mut visit, gone) = changed_objects(&self.route_objs, &route_objs);
         let mut changed_owners: Vec<&ObjectKey> = owners
             .iter()
             .filter(|o| {
-                self.owner_results
-                    .get(&o.obj.key)
+                self.slots[o.slot]
+                    .as_ref()
+                    .and_then(|s| s.result.as_ref())
                     .is_none_or(|r| r.fp != o.fp)
             })
             .map(|o| &o.obj.key)
             .collect();
-        changed_owners.extend(
-            self.owner_results
-                .keys()
-                .filter(|k| !owner_at.contains_key(k)),
-        );
-        let mut visiting: HashSet<&ObjectKey> = visit.iter().map(|o| &o.key).collect();
+        changed_owners.extend(&gone_owners);
+        // Routes to revisit besides the changed ones (deduplicated below).
+        let changed_routes = visit.len();
+        for r in &stale_routes {
+            if let Some(obj) = index.get(r) {
+                visit.push(obj);
+            }
+        }
         for owner in changed_owners {
             for r in self.by_target.get(owner).into_iter().flatten() {
-                if let Some(obj) = index.get(r)
-                    && visiting.insert(&obj.key)
-                {
+                if let Some(obj) = index.get(r) {
                     visit.push(obj);
                 }
             }
         }
+        if visit.len() > changed_routes {
+            visit.sort_by(|a, b| a.key.cmp(&b.key));
+            visit.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        }
         for key in gone {
             self.route_inputs.remove(&key);
+            self.route_problems.remove(&key);
             if let Some(rr) = self.route_results.remove(&key) {
                 for (owner, _, _) in &rr.attaches {
-                    dirty_keys.insert(owner.clone());
+                    dirty_slots.push(*owner);
                 }
-                unlink_targets(&mut self.by_target, &key, &rr.targets);
+                unlink_targets(&mut self.by_target, &key, &rr.rin.targets);
             }
             removed.push(key);
         }
         for obj in visit {
-            let Some((version, rin)) = cached(
-                &mut self.route_inputs,
-                &mut self.next_version,
-                run,
-                obj,
-                || routes::route_in(&world, obj),
-            ) else {
+            let rin = if self.one_shot {
+                routes::route_in(&world, obj).map(|r| {
+                    self.next_version += 1;
+                    (self.next_version, Arc::new(r))
+                })
+            } else {
+                cached(
+                    &mut self.route_inputs,
+                    &mut self.next_version,
+                    run,
+                    obj,
+                    || routes::route_in(&world, obj),
+                )
+            };
+            let Some((version, rin)) = rin else {
                 continue;
             };
-            let fp_of = |t: &Option<ObjectKey>| {
-                t.as_ref()
-                    .and_then(|k| owner_at.get(k))
-                    .map(|&i| owners[i].fp)
-            };
+            let fp_of = |t: &Option<ObjectKey>| t.as_ref().and_then(owner_at).map(|i| owners[i].fp);
             if let Some(rr) = self.route_results.get_mut(&obj.key)
                 && rr.version == version
                 && rr.parent_fps.len() == rin.targets.len()
@@ -553,6 +762,15 @@ impl GatewayResolver {
                     .all(|(fp, t)| *fp == fp_of(t))
             {
                 continue;
+            }
+            match &rin.backend_error {
+                Some((path, e)) => {
+                    let problem = obj.error_at(path, e.to_string());
+                    self.route_problems.insert(obj.key.clone(), problem);
+                }
+                None => {
+                    self.route_problems.remove(&obj.key);
+                }
             }
             let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();
             let ns = obj.key.namespace.as_str();
@@ -565,10 +783,10 @@ impl GatewayResolver {
                     "all references resolved",
                 ),
             };
-            let mut attaches: Vec<(ObjectKey, usize, Vec<String>)> = Vec::new();
+            let mut attaches: Vec<(usize, usize, Vec<String>)> = Vec::new();
             let mut parents = Vec::with_capacity(rin.parents.len());
             for (parent, target) in rin.parents.iter().zip(&rin.targets) {
-                let at = target.as_ref().and_then(|k| owner_at.get(k).copied());
+                let at = target.as_ref().and_then(owner_at);
                 let view = at.map(|i| OwnerView {
                     namespace: &owners[i].obj.key.namespace,
                     accepted: owners[i].admitted(),
@@ -584,9 +802,9 @@ impl GatewayResolver {
                         for a in list {
                             let dup = attaches
                                 .iter()
-                                .any(|(k, l, _)| *l == a.listener && k == &owner.obj.key);
+                                .any(|(s, l, _)| *l == a.listener && *s == owner.slot);
                             if !dup {
-                                attaches.push((owner.obj.key.clone(), a.listener, a.hostnames));
+                                attaches.push((owner.slot, a.listener, a.hostnames));
                             }
                         }
                         if live {
@@ -613,24 +831,25 @@ impl GatewayResolver {
                 generation: rin.generation,
                 parents,
             };
-            put_model(&mut self.models, &mut changed, &obj.key, model);
-            for (k, _, _) in &attaches {
-                dirty_keys.insert(k.clone());
+            self.out.statuses.put(&obj.key, model, now);
+            for (s, _, _) in &attaches {
+                dirty_slots.push(*s);
             }
             let old = self.route_results.insert(
                 obj.key.clone(),
                 RouteResult {
                     version,
-                    targets: rin.targets.clone(),
+                    obj: Arc::clone(obj),
+                    rin: Arc::clone(&rin),
                     parent_fps: fps,
                     attaches,
                 },
             );
             if let Some(old) = &old {
-                for (k, _, _) in &old.attaches {
-                    dirty_keys.insert(k.clone());
+                for (s, _, _) in &old.attaches {
+                    dirty_slots.push(*s);
                 }
-                unlink_targets(&mut self.by_target, &obj.key, &old.targets);
+                unlink_targets(&mut self.by_target, &obj.key, &old.rin.targets);
             }
             for t in rin.targets.iter().flatten() {
                 self.by_target
@@ -639,13 +858,13 @@ impl GatewayResolver {
                     .insert(obj.key.clone());
             }
         }
-        self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
-        for c in self.route_inputs.values() {
-            if let Some((path, e)) = &c.value.backend_error {
-                problems.push(c.obj.error_at(path, e.to_string()));
-            }
+        if !self.one_shot {
+            self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
         }
+        problems.extend(self.route_problems.values().cloned());
 
+        let mut relayout = false;
+        let mut rebound: Vec<usize> = Vec::new();
         let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
         for o in &owners {
             if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
@@ -656,19 +875,26 @@ impl GatewayResolver {
             matches!(owners[i].admission, Admission::Gateway { .. })
                 .then(|| accepted_sets.get(&i).copied().unwrap_or(0))
         };
-        let dirty: Vec<bool> = owners
+        let mut dirty: Vec<bool> = owners
             .iter()
             .enumerate()
             .map(|(i, o)| {
-                dirty_keys.contains(&o.obj.key)
-                    || self
-                        .owner_results
-                        .get(&o.obj.key)
-                        .is_none_or(|r| r.fp != o.fp || r.sets != sets_of(i))
+                self.slots[o.slot]
+                    .as_ref()
+                    .and_then(|s| s.result.as_ref())
+                    .is_none_or(|r| r.fp != o.fp || r.sets != sets_of(i))
             })
             .collect();
+        for s in dirty_slots {
+            if let Some(&i) = owner_of_slot.get(s)
+                && let Some(d) = dirty.get_mut(i)
+            {
+                *d = true;
+            }
+        }
         let mut counts: HashMap<(usize, usize), i32> = HashMap::default();
-        let mut bound: HashMap<(usize, usize), Vec<(&RouteIn, AttachedRoute)>> = HashMap::default();
+        let mut bound: HashMap<(usize, usize), Vec<(&LoadedObject, AttachedRoute)>> =
+            HashMap::default();
         for (i, _) in dirty.iter().enumerate().filter(|(_, d)| **d) {
             let key = &owners[i].obj.key;
             for rkey in self.by_target.get(key).into_iter().flatten() {
@@ -676,19 +902,17 @@ impl GatewayResolver {
                     continue;
                 };
                 for (owner, listener, hostnames) in &rr.attaches {
-                    if owner != key {
+                    if *owner != owners[i].slot {
                         continue;
                     }
                     *counts.entry((i, *listener)).or_default() += 1;
-                    if owners[i].programmed(*listener)
-                        && let Some(rin) = self.route_inputs.get(rkey)
-                    {
+                    if owners[i].programmed(*listener) {
                         bound.entry((i, *listener)).or_default().push((
-                            &rin.value,
+                            &rr.obj,
                             AttachedRoute {
                                 route: rkey.clone(),
                                 hostnames: hostnames.clone(),
-                                rules: rin.value.rules.clone(),
+                                rules: rr.rin.rules.clone(),
                             },
                         ));
                     }
@@ -697,13 +921,10 @@ impl GatewayResolver {
         }
 
         for (i, o) in owners.iter().enumerate() {
-            for (j, l) in o.listeners.iter().enumerate() {
-                listener_problems(o.obj, j, l, &mut problems);
+            if let Some(slot) = &self.slots[o.slot] {
+                problems.extend(slot.problems.iter().cloned());
             }
             if !dirty[i] {
-                if let Some(r) = self.owner_results.get_mut(&o.obj.key) {
-                    r.seen = run;
-                }
                 continue;
             }
             let listeners: Vec<ListenerStatus> = o
@@ -724,7 +945,7 @@ impl GatewayResolver {
                 listeners,
                 attached_listener_sets: sets,
             };
-            put_model(&mut self.models, &mut changed, &o.obj.key, model);
+            self.out.statuses.put(&o.obj.key, model, now);
             let mut binds = Vec::new();
             for (j, l) in o.listeners.iter().enumerate() {
                 let (true, Ok(protocol), Ok(tls), Ok(port)) = (
@@ -736,7 +957,7 @@ impl GatewayResolver {
                     continue;
                 };
                 let mut routes = bound.remove(&(i, j)).unwrap_or_default();
-                routes.sort_by(|a, b| a.0.precedence.cmp(&b.0.precedence));
+                routes.sort_by(|a, b| precedence_ref(a.0).cmp(&precedence_ref(b.0)));
                 let bind = ListenerBind {
                     owner: o.obj.key.clone(),
                     name: l.spec.name.clone(),
@@ -747,26 +968,109 @@ impl GatewayResolver {
                 };
                 binds.push((port, protocol.family(), Arc::new(bind)));
             }
-            self.owner_results.insert(
-                o.obj.key.clone(),
-                OwnerResult {
+            if let Some(slot) = self.slots[o.slot].as_mut() {
+                let old = slot.result.take();
+                // The plan can be patched in place when the owner's binds keep their ports (and
+                // a Gateway its acceptance, which decides whose binds are in the plan at all).
+                let same_layout = old.as_ref().is_some_and(|old| {
+                    old.admission == o.admission
+                        && old.binds.len() == binds.len()
+                        && old
+                            .binds
+                            .iter()
+                            .zip(&binds)
+                            .all(|(a, b)| (a.0, a.1) == (b.0, b.1))
+                });
+                relayout |= !same_layout;
+                slot.result = Some(OwnerResult {
                     fp: o.fp,
+                    admission: o.admission,
                     sets,
                     binds,
-                    seen: run,
-                },
+                });
+            }
+            rebound.push(i);
+        }
+        removed.append(&mut gone_owners);
+
+        // The plan: patched in place when the owners are the same, in the same order, and every
+        // rebuilt owner kept its ports; built again otherwise.
+        let patched = !relayout
+            && self.plan_slots.len() == owners.len()
+            && owners
+                .iter()
+                .zip(&self.plan_slots)
+                .all(|(o, s)| o.slot == *s)
+            && rebound.iter().all(|&i| self.patch_plan(&owners, i));
+        if !patched {
+            self.build_plan(&owners);
+        }
+
+        if drop_all {
+            // Caches were dropped, so deletions cannot be told from them: sweep the models.
+            let mut alive: HashSet<&ObjectKey> = class_keys.iter().copied().collect();
+            alive.extend(owners.iter().map(|o| &o.obj.key));
+            alive.extend(self.route_results.keys());
+            removed.extend(
+                self.out
+                    .statuses
+                    .keys()
+                    .filter(|k| !alive.contains(k))
+                    .cloned(),
             );
         }
-        self.owner_results.retain(|k, r| {
-            let keep = r.seen == run;
-            if !keep {
-                removed.push(k.clone());
-            }
-            keep
-        });
+        for key in &removed {
+            self.out.statuses.remove(key);
+        }
+        problems.sort();
+        problems.dedup();
+        self.out.problems = problems;
+        &self.out
+    }
 
+    /// Puts the binds of owner `i` where its binds were in the plan. False when they cannot be
+    /// found (the caller then builds the plan again).
+    fn patch_plan(&mut self, owners: &[Owner<'_>], i: usize) -> bool {
+        let (Some(o), Some(pos)) = (owners.get(i), self.plan_pos.get(i)) else {
+            return false;
+        };
+        let binds = self.slots[o.slot]
+            .as_ref()
+            .and_then(|s| s.result.as_ref())
+            .map(|r| r.binds.as_slice())
+            .unwrap_or_default();
+        if binds.is_empty() {
+            return pos.is_empty();
+        }
+        let Some(gw) = owners.get(o.gateway) else {
+            return false;
+        };
+        let gateways = &mut self.out.plan.gateways;
+        let Ok(g) = gateways.binary_search_by(|b| b.gateway.cmp(&gw.obj.key)) else {
+            return false;
+        };
+        let ports = &mut gateways[g].ports;
+        if pos.len() != binds.len() {
+            return false;
+        }
+        for ((port, at), (_, _, bind)) in pos.iter().zip(binds) {
+            let Ok(p) = ports.binary_search_by_key(port, |b| b.port) else {
+                return false;
+            };
+            let Some(slot) = ports[p].listeners.get_mut(*at) else {
+                return false;
+            };
+            *slot = Arc::clone(bind);
+        }
+        true
+    }
+
+    /// Builds the plan from every owner's binds, noting where each sits (see `plan_pos`).
+    fn build_plan(&mut self, owners: &[Owner<'_>]) {
+        self.plan_slots = owners.iter().map(|o| o.slot).collect();
+        self.plan_pos = vec![Vec::new(); owners.len()];
         let mut by_gateway: BTreeMap<&ObjectKey, BTreeMap<u16, PortBind>> = BTreeMap::new();
-        for o in &owners {
+        for (i, o) in owners.iter().enumerate() {
             let Some(gw) = owners.get(o.gateway) else {
                 continue;
             };
@@ -774,24 +1078,26 @@ impl GatewayResolver {
                 continue;
             }
             let ports = by_gateway.entry(&gw.obj.key).or_default();
-            for (port, family, bind) in self
-                .owner_results
-                .get(&o.obj.key)
+            let pos = &mut self.plan_pos[i];
+            for (port, family, bind) in self.slots[o.slot]
+                .as_ref()
+                .and_then(|s| s.result.as_ref())
                 .map(|r| r.binds.as_slice())
                 .unwrap_or_default()
             {
-                ports
+                let listeners = &mut ports
                     .entry(*port)
                     .or_insert_with(|| PortBind {
                         port: *port,
                         family: *family,
                         listeners: Vec::new(),
                     })
-                    .listeners
-                    .push(bind.clone());
+                    .listeners;
+                pos.push((*port, listeners.len()));
+                listeners.push(bind.clone());
             }
         }
-        let plan = GatewayPlan {
+        self.out.plan = GatewayPlan {
             gateways: by_gateway
                 .into_iter()
                 .map(|(gateway, ports)| GatewayBind {
@@ -800,26 +1106,6 @@ impl GatewayResolver {
                 })
                 .collect(),
         };
-
-        if !same_deps {
-            // Caches were dropped, so deletions cannot be told from them: sweep the models.
-            let mut alive: HashSet<&ObjectKey> = class_keys.iter().copied().collect();
-            alive.extend(owners.iter().map(|o| &o.obj.key));
-            alive.extend(self.route_results.keys());
-            removed.extend(self.models.keys().filter(|k| !alive.contains(k)).cloned());
-        }
-        for key in &removed {
-            self.models.remove(key);
-            self.out.statuses.remove(key);
-        }
-        let now_v = serde_json::to_value(now).unwrap_or(Value::Null);
-        let rendered = render_all(&changed, &self.models, &self.out.statuses, &now_v);
-        self.out.statuses.extend(rendered);
-        problems.sort();
-        problems.dedup();
-        self.out.problems = problems;
-        self.out.plan = plan;
-        &self.out
     }
 }
 
@@ -862,6 +1148,44 @@ fn changed_objects<'a>(
     }
 }
 
+/// One changed dependency: (old, new), `None` for a side where it does not exist.
+type DepChange = (Option<Arc<LoadedObject>>, Option<Arc<LoadedObject>>);
+
+/// Objects that differ between `before` and `now` (both in key order): (old, new), either side
+/// `None` when the object was added or removed.
+fn dep_changes(before: &[Arc<LoadedObject>], now: &[&Arc<LoadedObject>]) -> Vec<DepChange> {
+    let mut out = Vec::new();
+    let (mut i, mut j) = (0, 0);
+    loop {
+        match (before.get(i), now.get(j)) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (i, j) = (i + 1, j + 1),
+            (Some(a), Some(b)) => match a.key.cmp(&b.key) {
+                std::cmp::Ordering::Less => {
+                    out.push((Some(Arc::clone(a)), None));
+                    i += 1;
+                }
+                std::cmp::Ordering::Greater => {
+                    out.push((None, Some(Arc::clone(b))));
+                    j += 1;
+                }
+                std::cmp::Ordering::Equal => {
+                    out.push((Some(Arc::clone(a)), Some(Arc::clone(b))));
+                    (i, j) = (i + 1, j + 1);
+                }
+            },
+            (Some(a), None) => {
+                out.push((Some(Arc::clone(a)), None));
+                i += 1;
+            }
+            (None, Some(b)) => {
+                out.push((None, Some(Arc::clone(b))));
+                j += 1;
+            }
+            (None, None) => return out,
+        }
+    }
+}
+
 /// Removes `route` from the reverse index entries of `targets`.
 fn unlink_targets(
     by_target: &mut HashMap<ObjectKey, HashSet<ObjectKey>>,
@@ -876,38 +1200,6 @@ fn unlink_targets(
             }
         }
     }
-}
-
-/// Renders the models of `keys`. Rendering is most of a full resolve's cost (hundreds of
-/// thousands of small JSON maps), so large batches are split over two threads.
-fn render_all(
-    keys: &[ObjectKey],
-    models: &HashMap<ObjectKey, Model>,
-    previous: &BTreeMap<ObjectKey, Value>,
-    now: &Value,
-) -> Vec<(ObjectKey, Value)> {
-    let render = |keys: &[ObjectKey]| -> Vec<(ObjectKey, Value)> {
-        keys.iter()
-            .filter_map(|k| {
-                let model = models.get(k)?;
-                Some((k.clone(), status::render_with(model, now, previous.get(k))))
-            })
-            .collect()
-    };
-    if keys.len() < 2_000 {
-        return render(keys);
-    }
-    let (a, b) = keys.split_at(keys.len() / 2);
-    std::thread::scope(|scope| {
-        let other = scope.spawn(|| render(b));
-        let mut out = render(a);
-        match other.join() {
-            Ok(rest) => out.extend(rest),
-            // A panic while rendering is a bug; render the rest here rather than lose statuses.
-            Err(_) => out.extend(render(b)),
-        }
-        out
-    })
 }
 
 /// Accepted and Programmed of a Gateway or ListenerSet.

@@ -282,21 +282,87 @@ pub(super) fn assert_incremental(steps: &[Vec<String>]) -> GatewayResolution {
     last
 }
 
+/// The certificate Secret of a namespace in variant `v`: 0 as written by [`secret`], 1 absent,
+/// 2 present but not a TLS Secret, 3 valid with other content.
+fn secret_variant(ns: &str, v: u8) -> Option<String> {
+    match v {
+        0 => Some(secret(ns, "cert")),
+        1 => None,
+        2 => Some(format!(
+            "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: cert, namespace: {ns}}}\ntype: Opaque\nstringData: {{other: x}}\n"
+        )),
+        _ => Some(secret(ns, "cert").replace("metadata: {", "metadata: {labels: {v: \"3\"}, ")),
+    }
+}
+
+/// The `app` Service (and its EndpointSlice) of a namespace in variant `v`: 0 as written by
+/// [`svc`], 1 absent, 2 without port 80, 3 other endpoints, 4 the Service without its slice.
+fn service_variant(ns: &str, v: u8) -> Option<String> {
+    let full = svc(ns, "app");
+    match v {
+        0 => Some(full),
+        1 => None,
+        2 => Some(full.replace("port: 80,", "port: 81,")),
+        3 => Some(full.replace("10.0.0.1", "10.0.0.9")),
+        _ => full
+            .split("---\napiVersion: discovery")
+            .next()
+            .map(str::to_string),
+    }
+}
+
+/// [`world_docs`] with each namespace's Secret and Service in the given variants.
+fn world_docs_with(
+    own: &[Spec],
+    sets: &[(usize, u32, Vec<Spec>)],
+    secrets: [u8; 2],
+    services: [u8; 2],
+) -> Vec<String> {
+    let mut docs = world_docs(own, sets);
+    for (i, ns) in NAMESPACES.iter().enumerate() {
+        let (s, v) = (secret(ns, "cert"), svc(ns, "app"));
+        docs.retain(|d| *d != s && *d != v);
+        docs.extend(secret_variant(ns, secrets[i]));
+        docs.extend(service_variant(ns, services[i]));
+    }
+    docs
+}
+
+/// One step of [`incremental_resolver_equals_fresh_resolve`]: which set to replace (or remove),
+/// whether to toggle a Namespace, and a dependency edit (namespace, Secret or Service, variant).
+type Edit = (
+    usize,
+    Option<(usize, u32, Vec<Spec>)>,
+    bool,
+    Option<(usize, bool, u8)>,
+);
+
+fn edit() -> impl Strategy<Value = Edit> {
+    (
+        0usize..6,
+        prop::option::of(set()),
+        prop::bool::weighted(0.2),
+        prop::option::of((0..NAMESPACES.len(), any::<bool>(), 0u8..5)),
+    )
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
 
-    /// A long-lived resolver fed a sequence of edits always agrees with a fresh resolve.
+    /// A long-lived resolver fed a sequence of edits (ListenerSets, Namespaces, Secrets,
+    /// Services and EndpointSlices) always agrees with a fresh resolve.
     #[test]
     fn incremental_resolver_equals_fresh_resolve(
         own in prop::collection::vec(spec(), 1..3),
         sets in prop::collection::vec(set(), 1..6),
-        edits in prop::collection::vec((0usize..6, prop::option::of(set()), any::<bool>()), 1..6),
+        edits in prop::collection::vec(edit(), 1..8),
     ) {
         let mut resolver = GatewayResolver::default();
         let mut index = Index::default();
         let mut sets = sets;
         let mut extra_ns = false;
-        for (step, (which, replacement, toggle_ns)) in edits.into_iter().enumerate() {
+        let (mut secrets, mut services) = ([0u8; 2], [0u8; 2]);
+        for (step, (which, replacement, toggle_ns, dep)) in edits.into_iter().enumerate() {
             let i = which % sets.len().max(1);
             match replacement {
                 Some(s) if i < sets.len() => sets[i] = s,
@@ -307,7 +373,12 @@ proptest! {
             if toggle_ns {
                 extra_ns = !extra_ns;
             }
-            let mut docs = world_docs(&own, &sets);
+            match dep {
+                Some((ns, true, v)) => secrets[ns] = v % 4,
+                Some((ns, false, v)) => services[ns] = v,
+                None => {}
+            }
+            let mut docs = world_docs_with(&own, &sets, secrets, services);
             if extra_ns {
                 docs.push("---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team-a, labels: {x: z}}\n".into());
             }

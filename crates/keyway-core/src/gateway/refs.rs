@@ -57,6 +57,41 @@ pub(crate) struct Ref {
     pub namespace: Option<String>,
 }
 
+/// An object a backendRef resolves against: (Service, Listener or MultiKeyListener, namespace,
+/// name). EndpointSlices count as their Service.
+pub(crate) type BackendKey = (Kind, String, String);
+
+impl Ref {
+    /// The object this backendRef of a route in `route_ns` is looked up as, if any (a ref of an
+    /// unsupported kind resolves against nothing).
+    pub fn backend_key(&self, route_ns: &str) -> Option<BackendKey> {
+        let core = self.group.is_empty() || self.group == "core";
+        let kind = match self.kind.as_str() {
+            "Service" if core => Kind::Service,
+            "Listener" if self.group == SKUPPER_GROUP => Kind::Listener,
+            "MultiKeyListener" if self.group == SKUPPER_GROUP => Kind::MultiKeyListener,
+            _ => return None,
+        };
+        let ns = self.namespace.as_deref().unwrap_or(route_ns);
+        Some((kind, ns.to_string(), self.name.clone()))
+    }
+}
+
+/// A [`BackendKey`] hashed, to test many routes against a few changed backends cheaply.
+pub(crate) fn backend_hash(key: &BackendKey) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<super::fxhash::FxHasher>::default().hash_one(key)
+}
+
+/// The Service an EndpointSlice belongs to (its `kubernetes.io/service-name` label).
+pub(crate) fn slice_service(obj: &LoadedObject) -> Option<BackendKey> {
+    let Resource::EndpointSlice(s) = &obj.resource else {
+        return None;
+    };
+    let svc = s.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?;
+    Some((Kind::Service, obj.key.namespace.clone(), svc.clone()))
+}
+
 /// Why a reference does not resolve, with the upstream reason name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, thiserror::Error)]
 pub(crate) enum RefError {

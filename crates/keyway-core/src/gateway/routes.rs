@@ -9,8 +9,7 @@ use std::sync::Arc;
 use super::hostname::intersect;
 use super::listeners::{ListenerIn, RoutesFrom};
 use super::plan::{GrpcRule, HttpRule, RouteRules, WeightedBackend};
-use super::refs::{GATEWAY_GROUP, Ref, RefError, World, X_GATEWAY_GROUP};
-use crate::Time;
+use super::refs::{GATEWAY_GROUP, Ref, RefError, World, X_GATEWAY_GROUP, backend_hash};
 use crate::load::LoadedObject;
 use crate::resource::{Kind, ObjectKey, Resource};
 
@@ -44,7 +43,6 @@ impl ParentRefIn {
 pub(crate) struct RouteIn {
     pub kind: Kind,
     pub generation: i64,
-    pub precedence: (Option<Time>, String, String),
     pub hostnames: Vec<String>,
     pub parents: Vec<Arc<ParentRefIn>>,
     /// What each parentRef names (see [`ParentRefIn::target`]), computed once.
@@ -52,6 +50,9 @@ pub(crate) struct RouteIn {
     pub rules: Arc<RouteRules>,
     /// The first backendRef that does not resolve, with its field path.
     pub backend_error: Option<(String, RefError)>,
+    /// Hashes ([`backend_hash`]) of the objects its backendRefs name (found or not): when one
+    /// of them changes, the route is normalized again (a hash collision only costs that).
+    pub backend_keys: Vec<u64>,
 }
 
 macro_rules! parents {
@@ -75,7 +76,7 @@ macro_rules! parents {
 
 /// Resolves the backendRefs of one rule; remembers the first failure.
 macro_rules! backends {
-    ($world:expr, $kind:expr, $ns:expr, $refs:expr, $at:expr, $err:expr) => {
+    ($world:expr, $kind:expr, $ns:expr, $refs:expr, $at:expr, $err:expr, $deps:expr) => {
         $refs
             .iter()
             .enumerate()
@@ -86,6 +87,9 @@ macro_rules! backends {
                     name: b.name.clone(),
                     namespace: b.namespace.clone(),
                 };
+                if let Some(dep) = r.backend_key($ns) {
+                    $deps.push(backend_hash(&dep));
+                }
                 let (wb, e) = $world.backend($kind, $ns, &r, b.port, b.weight);
                 if let (Some(e), None) = (e, $err.as_ref()) {
                     *$err = Some((format!("{}.backendRefs[{j}]", $at), e));
@@ -101,6 +105,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
     let ns = obj.key.namespace.as_str();
     let kind = obj.key.kind;
     let mut err: Option<(String, RefError)> = None;
+    let mut deps: Vec<u64> = Vec::new();
     let (hostnames, parents, rules) = match &obj.resource {
         Resource::HTTPRoute(r) => {
             let rules = r
@@ -120,7 +125,8 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                             ns,
                             rule.backend_refs.iter().flatten().collect::<Vec<_>>(),
                             at,
-                            &mut err
+                            &mut err,
+                            &mut deps
                         ),
                         request_timeout_ms: rule
                             .timeouts
@@ -155,7 +161,8 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                             ns,
                             rule.backend_refs.iter().flatten().collect::<Vec<_>>(),
                             at,
-                            &mut err
+                            &mut err,
+                            &mut deps
                         ),
                     }
                 })
@@ -174,7 +181,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                 .enumerate()
                 .map(|(i, rule)| {
                     let at = format!("spec.rules[{i}]");
-                    backends!(world, kind, ns, rule.backend_refs, at, &mut err)
+                    backends!(world, kind, ns, rule.backend_refs, at, &mut err, &mut deps)
                 })
                 .collect();
             (
@@ -191,7 +198,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                 .enumerate()
                 .map(|(i, rule)| {
                     let at = format!("spec.rules[{i}]");
-                    backends!(world, kind, ns, rule.backend_refs, at, &mut err)
+                    backends!(world, kind, ns, rule.backend_refs, at, &mut err, &mut deps)
                 })
                 .collect();
             (
@@ -207,11 +214,11 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
         targets,
         kind,
         generation: obj.resource.meta().generation.unwrap_or(1),
-        precedence: crate::reconcile::precedence_of(obj),
         hostnames,
         parents,
         rules: Arc::new(rules),
         backend_error: err,
+        backend_keys: deps,
     })
 }
 

@@ -1,17 +1,21 @@
 //! Status as the Gateway API writes it, in two steps: a comparable model (no times), then JSON
-//! with upstream field names. A re-resolve renders only objects whose model changed, so an
-//! unchanged object keeps its `lastTransitionTime`.
+//! with upstream field names. [`Statuses`] keeps the model of every object with the times it
+//! changed and renders JSON only when a status is read, once per model: a resolve never pays for
+//! statuses nobody reads, and a re-resolve keeps the rendering of every object whose model did not
+//! change (and so its `lastTransitionTime`).
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::collections::btree_map;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::{Map, Value, json};
 
 use super::CONTROLLER_NAME;
 use super::refs::GATEWAY_GROUP;
 use super::routes::ParentRefIn;
-use crate::conditions::carry_transition_times;
-use crate::resource::Kind;
+use crate::Time;
+use crate::resource::{Kind, ObjectKey};
 
 /// One condition before it is stamped with generation and time. Types and reasons are the
 /// upstream constants, so only messages may own text.
@@ -102,10 +106,9 @@ fn kinds(list: &[Kind]) -> Value {
     )
 }
 
-/// Renders a model with `now` already serialized (it is the same for every object of a
-/// resolve); `previous` (the last rendered status) keeps transition times of top-level
-/// conditions whose status did not change.
-pub(crate) fn render_with(model: &Model, now: &Value, previous: Option<&Value>) -> Value {
+/// Renders a model: every condition is stamped `now` except the top-level ones, which carry
+/// `top` (their own transition times, see [`Statuses::put`]).
+fn render_with(model: &Model, now: &Value, top: &[Value]) -> Value {
     let mut v = match model {
         Model::Class { generation } => {
             let accepted = C::new(
@@ -176,10 +179,199 @@ pub(crate) fn render_with(model: &Model, now: &Value, previous: Option<&Value>) 
             json!({ "parents": parents })
         }
     };
-    if let Some(prev) = previous {
-        carry_transition_times(prev, &mut v);
+    if let Some(list) = v.get_mut("conditions").and_then(Value::as_array_mut) {
+        for (cond, time) in list.iter_mut().zip(top) {
+            if let Some(m) = cond.as_object_mut() {
+                m.insert("lastTransitionTime".into(), time.clone());
+            }
+        }
     }
     v
+}
+
+impl Model {
+    /// (type, status) of the top-level conditions, the ones whose transition times are kept
+    /// while their status does not flip (as [`crate::conditions::carry_transition_times`]).
+    fn top(&self) -> Vec<(&'static str, bool)> {
+        match self {
+            Model::Class { .. } => vec![("Accepted", true)],
+            Model::Listeners { conditions, .. } => {
+                conditions.iter().map(|c| (c.type_, c.status)).collect()
+            }
+            Model::Route { .. } => Vec::new(),
+        }
+    }
+}
+
+/// One object's status: its model, when it last changed, and its JSON once rendered.
+#[derive(Clone, Debug)]
+pub struct StatusEntry {
+    model: Model,
+    /// When the model last changed: the `lastTransitionTime` of every condition not carried.
+    changed_at: Time,
+    /// Transition times of the top-level conditions, in order.
+    top: Vec<Time>,
+    rendered: OnceLock<Value>,
+}
+
+impl StatusEntry {
+    fn value(&self) -> &Value {
+        self.rendered.get_or_init(|| {
+            let time = |t: &Time| serde_json::to_value(t).unwrap_or(Value::Null);
+            let now = time(&self.changed_at);
+            let top: Vec<Value> = self
+                .top
+                .iter()
+                .map(|t| {
+                    if *t == self.changed_at {
+                        now.clone()
+                    } else {
+                        time(t)
+                    }
+                })
+                .collect();
+            render_with(&self.model, &now, &top)
+        })
+    }
+}
+
+/// The status of every Gateway API object of ours, by key, rendered to JSON on first read (and
+/// then kept until the object's status changes). Reads look like a `BTreeMap<ObjectKey, Value>`.
+#[derive(Clone, Default)]
+pub struct Statuses {
+    entries: BTreeMap<ObjectKey, StatusEntry>,
+}
+
+/// Below this many unrendered statuses, a full read renders on the calling thread alone.
+const PARALLEL_RENDER: usize = 2_000;
+
+impl Statuses {
+    /// The rendered status of `key`.
+    pub fn get(&self, key: &ObjectKey) -> Option<&Value> {
+        self.entries.get(key).map(StatusEntry::value)
+    }
+
+    pub fn contains_key(&self, key: &ObjectKey) -> bool {
+        self.entries.contains_key(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn keys(&self) -> btree_map::Keys<'_, ObjectKey, StatusEntry> {
+        self.entries.keys()
+    }
+
+    /// Every status in key order, rendered (those not rendered yet on two threads when many).
+    pub fn iter(&self) -> impl Iterator<Item = (&ObjectKey, &Value)> {
+        self.render_pending();
+        self.entries.iter().map(|(k, e)| (k, e.value()))
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &Value> {
+        self.iter().map(|(_, v)| v)
+    }
+
+    /// Renders every status not rendered yet; many of them are split over two threads
+    /// (hundreds of thousands of small JSON maps make up most of a full render).
+    pub fn render_pending(&self) {
+        let pending: Vec<&StatusEntry> = self
+            .entries
+            .values()
+            .filter(|e| e.rendered.get().is_none())
+            .collect();
+        if pending.len() < PARALLEL_RENDER {
+            pending.iter().for_each(|e| {
+                e.value();
+            });
+            return;
+        }
+        let (a, b) = pending.split_at(pending.len() / 2);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                b.iter().for_each(|e| {
+                    e.value();
+                })
+            });
+            a.iter().for_each(|e| {
+                e.value();
+            });
+        });
+        // A panic on the other thread is a bug; whatever it left unrendered renders on read.
+    }
+
+    /// Records `model` for `key` as of `now`. Returns whether it differs from the last one; an
+    /// unchanged model keeps its times and rendering. Top-level conditions whose (type, status)
+    /// was there before keep their transition time.
+    pub(crate) fn put(&mut self, key: &ObjectKey, model: Model, now: &Time) -> bool {
+        let slot = self.entries.entry(key.clone());
+        let old = match &slot {
+            btree_map::Entry::Occupied(e) => Some(e.get()),
+            btree_map::Entry::Vacant(_) => None,
+        };
+        if old.is_some_and(|e| e.model == model) {
+            return false;
+        }
+        let before: Vec<((&'static str, bool), &Time)> = old
+            .map(|e| e.model.top().into_iter().zip(&e.top).collect())
+            .unwrap_or_default();
+        let top = model
+            .top()
+            .into_iter()
+            .map(|tc| {
+                before
+                    .iter()
+                    .find(|(b, _)| *b == tc)
+                    .map_or_else(|| now.clone(), |(_, t)| (*t).clone())
+            })
+            .collect();
+        let entry = StatusEntry {
+            model,
+            changed_at: now.clone(),
+            top,
+            rendered: OnceLock::new(),
+        };
+        match slot {
+            btree_map::Entry::Occupied(mut e) => {
+                e.insert(entry);
+            }
+            btree_map::Entry::Vacant(e) => {
+                e.insert(entry);
+            }
+        }
+        true
+    }
+
+    pub(crate) fn remove(&mut self, key: &ObjectKey) {
+        self.entries.remove(key);
+    }
+}
+
+impl<'a> IntoIterator for &'a Statuses {
+    type Item = (&'a ObjectKey, &'a Value);
+    type IntoIter = Box<dyn Iterator<Item = (&'a ObjectKey, &'a Value)> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+impl PartialEq for Statuses {
+    /// Equal when the rendered statuses are.
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+
+impl std::fmt::Debug for Statuses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
 }
 
 /// Overrides a programmed listener's status with what the data plane saw: its port could not be
