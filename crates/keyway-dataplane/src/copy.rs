@@ -95,6 +95,7 @@ mod tcp {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use prometheus_client::metrics::counter::Counter;
+    use tokio::io::Interest;
     use tokio::net::TcpStream;
 
     use super::{INITIAL, MAX};
@@ -154,6 +155,10 @@ mod tcp {
         loop {
             src.readable().await?;
             match src.try_read(buf) {
+                Ok(n) if 0 < n && n < buf.len() => {
+                    no_longer_ready(src, Interest::READABLE);
+                    return Ok(n);
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 result => return result,
             }
@@ -164,12 +169,25 @@ mod tcp {
         while !data.is_empty() {
             dst.writable().await?;
             match dst.try_write(data) {
-                Ok(n) => data = &data[n..],
+                Ok(n) => {
+                    if n < data.len() {
+                        no_longer_ready(dst, Interest::WRITABLE);
+                    }
+                    data = &data[n..];
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
         }
         Ok(())
+    }
+
+    /// A short read shows the socket drained, a short write shows it full (epoll is
+    /// edge-triggered): clear the readiness now, as tokio's own `poll_read`/`poll_write` do,
+    /// instead of learning it from one more system call that fails with `EAGAIN`. Readiness that
+    /// arrived meanwhile is kept (tokio compares the event's tick).
+    fn no_longer_ready(socket: &TcpStream, interest: Interest) {
+        let _ = socket.try_io(interest, || Err::<(), _>(io::ErrorKind::WouldBlock.into()));
     }
 
     #[cfg(target_os = "linux")]
@@ -231,6 +249,8 @@ mod tcp {
                     match dst.try_io(Interest::WRITABLE, || {
                         Ok(splice(&pipe.read, None, dst, None, in_pipe, flags)?)
                     }) {
+                        // No short-transfer shortcut here: a splice can stop early for the
+                        // pipe's own limits, so only EAGAIN proves the socket not ready.
                         Ok(moved) => in_pipe -= moved,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                         Err(e) => return Err(e),
