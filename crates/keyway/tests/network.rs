@@ -149,6 +149,9 @@ fn listener_reaches_connector_two_hops_away() {
     for _ in 0..50 {
         assert_eq!(who(listen).as_deref(), Ok("at-c"));
     }
+    // Bulk both ways through the relay at b: 16 MiB is four stream windows, so flow-control
+    // credit must come back as the bytes are written on, hop by hop.
+    assert_eq!(bulk_echo(listen, 16 << 20), Ok(()));
 }
 
 /// Priority failover across sites: the site with the preferred key is killed; new connections

@@ -333,3 +333,39 @@ pub fn who(port: u16) -> Result<String, String> {
 pub fn write_file(dir: &Path, file: &str, text: &str) {
     std::fs::write(dir.join(file), text).expect("write");
 }
+
+/// Sends `len` bytes through `port` to an echo [`Backend`] while reading the echo, half-closes,
+/// and checks every byte came back in order: bulk data both ways at once, more than one HTTP/2
+/// flow-control window across a link.
+pub fn bulk_echo(port: u16, len: usize) -> Result<(), String> {
+    let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    let mut reader = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
+    let mut name = String::new();
+    reader
+        .read_line(&mut name)
+        .map_err(|e| format!("read name: {e}"))?;
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    let expected = pattern.clone();
+    let mut w = s;
+    let writer = std::thread::spawn(move || -> Result<(), String> {
+        for chunk in pattern.chunks(100_003) {
+            w.write_all(chunk).map_err(|e| format!("write: {e}"))?;
+        }
+        w.shutdown(std::net::Shutdown::Write)
+            .map_err(|e| format!("half-close: {e}"))
+    });
+    let mut echoed = Vec::with_capacity(len);
+    reader
+        .read_to_end(&mut echoed)
+        .map_err(|e| format!("read echo after {} bytes: {e}", echoed.len()))?;
+    writer.join().map_err(|_| "writer panicked".to_string())??;
+    if echoed.len() != len {
+        return Err(format!("echoed {} of {len} bytes", echoed.len()));
+    }
+    if echoed != expected {
+        return Err("echo corrupted".into());
+    }
+    Ok(())
+}
