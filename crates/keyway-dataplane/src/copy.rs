@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-const INITIAL: usize = 8 * 1024;
-const MAX: usize = 256 * 1024;
+/// First read size of a copy loop; reads that fill it double it up to [`MAX`].
+pub(crate) const INITIAL: usize = 8 * 1024;
+pub(crate) const MAX: usize = 256 * 1024;
 
 /// Copies `reader` to `writer` until EOF, then shuts `writer` down. Returns bytes copied.
 pub async fn copy_half<R, W>(reader: R, writer: W, counter: &Counter) -> io::Result<u64>

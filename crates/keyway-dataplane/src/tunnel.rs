@@ -14,6 +14,7 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::Io;
+use crate::copy::{INITIAL, MAX};
 
 /// A stream to another site.
 pub trait Tunnel: Io {
@@ -42,9 +43,6 @@ pub trait ChunkSink: Send {
     /// Ends this direction: the peer reads EOF (a half-close, like TCP FIN).
     fn finish(&mut self) -> io::Result<()>;
 }
-
-const INITIAL: usize = 8 * 1024;
-const MAX: usize = 256 * 1024;
 
 /// Copies both ways between a byte stream (given as its two halves) and a tunnel, with
 /// half-close; an error in either direction ends the connection.
