@@ -3,6 +3,9 @@
 //! isolation, an HTTPRoute whose backend is a MultiKeyListener failing over when the preferred
 //! connector's backend dies, and an unbindable port reported as `PortUnavailable`.
 
+mod admin;
+
+use admin::free_port;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -13,13 +16,6 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
 
 /// A keep-alive HTTP/1.1 backend answering `backend=<name>`. Dropping it closes the listening
 /// socket and every open connection, as a dying process would.
@@ -119,33 +115,11 @@ impl Site {
     }
 
     fn get(&self, path: &str) -> (u16, String) {
-        let Ok(mut s) = TcpStream::connect(&self.admin) else {
-            return (0, String::new());
-        };
-        let _ = write!(s, "GET {path} HTTP/1.0\r\n\r\n");
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = raw
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        (code, body)
+        admin::get(&self.admin, path)
     }
 
     fn wait_for(&self, path: &str, ok: impl Fn(u16, &str) -> bool) -> String {
-        let deadline = Instant::now() + Duration::from_secs(8);
-        loop {
-            let (code, body) = self.get(path);
-            if ok(code, &body) {
-                return body;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting on {path}: {code} {body}"
-            );
-            thread::sleep(Duration::from_millis(50));
-        }
+        admin::wait_for(&self.admin, path, Duration::from_secs(8), ok)
     }
 }
 

@@ -2,6 +2,9 @@
 //! Connector file is deleted, bad files keeping the last valid config, the admin endpoint,
 //! `keyway status --admin`, and graceful shutdown.
 
+mod admin;
+
+use admin::free_port;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -10,13 +13,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
 
 /// A backend that greets with its name and then echoes lines.
 struct Backend {
@@ -94,33 +90,11 @@ impl Site {
     }
 
     fn get(&self, path: &str) -> (u16, String) {
-        let Ok(mut s) = TcpStream::connect(&self.admin) else {
-            return (0, String::new());
-        };
-        let _ = write!(s, "GET {path} HTTP/1.0\r\n\r\n");
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = raw
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        (code, body)
+        admin::get(&self.admin, path)
     }
 
     fn wait_for(&self, path: &str, ok: impl Fn(u16, &str) -> bool) -> String {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let (code, body) = self.get(path);
-            if ok(code, &body) {
-                return body;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting on {path}: {code} {body}"
-            );
-            thread::sleep(Duration::from_millis(50));
-        }
+        admin::wait_for(&self.admin, path, Duration::from_secs(10), ok)
     }
 
     fn status(&self) -> serde_json::Value {

@@ -3,6 +3,10 @@
 //! Secret YAML; backends that name themselves; bounded waits.
 #![allow(dead_code)]
 
+#[path = "../admin/mod.rs"]
+mod admin;
+
+pub use admin::free_port;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -14,13 +18,6 @@ use std::time::{Duration, Instant};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
 
 /// Polls `check` every 20 ms until it holds or `limit` passes.
 pub fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
@@ -209,15 +206,8 @@ impl SiteProc {
 
     /// GET on the admin port; `None` when it does not answer 200.
     pub fn get(&self, path: &str) -> Option<String> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.admin)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        if !text.starts_with("HTTP/1.1 200") && !text.starts_with("HTTP/1.0 200") {
-            return None;
-        }
-        text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+        let (code, body) = admin::get(&format!("127.0.0.1:{}", self.admin), path);
+        (code == 200).then_some(body)
     }
 
     /// The `status` of object `kind/name`.

@@ -1,0 +1,50 @@
+//! Shared by the tests that run `keyway run` as a child process: free ports and a minimal client
+//! for the admin endpoint.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// `GET path` on the admin endpoint at `addr`, one request per connection: the status code (0
+/// when nothing answers) and the body.
+pub fn get(addr: &str, path: &str) -> (u16, String) {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+    let _ = write!(s, "GET {path} HTTP/1.0\r\nHost: admin\r\n\r\n");
+    let mut raw = String::new();
+    let _ = s.read_to_string(&mut raw);
+    let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// Polls `path` every 50 ms until `ok` holds and returns that body; fails the test with the last
+/// answer once `limit` has passed.
+pub fn wait_for(addr: &str, path: &str, limit: Duration, ok: impl Fn(u16, &str) -> bool) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let (code, body) = get(addr, path);
+        if ok(code, &body) {
+            return body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting on {path}: {code} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
