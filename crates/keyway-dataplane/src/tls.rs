@@ -37,17 +37,23 @@ fn roots(secret: &str, certs: &[CertificateDer<'static>]) -> Result<RootCertStor
     Ok(store)
 }
 
-/// A server config for a listener: its certificate, and a client verifier when required.
-pub fn server_config(tls: &ServerTls, alpn: &[&[u8]]) -> Result<Arc<ServerConfig>, TlsError> {
-    let m = &tls.material;
-    let key = m
-        .key
+/// The Secret's `tls.key`, which a certificate of our own needs.
+fn private_key(
+    m: &keyway_core::tls::TlsMaterial,
+) -> Result<rustls::pki_types::PrivateKeyDer<'static>, TlsError> {
+    m.key
         .as_ref()
+        .map(|k| k.to_key())
         .ok_or_else(|| TlsError::Material {
             secret: m.secret.clone(),
             message: "no tls.key".into(),
-        })?
-        .to_key();
+        })
+}
+
+/// A server config for a listener: its certificate, and a client verifier when required.
+pub fn server_config(tls: &ServerTls, alpn: &[&[u8]]) -> Result<Arc<ServerConfig>, TlsError> {
+    let m = &tls.material;
+    let key = private_key(m)?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|source| TlsError::Rustls {
@@ -255,14 +261,7 @@ pub fn access_server_config(
         secret: m.secret.clone(),
         source,
     };
-    let key = m
-        .key
-        .as_ref()
-        .ok_or_else(|| TlsError::Material {
-            secret: m.secret.clone(),
-            message: "no tls.key".into(),
-        })?
-        .to_key();
+    let key = private_key(m)?;
     let mut verifier =
         WebPkiClientVerifier::builder_with_provider(Arc::new(roots(&m.secret, &m.ca)?), provider());
     if optional_client_cert {
@@ -297,14 +296,7 @@ pub fn link_client_config(
         secret: m.secret.clone(),
         source,
     };
-    let key = m
-        .key
-        .as_ref()
-        .ok_or_else(|| TlsError::Material {
-            secret: m.secret.clone(),
-            message: "no tls.key".into(),
-        })?
-        .to_key();
+    let key = private_key(m)?;
     let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
         Arc::new(roots(&m.secret, &m.ca)?),
         provider(),
