@@ -632,12 +632,47 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
             .as_array()
             .map(Vec::as_slice)
             .unwrap_or_default();
-        let has = |t: &str| filters.iter().any(|f| f["type"].as_str() == Some(t));
-        if has("RequestRedirect") && has("URLRewrite") {
+        let count = |t: &str| {
+            filters
+                .iter()
+                .filter(|f| f["type"].as_str() == Some(t))
+                .count()
+        };
+        if count("RequestRedirect") > 0 && count("URLRewrite") > 0 {
             p.add(
                 format!("{at}.filters"),
                 "RequestRedirect and URLRewrite cannot be used together",
             );
+        }
+        for t in FILTERS_ONCE_PER_RULE {
+            if count(t) > 1 {
+                p.add(
+                    format!("{at}.filters"),
+                    format!("{t} filter cannot be repeated"),
+                );
+            }
+        }
+        let has_backends = rule["backendRefs"]
+            .as_array()
+            .is_some_and(|b| !b.is_empty());
+        if count("RequestRedirect") > 0 && has_backends {
+            p.add(
+                format!("{at}.filters"),
+                "RequestRedirect filter must not be used together with backendRefs",
+            );
+        }
+        for (j, f) in filters.iter().enumerate() {
+            let Some(t) = f["type"].as_str() else {
+                continue;
+            };
+            if let Some((_, field)) = FILTER_CONFIG.iter().find(|(ty, _)| *ty == t)
+                && f[*field].is_null()
+            {
+                p.add(
+                    format!("{at}.filters[{j}].{field}"),
+                    format!("{field} is required for filter type {t}"),
+                );
+            }
         }
         for (j, b) in rule["backendRefs"]
             .as_array()
@@ -665,6 +700,25 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
         }
     }
 }
+
+/// HTTPRoute filter types that the upstream schema (CEL) allows once per rule.
+const FILTERS_ONCE_PER_RULE: [&str; 4] = [
+    "RequestHeaderModifier",
+    "ResponseHeaderModifier",
+    "RequestRedirect",
+    "URLRewrite",
+];
+
+/// Each filter type and the field that carries its configuration (required by upstream CEL).
+const FILTER_CONFIG: [(&str, &str); 7] = [
+    ("RequestHeaderModifier", "requestHeaderModifier"),
+    ("ResponseHeaderModifier", "responseHeaderModifier"),
+    ("RequestRedirect", "requestRedirect"),
+    ("URLRewrite", "urlRewrite"),
+    ("RequestMirror", "requestMirror"),
+    ("CORS", "cors"),
+    ("ExtensionRef", "extensionRef"),
+];
 
 fn check_dns_subdomain(p: &mut Problems, path: &str, name: &str) {
     if !is_dns_subdomain(name) {

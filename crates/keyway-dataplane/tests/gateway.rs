@@ -370,6 +370,10 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
     backendRefs: [{name: svc, port: 80}]
   - matches: [{path: {type: PathPrefix, value: /missing}}]
     backendRefs: [{name: nosuch, port: 80}]
+  - matches: [{path: {type: PathPrefix, value: /mirror}}]
+    filters: [{type: RequestMirror, requestMirror: {backendRef: {name: svc, port: 80}}}]
+    backendRefs: [{name: svc, port: 80}]
+  - backendRefs: [{name: svc, port: 80}]
 ";
     yaml.push_str(&http_route("f", 1, "", rules));
     let _dp = start(&yaml, port).await;
@@ -422,6 +426,16 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
     // An unresolvable backend answers 500.
     let r = get(&c, port, "h.example", "/missing").await;
     assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+
+    // A filter keyway does not implement is never skipped: its rule answers 500 and the
+    // request does not fall through to the catch-all rule.
+    let r = get(&c, port, "h.example", "/mirror/x").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(r.body.contains("RequestMirror"), "{}", r.body);
+    assert_eq!(
+        get(&c, port, "h.example", "/other").await.status,
+        StatusCode::OK
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -107,6 +107,13 @@ fn gateway(listeners: &str) -> String {
     )
 }
 
+/// An HTTPRoute `r` attached to Gateway `g` with the given rule lines (first rule on line 9).
+fn http_route(rules: &str) -> String {
+    format!(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata:\n  name: r\nspec:\n  parentRefs:\n  - name: g\n  rules:\n{rules}"
+    )
+}
+
 fn indent(text: &str, n: usize) -> String {
     text.lines()
         .map(|l| format!("{}{l}\n", " ".repeat(n)))
@@ -587,6 +594,41 @@ fn cases() -> Vec<Case> {
             12,
             "spec.listeners[1].name",
             "listener name `web` must be unique",
+        ),
+        // --- HTTPRoute filter rules the upstream schema (CEL) enforces ---------------------
+        case(
+            "route-redirect-with-rewrite",
+            http_route(
+                "  - filters:\n    - type: RequestRedirect\n      requestRedirect: {scheme: https}\n    - type: URLRewrite\n      urlRewrite: {hostname: b.example}\n",
+            ),
+            10,
+            "spec.rules[0].filters",
+            "RequestRedirect and URLRewrite cannot be used together",
+        ),
+        case(
+            "route-header-modifier-repeated",
+            http_route(
+                "  - filters:\n    - type: RequestHeaderModifier\n      requestHeaderModifier: {remove: [a]}\n    - type: RequestHeaderModifier\n      requestHeaderModifier: {remove: [b]}\n",
+            ),
+            10,
+            "spec.rules[0].filters",
+            "RequestHeaderModifier filter cannot be repeated",
+        ),
+        case(
+            "route-redirect-with-backend-refs",
+            http_route(
+                "  - backendRefs:\n    - {name: app, port: 80}\n    filters:\n    - type: RequestRedirect\n      requestRedirect: {scheme: https}\n",
+            ),
+            12,
+            "spec.rules[0].filters",
+            "RequestRedirect filter must not be used together with backendRefs",
+        ),
+        case(
+            "route-filter-without-its-configuration",
+            http_route("  - filters:\n    - type: URLRewrite\n"),
+            10,
+            "spec.rules[0].filters[0].urlRewrite",
+            "urlRewrite is required for filter type URLRewrite",
         ),
         // --- One broken document among valid ones in the same file ---------------------------
         Case {

@@ -100,7 +100,7 @@ pub struct GatewayResolver {
     route_inputs: HashMap<ObjectKey, Cached<RouteIn>>,
     route_results: HashMap<ObjectKey, RouteResult>,
     /// The unresolvable backendRef of each route that has one, as a config error.
-    route_problems: HashMap<ObjectKey, ConfigError>,
+    route_problems: HashMap<ObjectKey, Vec<ConfigError>>,
     /// Route objects of the last run, in index order, to find changed routes by pointer.
     route_objs: Vec<Arc<LoadedObject>>,
     /// Reverse index: Gateway or ListenerSet key → routes with a parentRef naming it, so a
@@ -763,15 +763,39 @@ impl GatewayResolver {
             {
                 continue;
             }
-            match &rin.backend_error {
-                Some((path, e)) => {
-                    let problem = obj.error_at(path, e.to_string());
-                    self.route_problems.insert(obj.key.clone(), problem);
-                }
-                None => {
-                    self.route_problems.remove(&obj.key);
-                }
+            let mut problems: Vec<ConfigError> = Vec::new();
+            if let Some((path, e)) = &rin.backend_error {
+                problems.push(obj.error_at(path, e.to_string()));
             }
+            for (_, (path, message)) in &rin.invalid_rules {
+                problems.push(obj.error_at(path, message.clone()));
+            }
+            if problems.is_empty() {
+                self.route_problems.remove(&obj.key);
+            } else {
+                self.route_problems.insert(obj.key.clone(), problems);
+            }
+            // Rules keyway cannot serve: all of them → not accepted; some → PartiallyInvalid
+            // (GEP-1364). Either way those rules keep matching and answer 500.
+            let invalid_message = || {
+                let (_, (path, message)) = &rin.invalid_rules[0];
+                let more = rin.invalid_rules.len() - 1;
+                let rest = if more > 0 {
+                    format!(" (and {more} more invalid rules)")
+                } else {
+                    String::new()
+                };
+                format!("{path}: {message}{rest}")
+            };
+            let all_invalid = rin.rule_count > 0 && rin.invalid_rules.len() == rin.rule_count;
+            let partially_invalid = (!rin.invalid_rules.is_empty() && !all_invalid).then(|| {
+                C::new(
+                    "PartiallyInvalid",
+                    true,
+                    "UnsupportedValue",
+                    invalid_message(),
+                )
+            });
             let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();
             let ns = obj.key.namespace.as_str();
             let resolved = match &rin.backend_error {
@@ -807,7 +831,9 @@ impl GatewayResolver {
                                 attaches.push((owner.slot, a.listener, a.hostnames));
                             }
                         }
-                        if live {
+                        if live && all_invalid {
+                            C::new("Accepted", false, "UnsupportedValue", invalid_message())
+                        } else if live {
                             C::new("Accepted", true, "Accepted", "accepted")
                         } else {
                             C::new(
@@ -822,9 +848,11 @@ impl GatewayResolver {
                         C::new("Accepted", false, "NoMatchingParent", routes::NO_PARENT)
                     }
                 };
+                let mut conditions = vec![accepted, resolved.clone()];
+                conditions.extend(partially_invalid.clone());
                 parents.push(ParentStatus {
                     parent: parent.clone(),
-                    conditions: [accepted, resolved.clone()],
+                    conditions,
                 });
             }
             let model = Model::Route {
@@ -861,7 +889,7 @@ impl GatewayResolver {
         if !self.one_shot {
             self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
         }
-        problems.extend(self.route_problems.values().cloned());
+        problems.extend(self.route_problems.values().flatten().cloned());
 
         let mut relayout = false;
         let mut rebound: Vec<usize> = Vec::new();

@@ -124,6 +124,9 @@ pub enum RouteRules {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct HttpRule {
+    /// Why this rule cannot be served as written (an unsupported filter, say): it answers 500.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unsupported_filter: Option<String>,
     pub matches: Vec<HttpRouteRulesMatches>,
     pub filters: Vec<HttpRouteRulesFilters>,
     pub backends: Vec<WeightedBackend>,
@@ -134,6 +137,9 @@ pub struct HttpRule {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GrpcRule {
+    /// As [`HttpRule::unsupported_filter`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unsupported_filter: Option<String>,
     pub matches: Vec<GrpcRouteRulesMatches>,
     pub filters: Vec<GrpcRouteRulesFilters>,
     pub backends: Vec<WeightedBackend>,

@@ -6,6 +6,9 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
+use gateway_api::apis::standard::grpcroutes::{GrpcRouteRules, GrpcRouteRulesFiltersType};
+use gateway_api::apis::standard::httproutes::{HttpRouteRules, HttpRouteRulesFiltersType};
+
 use super::hostname::intersect;
 use super::listeners::{ListenerIn, RoutesFrom};
 use super::plan::{GrpcRule, HttpRule, RouteRules, WeightedBackend};
@@ -53,6 +56,10 @@ pub(crate) struct RouteIn {
     /// Hashes ([`backend_hash`]) of the objects its backendRefs name (found or not): when one
     /// of them changes, the route is normalized again (a hash collision only costs that).
     pub backend_keys: Vec<u64>,
+    /// Rules keyway cannot serve as written (see [`http_rule_problem`]): (rule index, problem).
+    pub invalid_rules: Vec<(usize, Problem)>,
+    /// How many rules the route has (all invalid: the route is not accepted).
+    pub rule_count: usize,
 }
 
 macro_rules! parents {
@@ -106,6 +113,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
     let kind = obj.key.kind;
     let mut err: Option<(String, RefError)> = None;
     let mut deps: Vec<u64> = Vec::new();
+    let mut invalid: Vec<(usize, Problem)> = Vec::new();
     let (hostnames, parents, rules) = match &obj.resource {
         Resource::HTTPRoute(r) => {
             let rules = r
@@ -116,7 +124,13 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                 .enumerate()
                 .map(|(i, rule)| {
                     let at = format!("spec.rules[{i}]");
+                    let problem = http_rule_problem(rule, &at);
+                    let unsupported_filter = problem.as_ref().map(|(_, m)| m.clone());
+                    if let Some(p) = problem {
+                        invalid.push((i, p));
+                    }
                     HttpRule {
+                        unsupported_filter,
                         matches: rule.matches.clone().unwrap_or_default(),
                         filters: rule.filters.clone().unwrap_or_default(),
                         backends: backends!(
@@ -152,7 +166,13 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                 .enumerate()
                 .map(|(i, rule)| {
                     let at = format!("spec.rules[{i}]");
+                    let problem = grpc_rule_problem(rule, &at);
+                    let unsupported_filter = problem.as_ref().map(|(_, m)| m.clone());
+                    if let Some(p) = problem {
+                        invalid.push((i, p));
+                    }
                     GrpcRule {
+                        unsupported_filter,
                         matches: rule.matches.clone().unwrap_or_default(),
                         filters: rule.filters.clone().unwrap_or_default(),
                         backends: backends!(
@@ -210,7 +230,14 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
         _ => return None,
     };
     let targets = parents.iter().map(|p| p.target()).collect();
+    let rule_count = match &rules {
+        RouteRules::Http(r) => r.len(),
+        RouteRules::Grpc(r) => r.len(),
+        RouteRules::Tls(r) | RouteRules::Tcp(r) => r.len(),
+    };
     Some(RouteIn {
+        invalid_rules: invalid,
+        rule_count,
         targets,
         kind,
         generation: obj.resource.meta().generation.unwrap_or(1),
@@ -220,6 +247,74 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
         backend_error: err,
         backend_keys: deps,
     })
+}
+
+/// (field path, message).
+pub(crate) type Problem = (String, String);
+
+/// Why keyway cannot serve an HTTPRoute rule as written, if it cannot: a filter type it does not
+/// implement (RequestMirror, CORS, ExtensionRef), or filters on a backendRef (not implemented).
+/// Such a rule still matches and answers 500, so a filter (an ExtensionRef doing
+/// authentication, say) is never skipped by letting the request fall through to another route.
+/// What the upstream schema forbids (RequestRedirect with URLRewrite, a filter without its
+/// configuration) is rejected when the object is loaded, as an API server would.
+fn http_rule_problem(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
+    use HttpRouteRulesFiltersType as T;
+    rule_problem(
+        at,
+        rule.filters.iter().flatten().map(|f| &f.r#type),
+        |t| matches!(t, T::RequestMirror | T::Cors | T::ExtensionRef),
+        rule.backend_refs
+            .iter()
+            .flatten()
+            .map(|b| b.filters.as_ref().is_some_and(|f| !f.is_empty())),
+    )
+}
+
+/// [`http_rule_problem`] for GRPCRoute rules (header modifiers are implemented).
+fn grpc_rule_problem(rule: &GrpcRouteRules, at: &str) -> Option<Problem> {
+    use GrpcRouteRulesFiltersType as T;
+    rule_problem(
+        at,
+        rule.filters.iter().flatten().map(|f| &f.r#type),
+        |t| matches!(t, T::RequestMirror | T::ExtensionRef),
+        rule.backend_refs
+            .iter()
+            .flatten()
+            .map(|b| b.filters.as_ref().is_some_and(|f| !f.is_empty())),
+    )
+}
+
+/// The first filter type keyway does not implement, else the first backendRef with filters.
+fn rule_problem<'a, T: serde::Serialize + std::fmt::Debug + 'a>(
+    at: &str,
+    mut types: impl Iterator<Item = &'a T>,
+    unsupported: impl Fn(&T) -> bool,
+    mut backend_has_filters: impl Iterator<Item = bool>,
+) -> Option<Problem> {
+    if let Some((j, t)) = types.by_ref().enumerate().find(|(_, t)| unsupported(t)) {
+        return Some((
+            format!("{at}.filters[{j}]"),
+            format!(
+                "filter type {} is not supported by keyway; requests matching this rule answer 500",
+                filter_type_name(t)
+            ),
+        ));
+    }
+    backend_has_filters.position(|f| f).map(|j| {
+        (
+            format!("{at}.backendRefs[{j}].filters"),
+            "filters on a backendRef are not supported by keyway (use the rule's filters); requests matching this rule answer 500".into(),
+        )
+    })
+}
+
+/// The upstream spelling of a filter type (`URLRewrite`, `CORS`).
+fn filter_type_name<T: serde::Serialize + std::fmt::Debug>(t: &T) -> String {
+    match serde_json::to_value(t) {
+        Ok(serde_json::Value::String(s)) => s,
+        _ => format!("{t:?}"),
+    }
 }
 
 /// The listeners of one parent resource as routes see them.

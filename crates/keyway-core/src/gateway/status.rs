@@ -68,7 +68,8 @@ pub(crate) struct ListenerStatus {
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct ParentStatus {
     pub parent: Arc<ParentRefIn>,
-    pub conditions: [C; 2],
+    /// Accepted, ResolvedRefs and, when some rules are invalid, PartiallyInvalid.
+    pub conditions: Vec<C>,
 }
 
 /// The status of one object, before rendering.

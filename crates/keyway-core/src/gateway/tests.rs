@@ -975,6 +975,106 @@ impl<'a> RouteRulesRef<'a> {
     }
 }
 
+/// Filters keyway does not implement, and combinations the API forbids: a route whose every rule
+/// is affected is not accepted, one with some is `PartiallyInvalid`; either way the affected
+/// rules stay in the plan marked to answer 500, the others serve, and the problem names the field.
+#[test]
+fn unsupported_filters_table() {
+    const OK: &str = "  - matches: [{path: {type: PathPrefix, value: /ok}}]\n    backendRefs: [{name: app, port: 80}]\n";
+    let rule = |filters: &str, backends: &str| {
+        format!(
+            "  - matches: [{{path: {{type: PathPrefix, value: /x}}}}]\n    filters: {filters}\n    backendRefs: {backends}\n"
+        )
+    };
+    let to_app = "[{name: app, port: 80}]";
+    let mirror = "[{type: RequestMirror, requestMirror: {backendRef: {name: app, port: 80}}}]";
+    let cors = "[{type: CORS, cors: {allowOrigins: [\"https://a.example\"]}}]";
+    let ext = "[{type: ExtensionRef, extensionRef: {group: auth.example, kind: Policy, name: p}}]";
+    let redirect = "{type: RequestRedirect, requestRedirect: {scheme: https}}";
+    let rewrite = "{type: URLRewrite, urlRewrite: {hostname: b.example}}";
+    let set = "{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: a, value: b}]}}";
+    let cases: Vec<(String, &str, Option<&str>)> = vec![
+        // (rules, Accepted reason, PartiallyInvalid reason; the problem's field path)
+        (rule(mirror, to_app), "UnsupportedValue", None),
+        (
+            rule(mirror, to_app) + OK,
+            "Accepted",
+            Some("spec.rules[0].filters[0]"),
+        ),
+        (
+            OK.to_string() + &rule(cors, to_app),
+            "Accepted",
+            Some("spec.rules[1].filters[0]"),
+        ),
+        (rule(ext, to_app), "UnsupportedValue", None),
+        (
+            rule(
+                "[]",
+                "[{name: app, port: 80, filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: a, value: b}]}}]}]",
+            ) + OK,
+            "Accepted",
+            Some("spec.rules[0].backendRefs[0].filters"),
+        ),
+        // What keyway implements is fine.
+        (
+            rule(&format!("[{set}, {rewrite}]"), to_app) + OK,
+            "Accepted",
+            None,
+        ),
+        (rule(&format!("[{redirect}]"), "[]"), "Accepted", None),
+    ];
+    for (rules, accepted, partial) in &cases {
+        let route = format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r, namespace: team-a}}\nspec:\n  parentRefs: {TO_LS}\n  rules:\n{rules}"
+        );
+        let r = routes_world(&route);
+        let got = pcond(&r, "team-a", "r", 0, "Accepted");
+        let want_status = if *accepted == "Accepted" {
+            "True"
+        } else {
+            "False"
+        };
+        assert_eq!(
+            (got.0.as_str(), got.1.as_str()),
+            (want_status, *accepted),
+            "{rules}"
+        );
+        let conds = &status(&r, Kind::HTTPRoute, "team-a", "r")["parents"][0]["conditions"];
+        let partially = conds
+            .as_array()
+            .and_then(|a| a.iter().find(|c| c["type"] == "PartiallyInvalid"));
+        assert_eq!(partially.is_some(), partial.is_some(), "{rules}: {conds:#}");
+        let invalid_at: Vec<&str> = r.problems.iter().map(|p| p.path.as_str()).collect();
+        let bad = accepted == &"UnsupportedValue" || partial.is_some();
+        assert_eq!(
+            invalid_at.len(),
+            usize::from(bad),
+            "{rules}: {invalid_at:?}"
+        );
+        if let Some(path) = partial {
+            assert_eq!(invalid_at, [*path], "{rules}");
+            let p = partially.map(|c| c["reason"].clone());
+            assert_eq!(p, Some(Value::from("UnsupportedValue")));
+        }
+        // Affected rules stay in the plan, marked; the others are untouched.
+        let lb = r.plan.gateways[0]
+            .ports
+            .iter()
+            .flat_map(|p| &p.listeners)
+            .find(|l| l.name == "one");
+        let Some(RouteRulesRef::Http(plan_rules)) =
+            lb.map(|l| RouteRulesRef::of(&l.routes[0].rules))
+        else {
+            panic!("no http route in plan for {rules}");
+        };
+        let marked = plan_rules
+            .iter()
+            .filter(|r| r.unsupported_filter.is_some())
+            .count();
+        assert_eq!(marked, usize::from(bad), "{rules}");
+    }
+}
+
 #[test]
 fn service_backends_resolve_ready_endpoints_at_the_target_port() {
     let r = routes_world(&http_route("team-a", "r", TO_LS, "[]", APP));

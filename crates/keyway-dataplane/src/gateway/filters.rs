@@ -78,7 +78,8 @@ pub struct Filters {
     pub response_headers: Vec<HeaderMod>,
     pub redirect: Option<Redirect>,
     pub rewrite: Option<Rewrite>,
-    /// Names of filters that cannot be served: the rule answers 500.
+    /// Why the rule cannot be served as written (the resolver's verdict, or a filter this
+    /// compiler does not know): it answers 500 with this text.
     pub unsupported: Option<String>,
 }
 
@@ -121,8 +122,15 @@ fn path_mod(full: Option<&String>, prefix: Option<&String>) -> Option<PathMod> {
 
 /// Compiles HTTPRoute filters; `errors` collects what could not be compiled (reported, not
 /// fatal).
-pub fn compile_http(list: &[HttpRouteRulesFilters], errors: &mut Vec<String>) -> Filters {
-    let mut f = Filters::default();
+pub fn compile_http(
+    list: &[HttpRouteRulesFilters],
+    unsupported: Option<&String>,
+    errors: &mut Vec<String>,
+) -> Filters {
+    let mut f = Filters {
+        unsupported: unsupported.cloned(),
+        ..Filters::default()
+    };
     for x in list {
         if let Some(m) = &x.request_header_modifier {
             f.request_headers.push(header_mod!(m, errors));
@@ -168,8 +176,11 @@ pub fn compile_http(list: &[HttpRouteRulesFilters], errors: &mut Vec<String>) ->
                     )
                 }),
             });
-        } else {
-            f.unsupported = Some(type_name(&x.r#type));
+        } else if f.unsupported.is_none() {
+            f.unsupported = Some(format!(
+                "filter {} is not supported by keyway",
+                type_name(&x.r#type)
+            ));
         }
     }
     f
@@ -180,15 +191,25 @@ fn type_name<T: std::fmt::Debug>(t: &T) -> String {
 }
 
 /// Compiles GRPCRoute filters (header modifiers; the rest answer 500).
-pub fn compile_grpc(list: &[GrpcRouteRulesFilters], errors: &mut Vec<String>) -> Filters {
-    let mut f = Filters::default();
+pub fn compile_grpc(
+    list: &[GrpcRouteRulesFilters],
+    unsupported: Option<&String>,
+    errors: &mut Vec<String>,
+) -> Filters {
+    let mut f = Filters {
+        unsupported: unsupported.cloned(),
+        ..Filters::default()
+    };
     for x in list {
         if let Some(m) = &x.request_header_modifier {
             f.request_headers.push(header_mod!(m, errors));
         } else if let Some(m) = &x.response_header_modifier {
             f.response_headers.push(header_mod!(m, errors));
-        } else {
-            f.unsupported = Some(type_name(&x.r#type));
+        } else if f.unsupported.is_none() {
+            f.unsupported = Some(format!(
+                "filter {} is not supported by keyway",
+                type_name(&x.r#type)
+            ));
         }
     }
     f

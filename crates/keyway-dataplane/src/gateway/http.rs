@@ -236,11 +236,8 @@ async fn forward(
     mut req: Request<Incoming>,
 ) -> Response<Body> {
     let f = &rule.filters;
-    if let Some(name) = &f.unsupported {
-        return full(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &format!("filter {name} is not supported by keyway"),
-        );
+    if let Some(why) = &f.unsupported {
+        return full(StatusCode::INTERNAL_SERVER_ERROR, why);
     }
     let scheme = if info.tls.is_some() { "https" } else { "http" };
     if let Some(r) = &f.redirect {

@@ -431,7 +431,11 @@ impl Gateways {
                         push_entries(&mut entries, &mut errors, idx, j, matches);
                         compiled.push(Rule {
                             grpc: false,
-                            filters: filters::compile_http(&r.filters, &mut errors),
+                            filters: filters::compile_http(
+                                &r.filters,
+                                r.unsupported_filter.as_ref(),
+                                &mut errors,
+                            ),
                             backends: r.backends.clone(),
                             timeout: r.request_timeout_ms.map(Duration::from_millis),
                             metrics: metrics.clone(),
@@ -448,7 +452,11 @@ impl Gateways {
                         push_entries(&mut entries, &mut errors, idx, j, matches);
                         compiled.push(Rule {
                             grpc: true,
-                            filters: filters::compile_grpc(&r.filters, &mut errors),
+                            filters: filters::compile_grpc(
+                                &r.filters,
+                                r.unsupported_filter.as_ref(),
+                                &mut errors,
+                            ),
                             backends: r.backends.clone(),
                             timeout: None,
                             metrics: metrics.clone(),
