@@ -432,6 +432,7 @@ impl SiteProc {
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .env(crate::run::EXIT_WITH_PARENT, std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);

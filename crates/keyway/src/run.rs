@@ -99,11 +99,36 @@ async fn shutdown_signal() {
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
+            _ = parent_gone() => {
+                tracing::info!("the process that started this site is gone");
+            }
         }
     }
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+/// Environment variable naming the process whose exit stops this site (set by `keyway demo`,
+/// so its sites never outlive it, not even when it is killed with SIGKILL).
+pub const EXIT_WITH_PARENT: &str = "KEYWAY_EXIT_WITH_PARENT";
+
+/// Resolves once this process's parent is no longer the one named by [`EXIT_WITH_PARENT`]
+/// (it exited and the site was re-parented); pends forever without the variable. Polling
+/// `getppid` twice a second costs nothing and, unlike `PR_SET_PDEATHSIG`, does not fire when
+/// merely the thread that spawned the site exits.
+#[cfg(unix)]
+async fn parent_gone() {
+    let Some(parent) = std::env::var(EXIT_WITH_PARENT)
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    else {
+        return std::future::pending().await;
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    while std::os::unix::process::parent_id() == parent {
+        tick.tick().await;
     }
 }
 

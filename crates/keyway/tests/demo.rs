@@ -153,10 +153,10 @@ fn line_starting<'a>(text: &'a str, prefix: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no line starting with `{prefix}` in:\n{text}"))
 }
 
-#[test]
-fn demo_prints_instructions_that_work_then_stops_cleanly() {
+/// Starts `keyway demo` on `base` and reads until it is ready: (demo, what it printed, its
+/// directory, the pids of east, central and west).
+fn start_demo(base: u16) -> (Demo, String, PathBuf, [u32; 3]) {
     let started = Instant::now();
-    let base = free_base();
     let mut child = Command::new(env!("CARGO_BIN_EXE_keyway"))
         .args(["demo", "--port-base", &base.to_string()])
         .env("RUST_LOG", "warn")
@@ -202,6 +202,14 @@ fn demo_prints_instructions_that_work_then_stops_cleanly() {
             .unwrap_or_else(|| panic!("no pid in `{row}`"))
     };
     let pids = [pid_of("east"), pid_of("central"), pid_of("west")];
+    (demo, text, root, pids)
+}
+
+#[test]
+fn demo_prints_instructions_that_work_then_stops_cleanly() {
+    let started = Instant::now();
+    let base = free_base();
+    let (mut demo, text, root, pids) = start_demo(base);
     assert!(pids.iter().all(|p| alive(*p)), "{pids:?}");
 
     // The MultiKeyListener answers from backend-east.
@@ -348,6 +356,41 @@ fn demo_prints_instructions_that_work_then_stops_cleanly() {
     assert!(!root.exists(), "{} not removed", root.display());
     println!("whole demo test took {:?}", started.elapsed());
     assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+/// A demo killed outright (SIGKILL: no chance to stop its sites) still takes its sites with it:
+/// each notices its parent is gone and shuts down.
+#[test]
+fn demo_killed_with_sigkill_leaves_no_site_running() {
+    let base = free_base();
+    let (mut demo, _text, root, pids) = start_demo(base);
+    assert!(pids.iter().all(|p| alive(*p)), "{pids:?}");
+    let _ = demo.child.kill();
+    let _ = demo.child.wait();
+    let survivors: Vec<u32> = pids
+        .into_iter()
+        .filter(|pid| !eventually(Duration::from_secs(5), || !alive(*pid)))
+        .collect();
+    for pid in &survivors {
+        signal("-KILL", *pid);
+    }
+    assert!(
+        survivors.is_empty(),
+        "sites {survivors:?} outlived the demo"
+    );
+    for offset in OFFSETS {
+        assert!(
+            eventually(Duration::from_secs(2), || TcpStream::connect((
+                "127.0.0.1",
+                base + offset
+            ))
+            .is_err()),
+            "port {} still open",
+            base + offset
+        );
+    }
+    // Nobody is left to remove the demo's directory.
+    let _ = std::fs::remove_dir_all(root);
 }
 
 /// The line after the one starting with `prefix`.
