@@ -192,6 +192,18 @@ pub fn validate(resource: &Resource) -> Vec<Problem> {
                 p.add("spec.gatewayClassName", "gatewayClassName is required");
             }
             check_listeners(&mut p, &v["spec"]["listeners"], "spec.listeners", true);
+            // Upstream CEL: an IPAddress value must be an IP address.
+            for (i, a) in g.spec.addresses.iter().flatten().enumerate() {
+                if matches!(a.r#type.as_deref(), None | Some("IPAddress"))
+                    && let Some(value) = &a.value
+                    && value.parse::<std::net::IpAddr>().is_err()
+                {
+                    p.add(
+                        format!("spec.addresses[{i}].value"),
+                        format!("`{value}` is not an IP address"),
+                    );
+                }
+            }
             check_selector(
                 &mut p,
                 &v["spec"]["allowedListeners"]["namespaces"],

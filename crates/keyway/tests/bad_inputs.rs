@@ -595,6 +595,13 @@ fn cases() -> Vec<Case> {
             "spec.listeners[1].name",
             "listener name `web` must be unique",
         ),
+        case(
+            "gateway-address-not-an-ip",
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: g\nspec:\n  gatewayClassName: keyway\n  addresses:\n  - value: 10.0.0.300\n  listeners:\n  - name: web\n    port: 8080\n    protocol: HTTP\n",
+            8,
+            "spec.addresses[0].value",
+            "`10.0.0.300` is not an IP address",
+        ),
         // --- HTTPRoute filter rules the upstream schema (CEL) enforces ---------------------
         case(
             "route-redirect-with-rewrite",

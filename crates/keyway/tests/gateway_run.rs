@@ -145,7 +145,12 @@ fn service(name: &str, port: u16) -> String {
 
 /// One plain HTTP/1.1 request on a fresh connection: (status, body).
 fn http_get(port: u16, host: &str, path: &str) -> (u16, String) {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+    http_get_at("127.0.0.1", port, host, path)
+}
+
+/// [`http_get`] to a given IP; status 0 when the connection is refused.
+fn http_get_at(ip: &str, port: u16, host: &str, path: &str) -> (u16, String) {
+    let Ok(mut s) = TcpStream::connect((ip, port)) else {
         return (0, String::new());
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
@@ -386,4 +391,95 @@ fn unbindable_port_is_reported_as_port_unavailable() {
     });
     let (code, body) = site.get("/readyz");
     assert_ne!(code, 200, "{body}");
+}
+
+/// `spec.addresses` decides where a Gateway's ports are bound (status.addresses says so), and an
+/// edit moves them without a restart; an address type keyway cannot bind is `UnsupportedAddress`.
+#[test]
+fn gateway_binds_its_spec_addresses_only() {
+    let dir = temp_dir("addresses");
+    let port = free_port();
+    let be = HttpBackend::start("be");
+    let gateway = |addresses: &str| {
+        let mut yaml = service("svc", be.port);
+        yaml.push_str(&format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  addresses: {addresses}\n  listeners: [{{name: web, port: {port}, protocol: HTTP}}]\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules: [{{backendRefs: [{{name: svc, port: 80}}]}}]\n"
+        ));
+        yaml
+    };
+    std::fs::write(
+        dir.join("gw.yaml"),
+        gateway("[{type: IPAddress, value: 127.0.0.2}]"),
+    )
+    .expect("write config");
+    let site = Site::start(&dir, false);
+    let status_says =
+        |value: &'static str| {
+            move |_: u16, body: &str| {
+                let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+                v["items"].as_array().into_iter().flatten().any(|i| {
+                    i["kind"] == "Gateway" && i["status"]["addresses"][0]["value"] == value
+                })
+            }
+        };
+    site.wait_for("/status", status_says("127.0.0.2"));
+    let served = |ip: &str| http_get_at(ip, port, "x", "/").0 == 200;
+    assert!(eventually(Duration::from_secs(5), || served("127.0.0.2")));
+    assert_eq!(
+        http_get_at("127.0.0.1", port, "x", "/").0,
+        0,
+        "bound beyond its address"
+    );
+
+    // Moving the Gateway to another address rebinds; the old address stops answering.
+    std::fs::write(
+        dir.join("gw.yaml"),
+        gateway("[{type: IPAddress, value: 127.0.0.3}]"),
+    )
+    .expect("write config");
+    site.wait_for("/status", status_says("127.0.0.3"));
+    assert!(eventually(Duration::from_secs(5), || served("127.0.0.3")));
+    assert!(eventually(Duration::from_secs(5), || http_get_at(
+        "127.0.0.2",
+        port,
+        "x",
+        "/"
+    )
+    .0 == 0));
+
+    // A Hostname address cannot be bound by keyway: not accepted, nothing served.
+    std::fs::write(
+        dir.join("gw.yaml"),
+        gateway("[{type: Hostname, value: gw.example.com}]"),
+    )
+    .expect("write config");
+    site.wait_for("/status", |_, body| {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        v["items"].as_array().into_iter().flatten().any(|i| {
+            i["kind"] == "Gateway"
+                && i["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "Accepted" && c["reason"] == "UnsupportedAddress")
+        })
+    });
+    assert!(eventually(Duration::from_secs(5), || http_get_at(
+        "127.0.0.3",
+        port,
+        "x",
+        "/"
+    )
+    .0 == 0));
+}
+
+fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    check()
 }

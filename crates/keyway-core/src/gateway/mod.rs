@@ -31,6 +31,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+use gateway_api::apis::standard::gateways::Gateway;
 use gateway_api::apis::standard::gateways::GatewayAllowedListenersNamespacesFrom as ListenersFrom;
 
 use crate::Time;
@@ -155,9 +156,11 @@ struct Slot {
 /// How a Gateway or ListenerSet stands as a whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Admission {
-    /// A Gateway (accepted or not).
+    /// A Gateway: accepted unless no listener is valid or it asks for an address of a type
+    /// keyway cannot bind (only `IPAddress` is supported).
     Gateway {
         accepted: bool,
+        unsupported_address: bool,
     },
     Accepted,
     ListenersNotValid,
@@ -185,7 +188,10 @@ impl Owner<'_> {
     fn accepted(&self) -> bool {
         matches!(
             self.admission,
-            Admission::Gateway { accepted: true } | Admission::Accepted
+            Admission::Gateway {
+                accepted: true,
+                unsupported_address: false
+            } | Admission::Accepted
         )
     }
 
@@ -614,7 +620,9 @@ impl GatewayResolver {
             };
             let mut standings = standings.into_iter();
             let own_standings = standings.next().unwrap_or_default();
-            let accepted = own.is_empty() || own_standings.contains(&Standing::Accepted);
+            let listeners_ok = own.is_empty() || own_standings.contains(&Standing::Accepted);
+            let unsupported_address = unsupported_address(gw).is_some();
+            let accepted = listeners_ok && !unsupported_address;
             let gw_index = owners.len();
             owners.push(Owner {
                 obj: gw_obj,
@@ -622,7 +630,10 @@ impl GatewayResolver {
                 version,
                 listeners: own.clone(),
                 standings: own_standings,
-                admission: Admission::Gateway { accepted },
+                admission: Admission::Gateway {
+                    accepted: listeners_ok,
+                    unsupported_address,
+                },
                 gateway: gw_index,
                 fp: 0,
             });
@@ -967,7 +978,12 @@ impl GatewayResolver {
                 })
                 .collect();
             let sets = sets_of(i);
+            let addresses = match &o.obj.resource {
+                Resource::Gateway(gw) if o.accepted() => gateway_ips(gw),
+                _ => Vec::new(),
+            };
             let model = Model::Listeners {
+                addresses,
                 generation: generation(o.obj),
                 conditions: owner_conditions(o),
                 listeners,
@@ -1032,6 +1048,20 @@ impl GatewayResolver {
             && rebound.iter().all(|&i| self.patch_plan(&owners, i));
         if !patched {
             self.build_plan(&owners);
+        }
+        // Addresses come from the Gateway object itself, which a patch does not look at.
+        for bind in &mut self.out.plan.gateways {
+            let ips = owners
+                .iter()
+                .find(|o| o.obj.key == bind.gateway)
+                .and_then(|o| match &o.obj.resource {
+                    Resource::Gateway(gw) => Some(gateway_ips(gw)),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            if bind.addresses != ips {
+                bind.addresses = ips;
+            }
         }
 
         if drop_all {
@@ -1102,7 +1132,7 @@ impl GatewayResolver {
             let Some(gw) = owners.get(o.gateway) else {
                 continue;
             };
-            if gw.admission != (Admission::Gateway { accepted: true }) {
+            if !gw.accepted() {
                 continue;
             }
             let ports = by_gateway.entry(&gw.obj.key).or_default();
@@ -1130,6 +1160,7 @@ impl GatewayResolver {
                 .into_iter()
                 .map(|(gateway, ports)| GatewayBind {
                     gateway: gateway.clone(),
+                    addresses: Vec::new(),
                     ports: ports.into_values().collect(),
                 })
                 .collect(),
@@ -1230,13 +1261,60 @@ fn unlink_targets(
     }
 }
 
+/// Why a Gateway's `spec.addresses` cannot be served: keyway binds IP addresses only.
+fn unsupported_address(gw: &Gateway) -> Option<String> {
+    gw.spec
+        .addresses
+        .iter()
+        .flatten()
+        .enumerate()
+        .find(|(_, a)| !matches!(a.r#type.as_deref(), None | Some("IPAddress")))
+        .map(|(i, a)| {
+            format!(
+                "spec.addresses[{i}]: address type {} is not supported; keyway binds IPAddress addresses",
+                a.r#type.as_deref().unwrap_or_default()
+            )
+        })
+}
+
+/// The IP addresses a Gateway asks to be bound on (`spec.addresses` of type `IPAddress` with a
+/// value); empty means every local address.
+pub(crate) fn gateway_ips(gw: &Gateway) -> Vec<std::net::IpAddr> {
+    let mut ips: Vec<std::net::IpAddr> = gw
+        .spec
+        .addresses
+        .iter()
+        .flatten()
+        .filter(|a| matches!(a.r#type.as_deref(), None | Some("IPAddress")))
+        .filter_map(|a| a.value.as_deref()?.parse().ok())
+        .collect();
+    ips.sort();
+    ips.dedup();
+    ips
+}
+
 /// Accepted and Programmed of a Gateway or ListenerSet.
 fn owner_conditions(o: &Owner<'_>) -> Vec<C> {
     let programmed = (0..o.listeners.len()).any(|j| o.programmed(j));
     match o.admission {
-        Admission::Gateway { accepted } => {
+        Admission::Gateway {
+            accepted,
+            unsupported_address,
+        } => {
             let broken = o.standings.iter().any(|s| *s != Standing::Accepted);
+            let unsupported = unsupported_address
+                .then(|| match &o.obj.resource {
+                    Resource::Gateway(gw) => self::unsupported_address(gw),
+                    _ => None,
+                })
+                .flatten();
             let accepted_cond = match (accepted, broken) {
+                _ if unsupported.is_some() => C::new(
+                    "Accepted",
+                    false,
+                    "UnsupportedAddress",
+                    unsupported.unwrap_or_default(),
+                ),
                 (false, _) => C::new(
                     "Accepted",
                     false,

@@ -27,6 +27,9 @@ pub struct GatewayPlan {
 pub struct GatewayBind {
     #[serde(serialize_with = "key_string")]
     pub gateway: ObjectKey,
+    /// IP addresses to bind each port on (`spec.addresses`); empty: every local address.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<std::net::IpAddr>,
     /// Ascending by port.
     pub ports: Vec<PortBind>,
 }

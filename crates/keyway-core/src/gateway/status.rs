@@ -80,6 +80,8 @@ pub(crate) enum Model {
     },
     /// A Gateway (with `attached_listener_sets`) or a ListenerSet (without).
     Listeners {
+        /// A Gateway's bound `spec.addresses` (status.addresses); empty otherwise.
+        addresses: Vec<std::net::IpAddr>,
         generation: i64,
         conditions: Vec<C>,
         listeners: Vec<ListenerStatus>,
@@ -121,6 +123,7 @@ fn render_with(model: &Model, now: &Value, top: &[Value]) -> Value {
             json!({ "conditions": conds([&accepted], &Value::from(*generation), now) })
         }
         Model::Listeners {
+            addresses,
             generation,
             conditions,
             listeners,
@@ -147,6 +150,13 @@ fn render_with(model: &Model, now: &Value, top: &[Value]) -> Value {
             );
             if let Some(n) = attached_listener_sets {
                 m.insert("attachedListenerSets".into(), Value::from(*n));
+            }
+            if !addresses.is_empty() {
+                let list = addresses
+                    .iter()
+                    .map(|ip| json!({ "type": "IPAddress", "value": ip.to_string() }))
+                    .collect();
+                m.insert("addresses".into(), Value::Array(list));
             }
             Value::Object(m)
         }

@@ -1075,6 +1075,74 @@ fn unsupported_filters_table() {
     }
 }
 
+/// `spec.addresses`: IP addresses go into the plan and status.addresses; any other type makes the
+/// Gateway `UnsupportedAddress` (nothing of it or its ListenerSets is served).
+#[test]
+fn gateway_addresses_table() {
+    let cases: &[(&str, &[&str], (&str, &str))] = &[
+        ("[]", &[], ("True", "Accepted")),
+        ("[{value: 127.0.0.2}]", &["127.0.0.2"], ("True", "Accepted")),
+        (
+            "[{type: IPAddress, value: \"::1\"}, {type: IPAddress, value: 10.0.0.1}, {value: 10.0.0.1}]",
+            &["10.0.0.1", "::1"],
+            ("True", "Accepted"),
+        ),
+        // No value: the implementation picks, which for keyway means every address.
+        ("[{type: IPAddress}]", &[], ("True", "Accepted")),
+        (
+            "[{type: Hostname, value: gw.example.com}]",
+            &[],
+            ("False", "UnsupportedAddress"),
+        ),
+        (
+            "[{type: example.com/custom, value: x}]",
+            &[],
+            ("False", "UnsupportedAddress"),
+        ),
+    ];
+    for (addresses, want_ips, want) in cases {
+        let y = base("from: All").replace(
+            "  gatewayClassName: keyway\n",
+            &format!("  gatewayClassName: keyway\n  addresses: {addresses}\n"),
+        ) + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("one", 8080, "HTTP", Some("a.example.com")),
+        );
+        let r = resolve(&index_of(&y), &now());
+        let got = top(&r, GW, "infra", "gw", "Accepted");
+        assert_eq!((got.0.as_str(), got.1.as_str()), *want, "{addresses}");
+        let st = &status(&r, GW, "infra", "gw")["addresses"];
+        let listed: Vec<&str> = st
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a["value"].as_str())
+            .collect();
+        assert_eq!(listed, *want_ips, "{addresses}: {st}");
+        if want.0 == "True" {
+            let plan_ips: Vec<String> = r.plan.gateways[0]
+                .addresses
+                .iter()
+                .map(|ip| ip.to_string())
+                .collect();
+            assert_eq!(plan_ips, *want_ips, "{addresses}");
+            assert_eq!(
+                top(&r, Kind::ListenerSet, "team-a", "ls", "Accepted"),
+                yes("Accepted")
+            );
+        } else {
+            assert!(r.plan.gateways.is_empty(), "{addresses}: {:?}", r.plan);
+            assert_eq!(
+                top(&r, Kind::ListenerSet, "team-a", "ls", "Accepted"),
+                no("ParentNotAccepted")
+            );
+        }
+    }
+}
+
 #[test]
 fn service_backends_resolve_ready_endpoints_at_the_target_port() {
     let r = routes_world(&http_route("team-a", "r", TO_LS, "[]", APP));

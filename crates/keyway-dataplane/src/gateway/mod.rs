@@ -248,10 +248,15 @@ impl Drop for PortHandle {
 pub struct Gateways {
     ctx: Arc<Ctx>,
     metrics: GatewayMetrics,
-    bind_ip: IpAddr,
-    ports: Mutex<BTreeMap<u16, PortHandle>>,
+    ports: Mutex<BTreeMap<SocketAddr, PortHandle>>,
     /// Listeners left out by the last apply (port held by another Gateway, bad TLS material).
     rejected: Mutex<Vec<ListenerError>>,
+}
+
+/// Whether binding both addresses on one port would clash: the same address, or a wildcard of
+/// the same family (IPv4 `0.0.0.0` takes every IPv4 address).
+fn overlap(a: IpAddr, b: IpAddr) -> bool {
+    a == b || (a.is_ipv4() == b.is_ipv4() && (a.is_unspecified() || b.is_unspecified()))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -259,7 +264,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Gateways {
-    /// Gateway listeners bind all IPv4 addresses (Gateway `spec.addresses` is not used).
+    /// Gateway ports bind the Gateway's `spec.addresses`, or all IPv4 addresses without them.
     pub fn new(shared: Arc<Shared>) -> Self {
         let metrics = GatewayMetrics::new(&shared.metrics);
         Gateways {
@@ -268,7 +273,6 @@ impl Gateways {
                 pool: Arc::default(),
             }),
             metrics,
-            bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             ports: Mutex::new(BTreeMap::new()),
             rejected: Mutex::new(Vec::new()),
         }
@@ -278,11 +282,23 @@ impl Gateways {
     /// new ports are bound; ports no longer in it stop accepting (open connections run on).
     pub fn apply(&self, plan: &GatewayPlan) {
         let mut rejected = Vec::new();
-        let mut wanted: BTreeMap<u16, (&ObjectKey, &PortBind)> = BTreeMap::new();
+        let mut wanted: BTreeMap<SocketAddr, (&ObjectKey, &PortBind)> = BTreeMap::new();
         for gw in &plan.gateways {
+            let all = [IpAddr::V4(Ipv4Addr::UNSPECIFIED)];
+            let ips = if gw.addresses.is_empty() {
+                &all[..]
+            } else {
+                &gw.addresses[..]
+            };
             for pb in &gw.ports {
-                if let Some((owner, _)) = wanted.get(&pb.port) {
-                    // Two Gateways cannot both own a port; the first in key order keeps it.
+                // Two Gateways cannot both own a port on overlapping addresses (the wildcard
+                // overlaps every address); the first in key order keeps it.
+                let taken = wanted.iter().find(|(addr, (owner, _))| {
+                    addr.port() == pb.port
+                        && **owner != gw.gateway
+                        && ips.iter().any(|ip| overlap(*ip, addr.ip()))
+                });
+                if let Some((_, (owner, _))) = taken {
                     for l in &pb.listeners {
                         rejected.push(ListenerError {
                             owner: l.owner.clone(),
@@ -295,26 +311,28 @@ impl Gateways {
                     }
                     continue;
                 }
-                wanted.insert(pb.port, (&gw.gateway, pb));
+                for ip in ips {
+                    wanted.insert(SocketAddr::new(*ip, pb.port), (&gw.gateway, pb));
+                }
             }
         }
         let mut ports = lock(&self.ports);
         let mut next = BTreeMap::new();
-        for (port, (_, pb)) in wanted {
+        for (addr, (_, pb)) in wanted {
             let config = self.compile(pb, &mut rejected);
             let listeners = pb
                 .listeners
                 .iter()
                 .map(|l| (l.owner.clone(), l.name.clone()))
                 .collect();
-            match ports.remove(&port) {
+            match ports.remove(&addr) {
                 Some(mut h) => {
                     h.config.store(Arc::new(config));
                     h.listeners = listeners;
-                    next.insert(port, h);
+                    next.insert(addr, h);
                 }
                 None => {
-                    next.insert(port, self.start(config, listeners));
+                    next.insert(addr, self.start(addr, config, listeners));
                 }
             }
         }
@@ -346,8 +364,12 @@ impl Gateways {
         lock(&self.ports).clear();
     }
 
-    fn start(&self, config: PortConfig, listeners: Vec<(ObjectKey, String)>) -> PortHandle {
-        let addr = SocketAddr::new(self.bind_ip, config.port);
+    fn start(
+        &self,
+        addr: SocketAddr,
+        config: PortConfig,
+        listeners: Vec<(ObjectKey, String)>,
+    ) -> PortHandle {
         let config = Arc::new(ArcSwap::from_pointee(config));
         let state = Arc::new(PortState::default());
         let (stop, stop_rx) = watch::channel(false);
@@ -519,7 +541,11 @@ async fn accept_loop(
             }
             Err(e) => {
                 failures += 1;
-                let msg = format!("cannot bind port {}: {e}", addr.port());
+                let msg = if addr.ip().is_unspecified() {
+                    format!("cannot bind port {}: {e}", addr.port())
+                } else {
+                    format!("cannot bind {addr}: {e}")
+                };
                 if failures == 1 || failures.is_multiple_of(30) {
                     tracing::warn!("{msg}");
                 }
