@@ -7,7 +7,8 @@ use keyway_core::plan::{ClientTls, ServerTls};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::server::WebPkiClientVerifier;
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
 
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +89,64 @@ pub fn server_config(tls: &ServerTls, alpn: &[&[u8]]) -> Result<Arc<ServerConfig
 pub struct ClientTlsConfig {
     pub config: Arc<ClientConfig>,
     pub server_name: ServerName<'static>,
+}
+
+/// A server config presenting, of several certificates (an ECDSA one next to an RSA one, say),
+/// the first whose key can sign with a scheme the client offers. One certificate is
+/// [`server_config`] without client authentication.
+pub fn server_config_choosing(
+    materials: &[keyway_core::tls::TlsMaterial],
+    alpn: &[&[u8]],
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let [first, rest @ ..] = materials else {
+        return Err(TlsError::Material {
+            secret: String::new(),
+            message: "no certificate to terminate TLS with".into(),
+        });
+    };
+    if rest.is_empty() {
+        let tls = ServerTls {
+            material: first.clone(),
+            require_client_cert: false,
+        };
+        return server_config(&tls, alpn);
+    }
+    let provider = provider();
+    let keys = materials
+        .iter()
+        .map(|m| {
+            CertifiedKey::from_der(m.cert_chain.clone(), private_key(m)?, &provider)
+                .map(Arc::new)
+                .map_err(|source| TlsError::Rustls {
+                    secret: m.secret.clone(),
+                    source,
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls {
+            secret: first.secret.clone(),
+            source,
+        })?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(BySignatureScheme(keys)));
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+/// Picks the first certificate whose key signs with a scheme from the ClientHello.
+#[derive(Debug)]
+struct BySignatureScheme(Vec<Arc<CertifiedKey>>);
+
+impl ResolvesServerCert for BySignatureScheme {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let offered = hello.signature_schemes();
+        self.0
+            .iter()
+            .find(|k| k.key.choose_scheme(offered).is_some())
+            .cloned()
+    }
 }
 
 /// A client config for a connector target. With `ca.crt` the workload's chain is verified (and its
@@ -345,4 +404,148 @@ pub fn grant_client_config(
         .with_no_client_auth();
     config.alpn_protocols = vec![alpn.to_vec()];
     Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Secret;
+    use rcgen::{CertificateParams, KeyPair, PKCS_ECDSA_P256_SHA256, PKCS_ED25519};
+    use rustls::client::WebPkiServerVerifier;
+    use rustls::{ClientConnection, ServerConnection};
+
+    /// A self-signed certificate for `a.test` with a key of `alg`, as a listener's material.
+    fn material(alg: &'static rcgen::SignatureAlgorithm) -> keyway_core::tls::TlsMaterial {
+        let key = KeyPair::generate_for(alg).expect("key");
+        let cert = CertificateParams::new(vec!["a.test".to_string()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        let secret = Secret {
+            string_data: Some(
+                [
+                    ("tls.crt".to_string(), cert.pem()),
+                    ("tls.key".to_string(), key.serialize_pem()),
+                ]
+                .into(),
+            ),
+            ..Default::default()
+        };
+        keyway_core::tls::material_from_secret(&secret, true).expect("material")
+    }
+
+    /// Trusts `trusted` but offers only `schemes` in its ClientHello.
+    #[derive(Debug)]
+    struct Offering {
+        inner: Arc<WebPkiServerVerifier>,
+        schemes: Vec<SignatureScheme>,
+    }
+
+    impl ServerCertVerifier for Offering {
+        fn verify_server_cert(
+            &self,
+            end_entity: &CertificateDer<'_>,
+            intermediates: &[CertificateDer<'_>],
+            server_name: &ServerName<'_>,
+            ocsp: &[u8],
+            now: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            self.inner
+                .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        }
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.inner.verify_tls12_signature(message, cert, dss)
+        }
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.inner.verify_tls13_signature(message, cert, dss)
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.schemes.clone()
+        }
+    }
+
+    /// Handshakes in memory; the certificate the server presented.
+    fn presented(
+        server: Arc<ServerConfig>,
+        trusted: &[CertificateDer<'static>],
+        schemes: Vec<SignatureScheme>,
+    ) -> Option<CertificateDer<'static>> {
+        let mut roots = RootCertStore::empty();
+        for c in trusted {
+            roots.add(c.clone()).expect("root");
+        }
+        let inner = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+            .expect("verifier");
+        let config = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Offering { inner, schemes }))
+            .with_no_client_auth();
+        let name = ServerName::try_from("a.test").expect("name");
+        let mut client = ClientConnection::new(Arc::new(config), name).expect("client");
+        let mut server = ServerConnection::new(server).expect("server");
+        for _ in 0..10 {
+            let mut wire = Vec::new();
+            client.write_tls(&mut wire).expect("client write");
+            server.read_tls(&mut wire.as_slice()).expect("server read");
+            server.process_new_packets().ok()?;
+            let mut wire = Vec::new();
+            server.write_tls(&mut wire).expect("server write");
+            client.read_tls(&mut wire.as_slice()).expect("client read");
+            client.process_new_packets().ok()?;
+            if !client.is_handshaking() {
+                return client.peer_certificates()?.first().cloned();
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn several_certificates_each_client_gets_one_it_can_verify() {
+        let ecdsa = material(&PKCS_ECDSA_P256_SHA256);
+        let ed25519 = material(&PKCS_ED25519);
+        let trusted = [ecdsa.cert_chain[0].clone(), ed25519.cert_chain[0].clone()];
+        let config =
+            server_config_choosing(&[ecdsa.clone(), ed25519.clone()], &[]).expect("config");
+        let got = |schemes| presented(config.clone(), &trusted, schemes);
+        assert_eq!(
+            got(vec![SignatureScheme::ED25519]),
+            Some(ed25519.cert_chain[0].clone())
+        );
+        assert_eq!(
+            got(vec![SignatureScheme::ECDSA_NISTP256_SHA256]),
+            Some(ecdsa.cert_chain[0].clone())
+        );
+        // Both acceptable: the first listed wins.
+        assert_eq!(
+            got(vec![
+                SignatureScheme::ED25519,
+                SignatureScheme::ECDSA_NISTP256_SHA256
+            ]),
+            Some(ecdsa.cert_chain[0].clone())
+        );
+        // Neither: no handshake.
+        assert_eq!(got(vec![SignatureScheme::RSA_PSS_SHA256]), None);
+    }
+
+    #[test]
+    fn a_key_that_does_not_match_its_certificate_is_an_error() {
+        let mut a = material(&PKCS_ECDSA_P256_SHA256);
+        let b = material(&PKCS_ECDSA_P256_SHA256);
+        a.key = b.key.clone();
+        let err = server_config_choosing(&[a, b], &[]).expect_err("mismatched key");
+        assert!(err.to_string().contains("key"), "{err}");
+    }
 }

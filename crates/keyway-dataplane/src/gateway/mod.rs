@@ -24,7 +24,6 @@ use keyway_core::gateway::plan::{
     GatewayPlan, ListenerBind, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode,
     WeightedBackend,
 };
-use keyway_core::plan::ServerTls;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use rustls::ServerConfig;
@@ -414,22 +413,16 @@ impl Gateways {
         let tls_mode = l.tls.as_ref().map(|t| t.mode);
         let server_config = match (&l.tls, l.protocol) {
             (Some(t), Protocol::Https | Protocol::Tls) if t.mode == TlsMode::Terminate => {
-                // The first certificate serves; more (e.g. RSA next to ECDSA) are not chosen
-                // between yet.
-                let material = t
-                    .certificates
-                    .first()
-                    .ok_or("no certificate to terminate TLS with")?;
                 let alpn: &[&[u8]] = if l.protocol == Protocol::Https {
                     &[b"h2", b"http/1.1"]
                 } else {
                     &[]
                 };
-                let tls = ServerTls {
-                    material: material.clone(),
-                    require_client_cert: false,
-                };
-                Some(crate::tls::server_config(&tls, alpn).map_err(|e| e.to_string())?)
+                // Several certificates (RSA next to ECDSA): each client gets one it can verify.
+                Some(
+                    crate::tls::server_config_choosing(&t.certificates, alpn)
+                        .map_err(|e| e.to_string())?,
+                )
             }
             _ => None,
         };
