@@ -83,6 +83,16 @@ pub struct Filters {
     pub unsupported: Option<String>,
 }
 
+impl Filters {
+    /// Empty filters, carrying the resolver's reason why the rule cannot be served, if any.
+    fn rejected_if(unsupported: Option<&String>) -> Filters {
+        Filters {
+            unsupported: unsupported.cloned(),
+            ..Filters::default()
+        }
+    }
+}
+
 macro_rules! header_mod {
     ($m:expr, $errors:expr) => {{
         let m = $m;
@@ -127,10 +137,7 @@ pub fn compile_http(
     unsupported: Option<&String>,
     errors: &mut Vec<String>,
 ) -> Filters {
-    let mut f = Filters {
-        unsupported: unsupported.cloned(),
-        ..Filters::default()
-    };
+    let mut f = Filters::rejected_if(unsupported);
     for x in list {
         if let Some(m) = &x.request_header_modifier {
             f.request_headers.push(header_mod!(m, errors));
@@ -196,10 +203,7 @@ pub fn compile_grpc(
     unsupported: Option<&String>,
     errors: &mut Vec<String>,
 ) -> Filters {
-    let mut f = Filters {
-        unsupported: unsupported.cloned(),
-        ..Filters::default()
-    };
+    let mut f = Filters::rejected_if(unsupported);
     for x in list {
         if let Some(m) = &x.request_header_modifier {
             f.request_headers.push(header_mod!(m, errors));
