@@ -247,7 +247,10 @@ fn local_target_is_preferred_over_remote_when_idle() {
     // connection ties with a remote one at cost 1, and ties rotate).
     for _ in 0..10 {
         assert_eq!(who(listen).as_deref(), Ok("local"));
-        std::thread::sleep(Duration::from_millis(100));
+        // Idle means closed on keyway's side too, not only on the client's.
+        assert!(eventually(Duration::from_secs(5), || a
+            .active_connections()
+            == Some(0)));
     }
     // Without the local target, the same listener goes to b.
     drop(local);

@@ -220,6 +220,18 @@ impl SiteProc {
             .map(|i| i["status"].clone())
     }
 
+    /// Connections this site forwards right now (`keyway_connections_active`, all series);
+    /// `None` before any series exists.
+    pub fn active_connections(&self) -> Option<i64> {
+        let text = self.get("/metrics")?;
+        let series: Vec<i64> = text
+            .lines()
+            .filter(|l| l.starts_with("keyway_connections_active{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect();
+        (!series.is_empty()).then(|| series.iter().sum())
+    }
+
     /// Sites this site sees in the network (itself included).
     pub fn sites_in_network(&self) -> i64 {
         self.status_of("Site", &self.name)
