@@ -221,13 +221,20 @@ ports: [{{port: {PATHS['direct'][0]}}}]
     for port in HTTP_PATHS.values():
         wait_port(port)
 
-def iperf(port, secs, pgids=(), cpu_out=None):
-    """Gbit/s of one stream; appends the proxy's CPU ms per GB carried to cpu_out."""
+def iperf(port, secs, pgids=(), cpu_out=None, ends_out=None):
+    """Gbit/s of one stream; appends the proxy's CPU ms per GB carried to cpu_out, and the
+    iperf3 client's and server's together (what the endpoints themselves cost) to ends_out."""
     before = group_cpu_secs(pgids)
     out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(secs), "-J"], capture_output=True, text=True, check=True).stdout
-    end = json.loads(out)["end"]["sum_received"]
+    report = json.loads(out)["end"]
+    end = report["sum_received"]
+    gb = max(end["bytes"] / 1e9, 1e-9)
     if cpu_out is not None and pgids:
-        cpu_out.append((group_cpu_secs(pgids) - before) * 1e3 / max(end["bytes"] / 1e9, 1e-9))
+        cpu_out.append((group_cpu_secs(pgids) - before) * 1e3 / gb)
+    if ends_out is not None:
+        util = report.get("cpu_utilization_percent", {})
+        ends = (util.get("host_total", 0) + util.get("remote_total", 0)) / 100 * end["seconds"]
+        ends_out.append(ends * 1e3 / gb)
     return end["bits_per_second"] / 1e9
 
 def wrk(port, secs, close, pgids=(), cpu_out=None):
@@ -280,9 +287,10 @@ def main():
         # One stream: interleaved per run so a noisy neighbour hits every path alike.
         streams = {n: [] for n in PATHS if n in only and not args.http_only}
         stream_cpu = {n: [] for n in streams}
+        ends_cpu = {n: [] for n in streams}
         for _ in range(runs):
             for name in streams:
-                streams[name].append(iperf(PATHS[name][1], secs, PGIDS.get(name, ()), stream_cpu[name]))
+                streams[name].append(iperf(PATHS[name][1], secs, PGIDS.get(name, ()), stream_cpu[name], ends_cpu[name]))
         for name, (http_port, iperf_port) in PATHS.items():
             if args.http_only or name not in only:
                 continue
@@ -297,6 +305,7 @@ def main():
                 "nc_cpu": statistics.median(nc_cpu) if nc_cpu else None,
                 "gbps": statistics.median(t),
                 "gb_cpu": statistics.median(stream_cpu[name]) if stream_cpu[name] else None,
+                "gb_ends": statistics.median(ends_cpu[name]) if ends_cpu[name] else None,
                 "p50_1c": statistics.median(lat),
                 "ka_rps": statistics.median(r for r, _, _ in ka), "ka_p99": statistics.median(p for _, p, _ in ka),
                 "nc_rps": statistics.median(r for r, _, _ in nc), "nc_p99": statistics.median(p for _, p, _ in nc),
@@ -324,12 +333,14 @@ def main():
     if results:
         lines += ["CPU µs/req is the proxy's own CPU time per request (all its processes), which does not",
                   "depend on how much CPU a noisy neighbour leaves: lower is better. CPU ms/GB is the same for",
-                  "the one-stream test: the proxy's CPU time per gigabyte it carried.", "",
-                  "| path | 1 stream Gbit/s (x direct) | CPU ms/GB | added p50, 1 conn (µs) | keep-alive req/s (x HAProxy) | p99 ms | CPU µs/req | new conn/s (x HAProxy) | p99 ms | CPU µs/conn |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "the one-stream test: the proxy's CPU time per gigabyte it carried; ends ms/GB is what iperf3's",
+                  "client and server spent per gigabyte (as iperf3 reports it). With 2 cores and everything",
+                  "CPU-bound, a path's throughput is at most 2 cores / (proxy + ends) per GB.", "",
+                  "| path | 1 stream Gbit/s (x direct) | CPU ms/GB | ends ms/GB | added p50, 1 conn (µs) | keep-alive req/s (x HAProxy) | p99 ms | CPU µs/req | new conn/s (x HAProxy) | p99 ms | CPU µs/conn |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     d, h = results.get("direct"), results.get("haproxy")
     for name, r in results.items():
-        lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {fmt_cpu(r['gb_cpu'])} | {(r['p50_1c'] - d['p50_1c']) * 1000:+.0f} | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
+        lines.append(f"| {name} | {r['gbps']:.1f} ({r['gbps']/d['gbps']:.2f}x) | {fmt_cpu(r['gb_cpu'])} | {fmt_cpu(r['gb_ends'])} | {(r['p50_1c'] - d['p50_1c']) * 1000:+.0f} | {r['ka_rps']:.0f} ({r['ka_rps']/h['ka_rps']:.2f}x) | {r['ka_p99']:.2f} "
                      f"| {fmt_cpu(r['ka_cpu'])} | {r['nc_rps']:.0f} ({r['nc_rps']/h['nc_rps']:.2f}x) | {r['nc_p99']:.2f} | {fmt_cpu(r['nc_cpu'])} |")
     if http:
         hh = http["haproxy-http"]
