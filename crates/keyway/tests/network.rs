@@ -18,29 +18,26 @@ fn serial() -> MutexGuard<'static, ()> {
 fn triangle(ca: &Ca) -> (SiteProc, SiteProc, SiteProc, u16, Backend, Backend) {
     let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
     let (bb, bc) = (Backend::start("at-b"), Backend::start("at-c"));
-    let b = SiteProc::start(
+    let b = start_site(
         "b",
+        ca,
         &[
-            site_yaml("b"),
-            ca.secret_yaml("link-tls"),
             router_access_yaml(b_port, "link-tls"),
             connector_yaml("kb", "kb", bb.port),
         ],
     );
-    let c = SiteProc::start(
+    let c = start_site(
         "c",
+        ca,
         &[
-            site_yaml("c"),
-            ca.secret_yaml("link-tls"),
             router_access_yaml(c_port, "link-tls"),
             connector_yaml("kc", "kc", bc.port),
         ],
     );
-    let a = SiteProc::start(
+    let a = start_site(
         "a",
+        ca,
         &[
-            site_yaml("a"),
-            ca.secret_yaml("link-tls"),
             link_yaml("to-b", b_port, 1, "link-tls"),
             link_yaml("to-c", c_port, 1, "link-tls"),
             priority_yaml("front", &["kb", "kc"], listen),
@@ -96,29 +93,26 @@ fn listener_reaches_connector_two_hops_away() {
     let ca = Ca::new("net");
     let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
     let backend = Backend::start("at-c");
-    let c = SiteProc::start(
+    let c = start_site(
         "c",
+        &ca,
         &[
-            site_yaml("c"),
-            ca.secret_yaml("link-tls"),
             router_access_yaml(c_port, "link-tls"),
             connector_yaml("svc", "svc", backend.port),
         ],
     );
-    let b = SiteProc::start(
+    let b = start_site(
         "b",
+        &ca,
         &[
-            site_yaml("b"),
-            ca.secret_yaml("link-tls"),
             router_access_yaml(b_port, "link-tls"),
             link_yaml("to-c", c_port, 1, "link-tls"),
         ],
     );
-    let a = SiteProc::start(
+    let a = start_site(
         "a",
+        &ca,
         &[
-            site_yaml("a"),
-            ca.secret_yaml("link-tls"),
             link_yaml("to-b", b_port, 1, "link-tls"),
             listener_yaml("svc", "svc", listen),
         ],
@@ -223,20 +217,18 @@ fn local_target_is_preferred_over_remote_when_idle() {
     let ca = Ca::new("net");
     let (b_port, listen) = (free_port(), free_port());
     let (local, remote) = (Backend::start("local"), Backend::start("remote"));
-    let b = SiteProc::start(
+    let b = start_site(
         "b",
+        &ca,
         &[
-            site_yaml("b"),
-            ca.secret_yaml("link-tls"),
             router_access_yaml(b_port, "link-tls"),
             connector_yaml("svc", "svc", remote.port),
         ],
     );
-    let a = SiteProc::start(
+    let a = start_site(
         "a",
+        &ca,
         &[
-            site_yaml("a"),
-            ca.secret_yaml("link-tls"),
             link_yaml("to-b", b_port, 1, "link-tls"),
             connector_yaml("svc", "svc", local.port),
             listener_yaml("svc", "svc", listen),
@@ -278,20 +270,18 @@ fn link_with_the_wrong_ca_is_refused_and_status_says_why() {
     let (ca, other) = (Ca::new("net"), Ca::new("intruder"));
     let (b_port, listen) = (free_port(), free_port());
     let backend = Backend::start("at-b");
-    let b = SiteProc::start(
+    let b = start_site(
         "b",
+        &ca,
         &[
-            site_yaml("b"),
-            ca.secret_yaml("link-tls"),
             router_access_yaml(b_port, "link-tls"),
             connector_yaml("svc", "svc", backend.port),
         ],
     );
-    let a = SiteProc::start(
+    let a = start_site(
         "a",
+        &other,
         &[
-            site_yaml("a"),
-            other.secret_yaml("link-tls"),
             link_yaml("to-b", b_port, 1, "link-tls"),
             listener_yaml("svc", "svc", listen),
         ],
@@ -321,11 +311,10 @@ fn garbage_on_the_link_port_is_closed_without_harm() {
     let ca = Ca::new("net");
     let (b_port, listen) = (free_port(), free_port());
     let backend = Backend::start("at-b");
-    let b = SiteProc::start(
+    let b = start_site(
         "b",
+        &ca,
         &[
-            site_yaml("b"),
-            ca.secret_yaml("link-tls"),
             router_access_yaml(b_port, "link-tls"),
             connector_yaml("svc", "svc", backend.port),
         ],
@@ -351,11 +340,10 @@ fn garbage_on_the_link_port_is_closed_without_harm() {
             assert!(total < 1024, "site kept talking to garbage");
         }
     }
-    let a = SiteProc::start(
+    let a = start_site(
         "a",
+        &ca,
         &[
-            site_yaml("a"),
-            ca.secret_yaml("link-tls"),
             link_yaml("to-b", b_port, 1, "link-tls"),
             listener_yaml("svc", "svc", listen),
         ],

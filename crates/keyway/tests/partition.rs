@@ -154,11 +154,10 @@ fn silent_partition_is_detected_and_fails_over_without_failed_connections() {
     let link = format!(
         "apiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-b\nspec:\n  tlsCredentials: link-tls\n  endpoints:\n  - name: inter-router\n    host: {B_ADDR}\n    port: \"{link_port}\"\n"
     );
-    let a = SiteProc::start(
+    let a = start_site(
         "a",
+        &ca,
         &[
-            site_yaml("a"),
-            ca.secret_yaml("link-tls"),
             link,
             priority_yaml("front", &["kb", "ka"], listen),
             connector_yaml("ka", "ka", local.port),

@@ -84,6 +84,14 @@ fn indent(pem: &str) -> String {
     pem.lines().map(|l| format!("    {l}\n")).collect()
 }
 
+/// Starts site `name` with its `Site` object, the network's link Secret `link-tls` (issued by
+/// `ca`) and `docs`.
+pub fn start_site(name: &str, ca: &Ca, docs: &[String]) -> SiteProc {
+    let mut all = vec![site_yaml(name), ca.secret_yaml("link-tls")];
+    all.extend_from_slice(docs);
+    SiteProc::start(name, &all)
+}
+
 pub fn site_yaml(name: &str) -> String {
     format!("apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: {name}\n")
 }
