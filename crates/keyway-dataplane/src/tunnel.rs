@@ -14,7 +14,12 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::Io;
-use crate::copy::{INITIAL, MAX};
+use crate::copy::INITIAL;
+
+/// Largest socket read into a tunnel (plain copies stop at [`crate::copy::MAX`]). Each read
+/// becomes one HTTP/2 DATA frame, and the frame costs a system call and a wakeup of the workload
+/// at the far site, so bulk tunnels move in larger pieces than a local copy, which splices.
+pub(crate) const TUNNEL_MAX: usize = 1024 * 1024;
 
 /// A stream to another site.
 pub trait Tunnel: Io {
@@ -81,7 +86,7 @@ pub async fn relay(
 
 /// Reads into a buffer whose filled part is handed to the tunnel without a copy; once the
 /// tunnel has written those bytes the allocation is reclaimed. The read size grows while reads
-/// fill it (bulk transfers) up to 256 KiB.
+/// fill it (bulk transfers) up to [`TUNNEL_MAX`].
 async fn read_into<R: AsyncRead + Unpin>(
     mut reader: R,
     mut sink: Box<dyn ChunkSink>,
@@ -100,7 +105,7 @@ async fn read_into<R: AsyncRead + Unpin>(
         send_all(sink.as_mut(), buf.split().freeze()).await?;
         total += n as u64;
         counter.inc_by(n as u64);
-        if n >= size && size < MAX {
+        if n >= size && size < TUNNEL_MAX {
             size *= 2;
         }
     }

@@ -31,7 +31,11 @@ use crate::{
 /// purpose: with equal windows one stalled stream could hold the whole connection's window.
 const STREAM_WINDOW: u32 = 4 << 20;
 const CONN_WINDOW: u32 = 16 << 20;
-const MAX_FRAME: u32 = 256 << 10;
+/// Largest DATA frame we accept: a tunnel's 1 MiB socket read crosses the link as one frame and
+/// leaves the far site in one `send` to the workload. Measured against 256 KiB on two linked
+/// sites (one iperf3 stream, 2 cores): ~4% less CPU per byte, as every frame costs a wakeup of
+/// the workload and a system call at the far end.
+const MAX_FRAME: u32 = 1 << 20;
 const SEND_BUFFER: usize = 4 << 20;
 /// Plaintext rustls takes per write before it must be flushed (default 64 KiB): larger lets one
 /// writev carry up to 64 records instead of four.

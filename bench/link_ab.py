@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""A/B of the linked path alone: one iperf3 stream through two keyway sites (Listener at site a,
+Connector at site b, one mTLS link; the same setup as `run.py`'s "linked"), for several keyway
+binaries alternated run by run so a noisy neighbour hits each alike. Reports Gbit/s and the CPU
+time of both sites per GB carried (the figure that does not depend on what a neighbour leaves).
+
+  python3 bench/link_ab.py OLD_BINARY NEW_BINARY --runs 6 --secs 4
+  python3 bench/link_ab.py BIN BIN@RUST_LOG=info   # BIN@VAR=VALUE[@...]: env for the sites
+  python3 bench/link_ab.py BIN --runs 1 --perf /tmp/perf   # perf record -g both sites in run 0
+
+Copy each build's target/release/keyway aside first; wrap the run in
+`flock /tmp/keyway-bench.lock` on a shared machine.
+"""
+import argparse, atexit, importlib.util, os, shutil, statistics, subprocess, tempfile, time
+
+spec = importlib.util.spec_from_file_location("run", os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py"))
+run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run)
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bins", nargs="+")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--secs", type=int, default=4)
+    ap.add_argument("--perf", default="", help="perf record -g of both sites during run 0, to PREFIX.NAME")
+    ap.add_argument("--nodirect", action="store_true", help="skip the direct-path runs")
+    a = ap.parse_args()
+    server = run.Procs()
+    atexit.register(server.stop)
+    server.start(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(run.PATHS["direct"][1])])
+    run.wait_port(run.PATHS["direct"][1])
+    res = {b: ([], []) for b in a.bins}
+    direct = []
+    for r in range(a.runs):
+        if not a.nodirect:
+            direct.append(run.iperf(run.PATHS["direct"][1], a.secs))
+        for b in a.bins:
+            binary, *envs = b.split("@")
+            work = tempfile.mkdtemp(prefix="keyway-link-ab-")
+            procs = run.Procs()
+            run.PGIDS.clear()
+            saved = dict(os.environ)
+            try:
+                for e in envs:
+                    k, v = e.split("=", 1)
+                    os.environ[k] = v
+                run.setup_linked(work, procs, binary)
+                os.environ.clear()
+                os.environ.update(saved)
+                run.wait_port(run.PATHS["linked"][1])
+                time.sleep(1.5)  # link up, keys advertised
+                perf = None
+                if a.perf and r == 0:
+                    pids = ",".join(str(p) for p in run.PGIDS["linked"])
+                    name = os.path.basename(b).replace("@", "_")
+                    perf = subprocess.Popen(["perf", "record", "-g", "-o", f"{a.perf}.{name}", "-p", pids, "--", "sleep", str(a.secs)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                cpu = []
+                gbps = run.iperf(run.PATHS["linked"][1], a.secs, run.PGIDS["linked"], cpu)
+                if perf:
+                    perf.wait()
+                res[b][0].append(gbps)
+                res[b][1].append(cpu[0])
+                print(f"run {r} {b}: {gbps:.2f} Gbit/s, {cpu[0]:.0f} ms/GB", flush=True)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+                procs.stop()
+                shutil.rmtree(work, ignore_errors=True)
+    d = statistics.median(direct) if direct else None
+    if d:
+        print(f"direct: median {d:.2f} Gbit/s {[round(x, 2) for x in direct]}")
+    for b, (g, c) in res.items():
+        ratio = f" ({statistics.median(g) / d:.2f}x direct)" if d else ""
+        print(f"{b}: median {statistics.median(g):.2f} Gbit/s{ratio}, {statistics.median(c):.0f} ms/GB; "
+              f"runs {[round(x, 2) for x in g]} {[round(x) for x in c]}")
+
+if __name__ == "__main__":
+    main()
