@@ -57,7 +57,11 @@ pub async fn serve<I: Io>(
         let info = info.clone();
         async move { Ok::<_, Infallible>(handle(&info, req).await) }
     });
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Responses are copied into one write buffer (one `write` of head and body) instead of
+    // queued as their own buffers for `writev`: a queued body chunk would keep the backend
+    // connection's read buffer shared, so its next read would allocate a fresh buffer.
+    builder.http1().writev(false);
     if let Err(e) = builder
         .serve_connection_with_upgrades(TokioIo::new(io), svc)
         .await
