@@ -249,8 +249,8 @@ def wrk(port, secs, close, pgids=(), cpu_out=None):
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
     p99 = float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
-    errors = re.search(r"Socket errors: (.*)", out)
-    return rps, p99, (errors.group(1) if errors else "")
+    errors = [m.group(0) for m in re.finditer(r"Socket errors: .*|Non-2xx or 3xx responses: \d+", out)]
+    return rps, p99, "; ".join(errors)
 
 def p50_one_connection(port, secs):
     """Median latency (ms) of requests on one keep-alive connection: what the path adds to a lone
@@ -279,6 +279,9 @@ def main():
     print("building keyway (release) ...", flush=True)
     sh(["cargo", "build", "--release", "-q", "-p", "keyway"], cwd=ROOT)
     work = tempfile.mkdtemp(prefix="keyway-bench-")
+    # mkdtemp makes the directory 0700: nginx's workers (nobody) could not read the origin's
+    # file and every HTTP path answered 403 instead of serving 1 KiB.
+    os.chmod(work, 0o755)
     procs = Procs()
     results, http = {}, {}
     try:

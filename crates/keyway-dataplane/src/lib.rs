@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod targets;
 pub mod tls;
 pub mod tunnel;
+pub mod workers;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -109,6 +110,11 @@ pub struct DataPlane {
 impl DataPlane {
     /// A data plane with no listeners. Must be used from within a tokio runtime.
     pub fn new(metrics: Arc<Metrics>) -> Self {
+        Self::with_workers(metrics, None)
+    }
+
+    /// A data plane whose Gateway connections are served by `workers` (see [`workers`]).
+    pub fn with_workers(metrics: Arc<Metrics>, workers: Option<workers::Workers>) -> Self {
         let shared = Arc::new(Shared {
             registry: Registry::new(metrics.clone()),
             metrics,
@@ -116,7 +122,7 @@ impl DataPlane {
             remote: std::sync::OnceLock::new(),
         });
         DataPlane {
-            gateways: gateway::Gateways::new(shared.clone()),
+            gateways: gateway::Gateways::new(shared.clone(), workers),
             shared,
             listeners: Mutex::new(HashMap::new()),
             tls_errors: Mutex::new(BTreeMap::new()),

@@ -22,6 +22,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use keyway_core::plan::Plan;
 use keyway_core::{ObjectState, Time, jiff, load_file, offline};
 use keyway_dataplane::DataPlane;
+use keyway_dataplane::metrics::Metrics;
+use keyway_dataplane::workers::Workers;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -183,6 +185,11 @@ async fn get(c: &Client<HttpConnector, Empty<Bytes>>, port: u16, host: &str, pat
 /// Applies `yaml` and waits until the gateway port answers.
 async fn start(yaml: &str, port: u16) -> Arc<DataPlane> {
     let dp = dataplane();
+    start_on(&dp, yaml, port).await;
+    dp
+}
+
+async fn start_on(dp: &DataPlane, yaml: &str, port: u16) {
     dp.apply(&compile(yaml));
     let up = eventually(Duration::from_secs(3), || async {
         TcpStream::connect(("127.0.0.1", port)).await.is_ok()
@@ -193,7 +200,6 @@ async fn start(yaml: &str, port: u16) -> Arc<DataPlane> {
         "gateway port {port} never opened: {:?}",
         dp.observe().gateway_errors
     );
-    dp
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -525,6 +531,19 @@ async fn read_head(s: &mut TcpStream) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_swaps_routes_without_rebinding() {
+    reload_on_a_keep_alive_connection(None).await;
+}
+
+/// The same with connections served by worker threads of their own: the accept loop, the
+/// reload and the drain stay where they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_threads_serve_connections_and_see_reloads() {
+    let workers = Workers::start(2).expect("workers");
+    reload_on_a_keep_alive_connection(Some(workers)).await;
+}
+
+async fn reload_on_a_keep_alive_connection(workers: Option<Workers>) {
+    let with_workers = workers.is_some();
     let be = http_backend("be").await;
     let port = free_port();
     let base = format!(
@@ -543,7 +562,11 @@ async fn reload_swaps_routes_without_rebinding() {
             &tagged("[{path: {type: PathPrefix, value: /one}}]", "one", "svc")
         )
     );
-    let dp = start(&v1, port).await;
+    let dp = Arc::new(DataPlane::with_workers(
+        Arc::new(Metrics::default()),
+        workers,
+    ));
+    start_on(&dp, &v1, port).await;
     // One keep-alive connection across the reload.
     let s = TcpStream::connect(("127.0.0.1", port))
         .await
@@ -582,6 +605,36 @@ async fn reload_swaps_routes_without_rebinding() {
     let body = r.into_body().collect().await.expect("body").to_bytes();
     assert!(String::from_utf8_lossy(&body).contains("h:x-rule=two"));
     assert!(dp.observe().gateway_errors.is_empty());
+    if with_workers {
+        // More connections than workers, at once: every one is served.
+        let c = client();
+        let replies = futures_join_all((0..8).map(|_| {
+            let c = c.clone();
+            async move { get(&c, port, "x", "/two").await }
+        }))
+        .await;
+        for r in replies {
+            assert_eq!(r.status, StatusCode::OK);
+            assert_eq!(r.header("x-rule"), Some("two"));
+        }
+    }
+    // The open connection counts for the drain until it closes.
+    drop(sender);
+    assert_eq!(dp.shutdown(IO_TIMEOUT).await, 0);
+}
+
+/// Awaits every future (spawned, so they run concurrently).
+async fn futures_join_all<F>(fs: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = fs.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.expect("task"));
+    }
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

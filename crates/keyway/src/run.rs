@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use keyway_dataplane::DataPlane;
 use keyway_dataplane::metrics::Metrics;
+use keyway_dataplane::workers::Workers;
 use tokio::sync::mpsc;
 
 use crate::site::{Site, SiteGrants};
@@ -44,7 +45,20 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
         .build()
         .context("cannot start the runtime")?;
     runtime.block_on(async move {
-        let dataplane = Arc::new(DataPlane::new(Arc::new(Metrics::default())));
+        // More than one thread (the default on a multi-core host): Gateway connections get as
+        // many current-thread workers, so each stays on one thread (keyway_dataplane::workers).
+        let n = threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        let workers = if n > 1 {
+            Some(Workers::start(n).context("cannot start the gateway worker threads")?)
+        } else {
+            None
+        };
+        let dataplane = Arc::new(DataPlane::with_workers(
+            Arc::new(Metrics::default()),
+            workers,
+        ));
         let site = Arc::new(Site::new(config.clone(), state, dataplane)?);
         site.network
             .set_grant_handler(Arc::new(SiteGrants(Arc::downgrade(&site))));

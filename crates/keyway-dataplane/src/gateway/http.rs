@@ -8,8 +8,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::uri::{Authority, PathAndQuery, Scheme};
@@ -23,8 +21,11 @@ use super::route_match::{self, PathMatch};
 use super::upstream::{Body, ConnectError, H1, H2Error, Io, Relay, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
 
-/// What a request needs to know about its connection.
+/// What a request needs to know about its connection; one `Arc` per connection, so a request
+/// clones one pointer, not one per field.
 struct ConnInfo {
+    ctx: Arc<Ctx>,
+    config: Arc<ArcSwap<PortConfig>>,
     peer: SocketAddr,
     /// The client address as an X-Forwarded-For value, formatted once per connection.
     peer_ip: Option<HeaderValue>,
@@ -43,18 +44,24 @@ pub async fn serve<I: Io>(
     tls: Option<Option<String>>,
 ) {
     let upstream = Arc::new(Sticky::default());
+    let pool = ctx.pool.clone();
     let info = Arc::new(ConnInfo {
+        ctx,
+        config,
         peer,
         peer_ip: HeaderValue::from_str(&peer.ip().to_string()).ok(),
         tls,
         upstream: upstream.clone(),
     });
-    let pool = ctx.pool.clone();
     let svc = service_fn(move |req| {
-        let (ctx, config, info) = (ctx.clone(), config.clone(), info.clone());
-        async move { Ok::<_, Infallible>(handle(&ctx, &config, &info, req).await) }
+        let info = info.clone();
+        async move { Ok::<_, Infallible>(handle(&info, req).await) }
     });
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Responses are copied into one write buffer (one `write` of head and body) instead of
+    // queued as their own buffers for `writev`: a queued body chunk would keep the backend
+    // connection's read buffer shared, so its next read would allocate a fresh buffer.
+    builder.http1().writev(false);
     if let Err(e) = builder
         .serve_connection_with_upgrades(TokioIo::new(io), svc)
         .await
@@ -65,11 +72,7 @@ pub async fn serve<I: Io>(
 }
 
 fn full(status: StatusCode, text: &str) -> Response<Body> {
-    let mut r = Response::new(
-        Full::new(Bytes::from(format!("{text}\n")))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
+    let mut r = Response::new(Body::full(format!("{text}\n")));
     *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -126,13 +129,9 @@ fn trim_host(host: &str) -> &str {
         .trim_end_matches('.')
 }
 
-async fn handle(
-    ctx: &Ctx,
-    config: &ArcSwap<PortConfig>,
-    info: &ConnInfo,
-    req: Request<Incoming>,
-) -> Response<Body> {
-    let cfg = config.load_full();
+async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
+    let ctx = &*info.ctx;
+    let cfg = info.config.load_full();
     let host = request_host(&req);
     let want = if info.tls.is_some() {
         Protocol::Https
@@ -194,14 +193,22 @@ fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     if !h.keys().any(|k| HOP.contains(k)) {
         return;
     }
+    // Other names the Connection header lists (`keep-alive` is already in HOP: usually none,
+    // and no allocation).
     let named: Vec<HeaderName> = h
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|n| !HOP.iter().any(|h| h.as_str().eq_ignore_ascii_case(n)))
+        .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
         .collect();
-    let upgrade = h.get(header::UPGRADE).cloned();
+    let upgrade = if keep_upgrade {
+        h.get(header::UPGRADE).cloned()
+    } else {
+        None
+    };
     for n in HOP.iter().chain(&named) {
         h.remove(n);
     }
@@ -375,11 +382,15 @@ async fn forward(
     if rule.grpc {
         parts.headers.remove(header::HOST);
     }
-    let req = Request::from_parts(parts, body.boxed());
+    let req = Request::from_parts(parts, Body::Incoming(body));
 
+    // The rare paths are boxed: the future of every request stays small (it is moved into
+    // hyper's dispatcher whole).
     let send = async {
         if rule.grpc {
-            send_h2(ctx, &wb.backend, req).await.map(|r| (r, None))
+            Box::pin(send_h2(ctx, &wb.backend, req))
+                .await
+                .map(|r| (r, None))
         } else {
             send_h1(ctx, info, &wb.backend, req)
                 .await
@@ -387,7 +398,7 @@ async fn forward(
         }
     };
     let result = match rule.timeout {
-        Some(t) => match tokio::time::timeout(t, send).await {
+        Some(t) => match Box::pin(tokio::time::timeout(t, send)).await {
             Ok(r) => r,
             Err(_) => return full(StatusCode::GATEWAY_TIMEOUT, "request timed out"),
         },
@@ -430,8 +441,10 @@ async fn forward(
         m.apply(resp.headers_mut());
     }
     match conn {
-        Some(c) => resp.map(|b| Relay::new(b, c, info.upstream.clone(), ctx.pool.clone()).boxed()),
-        None => resp.map(|b| b.boxed()),
+        Some(c) => {
+            resp.map(|b| Body::Relay(Relay::new(b, c, info.upstream.clone(), ctx.pool.clone())))
+        }
+        None => resp.map(Body::Incoming),
     }
 }
 
@@ -462,20 +475,24 @@ async fn send_h1(
             }
         }
     }
+    let mut c = Box::pin(open_h1(ctx, backend)).await?;
+    match c.send(req).await {
+        Ok(resp) => Ok((resp, c)),
+        Err((e, _)) => Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))),
+    }
+}
+
+/// A fresh HTTP/1.1 connection to `backend`.
+async fn open_h1(ctx: &Ctx, backend: &Backend) -> Result<H1, Response<Body>> {
     let c = ctx
         .pool
         .connect(&ctx.shared, backend)
         .await
         .map_err(|e| connect_error(&e))?;
-    let mut c = ctx
-        .pool
+    ctx.pool
         .open_h1(c)
         .await
-        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))?;
-    match c.send(req).await {
-        Ok(resp) => Ok((resp, c)),
-        Err((e, _)) => Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))),
-    }
+        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))
 }
 
 async fn send_h2(

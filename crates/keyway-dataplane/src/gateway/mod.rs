@@ -31,6 +31,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
+use crate::workers::Workers;
 use crate::{ConnectionTracker, Shared};
 use route_match::{Entry, Table, host_rank};
 
@@ -222,6 +223,8 @@ pub struct ListenerError {
 pub struct Ctx {
     pub shared: Arc<Shared>,
     pub pool: Arc<upstream::Pool>,
+    /// Threads that serve accepted connections; `None`: the accept loop's runtime does.
+    workers: Option<Workers>,
 }
 
 #[derive(Default)]
@@ -264,12 +267,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Gateways {
     /// Gateway ports bind the Gateway's `spec.addresses`, or all IPv4 addresses without them.
-    pub fn new(shared: Arc<Shared>) -> Self {
+    /// Connections are served by `workers` threads of their own, or on the caller's runtime
+    /// if there are none.
+    pub fn new(shared: Arc<Shared>, workers: Option<Workers>) -> Self {
         let metrics = GatewayMetrics::new(&shared.metrics);
         Gateways {
             ctx: Arc::new(Ctx {
                 shared,
                 pool: Arc::default(),
+                workers,
             }),
             metrics,
             ports: Mutex::new(BTreeMap::new()),
@@ -556,7 +562,13 @@ async fn accept_loop(
             accepted = socket.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let guard = ctx.shared.tracker.track();
-                    tokio::spawn(serve(ctx.clone(), config.clone(), stream, peer, guard));
+                    let (c, config) = (ctx.clone(), config.clone());
+                    match &ctx.workers {
+                        Some(w) => w.spawn(stream, move |s| serve(c, config, s, peer, guard)),
+                        None => {
+                            tokio::spawn(serve(c, config, stream, peer, guard));
+                        }
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(%addr, "accept failed: {e}");

@@ -20,7 +20,6 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::combinators::BoxBody;
 use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 use hyper::client::conn::{http1, http2};
 use hyper::{Request, Response};
@@ -32,7 +31,60 @@ use crate::Shared;
 use crate::listener::{self, Upstream};
 use crate::targets::OpenGuard;
 
-pub type Body = BoxBody<Bytes, hyper::Error>;
+/// Every body the gateway sends or answers with, as one type instead of a boxed trait object:
+/// no allocation per request and per response.
+#[derive(Default)]
+pub enum Body {
+    #[default]
+    Empty,
+    /// A local answer (an error, a redirect); `None` once sent.
+    Full(Option<Bytes>),
+    /// A client's request body, or an HTTP/2 backend's response body.
+    Incoming(Incoming),
+    /// An HTTP/1.1 backend's response body, driving its connection.
+    Relay(Relay),
+}
+
+impl Body {
+    pub fn full(data: impl Into<Bytes>) -> Body {
+        Body::Full(Some(data.into()))
+    }
+}
+
+impl hyper::body::Body for Body {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            Body::Empty => Poll::Ready(None),
+            Body::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            Body::Incoming(b) => Pin::new(b).poll_frame(cx),
+            Body::Relay(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Body::Empty => true,
+            Body::Full(data) => data.is_none(),
+            Body::Incoming(b) => b.is_end_stream(),
+            Body::Relay(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Body::Empty | Body::Full(None) => SizeHint::with_exact(0),
+            Body::Full(Some(d)) => SizeHint::with_exact(d.len() as u64),
+            Body::Incoming(b) => b.size_hint(),
+            Body::Relay(b) => b.size_hint(),
+        }
+    }
+}
 
 pub use crate::Io;
 

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""A/B of keyway binaries on the Gateway HTTP path: an nginx origin (1 KiB), HAProxy in http mode
+and each binary given (HTTPRoute -> Service -> origin), wrk -t2 -c50 keep-alive runs interleaved
+(A, B, HAProxy, then reversed), CPU µs per request (user part in brackets) from /proc.
+
+  cp target/release/keyway /tmp/kw-a   # before; then rebuild and compare:
+  flock /tmp/keyway-bench.lock python3 bench/ab.py --threads 1 --runs 6 --secs 4 a=/tmp/kw-a b=target/release/keyway
+
+Profiling hooks (first run only): PERF=name[,name] records with perf (PEV="-F 3000", CG=dwarf,16384
+or none) into /tmp/kwab-perf-NAME.data; PSTAT=name EV=events counts with perf stat into
+/tmp/kwab-stat-NAME.txt (e.g. EV=context-switches,syscalls:sys_enter_recvfrom, or a uprobe on
+mi_malloc_aligned to count allocations)."""
+import argparse, os, re, signal, socket, statistics, subprocess, sys, tempfile, time
+ap = argparse.ArgumentParser()
+ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--runs", type=int, default=4)
+ap.add_argument("--secs", type=int, default=4)
+ap.add_argument("--nohaproxy", action="store_true")
+ap.add_argument("bins", nargs="+")
+a = ap.parse_args()
+ORIGIN = 28180
+def cpu(pg):
+    t = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit(): continue
+        try: f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError: continue
+        if int(f[2]) == pg: t += int(f[11]) + int(f[12]); U[0] += int(f[11])
+    return t / os.sysconf("SC_CLK_TCK")
+U = [0]
+IPCS = {}
+procs = []
+def start(cmd, env=None):
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    procs.append(p); return p
+def wait(port):
+    for _ in range(200):
+        try: socket.create_connection(("127.0.0.1", port), 0.2).close(); return
+        except OSError: time.sleep(0.05)
+    raise SystemExit(f"port {port} did not open")
+w = tempfile.mkdtemp(prefix="kwab-"); os.chmod(w, 0o755)
+try:
+    os.makedirs(f"{w}/www"); open(f"{w}/www/index.html", "w").write("x" * 1024)
+    open(f"{w}/origin.conf", "w").write(f"pid {w}/o.pid; error_log {w}/o.err; worker_processes 1; daemon off;\nevents {{ worker_connections 4096; }}\n"
+        f"http {{ access_log off; server {{ listen 127.0.0.1:{ORIGIN} backlog=4096; root {w}/www; keepalive_requests 1000000; }} }}\n")
+    start(["nginx", "-c", f"{w}/origin.conf", "-e", f"{w}/o.err"])
+    targets = []
+    if not a.nohaproxy:
+        open(f"{w}/h.cfg", "w").write(f"global\n  maxconn 8000\n  nbthread {a.threads}\ndefaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n"
+            "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
+            f"listen http\n  bind 127.0.0.1:28190\n  server s1 127.0.0.1:{ORIGIN}\n")
+        targets.append(("haproxy", 28190, start(["haproxy", "-f", f"{w}/h.cfg"]).pid))
+    for i, spec in enumerate(a.bins):
+        name, path = spec.split("=", 1)
+        port = 28191 + i
+        cfg = f"{w}/{name}.d"; os.makedirs(cfg)
+        open(f"{cfg}/g.yaml", "w").write(f"""apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: bench}}
+spec:
+  gatewayClassName: keyway
+  listeners: [{{name: http, port: {port}, protocol: HTTP}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: origin}}
+spec:
+  parentRefs: [{{name: bench}}]
+  rules: [{{backendRefs: [{{name: origin, port: 80}}]}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: origin}}
+spec: {{ports: [{{port: 80}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: origin-1, labels: {{kubernetes.io/service-name: origin}}}}
+addressType: IPv4
+endpoints: [{{addresses: ["127.0.0.1"]}}]
+ports: [{{port: {ORIGIN}}}]
+""")
+        env = dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(a.threads))
+        p = start([path, "run", "--config", cfg, "--state", f"{w}/{name}.state", "--admin", f"127.0.0.1:{29950+i}"], env=env)
+        targets.append((name, port, p.pid))
+    for _, port, _ in targets: wait(port)
+    wait(ORIGIN); time.sleep(1)
+    res = {n: [] for n, _, _ in targets}
+    for r in range(a.runs):
+        order = targets if r % 2 == 0 else list(reversed(targets))
+        for name, port, pg in order:
+            U[0] = 0; before = cpu(pg); ub = U[0]
+            perf = None
+            if os.environ.get("IPC"):
+                perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-ipc-{name}.txt", "-e", "instructions:u,instructions:k,cycles:u,cycles:k", "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            elif name in os.environ.get("PSTAT", "").split(",") and r == 0:
+                perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-stat-{name}.txt", "-e", os.environ["EV"], "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            elif name in os.environ.get("PERF", "").split(",") and r == 0:
+                perf = subprocess.Popen(["perf", "record", *os.environ.get("PEV", "-F 3000").split(), *([] if os.environ.get("CG") == "none" else ["--call-graph", os.environ.get("CG", "dwarf,16384")]), "-p", str(pg), "-o", f"/tmp/kwab-perf-{name}.data", "--", "sleep", str(a.secs - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            out = subprocess.run(["wrk", "-t2", "-c50", f"-d{a.secs}s", "--latency", f"http://127.0.0.1:{port}/index.html"], capture_output=True, text=True, check=True).stdout
+            if perf: perf.wait()
+            total = int(re.search(r"(\d+) requests in", out).group(1))
+            U[0] = 0; us = (cpu(pg) - before) * 1e6 / total; user = (U[0] - ub) / os.sysconf("SC_CLK_TCK") * 1e6 / total
+            rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+            m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
+            p99 = float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
+            err = re.search(r"Non-2xx.*|Socket errors.*", out)
+            ipc = ""
+            if os.environ.get("IPC"):
+                vals = {}
+                for line in open(f"/tmp/kwab-ipc-{name}.txt"):
+                    f = line.strip().split(",")
+                    if len(f) > 2 and f[0].replace(".", "").isdigit(): vals[f[2]] = float(f[0]) / total
+                IPCS.setdefault(name, []).append(vals)
+                ipc = f" ins u/k {vals.get('instructions:u',0):6.0f}/{vals.get('instructions:k',0):6.0f} cyc u/k {vals.get('cycles:u',0):6.0f}/{vals.get('cycles:k',0):6.0f}"
+            res[name].append((us, rps, p99))
+            print(f"run {r} {name:10s} {us:6.2f} us/req (user {user:5.2f}){ipc} {rps:9.0f} req/s p99 {p99:6.2f} ms {err.group(0) if err else ''}", flush=True)
+    print(f"\nmedians ({a.threads} thread(s), {a.runs} x {a.secs}s):")
+    h = statistics.median(x[1] for x in res["haproxy"]) if "haproxy" in res else None
+    for n, v in res.items():
+        rps = statistics.median(x[1] for x in v)
+        print(f"  {n:10s} {statistics.median(x[0] for x in v):6.2f} us/req (min {min(x[0] for x in v):.2f})  {rps:9.0f} req/s"
+              + (f" ({rps/h:.2f}x haproxy)" if h else "") + f"  p99 {statistics.median(x[2] for x in v):.2f} ms"
+              + ("".join(f" {k.split(':')[0][:3]}:{k.split(':')[1]} {statistics.median(d.get(k,0) for d in IPCS[n]):.0f}" for k in ("instructions:u","instructions:k","cycles:u","cycles:k")) if n in IPCS else ""))
+finally:
+    for p in procs:
+        try: os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError: pass
+    for p in procs:
+        try: p.wait(5)
+        except subprocess.TimeoutExpired: os.killpg(p.pid, signal.SIGKILL)
