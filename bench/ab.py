@@ -10,7 +10,11 @@ Profiling hooks (first run only): PERF=name[,name] records with perf (PEV="-F 30
 or none) into /tmp/kwab-perf-NAME.data; PSTAT=name EV=events counts with perf stat into
 /tmp/kwab-stat-NAME.txt (e.g. EV=context-switches,syscalls:sys_enter_recvfrom, or a uprobe on
 mi_malloc_aligned to count allocations)."""
-import argparse, os, re, signal, socket, statistics, subprocess, sys, tempfile, time
+import argparse, importlib.util, os, re, signal, socket, statistics, subprocess, sys, tempfile, time
+
+spec = importlib.util.spec_from_file_location("run", os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py"))
+run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run)
 ap = argparse.ArgumentParser()
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--runs", type=int, default=4)
@@ -54,32 +58,7 @@ try:
         name, path = spec.split("=", 1)
         port = 28191 + i
         cfg = f"{w}/{name}.d"; os.makedirs(cfg)
-        open(f"{cfg}/g.yaml", "w").write(f"""apiVersion: gateway.networking.k8s.io/v1
-kind: Gateway
-metadata: {{name: bench}}
-spec:
-  gatewayClassName: keyway
-  listeners: [{{name: http, port: {port}, protocol: HTTP}}]
----
-apiVersion: gateway.networking.k8s.io/v1
-kind: HTTPRoute
-metadata: {{name: origin}}
-spec:
-  parentRefs: [{{name: bench}}]
-  rules: [{{backendRefs: [{{name: origin, port: 80}}]}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: origin}}
-spec: {{ports: [{{port: 80}}]}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: origin-1, labels: {{kubernetes.io/service-name: origin}}}}
-addressType: IPv4
-endpoints: [{{addresses: ["127.0.0.1"]}}]
-ports: [{{port: {ORIGIN}}}]
-""")
+        open(f"{cfg}/g.yaml", "w").write(run.gateway_yaml(port, ORIGIN))
         env = dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(a.threads))
         p = start([path, "run", "--config", cfg, "--state", f"{w}/{name}.state", "--admin", f"127.0.0.1:{29950+i}"], env=env)
         targets.append((name, port, p.pid))

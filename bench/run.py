@@ -130,6 +130,36 @@ THREADS = 1
 def keyway_env():
     return dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(THREADS))
 
+def gateway_yaml(port, origin):
+    """keyway's Gateway path: an HTTP listener on `port`, an HTTPRoute, and a Service whose
+    EndpointSlice points at the origin on 127.0.0.1:`origin`."""
+    return f"""apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: bench}}
+spec:
+  gatewayClassName: keyway
+  listeners: [{{name: http, port: {port}, protocol: HTTP}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {{name: origin}}
+spec:
+  parentRefs: [{{name: bench}}]
+  rules: [{{backendRefs: [{{name: origin, port: 80}}]}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: origin}}
+spec: {{ports: [{{port: 80}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: origin-1, labels: {{kubernetes.io/service-name: origin}}}}
+addressType: IPv4
+endpoints: [{{addresses: ["127.0.0.1"]}}]
+ports: [{{port: {origin}}}]
+"""
+
 def setup(work, procs):
     # Origin: nginx with a 1 KiB body; a separate nginx instance runs the stream proxy.
     os.makedirs(f"{work}/www", exist_ok=True)
@@ -185,33 +215,7 @@ metadata: {{name: {name}}}
 spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}
 """)
         # The Gateway API path: an HTTP listener, an HTTPRoute, a Service backed by the origin.
-        f.write(f"""---
-apiVersion: gateway.networking.k8s.io/v1
-kind: Gateway
-metadata: {{name: bench}}
-spec:
-  gatewayClassName: keyway
-  listeners: [{{name: http, port: {HTTP_PATHS['keyway-gateway']}, protocol: HTTP}}]
----
-apiVersion: gateway.networking.k8s.io/v1
-kind: HTTPRoute
-metadata: {{name: origin}}
-spec:
-  parentRefs: [{{name: bench}}]
-  rules: [{{backendRefs: [{{name: origin, port: 80}}]}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: origin}}
-spec: {{ports: [{{port: 80}}]}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: origin-1, labels: {{kubernetes.io/service-name: origin}}}}
-addressType: IPv4
-endpoints: [{{addresses: ["127.0.0.1"]}}]
-ports: [{{port: {PATHS['direct'][0]}}}]
-""")
+        f.write("---\n" + gateway_yaml(HTTP_PATHS['keyway-gateway'], PATHS['direct'][0]))
     keyway = os.path.join(ROOT, "target", "release", "keyway")
     p = procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=keyway_env())
     PGIDS["keyway"] = PGIDS["keyway-gateway"] = [p.pid]
