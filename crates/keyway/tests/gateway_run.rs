@@ -150,22 +150,11 @@ fn http_get(port: u16, host: &str, path: &str) -> (u16, String) {
 
 /// [`http_get`] to a given IP; status 0 when the connection is refused.
 fn http_get_at(ip: &str, port: u16, host: &str, path: &str) -> (u16, String) {
-    let Ok(mut s) = TcpStream::connect((ip, port)) else {
-        return (0, String::new());
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    );
-    let mut raw = String::new();
-    let _ = s.read_to_string(&mut raw);
-    let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = raw
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
+    admin::exchange(
+        TcpStream::connect((ip, port)),
+        &format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"),
+        Duration::from_secs(5),
+    )
 }
 
 struct Pki {

@@ -17,11 +17,25 @@ pub fn free_port() -> u16 {
 /// `GET path` on the admin endpoint at `addr`, one request per connection: the status code (0
 /// when nothing answers) and the body.
 pub fn get(addr: &str, path: &str) -> (u16, String) {
-    let Ok(mut s) = TcpStream::connect(addr) else {
+    exchange(
+        TcpStream::connect(addr),
+        &format!("GET {path} HTTP/1.0\r\nHost: admin\r\n\r\n"),
+        Duration::from_secs(3),
+    )
+}
+
+/// Sends one whole HTTP/1 request on a fresh connection and reads to the end: the status code
+/// (0 when the connection failed or nothing parseable came back) and the body.
+pub fn exchange(
+    stream: std::io::Result<TcpStream>,
+    request: &str,
+    timeout: Duration,
+) -> (u16, String) {
+    let Ok(mut s) = stream else {
         return (0, String::new());
     };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
-    let _ = write!(s, "GET {path} HTTP/1.0\r\nHost: admin\r\n\r\n");
+    let _ = s.set_read_timeout(Some(timeout));
+    let _ = s.write_all(request.as_bytes());
     let mut raw = String::new();
     let _ = s.read_to_string(&mut raw);
     let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
