@@ -1168,81 +1168,69 @@ impl GatewayResolver {
     }
 }
 
-/// Objects of `now` that are new or changed since `before` (both in key order, as the index
-/// iterates), and keys of objects gone. Unchanged objects keep their `Arc`, so this is a walk
-/// of pointer comparisons.
+/// Walks `before` and `now` (both in key order, as the index iterates) and calls `f(old, new)`
+/// for every object that differs: either side `None` when it was added or removed. Unchanged
+/// objects keep their `Arc`, so this is a walk of pointer comparisons.
+fn for_each_change<'a, 'b>(
+    before: &'b [Arc<LoadedObject>],
+    now: &[&'a Arc<LoadedObject>],
+    mut f: impl FnMut(Option<&'b Arc<LoadedObject>>, Option<&'a Arc<LoadedObject>>),
+) {
+    let (mut i, mut j) = (0, 0);
+    loop {
+        match (before.get(i), now.get(j).copied()) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (i, j) = (i + 1, j + 1),
+            (Some(a), Some(b)) => match a.key.cmp(&b.key) {
+                std::cmp::Ordering::Less => {
+                    f(Some(a), None);
+                    i += 1;
+                }
+                std::cmp::Ordering::Greater => {
+                    f(None, Some(b));
+                    j += 1;
+                }
+                std::cmp::Ordering::Equal => {
+                    f(Some(a), Some(b));
+                    (i, j) = (i + 1, j + 1);
+                }
+            },
+            (Some(a), None) => {
+                f(Some(a), None);
+                i += 1;
+            }
+            (None, Some(b)) => {
+                f(None, Some(b));
+                j += 1;
+            }
+            (None, None) => return,
+        }
+    }
+}
+
+/// Objects of `now` that are new or changed since `before`, and keys of objects gone.
 fn changed_objects<'a>(
     before: &[Arc<LoadedObject>],
     now: &[&'a Arc<LoadedObject>],
 ) -> (Vec<&'a Arc<LoadedObject>>, Vec<ObjectKey>) {
     let (mut changed, mut gone) = (Vec::new(), Vec::new());
-    let (mut i, mut j) = (0, 0);
-    loop {
-        match (before.get(i), now.get(j)) {
-            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (i, j) = (i + 1, j + 1),
-            (Some(a), Some(b)) => match a.key.cmp(&b.key) {
-                std::cmp::Ordering::Less => {
-                    gone.push(a.key.clone());
-                    i += 1;
-                }
-                std::cmp::Ordering::Greater => {
-                    changed.push(*b);
-                    j += 1;
-                }
-                std::cmp::Ordering::Equal => {
-                    changed.push(*b);
-                    (i, j) = (i + 1, j + 1);
-                }
-            },
-            (Some(a), None) => {
-                gone.push(a.key.clone());
-                i += 1;
-            }
-            (None, Some(b)) => {
-                changed.push(*b);
-                j += 1;
-            }
-            (None, None) => return (changed, gone),
-        }
-    }
+    for_each_change(before, now, |old, new| match (old, new) {
+        (_, Some(new)) => changed.push(new),
+        (Some(old), None) => gone.push(old.key.clone()),
+        (None, None) => {}
+    });
+    (changed, gone)
 }
 
 /// One changed dependency: (old, new), `None` for a side where it does not exist.
 type DepChange = (Option<Arc<LoadedObject>>, Option<Arc<LoadedObject>>);
 
-/// Objects that differ between `before` and `now` (both in key order): (old, new), either side
-/// `None` when the object was added or removed.
+/// Objects that differ between `before` and `now` (both in key order): (old, new).
 fn dep_changes(before: &[Arc<LoadedObject>], now: &[&Arc<LoadedObject>]) -> Vec<DepChange> {
     let mut out = Vec::new();
-    let (mut i, mut j) = (0, 0);
-    loop {
-        match (before.get(i), now.get(j)) {
-            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (i, j) = (i + 1, j + 1),
-            (Some(a), Some(b)) => match a.key.cmp(&b.key) {
-                std::cmp::Ordering::Less => {
-                    out.push((Some(Arc::clone(a)), None));
-                    i += 1;
-                }
-                std::cmp::Ordering::Greater => {
-                    out.push((None, Some(Arc::clone(b))));
-                    j += 1;
-                }
-                std::cmp::Ordering::Equal => {
-                    out.push((Some(Arc::clone(a)), Some(Arc::clone(b))));
-                    (i, j) = (i + 1, j + 1);
-                }
-            },
-            (Some(a), None) => {
-                out.push((Some(Arc::clone(a)), None));
-                i += 1;
-            }
-            (None, Some(b)) => {
-                out.push((None, Some(Arc::clone(b))));
-                j += 1;
-            }
-            (None, None) => return out,
-        }
-    }
+    for_each_change(before, now, |old, new| {
+        out.push((old.map(Arc::clone), new.map(Arc::clone)));
+    });
+    out
 }
 
 /// Removes `route` from the reverse index entries of `targets`.

@@ -315,20 +315,29 @@ impl Drop for Backend {
     }
 }
 
-/// Connects to `port`, reads the backend's name, and checks an echo round trip.
-pub fn who(port: u16) -> Result<String, String> {
+/// Connects to `port` and reads the backend's greeting line: the socket, a reader on it, and
+/// the line as read (empty when the connection closed first).
+fn greeted(
+    port: u16,
+    timeout: Duration,
+) -> Result<(TcpStream, BufReader<TcpStream>, String), String> {
     let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(3)))
+    s.set_read_timeout(Some(timeout))
         .map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
     let mut name = String::new();
     reader
         .read_line(&mut name)
         .map_err(|e| format!("read name: {e}"))?;
+    Ok((s, reader, name))
+}
+
+/// Connects to `port`, reads the backend's name, and checks an echo round trip.
+pub fn who(port: u16) -> Result<String, String> {
+    let (mut w, mut reader, name) = greeted(port, Duration::from_secs(3))?;
     if name.is_empty() {
         return Err("closed with no data".into());
     }
-    let mut w = s;
     w.write_all(b"ping\n").map_err(|e| format!("write: {e}"))?;
     let mut echo = String::new();
     reader
@@ -348,14 +357,7 @@ pub fn write_file(dir: &Path, file: &str, text: &str) {
 /// and checks every byte came back in order: bulk data both ways at once, more than one HTTP/2
 /// flow-control window across a link.
 pub fn bulk_echo(port: u16, len: usize) -> Result<(), String> {
-    let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(|e| e.to_string())?;
-    let mut reader = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
-    let mut name = String::new();
-    reader
-        .read_line(&mut name)
-        .map_err(|e| format!("read name: {e}"))?;
+    let (s, mut reader, _name) = greeted(port, Duration::from_secs(10))?;
     let pattern: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
     let expected = pattern.clone();
     let mut w = s;
