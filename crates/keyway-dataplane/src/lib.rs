@@ -99,6 +99,28 @@ pub struct Observation {
     pub gateway_errors: Vec<gateway::ListenerError>,
 }
 
+/// How a data plane serves, beyond what its config says.
+pub struct Options {
+    /// Threads of their own for Gateway connections (see [`workers`]); `None`: the caller's
+    /// runtime serves them.
+    pub workers: Option<workers::Workers>,
+    /// An HTTP client connection with no request in progress and nothing written to it for
+    /// this long is closed (see [`gateway::idle`]).
+    pub http_idle_timeout: std::time::Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            workers: None,
+            http_idle_timeout: DEFAULT_HTTP_IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// As nginx's `client_header_timeout` and close to its `keepalive_timeout`.
+pub const DEFAULT_HTTP_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 pub struct DataPlane {
     shared: Arc<Shared>,
     listeners: Mutex<HashMap<ObjectKey, ListenerHandle>>,
@@ -115,6 +137,16 @@ impl DataPlane {
 
     /// A data plane whose Gateway connections are served by `workers` (see [`workers`]).
     pub fn with_workers(metrics: Arc<Metrics>, workers: Option<workers::Workers>) -> Self {
+        Self::with_options(
+            metrics,
+            Options {
+                workers,
+                ..Options::default()
+            },
+        )
+    }
+
+    pub fn with_options(metrics: Arc<Metrics>, options: Options) -> Self {
         let shared = Arc::new(Shared {
             registry: Registry::new(metrics.clone()),
             metrics,
@@ -122,7 +154,7 @@ impl DataPlane {
             remote: std::sync::OnceLock::new(),
         });
         DataPlane {
-            gateways: gateway::Gateways::new(shared.clone(), workers),
+            gateways: gateway::Gateways::new(shared.clone(), options),
             shared,
             listeners: Mutex::new(HashMap::new()),
             tls_errors: Mutex::new(BTreeMap::new()),

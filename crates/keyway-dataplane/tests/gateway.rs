@@ -21,10 +21,10 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use keyway_core::plan::Plan;
 use keyway_core::{ObjectState, Time, jiff, load_file, offline};
-use keyway_dataplane::DataPlane;
 use keyway_dataplane::metrics::Metrics;
 use keyway_dataplane::workers::Workers;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use keyway_dataplane::{DataPlane, Options};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 // ---------------------------------------------------------------------------------------------
@@ -774,4 +774,104 @@ async fn grpc_route_matches_service_and_method_over_h2() {
     assert_eq!(r.header("x-rule"), Some("svc"));
     let r = send(&h2, port, "POST", "x", "/other.Svc/Hi", &ct).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+/// Reads from `s` until the gateway closes it (EOF or reset); how long that took, or `None`
+/// if it stayed open for `limit`.
+async fn closed_within(s: &mut (impl AsyncRead + Unpin), limit: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at((start + limit).into(), s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(start.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Connections that hold a socket without using it are closed after the idle limit: one that
+/// never sends, one trickling a request head byte by byte, and a keep-alive connection after
+/// its request. A request whose backend takes longer than the limit is not cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_http_connections_are_closed_and_slow_requests_are_not() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let yaml = format!(
+        "{}{}{}",
+        service("svc", be),
+        gateway(&format!(
+            "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+        )),
+        http_route("r", 1, "", "  - backendRefs: [{name: svc, port: 80}]\n")
+    );
+    let limit = Duration::from_millis(800);
+    let dp = Arc::new(DataPlane::with_options(
+        Arc::new(Metrics::default()),
+        Options {
+            http_idle_timeout: limit,
+            ..Options::default()
+        },
+    ));
+    start_on(&dp, &yaml, port).await;
+    let connect = || async {
+        TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect")
+    };
+    // Closed between one and one and a half limits of quiet; allow scheduling slack.
+    let window = |took: Option<Duration>, what: &str| {
+        let took = took.unwrap_or_else(|| panic!("{what}: still open after 5 s"));
+        assert!(
+            took >= limit && took <= limit * 3 / 2 + Duration::from_millis(700),
+            "{what}: closed after {took:?}"
+        );
+    };
+
+    let mut silent = connect().await;
+    let (mut trickled, mut trickling) = connect().await.into_split();
+    let trickle = tokio::spawn(async move {
+        let head = b"GET / HTTP/1.1\r\nhost: x\r\nx-slow: ";
+        for b in head.iter().chain(std::iter::repeat(&b'a')) {
+            if trickling.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let (silent_took, trickled_took) = tokio::join!(
+        closed_within(&mut silent, Duration::from_secs(5)),
+        closed_within(&mut trickled, Duration::from_secs(5))
+    );
+    trickle.abort();
+    window(silent_took, "a connection that never sent");
+    window(trickled_took, "a request head trickled byte by byte");
+
+    // Keep-alive: a request, then quiet.
+    let mut buf = [0u8; 4096];
+    let mut keep = connect().await;
+    keep.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut reply = Vec::new();
+    while !String::from_utf8_lossy(&reply).contains("\r\n\r\n") {
+        let n = keep.read(&mut buf).await.expect("read");
+        assert!(n > 0, "closed before the response");
+        reply.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        reply.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&reply)
+    );
+    window(
+        closed_within(&mut keep, Duration::from_secs(5)).await,
+        "an idle keep-alive connection",
+    );
+
+    // A backend slower than the limit (2 s against 0.8 s): the response still arrives.
+    let c = client();
+    let r = get(&c, port, "x", "/sleep").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(dp.shutdown(IO_TIMEOUT).await, 0);
 }

@@ -38,6 +38,10 @@ enum Command {
         /// Seconds to let open connections finish on SIGINT/SIGTERM.
         #[arg(long, default_value_t = 10)]
         drain_timeout: u64,
+        /// Seconds after which an HTTP client connection with no request in progress and
+        /// nothing sent to it is closed (idle keep-alive, unfinished request heads).
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+        http_idle_timeout: u64,
     },
     /// Check a config directory; print file:line: path: message for every problem.
     Validate {
@@ -147,6 +151,7 @@ pub fn main() -> ExitCode {
             state,
             admin,
             drain_timeout,
+            http_idle_timeout,
         } => {
             let state = state.unwrap_or_else(|| default_state_dir(&config));
             crate::run::run(
@@ -154,6 +159,7 @@ pub fn main() -> ExitCode {
                 state,
                 &admin,
                 std::time::Duration::from_secs(drain_timeout),
+                std::time::Duration::from_secs(http_idle_timeout),
             )
         }
         Command::Validate { config } => validate(&config),

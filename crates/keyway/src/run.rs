@@ -7,15 +7,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use keyway_dataplane::DataPlane;
 use keyway_dataplane::metrics::Metrics;
 use keyway_dataplane::workers::Workers;
+use keyway_dataplane::{DataPlane, Options};
 use tokio::sync::mpsc;
 
 use crate::site::{Site, SiteGrants};
 use crate::{admin, watch};
 
-pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -> Result<ExitCode> {
+pub fn run(
+    config: PathBuf,
+    state: PathBuf,
+    admin_addr: &str,
+    drain: Duration,
+    http_idle_timeout: Duration,
+) -> Result<ExitCode> {
     init_tracing();
     if !config.is_dir() {
         anyhow::bail!(
@@ -55,9 +61,12 @@ pub fn run(config: PathBuf, state: PathBuf, admin_addr: &str, drain: Duration) -
         } else {
             None
         };
-        let dataplane = Arc::new(DataPlane::with_workers(
+        let dataplane = Arc::new(DataPlane::with_options(
             Arc::new(Metrics::default()),
-            workers,
+            Options {
+                workers,
+                http_idle_timeout,
+            },
         ));
         let site = Arc::new(Site::new(config.clone(), state, dataplane)?);
         site.network

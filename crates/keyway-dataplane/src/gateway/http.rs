@@ -17,6 +17,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use keyway_core::gateway::plan::{Backend, Protocol};
 
+use super::idle::{Activity, Watched};
 use super::route_match::{self, PathMatch};
 use super::upstream::{Body, ConnectError, H1, H2Error, Io, Relay, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
@@ -45,6 +46,12 @@ pub async fn serve<I: Io>(
 ) {
     let upstream = Arc::new(Sticky::default());
     let pool = ctx.pool.clone();
+    let idle_limit = ctx.http_idle_timeout;
+    let activity = Arc::new(Activity::default());
+    let io = Watched {
+        io,
+        activity: activity.clone(),
+    };
     let info = Arc::new(ConnInfo {
         ctx,
         config,
@@ -53,20 +60,29 @@ pub async fn serve<I: Io>(
         tls,
         upstream: upstream.clone(),
     });
+    let requests = activity.clone();
     let svc = service_fn(move |req| {
         let info = info.clone();
-        async move { Ok::<_, Infallible>(handle(&info, req).await) }
+        let in_flight = requests.request();
+        async move {
+            let response = handle(&info, req).await;
+            drop(in_flight);
+            Ok::<_, Infallible>(response)
+        }
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // Responses are copied into one write buffer (one `write` of head and body) instead of
     // queued as their own buffers for `writev`: a queued body chunk would keep the backend
     // connection's read buffer shared, so its next read would allocate a fresh buffer.
     builder.http1().writev(false);
-    if let Err(e) = builder
-        .serve_connection_with_upgrades(TokioIo::new(io), svc)
-        .await
-    {
-        tracing::debug!(%peer, "HTTP connection ended: {e}");
+    let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
+    tokio::select! {
+        ended = connection => if let Err(e) = ended {
+            tracing::debug!(%peer, "HTTP connection ended: {e}");
+        },
+        () = activity.idle(idle_limit) => {
+            tracing::debug!(%peer, "closing an idle HTTP connection");
+        }
     }
     pool.close_sticky(&upstream);
 }

@@ -8,6 +8,7 @@
 
 pub mod filters;
 pub mod http;
+pub mod idle;
 pub mod route_match;
 pub mod sni;
 pub mod tcp;
@@ -225,6 +226,8 @@ pub struct Ctx {
     pub pool: Arc<upstream::Pool>,
     /// Threads that serve accepted connections; `None`: the accept loop's runtime does.
     workers: Option<Workers>,
+    /// See [`idle`].
+    pub http_idle_timeout: Duration,
 }
 
 #[derive(Default)]
@@ -267,15 +270,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Gateways {
     /// Gateway ports bind the Gateway's `spec.addresses`, or all IPv4 addresses without them.
-    /// Connections are served by `workers` threads of their own, or on the caller's runtime
-    /// if there are none.
-    pub fn new(shared: Arc<Shared>, workers: Option<Workers>) -> Self {
+    /// Connections are served by the options' worker threads, or on the caller's runtime if
+    /// there are none.
+    pub fn new(shared: Arc<Shared>, options: crate::Options) -> Self {
         let metrics = GatewayMetrics::new(&shared.metrics);
         Gateways {
             ctx: Arc::new(Ctx {
                 shared,
                 pool: Arc::default(),
-                workers,
+                workers: options.workers,
+                http_idle_timeout: options.http_idle_timeout,
             }),
             metrics,
             ports: Mutex::new(BTreeMap::new()),

@@ -1,0 +1,214 @@
+//! Closing HTTP connections that hold a socket without using it: an idle keep-alive
+//! connection, a client that never completes a request head (slowloris), one that stopped
+//! reading its response. Without this, each such client would keep a file descriptor and its
+//! memory forever.
+//!
+//! A connection counts as active while one of its requests is being handled (a slow backend,
+//! a long upload) and whenever bytes are written to its client (a response streaming out).
+//! Bytes *read* do not count: a client trickling a request head byte by byte is idle until
+//! the head is complete. A check runs every half limit, so an idle connection closes between
+//! one and one and a half limits after its last activity, at the cost of one timer per
+//! connection per half limit instead of one per request.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// What a connection did, counted by its I/O and its requests.
+#[derive(Default)]
+pub struct Activity {
+    /// Writes to the client plus requests started; any change is activity.
+    events: AtomicU64,
+    in_flight: AtomicUsize,
+}
+
+impl Activity {
+    /// Marks a request as being handled until the returned guard drops.
+    pub fn request(self: &Arc<Self>) -> InFlight {
+        self.events.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+
+    /// Resolves once the connection has been idle for `limit` (see the module documentation).
+    pub async fn idle(&self, limit: Duration) {
+        let tick = limit / 2;
+        let mut seen = self.events.load(Ordering::Relaxed);
+        let mut quiet_ticks = 0u32;
+        loop {
+            tokio::time::sleep(tick).await;
+            let now = self.events.load(Ordering::Relaxed);
+            if now != seen || self.in_flight.load(Ordering::Relaxed) > 0 {
+                seen = now;
+                quiet_ticks = 0;
+                continue;
+            }
+            quiet_ticks += 1;
+            if quiet_ticks >= 2 {
+                return;
+            }
+        }
+    }
+}
+
+/// A request being handled; see [`Activity::request`].
+pub struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A client connection whose writes count as [`Activity`].
+pub struct Watched<I> {
+    pub io: I,
+    pub activity: Arc<Activity>,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> Watched<I> {
+    fn count<T>(&self, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if let Poll::Ready(Ok(_)) = &r {
+            self.activity.events.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.count(r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.count(r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn quiet_connection_is_idle_after_one_to_one_and_a_half_limits() {
+        let a = Arc::new(Activity::default());
+        let start = tokio::time::Instant::now();
+        a.idle(Duration::from_secs(10)).await;
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_secs(10) && took <= Duration::from_secs(15),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_in_flight_keeps_it_active() {
+        let a = Arc::new(Activity::default());
+        let guard = a.request();
+        let idle = a.idle(Duration::from_secs(10));
+        tokio::pin!(idle);
+        // A request handled for a minute (a slow backend) is not idleness.
+        assert!(
+            tokio::time::timeout(Duration::from_secs(60), &mut idle)
+                .await
+                .is_err()
+        );
+        drop(guard);
+        let start = tokio::time::Instant::now();
+        idle.await;
+        assert!(start.elapsed() <= Duration::from_secs(15));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn writes_keep_it_active() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut client, server) = tokio::io::duplex(64);
+        let a = Arc::new(Activity::default());
+        let mut watched = Watched {
+            io: server,
+            activity: a.clone(),
+        };
+        let streaming = async {
+            for _ in 0..12 {
+                watched.write_all(b"x").await.unwrap();
+                let mut b = [0u8; 1];
+                client.read_exact(&mut b).await.unwrap();
+                tokio::time::sleep(Duration::from_secs(4)).await;
+            }
+        };
+        // 48 s of a write every 4 s: never idle at a 10 s limit.
+        tokio::select! {
+            _ = a.idle(Duration::from_secs(10)) => panic!("idle while writing"),
+            _ = streaming => {}
+        }
+        let start = tokio::time::Instant::now();
+        a.idle(Duration::from_secs(10)).await;
+        assert!(start.elapsed() >= Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bytes_trickling_in_are_not_activity() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut client, server) = tokio::io::duplex(64);
+        let a = Arc::new(Activity::default());
+        let mut watched = Watched {
+            io: server,
+            activity: a.clone(),
+        };
+        let slowloris = async {
+            loop {
+                client.write_all(b"G").await.unwrap();
+                let mut b = [0u8; 1];
+                watched.read_exact(&mut b).await.unwrap();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        };
+        let start = tokio::time::Instant::now();
+        tokio::select! {
+            _ = a.idle(Duration::from_secs(10)) => {}
+            _ = slowloris => unreachable!(),
+        }
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_secs(10) && took <= Duration::from_secs(15),
+            "{took:?}"
+        );
+    }
+}
