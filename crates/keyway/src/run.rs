@@ -23,6 +23,8 @@ pub fn run(
     http_idle_timeout: Duration,
 ) -> Result<ExitCode> {
     init_tracing();
+    #[cfg(unix)]
+    raise_open_file_limit();
     if !config.is_dir() {
         anyhow::bail!(
             "config directory {} does not exist; create it or pass --config DIR",
@@ -162,4 +164,35 @@ fn init_tracing() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// Raises the soft limit on open files to the hard limit. Every proxied connection holds two
+/// descriptors (a client and a target), and the soft limit a shell hands out is often 1024:
+/// connections past ~500 would fail to be accepted. The hard limit is the administrator's
+/// ceiling; Go's runtime raises to it the same way.
+#[cfg(unix)]
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    /// The kernel's default ceiling (`fs.nr_open`) when the hard limit is unlimited.
+    const UNLIMITED_CAP: u64 = 1 << 20;
+    let limit = getrlimit(Resource::Nofile);
+    let target = limit.maximum.unwrap_or(UNLIMITED_CAP);
+    let Some(current) = limit.current else {
+        return;
+    };
+    if current >= target {
+        return;
+    }
+    let raised = Rlimit {
+        current: Some(target),
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => tracing::info!(from = current, to = target, "raised the open-file limit"),
+        Err(e) => tracing::warn!(
+            limit = current,
+            "cannot raise the open-file limit ({e}): about {} connections can be open at once",
+            current / 2
+        ),
+    }
 }

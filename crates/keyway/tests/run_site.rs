@@ -68,10 +68,15 @@ struct Site {
 
 impl Site {
     fn start(dir: &Path) -> Site {
+        Self::start_with(dir, Command::new(env!("CARGO_BIN_EXE_keyway")))
+    }
+
+    /// Started by `command`: `keyway` itself, or a shell that execs it.
+    fn start_with(dir: &Path, mut command: Command) -> Site {
         let admin = format!("127.0.0.1:{}", free_port());
         // The log goes to a dot-file: the loader and the watcher skip those.
         let log = std::fs::File::create(dir.join(".keyway.log")).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        let child = command
             .args(["run", "--config"])
             .arg(dir)
             .args(["--admin", &admin, "--drain-timeout", "5"])
@@ -460,4 +465,55 @@ fn sigterm_stops_accepting_and_drains() {
     assert!(status.success());
     let stderr = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
     assert!(stderr.contains("shutting down"), "{stderr}");
+}
+
+/// Started with the soft open-file limit a shell often hands out (here 256), a site raises it
+/// to the hard limit, so 300 concurrent connections (600 descriptors) all get through.
+#[test]
+fn a_low_open_file_limit_is_raised_for_concurrent_connections() {
+    let dir = temp_dir("nofile");
+    let backend = Backend::start("many");
+    let port = free_port();
+    std::fs::write(
+        dir.join("c.yaml"),
+        format!(
+            "{}---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: many}}\nspec: {{routingKey: many, host: 127.0.0.1, port: {port}}}\n",
+            connector("many", "many", backend.port)
+        ),
+    )
+    .expect("write");
+    let mut shell = Command::new("sh");
+    shell.args([
+        "-c",
+        "ulimit -Sn 256 && exec \"$0\" \"$@\"",
+        env!("CARGO_BIN_EXE_keyway"),
+    ]);
+    let site = Site::start_with(&dir, shell);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", site.child.id()))
+        .expect("limits of the site");
+    let open_files: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("open files line")
+        .split_whitespace()
+        .collect();
+    assert_ne!(open_files[3], "256", "soft limit not raised: {limits}");
+    assert_eq!(
+        open_files[3], open_files[4],
+        "soft limit below hard: {limits}"
+    );
+    wait_until("the key is reachable", || hello(port).is_ok());
+    let mut conns = Vec::new();
+    for i in 0..300 {
+        match hello(port) {
+            Ok((name, c)) => {
+                assert_eq!(name, "many");
+                conns.push(c);
+            }
+            Err(e) => panic!("connection {i} failed: {e}"),
+        }
+    }
+    for (i, c) in conns.iter_mut().enumerate() {
+        assert!(echo(c, &format!("c{i}")), "connection {i} broken");
+    }
 }
