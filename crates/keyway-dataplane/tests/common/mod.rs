@@ -2,6 +2,9 @@
 //! clients, TLS material and bounded waiting.
 #![allow(dead_code)]
 
+mod free_port;
+pub use free_port::free_port;
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
@@ -30,15 +33,6 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(3);
 
 pub fn dataplane() -> Arc<DataPlane> {
     Arc::new(DataPlane::new(Arc::new(Metrics::default())))
-}
-
-/// A port that was free a moment ago (bind to 0, drop).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind 127.0.0.1:0")
-        .local_addr()
-        .expect("local_addr")
-        .port()
 }
 
 /// Quick health checks so tests notice changes in a few hundred milliseconds.

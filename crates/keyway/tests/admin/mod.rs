@@ -4,15 +4,12 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
+#[path = "../../../keyway-dataplane/tests/common/free_port.rs"]
+mod free_port;
+pub use free_port::free_port;
 
 /// `GET path` on the admin endpoint at `addr`, one request per connection: the status code (0
 /// when nothing answers) and the body.
