@@ -640,6 +640,7 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                 }
             }
         }
+        check_timeouts(p, &at, &rule["timeouts"]);
         let filters = rule["filters"]
             .as_array()
             .map(Vec::as_slice)
@@ -710,6 +711,37 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                 );
             }
         }
+    }
+}
+
+/// An HTTPRoute rule's `timeouts`: Gateway API durations, and (upstream CEL) a non-zero
+/// `request` no shorter than `backendRequest`.
+fn check_timeouts(p: &mut Problems, at: &str, t: &Value) {
+    let mut ms = [None, None];
+    for (field, slot) in ["request", "backendRequest"].into_iter().zip(&mut ms) {
+        if let Some(text) = t[field].as_str() {
+            *slot = crate::gateway::plan::parse_gateway_duration_ms(text);
+            if slot.is_none() {
+                p.add(
+                    format!("{at}.timeouts.{field}"),
+                    format!("`{text}` is not a duration like 500ms, 10s or 1m30s"),
+                );
+            }
+        } else if !t[field].is_null() {
+            p.add(
+                format!("{at}.timeouts.{field}"),
+                "must be a duration string like 10s",
+            );
+        }
+    }
+    if let [Some(request), Some(backend)] = ms
+        && request != 0
+        && backend > request
+    {
+        p.add(
+            format!("{at}.timeouts.backendRequest"),
+            "backendRequest timeout cannot be longer than request timeout",
+        );
     }
 }
 

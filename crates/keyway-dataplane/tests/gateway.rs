@@ -458,7 +458,7 @@ async fn weighted_backends_timeouts_h2c_and_upgrade() {
         "w",
         1,
         "",
-        "  - matches: [{path: {type: PathPrefix, value: /w}}]\n    backendRefs: [{name: sa, port: 80, weight: 1}, {name: sb, port: 80, weight: 3}]\n  - matches: [{path: {type: Exact, value: /sleep}}]\n    timeouts: {request: 300ms}\n    backendRefs: [{name: sa, port: 80}]\n  - backendRefs: [{name: sa, port: 80}]\n",
+        "  - matches: [{path: {type: PathPrefix, value: /w}}]\n    backendRefs: [{name: sa, port: 80, weight: 1}, {name: sb, port: 80, weight: 3}]\n  - matches: [{path: {type: Exact, value: /sleep}, headers: [{name: x-bound, value: backend}]}]\n    timeouts: {request: 10s, backendRequest: 300ms}\n    backendRefs: [{name: sa, port: 80}]\n  - matches: [{path: {type: Exact, value: /sleep}}]\n    timeouts: {request: 300ms}\n    backendRefs: [{name: sa, port: 80}]\n  - backendRefs: [{name: sa, port: 80}]\n",
     ));
     let dp = start(&yaml, port).await;
     let c = client();
@@ -477,6 +477,11 @@ async fn weighted_backends_timeouts_h2c_and_upgrade() {
 
     let t = Instant::now();
     let r = get(&c, port, "x", "/sleep").await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(t.elapsed() < Duration::from_millis(1500));
+    // `backendRequest` shorter than `request` bounds the request too (no retries).
+    let t = Instant::now();
+    let r = send(&c, port, "GET", "x", "/sleep", &[("x-bound", "backend")]).await;
     assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
     assert!(t.elapsed() < Duration::from_millis(1500));
 

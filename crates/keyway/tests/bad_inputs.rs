@@ -637,6 +637,21 @@ fn cases() -> Vec<Case> {
             "spec.rules[0].filters[0].urlRewrite",
             "urlRewrite is required for filter type URLRewrite",
         ),
+        // --- HTTPRoute timeouts: the schema's duration pattern and CEL rule ---------------------
+        case(
+            "route-timeout-not-a-duration",
+            http_route("  - timeouts:\n      request: 10 seconds\n"),
+            10,
+            "spec.rules[0].timeouts.request",
+            "`10 seconds` is not a duration like 500ms, 10s or 1m30s",
+        ),
+        case(
+            "route-backend-timeout-longer-than-request",
+            http_route("  - timeouts:\n      request: 1s\n      backendRequest: 2s\n"),
+            11,
+            "spec.rules[0].timeouts.backendRequest",
+            "backendRequest timeout cannot be longer than request timeout",
+        ),
         // --- One broken document among valid ones in the same file ---------------------------
         Case {
             also_valid: &[

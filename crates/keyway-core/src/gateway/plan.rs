@@ -133,7 +133,10 @@ pub struct HttpRule {
     pub matches: Vec<HttpRouteRulesMatches>,
     pub filters: Vec<HttpRouteRulesFilters>,
     pub backends: Vec<WeightedBackend>,
-    /// `timeouts.request` in milliseconds (`None`, or a malformed or zero duration: no timeout).
+    /// The rule's timeout in milliseconds: the shorter of `timeouts.request` and
+    /// `timeouts.backendRequest` (`None`: neither is set, or both are zero, which disables
+    /// them). keyway makes one backend request per client request (no retries), so the bound
+    /// on a backend request also bounds the whole request.
     pub request_timeout_ms: Option<u64>,
 }
 
@@ -184,14 +187,20 @@ pub(crate) fn key_string<S: serde::Serializer>(key: &ObjectKey, s: S) -> Result<
     s.serialize_str(&format!("{}/{}/{}", key.kind, key.namespace, key.name))
 }
 
-/// A Gateway API duration (GEP-2257: `1h`, `30s`, `500ms`, `1m30s`) in milliseconds.
+/// A Gateway API duration (GEP-2257: `1h`, `30s`, `500ms`, `1m30s`; the schema's pattern
+/// `^([0-9]{1,5}(h|m|s|ms)){1,4}$`) in milliseconds.
 pub fn parse_gateway_duration_ms(text: &str) -> Option<u64> {
     let mut total = 0u64;
     let mut rest = text;
     if rest.is_empty() {
         return None;
     }
+    let mut units = 0;
     while !rest.is_empty() {
+        units += 1;
+        if units > 4 {
+            return None;
+        }
         let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
         if digits == 0 || digits > 5 {
             return None;
@@ -229,5 +238,10 @@ mod duration_tests {
         assert_eq!(p("10"), None);
         assert_eq!(p("s"), None);
         assert_eq!(p("1x"), None);
+        assert_eq!(p("0s"), Some(0));
+        assert_eq!(p("1h1m1s1ms"), Some(3_661_001));
+        assert_eq!(p("1h1m1s1ms1ms"), None, "at most four units");
+        assert_eq!(p("123456s"), None, "at most five digits");
+        assert_eq!(p("-1s"), None);
     }
 }

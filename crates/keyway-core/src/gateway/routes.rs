@@ -142,12 +142,14 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                             &mut err,
                             &mut deps
                         ),
-                        request_timeout_ms: rule
-                            .timeouts
-                            .as_ref()
-                            .and_then(|t| t.request.as_deref())
-                            .and_then(super::plan::parse_gateway_duration_ms)
-                            .filter(|ms| *ms > 0),
+                        request_timeout_ms: rule.timeouts.as_ref().and_then(|t| {
+                            [t.request.as_deref(), t.backend_request.as_deref()]
+                                .into_iter()
+                                .flatten()
+                                .filter_map(super::plan::parse_gateway_duration_ms)
+                                .filter(|ms| *ms > 0)
+                                .min()
+                        }),
                     }
                 })
                 .collect();

@@ -1075,6 +1075,40 @@ fn unsupported_filters_table() {
     }
 }
 
+/// A rule's timeout is the shorter of `timeouts.request` and `timeouts.backendRequest`; zero
+/// disables either.
+#[test]
+fn rule_timeouts_table() {
+    let cases: &[(&str, Option<u64>)] = &[
+        ("", None),
+        ("timeouts: {request: 2s}", Some(2000)),
+        ("timeouts: {backendRequest: 500ms}", Some(500)),
+        ("timeouts: {request: 2s, backendRequest: 500ms}", Some(500)),
+        ("timeouts: {request: 0s, backendRequest: 1m}", Some(60_000)),
+        ("timeouts: {request: 0s}", None),
+        (
+            "timeouts: {request: 1h, backendRequest: 0s}",
+            Some(3_600_000),
+        ),
+    ];
+    for (timeouts, want) in cases {
+        let route = format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r, namespace: team-a}}\nspec:\n  parentRefs: {TO_LS}\n  rules:\n  - backendRefs: [{APP}]\n    {timeouts}\n"
+        );
+        let r = routes_world(&route);
+        let lb = r.plan.gateways[0]
+            .ports
+            .iter()
+            .flat_map(|p| &p.listeners)
+            .find(|l| l.name == "one");
+        let Some(RouteRulesRef::Http(rules)) = lb.map(|l| RouteRulesRef::of(&l.routes[0].rules))
+        else {
+            panic!("no http route in plan for {timeouts}");
+        };
+        assert_eq!(rules[0].request_timeout_ms, *want, "{timeouts}");
+    }
+}
+
 /// `spec.addresses`: IP addresses go into the plan and status.addresses; any other type makes the
 /// Gateway `UnsupportedAddress` (nothing of it or its ListenerSets is served).
 #[test]
