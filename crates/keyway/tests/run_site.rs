@@ -67,26 +67,35 @@ struct Site {
 }
 
 impl Site {
+    /// Starts a site and waits until it is ready.
     fn start(dir: &Path) -> Site {
+        let site = Site::spawn(dir, None);
+        site.wait_for("/readyz", |code, _| code == 200);
+        site
+    }
+
+    /// Starts a site with `threads` data-plane threads (the host's core count without), without
+    /// waiting for it.
+    fn spawn(dir: &Path, threads: Option<usize>) -> Site {
         let admin = format!("127.0.0.1:{}", free_port());
         // The log goes to a dot-file: the loader and the watcher skip those.
         let log = std::fs::File::create(dir.join(".keyway.log")).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_keyway"))
-            .args(["run", "--config"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_keyway"));
+        cmd.args(["run", "--config"])
             .arg(dir)
             .args(["--admin", &admin, "--drain-timeout", "5"])
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn keyway run");
-        let site = Site {
+            .stderr(log);
+        if let Some(n) = threads {
+            cmd.env("KEYWAY_WORKER_THREADS", n.to_string());
+        }
+        let child = cmd.spawn().expect("spawn keyway run");
+        Site {
             child,
             admin,
             dir: dir.to_path_buf(),
-        };
-        site.wait_for("/readyz", |code, _| code == 200);
-        site
+        }
     }
 
     fn get(&self, path: &str) -> (u16, String) {
@@ -460,4 +469,52 @@ fn sigterm_stops_accepting_and_drains() {
     assert!(status.success());
     let stderr = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
     assert!(stderr.contains("shutting down"), "{stderr}");
+}
+
+/// With more than one thread a Listener's port is bound once per worker thread (`SO_REUSEPORT`).
+/// A second `keyway run` with the same port must not join that group and take half the
+/// connections: it reports the port as unavailable, and every connection reaches the first.
+#[test]
+fn second_site_on_the_same_port_reports_it_unavailable() {
+    let one = Backend::start("one");
+    let two = Backend::start("two");
+    let port = free_port();
+    let config = |backend: u16| {
+        format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}",
+            connector("web", "web", backend)
+        )
+    };
+    let (d1, d2) = (temp_dir("shared-port-1"), temp_dir("shared-port-2"));
+    std::fs::write(d1.join("l.yaml"), config(one.port)).expect("write");
+    std::fs::write(d2.join("l.yaml"), config(two.port)).expect("write");
+    let first = Site::spawn(&d1, Some(2));
+    first.wait_for("/readyz", |code, _| code == 200);
+    let second = Site::spawn(&d2, Some(2));
+    let not_ready = second.wait_for("/readyz", |code, body| {
+        code == 503 && body.contains("cannot bind")
+    });
+    assert!(not_ready.contains(&port.to_string()), "{not_ready}");
+    let status = second.status();
+    let listener = status["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|i| i["kind"] == "Listener")
+        .expect("listener status");
+    let configured = listener["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == "Configured")
+        .expect("Configured condition");
+    assert_eq!(configured["status"], "False", "{listener}");
+    for _ in 0..32 {
+        let (who, _) = hello(port).expect("connect");
+        assert_eq!(who, "one");
+    }
+    // Once the first site is gone, the second binds the port on its own.
+    drop(first);
+    second.wait_for("/readyz", |code, _| code == 200);
+    assert_eq!(hello(port).expect("connect").0, "two");
 }
