@@ -51,7 +51,10 @@ impl Workers {
                 .spawn(move || {
                     // Tasks spawned through the handle run while this thread is in block_on.
                     rt.block_on(async {
-                        let _ = rx.await;
+                        tokio::select! {
+                            _ = rx => {}
+                            _ = heartbeat() => {}
+                        }
                     });
                 })?;
         }
@@ -73,6 +76,19 @@ impl Workers {
             .iter()
             .map(|a| a.load(Ordering::Relaxed))
             .collect()
+    }
+}
+
+/// No connect timeout is shorter (`listener::connect_target`).
+const HEARTBEAT: Duration = Duration::from_millis(100);
+
+/// Keeps a timer pending on the worker at all times. tokio wakes a runtime's driver (an
+/// eventfd write, and one more `epoll_wait` round) whenever a new timer is due before every
+/// pending one, or none is pending: on an otherwise timer-less worker, that was the connect
+/// timeout of every new connection. With this timer due within 100 ms, they are not.
+async fn heartbeat() {
+    loop {
+        tokio::time::sleep(HEARTBEAT).await;
     }
 }
 
