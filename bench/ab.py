@@ -6,6 +6,10 @@ and each binary given (HTTPRoute -> Service -> origin), wrk -t2 -c50 keep-alive 
   cp target/release/keyway /tmp/kw-a   # before; then rebuild and compare:
   flock /tmp/keyway-bench.lock python3 bench/ab.py --threads 1 --runs 6 --secs 4 a=/tmp/kw-a b=target/release/keyway
 
+--tcp: the Skupper TCP path instead (Listener -> Connector -> origin, HAProxy in tcp mode), with
+keep-alive requests (wrk -t2 -c50) and new connections (the same with `Connection: close`, CPU
+µs per connection), each run measuring both, interleaved the same way.
+
 Profiling hooks (first run only): PERF=name[,name] records with perf (PEV="-F 3000", CG=dwarf,16384
 or none) into /tmp/kwab-perf-NAME.data; PSTAT=name EV=events counts with perf stat into
 /tmp/kwab-stat-NAME.txt (e.g. EV=context-switches,syscalls:sys_enter_recvfrom, or a uprobe on
@@ -20,6 +24,7 @@ ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--runs", type=int, default=4)
 ap.add_argument("--secs", type=int, default=4)
 ap.add_argument("--nohaproxy", action="store_true")
+ap.add_argument("--tcp", action="store_true", help="Listener/Connector and HAProxy tcp mode; keep-alive and new connections")
 ap.add_argument("bins", nargs="+")
 a = ap.parse_args()
 ORIGIN = 28180
@@ -50,7 +55,8 @@ try:
     start(["nginx", "-c", f"{w}/origin.conf", "-e", f"{w}/o.err"])
     targets = []
     if not a.nohaproxy:
-        open(f"{w}/h.cfg", "w").write(f"global\n  maxconn 8000\n  nbthread {a.threads}\ndefaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n"
+        mode = "  mode tcp\n" if a.tcp else "  mode http\n  option http-keep-alive\n  http-reuse always\n"
+        open(f"{w}/h.cfg", "w").write(f"global\n  maxconn 8000\n  nbthread {a.threads}\ndefaults\n{mode}"
             "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
             f"listen http\n  bind 127.0.0.1:28190\n  server s1 127.0.0.1:{ORIGIN}\n")
         targets.append(("haproxy", 28190, start(["haproxy", "-f", f"{w}/h.cfg"]).pid))
@@ -58,49 +64,59 @@ try:
         name, path = spec.split("=", 1)
         port = 28191 + i
         cfg = f"{w}/{name}.d"; os.makedirs(cfg)
-        open(f"{cfg}/g.yaml", "w").write(run.gateway_yaml(port, ORIGIN))
+        open(f"{cfg}/g.yaml", "w").write(run.tcp_yaml("web", port, ORIGIN) if a.tcp else run.gateway_yaml(port, ORIGIN))
         env = dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(a.threads))
         p = start([path, "run", "--config", cfg, "--state", f"{w}/{name}.state", "--admin", f"127.0.0.1:{29950+i}"], env=env)
         targets.append((name, port, p.pid))
     for _, port, _ in targets: wait(port)
     wait(ORIGIN); time.sleep(1)
-    res = {n: [] for n, _, _ in targets}
+    # Modes: keep-alive requests, and with --tcp new connections too (one request each).
+    modes = [("ka", []), ("nc", ["-H", "Connection: close"])] if a.tcp else [("ka", [])]
+    unit = {"ka": "req", "nc": "conn"}
+    res = {(n, m): [] for n, _, _ in targets for m, _ in modes}
     for r in range(a.runs):
         order = targets if r % 2 == 0 else list(reversed(targets))
-        for name, port, pg in order:
-            U[0] = 0; before = cpu(pg); ub = U[0]
-            perf = None
-            if os.environ.get("IPC"):
-                perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-ipc-{name}.txt", "-e", "instructions:u,instructions:k,cycles:u,cycles:k", "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            elif name in os.environ.get("PSTAT", "").split(",") and r == 0:
-                perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-stat-{name}.txt", "-e", os.environ["EV"], "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            elif name in os.environ.get("PERF", "").split(",") and r == 0:
-                perf = subprocess.Popen(["perf", "record", *os.environ.get("PEV", "-F 3000").split(), *([] if os.environ.get("CG") == "none" else ["--call-graph", os.environ.get("CG", "dwarf,16384")]), "-p", str(pg), "-o", f"/tmp/kwab-perf-{name}.data", "--", "sleep", str(a.secs - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            out = subprocess.run(["wrk", "-t2", "-c50", f"-d{a.secs}s", "--latency", f"http://127.0.0.1:{port}/index.html"], capture_output=True, text=True, check=True).stdout
-            if perf: perf.wait()
-            total = int(re.search(r"(\d+) requests in", out).group(1))
-            U[0] = 0; us = (cpu(pg) - before) * 1e6 / total; user = (U[0] - ub) / os.sysconf("SC_CLK_TCK") * 1e6 / total
-            rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-            m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
-            p99 = float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
-            err = re.search(r"Non-2xx.*|Socket errors.*", out)
-            ipc = ""
-            if os.environ.get("IPC"):
-                vals = {}
-                for line in open(f"/tmp/kwab-ipc-{name}.txt"):
-                    f = line.strip().split(",")
-                    if len(f) > 2 and f[0].replace(".", "").isdigit(): vals[f[2]] = float(f[0]) / total
-                IPCS.setdefault(name, []).append(vals)
-                ipc = f" ins u/k {vals.get('instructions:u',0):6.0f}/{vals.get('instructions:k',0):6.0f} cyc u/k {vals.get('cycles:u',0):6.0f}/{vals.get('cycles:k',0):6.0f}"
-            res[name].append((us, rps, p99))
-            print(f"run {r} {name:10s} {us:6.2f} us/req (user {user:5.2f}){ipc} {rps:9.0f} req/s p99 {p99:6.2f} ms {err.group(0) if err else ''}", flush=True)
-    print(f"\nmedians ({a.threads} thread(s), {a.runs} x {a.secs}s):")
-    h = statistics.median(x[1] for x in res["haproxy"]) if "haproxy" in res else None
-    for n, v in res.items():
-        rps = statistics.median(x[1] for x in v)
-        print(f"  {n:10s} {statistics.median(x[0] for x in v):6.2f} us/req (min {min(x[0] for x in v):.2f})  {rps:9.0f} req/s"
-              + (f" ({rps/h:.2f}x haproxy)" if h else "") + f"  p99 {statistics.median(x[2] for x in v):.2f} ms"
-              + ("".join(f" {k.split(':')[0][:3]}:{k.split(':')[1]} {statistics.median(d.get(k,0) for d in IPCS[n]):.0f}" for k in ("instructions:u","instructions:k","cycles:u","cycles:k")) if n in IPCS else ""))
+        for mode, extra in modes:
+            for name, port, pg in order:
+                tag = f"{name}-{mode}" if a.tcp else name
+                U[0] = 0; before = cpu(pg); ub = U[0]
+                perf = None
+                if os.environ.get("IPC"):
+                    perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-ipc-{tag}.txt", "-e", "instructions:u,instructions:k,cycles:u,cycles:k", "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                elif name in os.environ.get("PSTAT", "").split(",") and r == 0:
+                    perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-stat-{tag}.txt", "-e", os.environ["EV"], "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                elif name in os.environ.get("PERF", "").split(",") and r == 0:
+                    perf = subprocess.Popen(["perf", "record", *os.environ.get("PEV", "-F 3000").split(), *([] if os.environ.get("CG") == "none" else ["--call-graph", os.environ.get("CG", "dwarf,16384")]), "-p", str(pg), "-o", f"/tmp/kwab-perf-{tag}.data", "--", "sleep", str(a.secs - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                out = subprocess.run(["wrk", "-t2", "-c50", f"-d{a.secs}s", "--latency", *extra, f"http://127.0.0.1:{port}/index.html"], capture_output=True, text=True, check=True).stdout
+                if perf: perf.wait()
+                total = int(re.search(r"(\d+) requests in", out).group(1))
+                U[0] = 0; us = (cpu(pg) - before) * 1e6 / total; user = (U[0] - ub) / os.sysconf("SC_CLK_TCK") * 1e6 / total
+                rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+                m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
+                p99 = float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)]
+                err = re.search(r"Non-2xx.*|Socket errors.*", out)
+                ipc = ""
+                if os.environ.get("IPC"):
+                    vals = {}
+                    for line in open(f"/tmp/kwab-ipc-{tag}.txt"):
+                        f = line.strip().split(",")
+                        if len(f) > 2 and f[0].replace(".", "").isdigit(): vals[f[2]] = float(f[0]) / total
+                    IPCS.setdefault((name, mode), []).append(vals)
+                    ipc = f" ins u/k {vals.get('instructions:u',0):6.0f}/{vals.get('instructions:k',0):6.0f} cyc u/k {vals.get('cycles:u',0):6.0f}/{vals.get('cycles:k',0):6.0f}"
+                res[(name, mode)].append((us, rps, p99))
+                u = unit[mode]
+                print(f"run {r} {mode} {name:10s} {us:6.2f} us/{u:4s} (user {user:5.2f}){ipc} {rps:9.0f} {u}/s p99 {p99:6.2f} ms {err.group(0) if err else ''}", flush=True)
+    for mode, _ in modes:
+        u = unit[mode]
+        what = {"ka": "keep-alive requests", "nc": "new connections"}[mode]
+        print(f"\nmedians, {what} ({a.threads} thread(s), {a.runs} x {a.secs}s):")
+        h = statistics.median(x[1] for x in res[("haproxy", mode)]) if ("haproxy", mode) in res else None
+        for (n, m), v in res.items():
+            if m != mode: continue
+            rps = statistics.median(x[1] for x in v)
+            print(f"  {n:10s} {statistics.median(x[0] for x in v):6.2f} us/{u} (min {min(x[0] for x in v):.2f})  {rps:9.0f} {u}/s"
+                  + (f" ({rps/h:.2f}x haproxy)" if h else "") + f"  p99 {statistics.median(x[2] for x in v):.2f} ms"
+                  + ("".join(f" {k.split(':')[0][:3]}:{k.split(':')[1]} {statistics.median(d.get(k,0) for d in IPCS[(n, m)]):.0f}" for k in ("instructions:u","instructions:k","cycles:u","cycles:k")) if (n, m) in IPCS else ""))
 finally:
     for p in procs:
         try: os.killpg(p.pid, signal.SIGTERM)

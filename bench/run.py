@@ -160,6 +160,21 @@ endpoints: [{{addresses: ["127.0.0.1"]}}]
 ports: [{{port: {origin}}}]
 """
 
+def tcp_yaml(name, front, back):
+    """keyway's TCP path: a Listener on 127.0.0.1:`front` and a Connector to 127.0.0.1:`back`,
+    routing key `name`."""
+    return f"""---
+apiVersion: skupper.io/v2alpha1
+kind: Listener
+metadata: {{name: {name}}}
+spec: {{routingKey: {name}, host: 127.0.0.1, port: {front}}}
+---
+apiVersion: skupper.io/v2alpha1
+kind: Connector
+metadata: {{name: {name}}}
+spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}
+"""
+
 def setup(work, procs):
     # Origin: nginx with a 1 KiB body; a separate nginx instance runs the stream proxy.
     os.makedirs(f"{work}/www", exist_ok=True)
@@ -203,17 +218,7 @@ def setup(work, procs):
     cfg = f"{work}/keyway.d"; os.makedirs(cfg, exist_ok=True)
     with open(f"{cfg}/bench.yaml", "w") as f:
         for name, (front, back) in (("http", (PATHS["keyway"][0], PATHS["direct"][0])), ("iperf", (PATHS["keyway"][1], PATHS["direct"][1]))):
-            f.write(f"""---
-apiVersion: skupper.io/v2alpha1
-kind: Listener
-metadata: {{name: {name}}}
-spec: {{routingKey: {name}, host: 127.0.0.1, port: {front}}}
----
-apiVersion: skupper.io/v2alpha1
-kind: Connector
-metadata: {{name: {name}}}
-spec: {{routingKey: {name}, host: 127.0.0.1, port: {back}}}
-""")
+            f.write(tcp_yaml(name, front, back))
         # The Gateway API path: an HTTP listener, an HTTPRoute, a Service backed by the origin.
         f.write("---\n" + gateway_yaml(HTTP_PATHS['keyway-gateway'], PATHS['direct'][0]))
     keyway = os.path.join(ROOT, "target", "release", "keyway")

@@ -127,6 +127,8 @@ pub struct DataPlane {
     /// TLS set-up failures of the last apply, per object.
     tls_errors: Mutex<BTreeMap<ObjectKey, String>>,
     gateways: gateway::Gateways,
+    /// Threads that accept and serve connections; `None`: the caller's runtime does.
+    workers: Option<Arc<workers::Workers>>,
 }
 
 impl DataPlane {
@@ -135,7 +137,8 @@ impl DataPlane {
         Self::with_workers(metrics, None)
     }
 
-    /// A data plane whose Gateway connections are served by `workers` (see [`workers`]).
+    /// A data plane whose Listener and Gateway connections are accepted and served by
+    /// `workers`, each on a socket of its own per port (see [`workers`]).
     pub fn with_workers(metrics: Arc<Metrics>, workers: Option<workers::Workers>) -> Self {
         Self::with_options(
             metrics,
@@ -147,6 +150,7 @@ impl DataPlane {
     }
 
     pub fn with_options(metrics: Arc<Metrics>, options: Options) -> Self {
+        let workers = options.workers.map(Arc::new);
         let shared = Arc::new(Shared {
             registry: Registry::new(metrics.clone()),
             metrics,
@@ -154,7 +158,12 @@ impl DataPlane {
             remote: std::sync::OnceLock::new(),
         });
         DataPlane {
-            gateways: gateway::Gateways::new(shared.clone(), options),
+            gateways: gateway::Gateways::new(
+                shared.clone(),
+                workers.clone(),
+                options.http_idle_timeout,
+            ),
+            workers,
             shared,
             listeners: Mutex::new(HashMap::new()),
             tls_errors: Mutex::new(BTreeMap::new()),
@@ -163,6 +172,11 @@ impl DataPlane {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.shared.metrics
+    }
+
+    /// The worker threads, if connections are served by them.
+    pub fn workers(&self) -> Option<&workers::Workers> {
+        self.workers.as_deref()
     }
 
     pub fn registry(&self) -> &Arc<Registry> {
@@ -249,7 +263,7 @@ impl DataPlane {
                     drop(old);
                     next.insert(
                         lp.id.clone(),
-                        ListenerHandle::start(self.shared.clone(), runtime),
+                        ListenerHandle::start(self.shared.clone(), runtime, self.workers.clone()),
                     );
                 }
             }

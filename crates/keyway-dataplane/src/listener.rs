@@ -1,4 +1,6 @@
-//! One accept task per Listener / MultiKeyListener (SPEC §3.1).
+//! One accept task per Listener / MultiKeyListener (SPEC §3.1). With worker threads
+//! ([`crate::workers`]) that task only opens and closes the port, once per worker, and each
+//! worker accepts on its own socket and serves what it accepts.
 //!
 //! The socket is open only while at least one of the listener's keys is reachable: with nothing
 //! to reach, clients get "connection refused" (as upstream Skupper closes its socket), and the port
@@ -21,6 +23,7 @@ use crate::copy;
 use crate::metrics::Metrics;
 use crate::targets::{OpenGuard, Registry, Target};
 use crate::tunnel::{self, BoxTunnel};
+use crate::workers::{self, AcceptGroup, Workers};
 use crate::{ConnectionTracker, Shared};
 
 /// What a listener runs with; swapped in place on reload without touching the socket.
@@ -60,13 +63,25 @@ pub struct ListenerHandle {
 }
 
 impl ListenerHandle {
-    pub fn start(shared: Arc<Shared>, runtime: ListenerRuntime) -> Self {
+    /// Starts the listener's accept task. With `workers`, the port is bound once per worker
+    /// thread and each accepts and serves its own connections (see [`crate::workers`]).
+    pub fn start(
+        shared: Arc<Shared>,
+        runtime: ListenerRuntime,
+        workers: Option<Arc<Workers>>,
+    ) -> Self {
         let host = runtime.plan.host.clone();
         let port = runtime.plan.port;
         let runtime = Arc::new(ArcSwap::from_pointee(runtime));
         let state = Arc::new(ListenerState::default());
         let (stop, stop_rx) = watch::channel(false);
-        tokio::spawn(accept_loop(shared, runtime.clone(), state.clone(), stop_rx));
+        tokio::spawn(accept_loop(
+            shared,
+            runtime.clone(),
+            state.clone(),
+            workers,
+            stop_rx,
+        ));
         ListenerHandle {
             host,
             port,
@@ -88,14 +103,76 @@ impl Drop for ListenerHandle {
     }
 }
 
+/// A listener's open port.
+enum Sockets {
+    /// One socket, accepted on by the accept loop itself (no worker threads).
+    Inline(TcpListener),
+    /// One socket per worker thread, each accepted on by its worker.
+    Workers(AcceptGroup, SocketAddr),
+}
+
+impl Sockets {
+    /// Closes the port; once this returns, connects are refused.
+    async fn close(self) {
+        match self {
+            Sockets::Inline(l) => drop(l),
+            Sockets::Workers(group, _) => group.close().await,
+        }
+    }
+
+    fn local_addr(&self) -> Option<SocketAddr> {
+        match self {
+            Sockets::Inline(l) => l.local_addr().ok(),
+            Sockets::Workers(_, addr) => Some(*addr),
+        }
+    }
+}
+
+/// Opens the listener's port: one socket, or one per worker.
+async fn bind(
+    shared: &Arc<Shared>,
+    runtime: &Arc<ArcSwap<ListenerRuntime>>,
+    workers: Option<&Workers>,
+) -> std::io::Result<Sockets> {
+    let rt = runtime.load();
+    let (host, port) = (rt.plan.host.as_str(), rt.plan.port);
+    let Some(workers) = workers else {
+        return TcpListener::bind((host, port)).await.map(Sockets::Inline);
+    };
+    // As TcpListener::bind does: the first address that binds.
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        match workers::bind_group(addr, workers.threads()) {
+            Ok(sockets) => {
+                let local = sockets.first().and_then(|s| s.local_addr().ok());
+                let (shared, runtime) = (shared.clone(), runtime.clone());
+                let serve = move |stream, peer| {
+                    let guard = shared.tracker.track();
+                    serve(shared.clone(), runtime.load_full(), stream, peer, guard)
+                };
+                let group = AcceptGroup::start(workers, sockets, &rt.label, serve);
+                return Ok(Sockets::Workers(group, local.unwrap_or(addr)));
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "could not resolve to any address",
+        )
+    }))
+}
+
 async fn accept_loop(
     shared: Arc<Shared>,
     runtime: Arc<ArcSwap<ListenerRuntime>>,
     state: Arc<ListenerState>,
+    workers: Option<Arc<Workers>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut changes = shared.registry.subscribe();
-    let mut socket: Option<TcpListener> = None;
+    let mut socket: Option<Sockets> = None;
     let mut bind_failures = 0u32;
     loop {
         if *stop.borrow_and_update() {
@@ -110,8 +187,9 @@ async fn accept_loop(
             .iter()
             .any(|k| shared.registry.is_reachable(k));
         if !reachable {
-            if socket.take().is_some() {
+            if let Some(s) = socket.take() {
                 tracing::info!(listener = %rt.label, "no routing key reachable: closing the port");
+                s.close().await;
             }
             state.listening.store(false, Ordering::Release);
             tokio::select! {
@@ -120,11 +198,11 @@ async fn accept_loop(
             }
             continue;
         }
-        let Some(listener) = socket.as_ref() else {
-            match TcpListener::bind((rt.plan.host.as_str(), rt.plan.port)).await {
-                Ok(l) => {
-                    tracing::info!(listener = %rt.label, addr = ?l.local_addr().ok(), "listening");
-                    socket = Some(l);
+        let Some(sockets) = socket.as_ref() else {
+            match bind(&shared, &runtime, workers.as_deref()).await {
+                Ok(s) => {
+                    tracing::info!(listener = %rt.label, addr = ?s.local_addr(), "listening");
+                    socket = Some(s);
                     bind_failures = 0;
                     state.set_error(None);
                     state.listening.store(true, Ordering::Release);
@@ -146,6 +224,14 @@ async fn accept_loop(
             }
             continue;
         };
+        let Sockets::Inline(listener) = sockets else {
+            // The workers accept; this task only opens and closes the port.
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = stop.changed() => {}
+            }
+            continue;
+        };
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
@@ -161,6 +247,9 @@ async fn accept_loop(
             _ = changes.changed() => {}
             _ = stop.changed() => {}
         }
+    }
+    if let Some(s) = socket.take() {
+        s.close().await;
     }
     state.listening.store(false, Ordering::Release);
 }

@@ -53,13 +53,14 @@ pub fn run(
         .build()
         .context("cannot start the runtime")?;
     runtime.block_on(async move {
-        // More than one thread (the default on a multi-core host): Gateway connections get as
-        // many current-thread workers, so each stays on one thread (keyway_dataplane::workers).
+        // More than one thread (the default on a multi-core host): Listener and Gateway
+        // connections get as many current-thread workers, each accepting on a socket of its
+        // own, so a connection is accepted and served on one thread (keyway_dataplane::workers).
         let n = threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
         let workers = if n > 1 {
-            Some(Workers::start(n).context("cannot start the gateway worker threads")?)
+            Some(Workers::start(n).context("cannot start the connection worker threads")?)
         } else {
             None
         };

@@ -67,31 +67,40 @@ struct Site {
 }
 
 impl Site {
+    /// Starts a site and waits until it is ready.
     fn start(dir: &Path) -> Site {
-        Self::start_with(dir, Command::new(env!("CARGO_BIN_EXE_keyway")))
+        let site = Site::spawn(dir, None);
+        site.wait_for("/readyz", |code, _| code == 200);
+        site
     }
 
-    /// Started by `command`: `keyway` itself, or a shell that execs it.
-    fn start_with(dir: &Path, mut command: Command) -> Site {
+    /// Starts a site with `threads` data-plane threads (the host's core count without), without
+    /// waiting for it.
+    fn spawn(dir: &Path, threads: Option<usize>) -> Site {
+        Site::spawn_by(Command::new(env!("CARGO_BIN_EXE_keyway")), dir, threads)
+    }
+
+    /// The same, started by `command`: `keyway` itself, or a shell that execs it.
+    fn spawn_by(mut command: Command, dir: &Path, threads: Option<usize>) -> Site {
         let admin = format!("127.0.0.1:{}", free_port());
         // The log goes to a dot-file: the loader and the watcher skip those.
         let log = std::fs::File::create(dir.join(".keyway.log")).expect("log file");
-        let child = command
+        command
             .args(["run", "--config"])
             .arg(dir)
             .args(["--admin", &admin, "--drain-timeout", "5"])
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn keyway run");
-        let site = Site {
+            .stderr(log);
+        if let Some(n) = threads {
+            command.env("KEYWAY_WORKER_THREADS", n.to_string());
+        }
+        let child = command.spawn().expect("spawn keyway run");
+        Site {
             child,
             admin,
             dir: dir.to_path_buf(),
-        };
-        site.wait_for("/readyz", |code, _| code == 200);
-        site
+        }
     }
 
     fn get(&self, path: &str) -> (u16, String) {
@@ -488,7 +497,8 @@ fn a_low_open_file_limit_is_raised_for_concurrent_connections() {
         "ulimit -Sn 256 && exec \"$0\" \"$@\"",
         env!("CARGO_BIN_EXE_keyway"),
     ]);
-    let site = Site::start_with(&dir, shell);
+    let site = Site::spawn_by(shell, &dir, None);
+    site.wait_for("/readyz", |code, _| code == 200);
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", site.child.id()))
         .expect("limits of the site");
     let open_files: Vec<&str> = limits
@@ -516,4 +526,52 @@ fn a_low_open_file_limit_is_raised_for_concurrent_connections() {
     for (i, c) in conns.iter_mut().enumerate() {
         assert!(echo(c, &format!("c{i}")), "connection {i} broken");
     }
+}
+
+/// With more than one thread a Listener's port is bound once per worker thread (`SO_REUSEPORT`).
+/// A second `keyway run` with the same port must not join that group and take half the
+/// connections: it reports the port as unavailable, and every connection reaches the first.
+#[test]
+fn second_site_on_the_same_port_reports_it_unavailable() {
+    let one = Backend::start("one");
+    let two = Backend::start("two");
+    let port = free_port();
+    let config = |backend: u16| {
+        format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}",
+            connector("web", "web", backend)
+        )
+    };
+    let (d1, d2) = (temp_dir("shared-port-1"), temp_dir("shared-port-2"));
+    std::fs::write(d1.join("l.yaml"), config(one.port)).expect("write");
+    std::fs::write(d2.join("l.yaml"), config(two.port)).expect("write");
+    let first = Site::spawn(&d1, Some(2));
+    first.wait_for("/readyz", |code, _| code == 200);
+    let second = Site::spawn(&d2, Some(2));
+    let not_ready = second.wait_for("/readyz", |code, body| {
+        code == 503 && body.contains("cannot bind")
+    });
+    assert!(not_ready.contains(&port.to_string()), "{not_ready}");
+    let status = second.status();
+    let listener = status["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|i| i["kind"] == "Listener")
+        .expect("listener status");
+    let configured = listener["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == "Configured")
+        .expect("Configured condition");
+    assert_eq!(configured["status"], "False", "{listener}");
+    for _ in 0..32 {
+        let (who, _) = hello(port).expect("connect");
+        assert_eq!(who, "one");
+    }
+    // Once the first site is gone, the second binds the port on its own.
+    drop(first);
+    second.wait_for("/readyz", |code, _| code == 200);
+    assert_eq!(hello(port).expect("connect").0, "two");
 }

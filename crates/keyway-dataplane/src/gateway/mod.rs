@@ -1,5 +1,6 @@
 //! The Gateway API data plane (SPEC §4 "Traffic"): one accept task per port, shared by every
-//! winning listener on it (the Gateway's and its ListenerSets' alike).
+//! winning listener on it (the Gateway's and its ListenerSets' alike); with worker threads,
+//! one per worker, each on a socket of its own ([`crate::workers`]).
 //!
 //! A port's listeners, routes and certificates are compiled into a [`PortConfig`] and swapped
 //! in place ([`ArcSwap`]) on reload: no rebind, no dropped connection, and keep-alive
@@ -32,7 +33,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use crate::workers::Workers;
+use crate::workers::{self, AcceptGroup, Workers};
 use crate::{ConnectionTracker, Shared};
 use route_match::{Entry, Table, host_rank};
 
@@ -224,8 +225,9 @@ pub struct ListenerError {
 pub struct Ctx {
     pub shared: Arc<Shared>,
     pub pool: Arc<upstream::Pool>,
-    /// Threads that serve accepted connections; `None`: the accept loop's runtime does.
-    workers: Option<Workers>,
+    /// Threads that accept and serve connections, each on a socket of its own per port;
+    /// `None`: the accept loop does.
+    workers: Option<Arc<Workers>>,
     /// See [`idle`].
     pub http_idle_timeout: Duration,
 }
@@ -270,16 +272,21 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Gateways {
     /// Gateway ports bind the Gateway's `spec.addresses`, or all IPv4 addresses without them.
-    /// Connections are served by the options' worker threads, or on the caller's runtime if
-    /// there are none.
-    pub fn new(shared: Arc<Shared>, options: crate::Options) -> Self {
+    /// Connections are accepted and served by `workers` threads of their own, or on the
+    /// caller's runtime if there are none; HTTP connections idle for `http_idle_timeout` are
+    /// closed (see [`idle`]).
+    pub fn new(
+        shared: Arc<Shared>,
+        workers: Option<Arc<Workers>>,
+        http_idle_timeout: Duration,
+    ) -> Self {
         let metrics = GatewayMetrics::new(&shared.metrics);
         Gateways {
             ctx: Arc::new(Ctx {
                 shared,
                 pool: Arc::default(),
-                workers: options.workers,
-                http_idle_timeout: options.http_idle_timeout,
+                workers,
+                http_idle_timeout,
             }),
             metrics,
             ports: Mutex::new(BTreeMap::new()),
@@ -524,6 +531,21 @@ impl Drop for Gateways {
     }
 }
 
+/// A bound gateway port.
+enum Bound<'a> {
+    /// One socket, accepted on by the accept loop (no worker threads).
+    Inline(TcpListener),
+    /// One socket per worker thread.
+    Group(&'a Workers, Vec<std::net::TcpListener>),
+}
+
+async fn bind(addr: SocketAddr, workers: Option<&Workers>) -> std::io::Result<Bound<'_>> {
+    match workers {
+        None => TcpListener::bind(addr).await.map(Bound::Inline),
+        Some(w) => workers::bind_group(addr, w.threads()).map(|s| Bound::Group(w, s)),
+    }
+}
+
 async fn accept_loop(
     ctx: Arc<Ctx>,
     addr: SocketAddr,
@@ -536,7 +558,7 @@ async fn accept_loop(
         if *stop.borrow_and_update() {
             return;
         }
-        match TcpListener::bind(addr).await {
+        match bind(addr, ctx.workers.as_deref()).await {
             Ok(s) => {
                 tracing::info!(%addr, "gateway port listening");
                 *lock(&state.error) = None;
@@ -561,18 +583,27 @@ async fn accept_loop(
             }
         }
     };
+    let socket = match socket {
+        Bound::Inline(s) => s,
+        Bound::Group(w, sockets) => {
+            // Each worker accepts and serves on its own socket; this task only holds the port
+            // until the port is dropped.
+            let c = ctx.clone();
+            let group = AcceptGroup::start(w, sockets, &addr.to_string(), move |s, peer| {
+                let guard = c.shared.tracker.track();
+                serve(c.clone(), config.clone(), s, peer, guard)
+            });
+            let _ = stop.wait_for(|s| *s).await;
+            group.close().await;
+            return;
+        }
+    };
     loop {
         tokio::select! {
             accepted = socket.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let guard = ctx.shared.tracker.track();
-                    let (c, config) = (ctx.clone(), config.clone());
-                    match &ctx.workers {
-                        Some(w) => w.spawn(stream, move |s| serve(c, config, s, peer, guard)),
-                        None => {
-                            tokio::spawn(serve(c, config, stream, peer, guard));
-                        }
-                    }
+                    tokio::spawn(serve(ctx.clone(), config.clone(), stream, peer, guard));
                 }
                 Err(e) => {
                     tracing::warn!(%addr, "accept failed: {e}");
