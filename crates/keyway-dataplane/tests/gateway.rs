@@ -11,7 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{Backend, Ca, IO_TIMEOUT, dataplane, eventually, free_port, read_line};
+use common::{
+    Backend, Ca, IO_TIMEOUT, compile, dataplane, eventually, free_port, gateway, http_route,
+    read_line, service, start, start_on, tagged,
+};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -19,57 +22,11 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use keyway_core::plan::Plan;
-use keyway_core::{ObjectState, Time, jiff, load_file, offline};
 use keyway_dataplane::metrics::Metrics;
 use keyway_dataplane::workers::Workers;
 use keyway_dataplane::{DataPlane, Options};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-
-// ---------------------------------------------------------------------------------------------
-// Config
-
-fn compile(yaml: &str) -> Plan {
-    let files = vec![load_file("gw.yaml", yaml)];
-    let mut state = ObjectState::default();
-    let c = offline::compile(&files, &mut state, &Time(jiff::Timestamp::now()));
-    c.resolution.plan
-}
-
-/// A Service `name` whose EndpointSlice points at `addr`.
-fn service(name: &str, addr: SocketAddr) -> String {
-    format!(
-        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"{}\"]}}]\nports: [{{port: {}}}]\n",
-        addr.ip(),
-        addr.port()
-    )
-}
-
-fn gateway(listeners: &str) -> String {
-    format!(
-        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n{listeners}"
-    )
-}
-
-/// An HTTPRoute; `minute` orders creation (older wins ties).
-fn http_route(name: &str, minute: u32, section: &str, rules: &str) -> String {
-    let parent = if section.is_empty() {
-        "{name: gw}".to_string()
-    } else {
-        format!("{{name: gw, sectionName: {section}}}")
-    };
-    format!(
-        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {name}, creationTimestamp: \"2024-01-01T00:{minute:02}:00Z\"}}\nspec:\n  parentRefs: [{parent}]\n  rules:\n{rules}"
-    )
-}
-
-/// A rule that tags the request with `x-rule: <tag>` and sends it to Service `svc`.
-fn tagged(matches: &str, tag: &str, svc: &str) -> String {
-    format!(
-        "  - matches: {matches}\n    filters: [{{type: RequestHeaderModifier, requestHeaderModifier: {{set: [{{name: x-rule, value: {tag}}}]}}}}]\n    backendRefs: [{{name: {svc}, port: 80}}]\n"
-    )
-}
 
 // ---------------------------------------------------------------------------------------------
 // HTTP backend and client
@@ -180,26 +137,6 @@ async fn send(
 
 async fn get(c: &Client<HttpConnector, Empty<Bytes>>, port: u16, host: &str, path: &str) -> Reply {
     send(c, port, "GET", host, path, &[]).await
-}
-
-/// Applies `yaml` and waits until the gateway port answers.
-async fn start(yaml: &str, port: u16) -> Arc<DataPlane> {
-    let dp = dataplane();
-    start_on(&dp, yaml, port).await;
-    dp
-}
-
-async fn start_on(dp: &DataPlane, yaml: &str, port: u16) {
-    dp.apply(&compile(yaml));
-    let up = eventually(Duration::from_secs(3), || async {
-        TcpStream::connect(("127.0.0.1", port)).await.is_ok()
-    })
-    .await;
-    assert!(
-        up,
-        "gateway port {port} never opened: {:?}",
-        dp.observe().gateway_errors
-    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use keyway_core::gateway::plan::{Backend, Protocol};
 
+use super::h1::{self, BodyKind};
 use super::idle::{Activity, Watched};
 use super::route_match::{self, PathMatch};
-use super::upstream::{Body, ConnectError, H1, H2Error, Io, Relay, Sticky};
+use super::upstream::{Body, ConnectError, H1, H2Error, Io, Outbound, Relay, SendError, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
 
 /// What a request needs to know about its connection; one `Arc` per connection, so a request
@@ -398,19 +399,23 @@ async fn forward(
     if rule.grpc {
         parts.headers.remove(header::HOST);
     }
-    let req = Request::from_parts(parts, Body::Incoming(body));
 
     // The rare paths are boxed: the future of every request stays small (it is moved into
     // hyper's dispatcher whole).
     let send = async {
         if rule.grpc {
+            let req = Request::from_parts(parts, Body::Incoming(body));
             Box::pin(send_h2(ctx, &wb.backend, req))
                 .await
-                .map(|r| (r, None))
+                .map(|r| r.map(Sent::H2))
         } else {
-            send_h1(ctx, info, &wb.backend, req)
-                .await
-                .map(|(r, c)| (r, Some(c)))
+            let out = Outbound::new(&parts, body);
+            send_h1(ctx, info, &wb.backend, out).await.map(|(head, c)| {
+                head.response.map(|()| Sent::H1 {
+                    conn: c,
+                    body: head.body,
+                })
+            })
         }
     };
     let result = match rule.timeout {
@@ -420,48 +425,52 @@ async fn forward(
         },
         None => send.await,
     };
-    let (mut resp, conn) = match result {
+    let resp = match result {
         Ok(r) => r,
         Err(resp) => return resp,
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        let Some(client) = client_upgrade else {
+        let (parts, sent) = resp.into_parts();
+        let (Some(client), Sent::H1 { conn, .. }) = (client_upgrade, sent) else {
             return full(
                 StatusCode::BAD_GATEWAY,
                 "backend switched protocols unasked",
             );
         };
-        let backend = hyper::upgrade::on(&mut resp);
-        // The connection hands its socket over once it has read the 101.
-        if let Some(c) = conn {
-            c.detach();
-        }
+        let mut backend = conn.into_upgraded();
         tokio::spawn(async move {
-            match (client.await, backend.await) {
-                (Ok(c), Ok(b)) => {
-                    let (mut c, mut b) = (TokioIo::new(c), TokioIo::new(b));
-                    let _ = tokio::io::copy_bidirectional(&mut c, &mut b).await;
+            match client.await {
+                Ok(c) => {
+                    let mut c = TokioIo::new(c);
+                    let _ = tokio::io::copy_bidirectional(&mut c, &mut backend).await;
                 }
-                (Err(e), _) | (_, Err(e)) => tracing::debug!("upgrade failed: {e}"),
+                Err(e) => tracing::debug!("upgrade failed: {e}"),
             }
         });
-        let (parts, _) = resp.into_parts();
         let mut out = Response::from_parts(parts, Body::default());
         for m in &f.response_headers {
             m.apply(out.headers_mut());
         }
         return out;
     }
-    strip_hop_by_hop(resp.headers_mut(), false);
+    let (mut parts, sent) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers, false);
     for m in &f.response_headers {
-        m.apply(resp.headers_mut());
+        m.apply(&mut parts.headers);
     }
-    match conn {
-        Some(c) => {
-            resp.map(|b| Body::Relay(Relay::new(b, c, info.upstream.clone(), ctx.pool.clone())))
+    let body = match sent {
+        Sent::H1 { conn, body } => {
+            Relay::start(conn, body, info.upstream.clone(), ctx.pool.clone())
         }
-        None => resp.map(Body::Incoming),
-    }
+        Sent::H2(b) => Body::Incoming(b),
+    };
+    Response::from_parts(parts, body)
+}
+
+/// What a backend answered with, before it becomes the client's response body.
+enum Sent {
+    H1 { conn: H1, body: BodyKind },
+    H2(Incoming),
 }
 
 fn connect_error(e: &ConnectError) -> Response<Body> {
@@ -473,29 +482,32 @@ fn connect_error(e: &ConnectError) -> Response<Body> {
 }
 
 /// Sends over the client connection's backend connection or a pooled one, else a new one. A
-/// reused connection that turns out closed before the request left is given up for the next;
-/// the request then goes on a fresh connection. The connection comes back with the response:
-/// its body drives it (see [`Relay`]).
+/// reused connection that closes before answering is given up for the next; the request then
+/// goes on a fresh connection if that is safe (see [`Outbound`]). The connection comes back
+/// with the response head: the response body is read from it (see [`Relay`]).
 async fn send_h1(
     ctx: &Ctx,
     info: &ConnInfo,
     backend: &Backend,
-    mut req: Request<Body>,
-) -> Result<(Response<Incoming>, H1), Response<Body>> {
+    mut req: Outbound,
+) -> Result<(h1::Head, H1), Response<Body>> {
     while let Some(mut c) = ctx.pool.take_h1(&ctx.shared, backend, &info.upstream) {
         match c.send(req).await {
-            Ok(resp) => return Ok((resp, c)),
-            Err((_, Some(r))) => req = r,
-            Err((e, None)) => {
-                return Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")));
-            }
+            Ok(head) => return Ok((head, c)),
+            Err(SendError::Retry(r)) => req = r,
+            Err(SendError::Failed(e)) => return Err(bad_gateway(&e)),
         }
     }
     let mut c = Box::pin(open_h1(ctx, backend)).await?;
     match c.send(req).await {
-        Ok(resp) => Ok((resp, c)),
-        Err((e, _)) => Err(full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))),
+        Ok(head) => Ok((head, c)),
+        Err(SendError::Retry(_)) => Err(bad_gateway(&h1::Error::Closed)),
+        Err(SendError::Failed(e)) => Err(bad_gateway(&e)),
     }
+}
+
+fn bad_gateway(e: &h1::Error) -> Response<Body> {
+    full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))
 }
 
 /// A fresh HTTP/1.1 connection to `backend`.
@@ -505,10 +517,7 @@ async fn open_h1(ctx: &Ctx, backend: &Backend) -> Result<H1, Response<Body>> {
         .connect(&ctx.shared, backend)
         .await
         .map_err(|e| connect_error(&e))?;
-    ctx.pool
-        .open_h1(c)
-        .await
-        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))
+    Ok(ctx.pool.open_h1(c))
 }
 
 async fn send_h2(

@@ -12,20 +12,23 @@
 //! connection the backend closed meanwhile.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use hyper::Method;
 use hyper::body::{Body as _, Frame, Incoming, SizeHint};
-use hyper::client::conn::{http1, http2};
-use hyper::{Request, Response};
+use hyper::client::conn::http2;
+use hyper::http::request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use keyway_core::gateway::plan::Backend;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+
+use super::h1::{self, BodyKind, Decoded, Framing};
 
 use crate::Shared;
 use crate::listener::{self, Upstream};
@@ -41,7 +44,7 @@ pub enum Body {
     Full(Option<Bytes>),
     /// A client's request body, or an HTTP/2 backend's response body.
     Incoming(Incoming),
-    /// An HTTP/1.1 backend's response body, driving its connection.
+    /// An HTTP/1.1 backend's response body, read from its connection.
     Relay(Relay),
 }
 
@@ -51,18 +54,23 @@ impl Body {
     }
 }
 
+/// The error of a [`Body`]: hyper's, or the backend connection's.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 impl hyper::body::Body for Body {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             Body::Empty => Poll::Ready(None),
             Body::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
-            Body::Incoming(b) => Pin::new(b).poll_frame(cx),
+            Body::Incoming(b) => Pin::new(b)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(Into::into))),
             Body::Relay(b) => Pin::new(b).poll_frame(cx),
         }
     }
@@ -110,82 +118,318 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const PENALTY: Duration = Duration::from_secs(2);
 const MAX_IDLE_PER_KEY: usize = 128;
 
-type ConnFuture = Pin<Box<dyn Future<Output = hyper::Result<()>> + Send>>;
+/// The least room a read of a backend connection gets.
+const READ_SIZE: usize = 16 * 1024;
 
-/// An HTTP/1.1 connection to a backend, driven by its user (see the module documentation).
+/// A request encoded for an [`H1`] connection: its head, and its body still to stream. It
+/// comes back when it could not be sent (see [`SendError::Retry`]), to go on another
+/// connection without being encoded again.
+pub struct Outbound {
+    head: BytesMut,
+    body: Option<(Incoming, Framing)>,
+    head_request: bool,
+    /// Idempotent and without a body: it may be sent again when a reused connection closes
+    /// without answering (the backend's idle timeout raced it; RFC 9110 §9.2.2).
+    retry_safe: bool,
+}
+
+impl Outbound {
+    pub fn new(parts: &request::Parts, body: Incoming) -> Outbound {
+        let mut head = BytesMut::new();
+        let empty = body.is_end_stream();
+        let framing = h1::encode_head(parts, empty, body.size_hint().exact(), &mut head);
+        let body = (!empty || framing != Framing::Length(0)).then_some((body, framing));
+        let retry_safe = body.is_none()
+            && matches!(
+                parts.method,
+                Method::GET
+                    | Method::HEAD
+                    | Method::OPTIONS
+                    | Method::TRACE
+                    | Method::PUT
+                    | Method::DELETE
+            );
+        Outbound {
+            head,
+            body,
+            head_request: h1::is_head(&parts.method),
+            retry_safe,
+        }
+    }
+}
+
+/// Why [`H1::send`] failed.
+pub enum SendError {
+    /// Not answered, and safe to send on another connection.
+    Retry(Outbound),
+    Failed(h1::Error),
+}
+
+/// An HTTP/1.1 connection to a backend (see the module documentation), speaking through the
+/// small codec in [`h1`]: a request's head is written straight to the socket, and its
+/// response body read straight from it by the [`Relay`] that answers the client.
 pub struct H1 {
     key: String,
-    sender: http1::SendRequest<Body>,
-    /// `None` once the connection has ended (a finished future must not be polled again).
-    /// The mutex is never locked (only `get_mut`): it makes the future `Sync`, as response
-    /// bodies must be.
-    conn: Option<Mutex<ConnFuture>>,
+    /// Never locked (only `get_mut`): it makes the connection `Sync`, as response bodies must
+    /// be.
+    io: Mutex<Box<dyn Io>>,
+    /// What was read and not yet consumed.
+    rbuf: BytesMut,
+    /// The request bytes being written, from `wpos` on. A bodiless request's head stays
+    /// whole until its response begins, so it can be sent again.
+    wbuf: BytesMut,
+    wpos: usize,
+    /// Something was written and not yet flushed (TLS and tunnel streams buffer).
+    unflushed: bool,
+    /// Some of the current request was written.
+    wrote: bool,
+    /// The request body still to send, and how it is framed.
+    body: Option<(Incoming, Framing)>,
     /// Counts the connection on its connector target while it is open.
     guard: Option<OpenGuard>,
+    /// A response came over it before: a failure before the next one may be the backend
+    /// having closed it while idle.
+    reused: bool,
+    /// False once it must not carry another request (`Connection: close`, a body delimited
+    /// by the close, an error, a request body not sent whole).
+    reusable: bool,
 }
 
 impl H1 {
-    /// Drives the connection; false once it has ended.
-    fn poll_conn(&mut self, cx: &mut Context<'_>) -> bool {
-        let Some(c) = self.conn.as_mut() else {
-            return false;
-        };
-        let c = c.get_mut().unwrap_or_else(|p| p.into_inner());
-        match c.as_mut().poll(cx) {
-            Poll::Pending => true,
-            Poll::Ready(r) => {
-                if let Err(e) = r {
-                    tracing::debug!(backend = %self.key, "upstream connection ended: {e}");
+    fn new(c: Connected) -> H1 {
+        H1 {
+            key: c.key,
+            io: Mutex::new(c.io),
+            rbuf: BytesMut::new(),
+            wbuf: BytesMut::new(),
+            wpos: 0,
+            unflushed: false,
+            wrote: false,
+            body: None,
+            guard: c.guard,
+            reused: false,
+            reusable: true,
+        }
+    }
+
+    /// Reads more from the backend into `rbuf`; `Ok(0)` at its end.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+        if self.rbuf.capacity() - self.rbuf.len() < READ_SIZE / 4 {
+            self.rbuf.reserve(READ_SIZE);
+        }
+        let io = self.io.get_mut().unwrap_or_else(|p| p.into_inner());
+        tokio_util::io::poll_read_buf(Pin::new(&mut **io), cx, &mut self.rbuf)
+    }
+
+    /// Writes what is pending of the request, pulling its body, until all of it is sent.
+    fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), h1::Error>> {
+        let io = self.io.get_mut().unwrap_or_else(|p| p.into_inner());
+        loop {
+            while self.wpos < self.wbuf.len() {
+                let n = ready!(Pin::new(&mut **io).poll_write(cx, &self.wbuf[self.wpos..]))?;
+                if n == 0 {
+                    return Poll::Ready(Err(
+                        std::io::Error::from(std::io::ErrorKind::WriteZero).into()
+                    ));
                 }
-                self.conn = None;
+                self.wpos += n;
+                self.unflushed = true;
+                self.wrote = true;
+            }
+            if self.unflushed {
+                ready!(Pin::new(&mut **io).poll_flush(cx))?;
+                self.unflushed = false;
+            }
+            let Some((body, framing)) = self.body.as_mut() else {
+                return Poll::Ready(Ok(()));
+            };
+            self.wbuf.clear();
+            self.wpos = 0;
+            match ready!(Pin::new(body).poll_frame(cx)) {
+                None => {
+                    h1::encode_end(*framing, &mut self.wbuf).ok_or(h1::Error::BodyLength)?;
+                    self.body = None;
+                }
+                Some(Ok(frame)) => {
+                    // Trailers of a request body are dropped, as hyper's client did.
+                    if let Ok(data) = frame.into_data() {
+                        h1::encode_data(framing, &data, &mut self.wbuf)
+                            .ok_or(h1::Error::BodyLength)?;
+                    }
+                }
+                Some(Err(e)) => return Poll::Ready(Err(h1::Error::RequestBody(e))),
+            }
+        }
+    }
+
+    /// Sending the request failed while its response streams: the rest is given up, and so
+    /// is the connection once the response ends.
+    fn abandon_request(&mut self) {
+        self.body = None;
+        self.wbuf.clear();
+        self.wpos = 0;
+        self.reusable = false;
+    }
+
+    /// Whether the request is sent whole and nothing more was read: the connection may carry
+    /// another request once its response has ended.
+    fn is_clean(&self) -> bool {
+        self.reusable && self.body.is_none() && self.wpos >= self.wbuf.len() && self.rbuf.is_empty()
+    }
+
+    /// Polls the connection once without a task to wake (an idle connection needs none: its
+    /// next user polls it again); true if it is open and can take a request now.
+    fn check_idle(&mut self) -> bool {
+        if !self.is_clean() {
+            return false;
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        match self.poll_fill(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Ok(0)) => false,
+            Poll::Ready(Ok(_)) => {
+                tracing::debug!(backend = %self.key, "{}", h1::Error::Unsolicited);
+                false
+            }
+            Poll::Ready(Err(e)) => {
+                tracing::debug!(backend = %self.key, "upstream connection ended: {e}");
                 false
             }
         }
     }
 
-    /// Drives the connection once without a task to wake (an idle connection needs none:
-    /// its next user polls it again); true if it is open and can take a request now.
-    fn check_idle(&mut self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        self.poll_conn(&mut cx) && self.sender.is_ready()
-    }
-
-    /// Sends `req` and drives the connection until the response head arrives. On error, the
-    /// request comes back if it was not sent (the connection had closed), so it can be
-    /// retried on another connection.
-    pub async fn send(
-        &mut self,
-        req: Request<Body>,
-    ) -> Result<Response<Incoming>, (hyper::Error, Option<Request<Body>>)> {
-        let mut response = pin!(self.sender.try_send_request(req));
-        std::future::poll_fn(|cx| {
-            // The connection first, so a response it reads now is ready below in this poll.
-            self.poll_conn(cx);
-            response.as_mut().poll(cx)
-        })
-        .await
-        .map_err(|mut e| {
-            let req = e.take_message();
-            (e.into_error(), req)
-        })
-    }
-
-    /// Lets a connection still busy (an upgrade, a request body still streaming) finish on a
-    /// task of its own; it is not reused.
-    pub fn detach(self) {
-        let H1 { conn, guard, .. } = self;
-        // No runtime (shutting down): the connection just closes.
-        if let Some(conn) = conn
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
-        {
-            let conn = conn.into_inner().unwrap_or_else(|p| p.into_inner());
-            rt.spawn(async move {
-                let _guard = guard;
-                if let Err(e) = conn.await {
-                    tracing::debug!("upstream connection ended: {e}");
+    /// Sends `req` and reads until the response head arrives (skipping `1xx` interim
+    /// responses). The request body streams meanwhile and afterwards (see [`Relay`]).
+    pub async fn send(&mut self, req: Outbound) -> Result<h1::Head, SendError> {
+        let Outbound {
+            head,
+            body,
+            head_request,
+            retry_safe,
+        } = req;
+        self.wbuf = head;
+        self.wpos = 0;
+        self.wrote = false;
+        self.body = body;
+        let mut write_error = None;
+        let mut answered = false;
+        let result = std::future::poll_fn(|cx| {
+            if write_error.is_none()
+                && let Poll::Ready(Err(e)) = self.poll_send(cx)
+            {
+                write_error = Some(e);
+                if !self.wrote || (retry_safe && self.reused) {
+                    return Poll::Ready(Err(None));
                 }
-            });
+                self.abandon_request();
+            }
+            loop {
+                match h1::parse_head(&mut self.rbuf, head_request) {
+                    Ok(Some(h)) => return Poll::Ready(Ok(h)),
+                    Ok(None) => {}
+                    Err(e) => return Poll::Ready(Err(Some(e))),
+                }
+                match ready!(self.poll_fill(cx)) {
+                    Ok(0) if !answered && retry_safe && self.reused => {
+                        return Poll::Ready(Err(None));
+                    }
+                    Ok(0) => {
+                        let e = if self.rbuf.is_empty() {
+                            h1::Error::Closed
+                        } else {
+                            h1::Error::Truncated
+                        };
+                        return Poll::Ready(Err(Some(write_error.take().unwrap_or(e))));
+                    }
+                    Ok(_) => answered = true,
+                    Err(_) if !answered && retry_safe && self.reused => {
+                        return Poll::Ready(Err(None));
+                    }
+                    Err(e) => return Poll::Ready(Err(Some(e.into()))),
+                }
+            }
+        })
+        .await;
+        match result {
+            Ok(h) => {
+                self.reused = true;
+                if !h.keep_alive {
+                    self.reusable = false;
+                }
+                if self.body.is_none() && self.wpos >= self.wbuf.len() {
+                    self.wbuf.clear();
+                    self.wpos = 0;
+                }
+                Ok(h)
+            }
+            Err(None) => {
+                if let Some(e) = write_error {
+                    tracing::debug!(backend = %self.key, "reused connection failed: {e}");
+                }
+                self.reusable = false;
+                Err(SendError::Retry(Outbound {
+                    head: std::mem::take(&mut self.wbuf),
+                    body: self.body.take(),
+                    head_request,
+                    retry_safe,
+                }))
+            }
+            Err(Some(e)) => {
+                self.reusable = false;
+                Err(SendError::Failed(e))
+            }
         }
+    }
+
+    /// The connection after `101 Switching Protocols`, for a raw copy both ways.
+    pub fn into_upgraded(self) -> Upgraded {
+        Upgraded {
+            io: self.io.into_inner().unwrap_or_else(|p| p.into_inner()),
+            read: self.rbuf,
+            _guard: self.guard,
+        }
+    }
+}
+
+/// A backend connection that switched protocols: what was read past the `101` head comes
+/// first, then the connection itself.
+pub struct Upgraded {
+    io: Box<dyn Io>,
+    read: BytesMut,
+    _guard: Option<OpenGuard>,
+}
+
+impl AsyncRead for Upgraded {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.read.is_empty() {
+            let n = this.read.len().min(buf.remaining());
+            buf.put_slice(&this.read.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut *this.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Upgraded {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut *self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.get_mut().io).poll_shutdown(cx)
     }
 }
 
@@ -202,79 +446,154 @@ struct StickySlot {
     closed: bool,
 }
 
-/// A response body from an [`H1`] connection, which it drives while the body streams; when
-/// the body is complete the connection goes back to its client connection's [`Sticky`] (or
-/// the pool). A body dropped before its end closes the connection.
+/// A response body read from an [`H1`] connection as the client takes it; when the body is
+/// complete the connection goes back to its client connection's [`Sticky`] (or the pool). A
+/// body dropped before its end closes the connection.
 pub struct Relay {
-    inner: Incoming,
+    /// `None` once the body has ended (or failed).
     up: Option<H1>,
+    decoder: Decoder,
     home: Arc<Sticky>,
     pool: Arc<Pool>,
 }
 
+enum Decoder {
+    /// This many bytes still to come.
+    Length(u64),
+    Chunked(h1::Chunked),
+    /// Until the backend closes.
+    Close,
+}
+
+/// One step of reading a response body.
+enum Step {
+    Data(Bytes),
+    /// The data ends the body.
+    Last(Bytes),
+    End,
+}
+
 impl Relay {
-    pub fn new(inner: Incoming, up: H1, home: Arc<Sticky>, pool: Arc<Pool>) -> Relay {
-        Relay {
-            inner,
+    /// The body of the response whose head `up` just read: a body that is already complete
+    /// (none at all) gives the connection back at once.
+    pub fn start(up: H1, kind: BodyKind, home: Arc<Sticky>, pool: Arc<Pool>) -> Body {
+        let decoder = match kind {
+            BodyKind::Length(0) | BodyKind::Upgrade => {
+                if up.is_clean() {
+                    pool.release(&home, up);
+                }
+                return Body::Empty;
+            }
+            BodyKind::Length(n) => Decoder::Length(n),
+            BodyKind::Chunked => Decoder::Chunked(h1::Chunked::default()),
+            BodyKind::Close => Decoder::Close,
+        };
+        Body::Relay(Relay {
             up: Some(up),
+            decoder,
             home,
             pool,
+        })
+    }
+
+    fn step(
+        up: &mut H1,
+        decoder: &mut Decoder,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Step, h1::Error>> {
+        if (up.body.is_some() || up.wpos < up.wbuf.len())
+            && let Poll::Ready(Err(e)) = up.poll_send(cx)
+        {
+            tracing::debug!(backend = %up.key, "sending the request body failed: {e}");
+            up.abandon_request();
+        }
+        loop {
+            match decoder {
+                Decoder::Length(left) => {
+                    if !up.rbuf.is_empty() {
+                        let n = usize::try_from(*left)
+                            .unwrap_or(usize::MAX)
+                            .min(up.rbuf.len());
+                        let data = up.rbuf.split_to(n).freeze();
+                        *left -= n as u64;
+                        return Poll::Ready(Ok(if *left == 0 {
+                            Step::Last(data)
+                        } else {
+                            Step::Data(data)
+                        }));
+                    }
+                }
+                Decoder::Chunked(c) => match c.decode(&mut up.rbuf)? {
+                    Decoded::Data(d) => return Poll::Ready(Ok(Step::Data(d))),
+                    Decoded::Done => return Poll::Ready(Ok(Step::End)),
+                    Decoded::NeedMore => {}
+                },
+                Decoder::Close => {
+                    if !up.rbuf.is_empty() {
+                        let n = up.rbuf.len();
+                        return Poll::Ready(Ok(Step::Data(up.rbuf.split_to(n).freeze())));
+                    }
+                }
+            }
+            match ready!(up.poll_fill(cx))? {
+                0 if matches!(decoder, Decoder::Close) => {
+                    up.reusable = false;
+                    return Poll::Ready(Ok(Step::End));
+                }
+                0 => return Poll::Ready(Err(h1::Error::Truncated)),
+                _ => {}
+            }
         }
     }
 
-    fn finish(&mut self, cx: &mut Context<'_>) {
-        if let Some(mut up) = self.up.take() {
-            // Let the connection see the end of the response and ask for the next request.
-            if !up.poll_conn(cx) {
-                return;
-            }
-            if up.sender.is_ready() {
-                self.pool.release(&self.home, up);
-            } else {
-                up.detach();
-            }
+    fn finish(&mut self) {
+        if let Some(up) = self.up.take()
+            && up.is_clean()
+        {
+            self.pool.release(&self.home, up);
         }
     }
 }
 
 impl hyper::body::Body for Relay {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        if let Some(up) = this.up.as_mut()
-            && !up.poll_conn(cx)
-        {
-            this.up = None;
+        let Some(up) = this.up.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match ready!(Self::step(up, &mut this.decoder, cx)) {
+            Ok(Step::Data(d)) => Poll::Ready(Some(Ok(Frame::data(d)))),
+            Ok(Step::Last(d)) => {
+                this.finish();
+                Poll::Ready(Some(Ok(Frame::data(d))))
+            }
+            Ok(Step::End) => {
+                this.finish();
+                Poll::Ready(None)
+            }
+            Err(e) => {
+                tracing::debug!(backend = %up.key, "response body: {e}");
+                this.up = None;
+                Poll::Ready(Some(Err(e.into())))
+            }
         }
-        let frame = Pin::new(&mut this.inner).poll_frame(cx);
-        match &frame {
-            Poll::Ready(None) => this.finish(cx),
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.finish(cx),
-            Poll::Ready(Some(Err(_))) => this.up = None,
-            _ => {}
-        }
-        frame
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.up.is_none() || matches!(self.decoder, Decoder::Length(0))
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        // The server stops polling a body whose length says it is complete.
-        if self.up.is_some() && self.inner.is_end_stream() {
-            self.finish(&mut Context::from_waker(Waker::noop()));
+        match self.decoder {
+            Decoder::Length(n) => SizeHint::with_exact(n),
+            _ if self.up.is_none() => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
         }
     }
 }
@@ -481,7 +800,7 @@ impl Pool {
     }
 
     fn put_h1(&self, c: H1) {
-        if c.conn.is_none() || c.sender.is_closed() {
+        if !c.is_clean() {
             return;
         }
         let mut idle = lock(&self.h1);
@@ -491,15 +810,9 @@ impl Pool {
         }
     }
 
-    /// Opens an HTTP/1.1 connection (with upgrades, for WebSocket pass-through).
-    pub async fn open_h1(&self, c: Connected) -> Result<H1, hyper::Error> {
-        let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(c.io)).await?;
-        Ok(H1 {
-            key: c.key,
-            sender,
-            conn: Some(Mutex::new(Box::pin(conn.with_upgrades()))),
-            guard: c.guard,
-        })
+    /// An HTTP/1.1 connection over a fresh backend connection.
+    pub fn open_h1(&self, c: Connected) -> H1 {
+        H1::new(c)
     }
 
     /// A multiplexed HTTP/2 (prior knowledge) connection for gRPC backends.

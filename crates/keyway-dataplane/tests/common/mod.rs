@@ -18,7 +18,7 @@ use keyway_core::plan::{
     ClientTls, ConnectorPlan, HealthCheck, KeySelection, ListenerPlan, Plan, ServerTls,
 };
 use keyway_core::tls::{TlsMaterial, material_from_secret};
-use keyway_core::{Kind, ObjectKey};
+use keyway_core::{Kind, ObjectKey, ObjectState, Time, jiff, load_file, offline};
 use keyway_dataplane::DataPlane;
 use keyway_dataplane::metrics::Metrics;
 use rcgen::{
@@ -223,6 +223,70 @@ impl Drop for Backend {
             a.abort();
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gateway configuration
+
+pub fn compile(yaml: &str) -> Plan {
+    let files = vec![load_file("gw.yaml", yaml)];
+    let mut state = ObjectState::default();
+    let c = offline::compile(&files, &mut state, &Time(jiff::Timestamp::now()));
+    c.resolution.plan
+}
+
+/// A Service `name` whose EndpointSlice points at `addr`.
+pub fn service(name: &str, addr: SocketAddr) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"{}\"]}}]\nports: [{{port: {}}}]\n",
+        addr.ip(),
+        addr.port()
+    )
+}
+
+pub fn gateway(listeners: &str) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n{listeners}"
+    )
+}
+
+/// An HTTPRoute; `minute` orders creation (older wins ties).
+pub fn http_route(name: &str, minute: u32, section: &str, rules: &str) -> String {
+    let parent = if section.is_empty() {
+        "{name: gw}".to_string()
+    } else {
+        format!("{{name: gw, sectionName: {section}}}")
+    };
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {name}, creationTimestamp: \"2024-01-01T00:{minute:02}:00Z\"}}\nspec:\n  parentRefs: [{parent}]\n  rules:\n{rules}"
+    )
+}
+
+/// A rule that tags the request with `x-rule: <tag>` and sends it to Service `svc`.
+pub fn tagged(matches: &str, tag: &str, svc: &str) -> String {
+    format!(
+        "  - matches: {matches}\n    filters: [{{type: RequestHeaderModifier, requestHeaderModifier: {{set: [{{name: x-rule, value: {tag}}}]}}}}]\n    backendRefs: [{{name: {svc}, port: 80}}]\n"
+    )
+}
+
+/// Applies `yaml` and waits until the gateway port answers.
+pub async fn start(yaml: &str, port: u16) -> Arc<DataPlane> {
+    let dp = dataplane();
+    start_on(&dp, yaml, port).await;
+    dp
+}
+
+pub async fn start_on(dp: &DataPlane, yaml: &str, port: u16) {
+    dp.apply(&compile(yaml));
+    let up = eventually(Duration::from_secs(3), || async {
+        TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+    })
+    .await;
+    assert!(
+        up,
+        "gateway port {port} never opened: {:?}",
+        dp.observe().gateway_errors
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,813 @@
+//! The HTTP/1.1 client side of backend connections, as plain functions over byte buffers:
+//! encoding a request head, parsing a response head, decoding a chunked body. The connection
+//! that drives them is [`super::upstream::H1`]; hyper's client was replaced by this because its
+//! per-request machinery (a dispatch channel, a oneshot, a body channel) cost more CPU than the
+//! parsing itself.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::http::request;
+use hyper::{Method, Response, StatusCode, Version};
+
+/// The largest response head accepted (status line, headers, and any 1xx heads before it).
+pub const MAX_HEAD: usize = 64 * 1024;
+/// The most header lines in one response head.
+const MAX_HEADERS: usize = 100;
+/// The longest chunk-size line (with extensions) accepted.
+const MAX_CHUNK_LINE: usize = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid response head: {0}")]
+    Parse(#[from] httparse::Error),
+    #[error("response head larger than {MAX_HEAD} bytes")]
+    HeadTooLarge,
+    #[error("invalid response header {0}")]
+    Header(String),
+    #[error("invalid Content-Length in response")]
+    ContentLength,
+    #[error("Transfer-Encoding in an HTTP/1.0 response")]
+    TransferEncoding10,
+    #[error("invalid chunk size line")]
+    ChunkSize,
+    #[error("chunk data not followed by CRLF")]
+    ChunkEnd,
+    #[error("response trailers larger than {MAX_HEAD} bytes")]
+    TrailersTooLarge,
+    #[error("backend closed the connection before the response ended")]
+    Truncated,
+    #[error("backend closed the connection without responding")]
+    Closed,
+    #[error("backend sent data after the response")]
+    Unsolicited,
+    #[error("request body: {0}")]
+    RequestBody(hyper::Error),
+    #[error("request body does not match its Content-Length")]
+    BodyLength,
+    #[error("backend I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// How a request body is framed on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// This many bytes still to send.
+    Length(u64),
+    Chunked,
+}
+
+/// Encodes the request head into `dst` (origin-form target, HTTP/1.1) and says how its body
+/// goes. The framing follows hyper's client: a Content-Length the request already carries is
+/// kept; otherwise a body known to be empty gets none, one of known size a Content-Length, and
+/// any other is chunked. `body_empty` and `body_len` come from the body's end-of-stream flag and
+/// size hint.
+pub fn encode_head(
+    head: &request::Parts,
+    body_empty: bool,
+    body_len: Option<u64>,
+    dst: &mut BytesMut,
+) -> Framing {
+    let target = head
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .filter(|p| !p.is_empty())
+        .unwrap_or("/");
+    let size = head.method.as_str().len()
+        + target.len()
+        + 13
+        + head
+            .headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len() + 4)
+            .sum::<usize>()
+        + 32;
+    dst.reserve(size);
+    dst.put_slice(head.method.as_str().as_bytes());
+    dst.put_u8(b' ');
+    dst.put_slice(target.as_bytes());
+    dst.put_slice(b" HTTP/1.1\r\n");
+    for (k, v) in &head.headers {
+        dst.put_slice(k.as_str().as_bytes());
+        dst.put_slice(b": ");
+        dst.put_slice(v.as_bytes());
+        dst.put_slice(b"\r\n");
+    }
+    let framing = match content_length(&head.headers) {
+        Ok(Some(n)) => Framing::Length(n),
+        // An invalid Content-Length cannot come from hyper's server: treat it as unknown.
+        Ok(None) | Err(_) if body_empty => Framing::Length(0),
+        Ok(None) | Err(_) => match body_len {
+            Some(n) => {
+                dst.put_slice(b"content-length: ");
+                dst.put_slice(n.to_string().as_bytes());
+                dst.put_slice(b"\r\n");
+                Framing::Length(n)
+            }
+            None => {
+                dst.put_slice(b"transfer-encoding: chunked\r\n");
+                Framing::Chunked
+            }
+        },
+    };
+    dst.put_slice(b"\r\n");
+    framing
+}
+
+/// Appends one piece of request body to `dst` as `framing` wants it; `None` if the body is
+/// longer than its Content-Length.
+pub fn encode_data(framing: &mut Framing, data: &[u8], dst: &mut BytesMut) -> Option<()> {
+    if data.is_empty() {
+        return Some(());
+    }
+    match framing {
+        Framing::Length(left) => {
+            *left = left.checked_sub(data.len() as u64)?;
+            dst.put_slice(data);
+        }
+        Framing::Chunked => {
+            dst.reserve(data.len() + 20);
+            dst.put_slice(format!("{:x}\r\n", data.len()).as_bytes());
+            dst.put_slice(data);
+            dst.put_slice(b"\r\n");
+        }
+    }
+    Some(())
+}
+
+/// Ends a request body: the last chunk if chunked; `None` if it was shorter than its
+/// Content-Length.
+pub fn encode_end(framing: Framing, dst: &mut BytesMut) -> Option<()> {
+    match framing {
+        Framing::Length(0) => Some(()),
+        Framing::Length(_) => None,
+        Framing::Chunked => {
+            dst.put_slice(b"0\r\n\r\n");
+            Some(())
+        }
+    }
+}
+
+/// How a response body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    /// Exactly this many bytes (0: no body: HEAD, 204, 304, or `Content-Length: 0`).
+    Length(u64),
+    Chunked,
+    /// Until the backend closes the connection.
+    Close,
+    /// `101 Switching Protocols`: the connection now carries another protocol.
+    Upgrade,
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct Head {
+    pub response: Response<()>,
+    pub body: BodyKind,
+    /// Whether the connection may carry another request after this response.
+    pub keep_alive: bool,
+}
+
+/// Parses the response head at the start of `buf` and removes it (with any `1xx` interim
+/// responses before it, which are skipped); `Ok(None)` while it is incomplete. The header
+/// values share the head's bytes instead of being copied.
+pub fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Error> {
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut res = httparse::Response::new(&mut headers);
+        let len = match res.parse(buf)? {
+            httparse::Status::Complete(len) => len,
+            httparse::Status::Partial if buf.len() >= MAX_HEAD => {
+                return Err(Error::HeadTooLarge);
+            }
+            httparse::Status::Partial => return Ok(None),
+        };
+        if len > MAX_HEAD {
+            return Err(Error::HeadTooLarge);
+        }
+        let code = res.code.unwrap_or_default();
+        let status =
+            StatusCode::from_u16(code).map_err(|_| Error::Parse(httparse::Error::Status))?;
+        if status.is_informational() && code != 101 {
+            // `100 Continue` and the like: the final response follows.
+            let _ = buf.split_to(len);
+            continue;
+        }
+        let version = if res.version == Some(1) {
+            Version::HTTP_11
+        } else {
+            Version::HTTP_10
+        };
+        let reason = res
+            .reason
+            .filter(|r| Some(*r) != status.canonical_reason())
+            .and_then(|r| hyper::ext::ReasonPhrase::try_from(r.as_bytes()).ok());
+        // Where each name and value lies in the head, so they can be cut from its bytes.
+        let base = buf.as_ptr() as usize;
+        let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+        let n = res.headers.len();
+        for (span, h) in spans.iter_mut().zip(res.headers.iter()) {
+            let name = h.name.as_ptr() as usize - base;
+            let value = h.value.as_ptr() as usize - base;
+            *span = (name, name + h.name.len(), value, value + h.value.len());
+        }
+        let bytes = buf.split_to(len).freeze();
+        let mut map = HeaderMap::with_capacity(n);
+        let mut keep_alive = version == Version::HTTP_11;
+        let mut close = false;
+        for &(ns, ne, vs, ve) in &spans[..n] {
+            let name = HeaderName::from_bytes(&bytes[ns..ne])
+                .map_err(|_| Error::Header(String::from_utf8_lossy(&bytes[ns..ne]).into()))?;
+            let value = HeaderValue::from_maybe_shared(bytes.slice(vs..ve))
+                .map_err(|_| Error::Header(name.to_string()))?;
+            if name == header::CONNECTION {
+                if has_token(&value, "close") {
+                    close = true;
+                } else if has_token(&value, "keep-alive") {
+                    keep_alive = true;
+                }
+            }
+            map.append(name, value);
+        }
+        let body = body_kind(status, version, &map, head_request)?;
+        let keep_alive =
+            keep_alive && !close && !matches!(body, BodyKind::Close | BodyKind::Upgrade);
+        let mut response = Response::new(());
+        *response.status_mut() = status;
+        // The backend's version only decides keep-alive: the client gets the gateway's own
+        // (RFC 9110 §6.2), and an HTTP/1.0 backend does not close the client connection.
+        *response.version_mut() = Version::HTTP_11;
+        *response.headers_mut() = map;
+        if let Some(r) = reason {
+            response.extensions_mut().insert(r);
+        }
+        return Ok(Some(Head {
+            response,
+            body,
+            keep_alive,
+        }));
+    }
+}
+
+/// Whether the request method means the response has no body however it is framed.
+pub fn is_head(method: &Method) -> bool {
+    method == Method::HEAD
+}
+
+/// RFC 9112 §6.3, as hyper's client reads it.
+fn body_kind(
+    status: StatusCode,
+    version: Version,
+    h: &HeaderMap,
+    head_request: bool,
+) -> Result<BodyKind, Error> {
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        return Ok(BodyKind::Upgrade);
+    }
+    if head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        return Ok(BodyKind::Length(0));
+    }
+    if h.contains_key(header::TRANSFER_ENCODING) {
+        if version == Version::HTTP_10 {
+            return Err(Error::TransferEncoding10);
+        }
+        // Chunked only if it is the final coding; otherwise the body runs to the close.
+        let last = h
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .next_back()
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit(',').next())
+            .map(str::trim);
+        return Ok(match last {
+            Some(c) if c.eq_ignore_ascii_case("chunked") => BodyKind::Chunked,
+            _ => BodyKind::Close,
+        });
+    }
+    match content_length(h) {
+        Ok(Some(n)) => Ok(BodyKind::Length(n)),
+        Ok(None) => Ok(BodyKind::Close),
+        Err(()) => Err(Error::ContentLength),
+    }
+}
+
+/// The Content-Length, if any; `Err` if invalid or if several values differ.
+fn content_length(h: &HeaderMap) -> Result<Option<u64>, ()> {
+    let mut found = None;
+    for v in h.get_all(header::CONTENT_LENGTH) {
+        let s = v.to_str().map_err(|_| ())?;
+        for part in s.split(',') {
+            let part = part.trim();
+            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(());
+            }
+            let n: u64 = part.parse().map_err(|_| ())?;
+            if found.is_some_and(|f| f != n) {
+                return Err(());
+            }
+            found = Some(n);
+        }
+    }
+    Ok(found)
+}
+
+fn has_token(v: &HeaderValue, token: &str) -> bool {
+    v.to_str()
+        .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+}
+
+/// Decodes a chunked body as its bytes arrive; chunk boundaries need not match reads.
+/// Trailers are read and dropped.
+#[derive(Debug, Default)]
+pub struct Chunked {
+    state: ChunkState,
+    trailer_bytes: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    /// Expecting a chunk-size line.
+    #[default]
+    Size,
+    /// This many data bytes of the current chunk are still to come.
+    Data(u64),
+    /// Expecting the CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer lines until an empty one.
+    Trailer,
+    Done,
+}
+
+/// What [`Chunked::decode`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decoded {
+    Data(Bytes),
+    /// `buf` holds no complete next piece: read more.
+    NeedMore,
+    Done,
+}
+
+impl Chunked {
+    pub fn is_done(&self) -> bool {
+        self.state == ChunkState::Done
+    }
+
+    /// The next piece of body data from `buf` (consumed), or what it lacks.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, Error> {
+        loop {
+            match self.state {
+                ChunkState::Size => {
+                    let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
+                        if buf.len() > MAX_CHUNK_LINE {
+                            return Err(Error::ChunkSize);
+                        }
+                        return Ok(Decoded::NeedMore);
+                    };
+                    if nl > MAX_CHUNK_LINE {
+                        return Err(Error::ChunkSize);
+                    }
+                    let size = chunk_size(&buf[..=nl]).ok_or(Error::ChunkSize)?;
+                    let _ = buf.split_to(nl + 1);
+                    self.state = if size == 0 {
+                        ChunkState::Trailer
+                    } else {
+                        ChunkState::Data(size)
+                    };
+                }
+                ChunkState::Data(left) => {
+                    if buf.is_empty() {
+                        return Ok(Decoded::NeedMore);
+                    }
+                    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+                    let data = buf.split_to(n).freeze();
+                    let left = left - n as u64;
+                    self.state = if left == 0 {
+                        ChunkState::DataEnd
+                    } else {
+                        ChunkState::Data(left)
+                    };
+                    return Ok(Decoded::Data(data));
+                }
+                ChunkState::DataEnd => {
+                    match buf.first() {
+                        None => return Ok(Decoded::NeedMore),
+                        Some(b'\r') => {}
+                        Some(_) => return Err(Error::ChunkEnd),
+                    }
+                    match buf.get(1) {
+                        None => return Ok(Decoded::NeedMore),
+                        Some(b'\n') => {}
+                        Some(_) => return Err(Error::ChunkEnd),
+                    }
+                    let _ = buf.split_to(2);
+                    self.state = ChunkState::Size;
+                }
+                ChunkState::Trailer => {
+                    let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
+                        if self.trailer_bytes + buf.len() > MAX_HEAD {
+                            return Err(Error::TrailersTooLarge);
+                        }
+                        return Ok(Decoded::NeedMore);
+                    };
+                    self.trailer_bytes += nl + 1;
+                    if self.trailer_bytes > MAX_HEAD {
+                        return Err(Error::TrailersTooLarge);
+                    }
+                    let line = buf.split_to(nl + 1);
+                    if &line[..] == b"\r\n" || &line[..] == b"\n" {
+                        self.state = ChunkState::Done;
+                    }
+                }
+                ChunkState::Done => return Ok(Decoded::Done),
+            }
+        }
+    }
+}
+
+/// The size on a chunk-size line (ending in `\n`): hex digits, then optional whitespace and
+/// `;extensions`, then CRLF.
+fn chunk_size(line: &[u8]) -> Option<u64> {
+    let line = line.strip_suffix(b"\n")?;
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 || digits > 16 {
+        return None;
+    }
+    let rest = &line[digits..];
+    let rest = rest
+        .iter()
+        .position(|&b| b != b' ' && b != b'\t')
+        .map_or(&[][..], |i| &rest[i..]);
+    if !rest.is_empty() && rest[0] != b';' {
+        return None;
+    }
+    let s = std::str::from_utf8(&line[..digits]).ok()?;
+    u64::from_str_radix(s, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(method: &str, uri: &str, headers: &[(&str, &str)]) -> request::Parts {
+        let mut b = hyper::Request::builder().method(method).uri(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(())
+            .map(|r| r.into_parts().0)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn encodes_request_heads_with_their_framing() {
+        // (method, uri, headers, body empty, size hint, expected wire head, framing)
+        type Case<'a> = (
+            &'a str,
+            &'a str,
+            &'a [(&'a str, &'a str)],
+            bool,
+            Option<u64>,
+            &'a str,
+            Framing,
+        );
+        let cases: &[Case] = &[
+            (
+                "GET",
+                "/a?b=c",
+                &[("host", "x"), ("x-y", "z")],
+                true,
+                Some(0),
+                "GET /a?b=c HTTP/1.1\r\nhost: x\r\nx-y: z\r\n\r\n",
+                Framing::Length(0),
+            ),
+            (
+                "POST",
+                "/p",
+                &[("host", "x")],
+                false,
+                Some(5),
+                "POST /p HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\n",
+                Framing::Length(5),
+            ),
+            (
+                "POST",
+                "/p",
+                &[("content-length", "7")],
+                false,
+                Some(7),
+                "POST /p HTTP/1.1\r\ncontent-length: 7\r\n\r\n",
+                Framing::Length(7),
+            ),
+            (
+                "POST",
+                "/p",
+                &[("content-length", "0")],
+                true,
+                Some(0),
+                "POST /p HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
+                Framing::Length(0),
+            ),
+            (
+                "PUT",
+                "/s",
+                &[],
+                false,
+                None,
+                "PUT /s HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n",
+                Framing::Chunked,
+            ),
+            (
+                "GET",
+                "*",
+                &[],
+                true,
+                Some(0),
+                "GET * HTTP/1.1\r\n\r\n",
+                Framing::Length(0),
+            ),
+        ];
+        for (method, uri, headers, empty, len, wire, framing) in cases {
+            let mut dst = BytesMut::new();
+            let f = encode_head(&head(method, uri, headers), *empty, *len, &mut dst);
+            assert_eq!(
+                std::str::from_utf8(&dst).ok(),
+                Some(*wire),
+                "{method} {uri}"
+            );
+            assert_eq!(f, *framing, "{method} {uri}");
+        }
+    }
+
+    #[test]
+    fn encodes_body_data_by_framing() {
+        let mut dst = BytesMut::new();
+        let mut f = Framing::Chunked;
+        assert!(encode_data(&mut f, b"hello", &mut dst).is_some());
+        assert!(encode_data(&mut f, b"", &mut dst).is_some());
+        assert!(encode_data(&mut f, &[b'x'; 26], &mut dst).is_some());
+        assert!(encode_end(f, &mut dst).is_some());
+        let want = format!("5\r\nhello\r\n1a\r\n{}\r\n0\r\n\r\n", "x".repeat(26));
+        assert_eq!(&dst[..], want.as_bytes());
+
+        let mut dst = BytesMut::new();
+        let mut f = Framing::Length(4);
+        assert!(encode_data(&mut f, b"abc", &mut dst).is_some());
+        assert!(encode_end(f, &mut dst).is_none(), "one byte short");
+        assert!(
+            encode_data(&mut f, b"de", &mut dst).is_none(),
+            "one byte long"
+        );
+        let mut f = Framing::Length(4);
+        assert!(encode_data(&mut f, b"abcd", &mut dst).is_some());
+        assert!(encode_end(f, &mut dst).is_some());
+    }
+
+    fn parse(raw: &str, head_request: bool) -> Result<Option<Head>, Error> {
+        parse_head(&mut BytesMut::from(raw), head_request)
+    }
+
+    #[test]
+    fn parses_response_heads_and_their_body_framing() {
+        use BodyKind::*;
+        // (response, HEAD request?, status, body, keep-alive)
+        let cases: &[(&str, bool, u16, BodyKind, bool)] = &[
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n",
+                false,
+                200,
+                Length(12),
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\n",
+                false,
+                200,
+                Length(3),
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+                200,
+                Chunked,
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 9\r\n\r\n",
+                false,
+                200,
+                Chunked,
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+                false,
+                200,
+                Close,
+                false,
+            ),
+            ("HTTP/1.1 200 OK\r\n\r\n", false, 200, Close, false),
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+                true,
+                200,
+                Length(0),
+                true,
+            ),
+            (
+                "HTTP/1.1 204 No Content\r\n\r\n",
+                false,
+                204,
+                Length(0),
+                true,
+            ),
+            (
+                "HTTP/1.1 304 Not Modified\r\nContent-Length: 9\r\n\r\n",
+                false,
+                304,
+                Length(0),
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\n",
+                false,
+                200,
+                Length(1),
+                false,
+            ),
+            (
+                "HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n",
+                false,
+                200,
+                Length(1),
+                false,
+            ),
+            (
+                "HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n",
+                false,
+                200,
+                Length(1),
+                true,
+            ),
+            (
+                "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n",
+                false,
+                101,
+                Upgrade,
+                false,
+            ),
+            (
+                "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n",
+                false,
+                201,
+                Length(0),
+                true,
+            ),
+        ];
+        for (raw, head_request, status, body, keep_alive) in cases {
+            let h = match parse(raw, *head_request) {
+                Ok(Some(h)) => h,
+                other => panic!("{raw:?}: {other:?}"),
+            };
+            assert_eq!(h.response.status().as_u16(), *status, "{raw:?}");
+            assert_eq!(h.body, *body, "{raw:?}");
+            assert_eq!(h.keep_alive, *keep_alive, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn keeps_headers_reason_and_what_follows_the_head() {
+        let mut buf = BytesMut::from(
+            "HTTP/1.1 200 Fine\r\nX-A: 1\r\nx-a: 2\r\nContent-Length: 4\r\n\r\nbodyNEXT",
+        );
+        let h = parse_head(&mut buf, false)
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| panic!("no head"));
+        let all: Vec<_> = h.response.headers().get_all("x-a").iter().collect();
+        assert_eq!(all, ["1", "2"]);
+        assert_eq!(
+            h.response
+                .extensions()
+                .get::<hyper::ext::ReasonPhrase>()
+                .map(|r| r.as_bytes()),
+            Some(&b"Fine"[..])
+        );
+        assert_eq!(&buf[..], b"bodyNEXT");
+    }
+
+    #[test]
+    fn incomplete_and_bad_heads() {
+        assert!(matches!(
+            parse("HTTP/1.1 200 OK\r\nContent-Le", false),
+            Ok(None)
+        ));
+        assert!(matches!(
+            parse("HTTP/1.1 100 Continue\r\n\r\n", false),
+            Ok(None)
+        ));
+        let bad = [
+            "garbage\r\n\r\n",
+            "HTTP/1.1 2000 OK\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nBad Name: x\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: +1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999999\r\n\r\n",
+            "HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        ];
+        for raw in bad {
+            assert!(parse(raw, false).is_err(), "{raw:?}");
+        }
+        let big = format!("HTTP/1.1 200 OK\r\nX: {}", "y".repeat(MAX_HEAD));
+        assert!(matches!(parse(&big, false), Err(Error::HeadTooLarge)));
+        let many: String = (0..=MAX_HEADERS).map(|i| format!("h{i}: v\r\n")).collect();
+        assert!(parse(&format!("HTTP/1.1 200 OK\r\n{many}\r\n"), false).is_err());
+    }
+
+    /// Decodes `wire` fed in pieces cut at `cuts`; the data and whether it ended.
+    fn decode_split(wire: &[u8], cuts: &[usize]) -> Result<(Vec<u8>, bool, Vec<u8>), Error> {
+        let mut d = Chunked::default();
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &end in cuts.iter().chain(std::iter::once(&wire.len())) {
+            buf.extend_from_slice(&wire[at..end]);
+            at = end;
+            loop {
+                match d.decode(&mut buf)? {
+                    Decoded::Data(b) => out.extend_from_slice(&b),
+                    Decoded::NeedMore => break,
+                    Decoded::Done => return Ok((out, true, buf.to_vec())),
+                }
+            }
+        }
+        Ok((out, false, buf.to_vec()))
+    }
+
+    #[test]
+    fn decodes_chunked_bodies_split_anywhere() {
+        // (wire, data, complete)
+        let cases: &[(&str, &str, bool)] = &[
+            ("5\r\nhello\r\n0\r\n\r\n", "hello", true),
+            (
+                "5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+                "hello world",
+                true,
+            ),
+            ("A;ext=1\r\n0123456789\r\n0\r\n\r\n", "0123456789", true),
+            (
+                "a \r\n0123456789\r\n0\r\nX-Trailer: 1\r\nY: 2\r\n\r\n",
+                "0123456789",
+                true,
+            ),
+            ("0\r\n\r\n", "", true),
+            ("3\r\nabc\r\n", "abc", false),
+            ("3\r\nab", "ab", false),
+        ];
+        for (wire, data, complete) in cases {
+            let w = wire.as_bytes();
+            // Every single cut, and every byte on its own.
+            let mut splits: Vec<Vec<usize>> = (0..=w.len()).map(|i| vec![i]).collect();
+            splits.push((1..w.len()).collect());
+            for cuts in splits {
+                let (out, done, _) = decode_split(w, &cuts)
+                    .unwrap_or_else(|e| panic!("{wire:?} cut at {cuts:?}: {e}"));
+                assert_eq!(out, data.as_bytes(), "{wire:?} cut at {cuts:?}");
+                assert_eq!(done, *complete, "{wire:?} cut at {cuts:?}");
+            }
+        }
+        // What follows the body stays in the buffer.
+        let (_, _, rest) = decode_split(b"1\r\nx\r\n0\r\n\r\nNEXT", &[]).unwrap_or_default();
+        assert_eq!(rest, b"NEXT");
+    }
+
+    #[test]
+    fn rejects_bad_chunking() {
+        let bad: &[&[u8]] = &[
+            b"x\r\n",
+            b"\r\n",
+            b"5 x\r\nhello\r\n",
+            b"11111111111111111\r\n",
+            b"5\r\nhelloXX",
+            b"5\r\nhello\rX",
+            b"-1\r\n",
+        ];
+        for wire in bad {
+            assert!(
+                decode_split(wire, &[]).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(wire)
+            );
+        }
+        let long = format!("1;{}", "e".repeat(MAX_CHUNK_LINE + 10));
+        assert!(decode_split(long.as_bytes(), &[]).is_err());
+        let trailers = format!("0\r\n{}", "t: v\r\n".repeat(MAX_HEAD / 6 + 1));
+        assert!(matches!(
+            decode_split(trailers.as_bytes(), &[]),
+            Err(Error::TrailersTooLarge)
+        ));
+    }
+}

@@ -1,0 +1,688 @@
+//! The Gateway's HTTP/1.1 backend side against scripted raw backends on 127.0.0.1: response
+//! framings, connection reuse (and when there must be none), request bodies streamed, upgrades
+//! with bytes read ahead, and bad backend input turned into a clean 502, or an aborted response
+//! once its head has gone out.
+
+mod common;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{IO_TIMEOUT, free_port, gateway, http_route, read_line, service, start};
+use http_body_util::channel::Channel;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper::{HeaderMap, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use keyway_dataplane::DataPlane;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+// ---------------------------------------------------------------------------------------------
+// Scripted backend
+
+/// A backend connection as the script sees it: the socket, what was read past the last
+/// request, and the connection's number (from 0, in order of acceptance).
+struct Conn {
+    s: TcpStream,
+    buf: Vec<u8>,
+    n: usize,
+}
+
+impl Conn {
+    async fn fill(&mut self) -> bool {
+        let mut chunk = [0u8; 4096];
+        match self.s.read(&mut chunk).await {
+            Ok(0) | Err(_) => false,
+            Ok(n) => {
+                self.buf.extend_from_slice(&chunk[..n]);
+                true
+            }
+        }
+    }
+
+    /// The next request head (method and path, headers lower-case); `None` once the gateway
+    /// closes.
+    async fn request(&mut self) -> Option<Req> {
+        loop {
+            if let Some(end) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&self.buf[..end]).into_owned();
+                self.buf.drain(..end + 4);
+                let mut lines = head.split("\r\n");
+                let mut first = lines.next().unwrap_or_default().split(' ');
+                let method = first.next().unwrap_or_default().to_string();
+                let path = first.next().unwrap_or_default().to_string();
+                let headers = lines
+                    .filter_map(|l| l.split_once(':'))
+                    .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+                    .collect();
+                return Some(Req {
+                    method,
+                    path,
+                    headers,
+                });
+            }
+            if !self.fill().await {
+                return None;
+            }
+        }
+    }
+
+    /// `n` body bytes.
+    async fn body(&mut self, n: usize) -> Vec<u8> {
+        while self.buf.len() < n {
+            if !self.fill().await {
+                break;
+            }
+        }
+        self.buf.drain(..n.min(self.buf.len())).collect()
+    }
+
+    /// The next chunk of a chunked body (empty: the last one), trailers skipped.
+    async fn chunk(&mut self) -> Vec<u8> {
+        loop {
+            if let Some(nl) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                let size = String::from_utf8_lossy(&self.buf[..nl]).into_owned();
+                let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)
+                    .expect("chunk size");
+                if size == 0 {
+                    while !self.buf.windows(4).any(|w| w == b"\r\n\r\n") && self.fill().await {}
+                    let end = self
+                        .buf
+                        .windows(4)
+                        .position(|w| w == b"\r\n\r\n")
+                        .unwrap_or(self.buf.len() - 4);
+                    self.buf.drain(..end + 4);
+                    return Vec::new();
+                }
+                while self.buf.len() < nl + 2 + size + 2 {
+                    if !self.fill().await {
+                        panic!("chunk cut short");
+                    }
+                }
+                let data = self.buf[nl + 2..nl + 2 + size].to_vec();
+                self.buf.drain(..nl + 2 + size + 2);
+                return data;
+            }
+            if !self.fill().await {
+                panic!("chunked body cut short");
+            }
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        let _ = self.s.write_all(bytes).await;
+    }
+}
+
+struct Req {
+    method: String,
+    path: String,
+    headers: HashMap<String, String>,
+}
+
+/// A backend that runs `script` on every connection it accepts.
+struct Raw {
+    addr: SocketAddr,
+    accepted: Arc<AtomicUsize>,
+}
+
+impl Raw {
+    fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+}
+
+async fn raw<F, Fut>(script: F) -> Raw
+where
+    F: Fn(Conn) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    let script = Arc::new(script);
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let n = count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(script(Conn {
+                s,
+                buf: Vec::new(),
+                n,
+            }));
+        }
+    });
+    Raw { addr, accepted }
+}
+
+/// A backend answering each request with `answers[path]` as it is; one that ends with
+/// `CLOSE` closes the connection after it.
+async fn answering(answers: &[(&str, &str)]) -> Raw {
+    let answers: Arc<HashMap<String, String>> = Arc::new(
+        answers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    );
+    raw(move |mut c| {
+        let answers = answers.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                let Some(a) = answers.get(&req.path) else {
+                    c.send(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                        .await;
+                    continue;
+                };
+                match a.strip_suffix(CLOSE) {
+                    Some(a) => {
+                        c.send(a.as_bytes()).await;
+                        return;
+                    }
+                    None => c.send(a.as_bytes()).await,
+                }
+            }
+        }
+    })
+    .await
+}
+
+const CLOSE: &str = "<close>";
+
+// ---------------------------------------------------------------------------------------------
+// Gateway and client
+
+/// A gateway on a fresh port sending every request to `backend`.
+async fn gateway_to(backend: SocketAddr) -> (Arc<DataPlane>, u16) {
+    let port = free_port();
+    let mut yaml = service("svc", backend);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    (start(&yaml, port).await, port)
+}
+
+/// One keep-alive client connection to the gateway.
+async fn client<B>(port: u16) -> SendRequest<B>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    sender
+}
+
+/// What the client got: a whole response, or one cut off (before or after its head).
+#[derive(Debug)]
+enum Outcome {
+    Whole(StatusCode, HeaderMap, Bytes),
+    /// Why, for failure messages (through `Debug`).
+    Aborted(#[allow(dead_code)] String),
+}
+
+impl Outcome {
+    fn status(&self) -> Option<u16> {
+        match self {
+            Outcome::Whole(s, _, _) => Some(s.as_u16()),
+            Outcome::Aborted(_) => None,
+        }
+    }
+
+    fn body(&self) -> &[u8] {
+        match self {
+            Outcome::Whole(_, _, b) => b,
+            Outcome::Aborted(_) => b"",
+        }
+    }
+}
+
+async fn exchange<B>(c: &mut SendRequest<B>, req: Request<B>) -> Outcome
+where
+    B: hyper::body::Body + Send + 'static,
+{
+    let go = async {
+        if let Err(e) = c.ready().await {
+            return Outcome::Aborted(format!("connection: {e}"));
+        }
+        let resp = match c.send_request(req).await {
+            Ok(r) => r,
+            Err(e) => return Outcome::Aborted(format!("request: {e}")),
+        };
+        let (parts, body) = resp.into_parts();
+        match body.collect().await {
+            Ok(b) => Outcome::Whole(parts.status, parts.headers, b.to_bytes()),
+            Err(e) => Outcome::Aborted(format!("body: {e}")),
+        }
+    };
+    tokio::time::timeout(IO_TIMEOUT, go)
+        .await
+        .expect("exchange timed out")
+}
+
+fn get(path: &str) -> Request<Empty<Bytes>> {
+    req("GET", path)
+}
+
+fn req(method: &str, path: &str) -> Request<Empty<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "x")
+        .body(Empty::new())
+        .expect("request")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_framings_and_connection_reuse() {
+    let be = answering(&[
+        ("/cl", "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"),
+        // What a HEAD gets: the length of a body that is not sent.
+        ("/head", "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"),
+        (
+            "/chunked",
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-t\r\n\r\n5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nx-t: 1\r\n\r\n",
+        ),
+        (
+            "/continue",
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        ),
+        ("/204", "HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n"),
+        (
+            "/304",
+            "HTTP/1.1 304 Not Modified\r\nETag: \"e\"\r\nContent-Length: 5\r\n\r\n",
+        ),
+        (
+            "/hop",
+            "HTTP/1.1 200 OK\r\nConnection: x-secret\r\nX-Secret: 1\r\nKeep-Alive: timeout=5\r\nX-Kept: 1\r\nContent-Length: 0\r\n\r\n",
+        ),
+        (
+            "/conn-close",
+            "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+        ),
+        ("/http10", "HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"),
+        (
+            "/close-delimited",
+            "HTTP/1.1 200 OK\r\n\r\nuntil the close<close>",
+        ),
+    ])
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    let mut c = client(port).await;
+    // (method, path, status, body, backend connections so far)
+    let steps: &[(&str, &str, u16, &str, usize)] = &[
+        ("GET", "/cl", 200, "hello", 1),
+        ("GET", "/chunked", 200, "hello world", 1),
+        ("HEAD", "/head", 200, "", 1),
+        ("GET", "/continue", 200, "ok", 1),
+        ("GET", "/204", 204, "", 1),
+        ("GET", "/304", 304, "", 1),
+        ("GET", "/hop", 200, "", 1),
+        // The backend keeps the connection open, but said it would not: not reused.
+        ("GET", "/conn-close", 200, "ok", 1),
+        ("GET", "/cl", 200, "hello", 2),
+        // HTTP/1.0 without keep-alive: not reused either.
+        ("GET", "/http10", 200, "ok", 2),
+        ("GET", "/cl", 200, "hello", 3),
+        ("GET", "/close-delimited", 200, "until the close", 3),
+        ("GET", "/cl", 200, "hello", 4),
+    ];
+    for (method, path, status, body, conns) in steps {
+        let o = exchange(&mut c, req(method, path)).await;
+        assert_eq!(
+            o.status(),
+            Some(*status),
+            "{method} {path} (backend connections {}): {o:?}",
+            be.accepted()
+        );
+        assert_eq!(o.body(), body.as_bytes(), "{method} {path}");
+        assert_eq!(
+            be.accepted(),
+            *conns,
+            "backend connections after {method} {path}"
+        );
+        if let Outcome::Whole(_, h, _) = &o {
+            match *path {
+                "/head" => {
+                    assert_eq!(
+                        h.get("content-length").map(|v| v.as_bytes()),
+                        Some(&b"5"[..])
+                    );
+                }
+                "/204" => assert!(h.contains_key("x-a")),
+                "/hop" => {
+                    assert!(h.contains_key("x-kept"), "{h:?}");
+                    assert!(!h.contains_key("x-secret"), "{h:?}");
+                    assert!(!h.contains_key("keep-alive"), "{h:?}");
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_backend_input_gives_502_or_an_aborted_response() {
+    let huge = format!(
+        "HTTP/1.1 200 OK\r\nX-Pad: {}\r\nContent-Length: 0\r\n\r\n",
+        "p".repeat(70 * 1024)
+    );
+    let endless = format!("HTTP/1.1 200 OK\r\nX-Pad: {}", "p".repeat(70 * 1024));
+    let answers: Vec<(&str, String)> = vec![
+        ("/garbage", format!("HELLO THERE\r\n\r\n{CLOSE}")),
+        ("/status", format!("HTTP/1.1 2x0 OK\r\n\r\n{CLOSE}")),
+        ("/huge", format!("{huge}{CLOSE}")),
+        // Never ends, and the backend stays: the limit, not the close, must end it.
+        ("/endless", endless),
+        (
+            "/length",
+            format!("HTTP/1.1 200 OK\r\nContent-Length: 1x\r\n\r\n{CLOSE}"),
+        ),
+        (
+            "/lengths",
+            format!("HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nx{CLOSE}"),
+        ),
+        ("/silent", CLOSE.to_string()),
+        ("/mid-head", format!("HTTP/1.1 200 OK\r\nContent-Le{CLOSE}")),
+    ];
+    let aborted: Vec<(&str, String)> = vec![
+        (
+            "/short",
+            format!("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789{CLOSE}"),
+        ),
+        (
+            "/bad-chunk",
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n".to_string(),
+        ),
+        (
+            "/chunk-cut",
+            format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel{CLOSE}"),
+        ),
+        (
+            "/chunk-crlf",
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhelloXX0\r\n\r\n"
+                .to_string(),
+        ),
+        (
+            "/chunks-then-close",
+            format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n{CLOSE}"),
+        ),
+    ];
+    let all: Vec<(&str, &str)> = answers
+        .iter()
+        .chain(&aborted)
+        .map(|(p, a)| (*p, a.as_str()))
+        .collect();
+    let be = answering(&all).await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    for (path, _) in &answers {
+        // A fresh client connection each: a failed one must not poison the next.
+        let mut c = client(port).await;
+        let o = exchange(&mut c, get(path)).await;
+        assert_eq!(o.status(), Some(502), "{path}: {o:?}");
+    }
+    for (path, _) in &aborted {
+        let mut c = client(port).await;
+        let o = exchange(&mut c, get(path)).await;
+        // The head may or may not have gone out before the body failed; never a whole 200.
+        assert!(
+            matches!(o, Outcome::Aborted(_)) || o.status() == Some(502),
+            "{path}: {o:?}"
+        );
+    }
+    // And the gateway still serves.
+    let be = answering(&[("/ok", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")]).await;
+    let (_dp2, port) = gateway_to(be.addr).await;
+    let o = exchange(&mut client(port).await, get("/ok")).await;
+    assert_eq!(o.status(), Some(200));
+}
+
+/// What the echo backend answers: the request's framing and its body, read as framed.
+async fn echo_body(c: &mut Conn, req: &Req, first_chunk: Option<mpsc::Sender<Vec<u8>>>) {
+    let (framing, body) = if let Some(n) = req.headers.get("content-length") {
+        let n: usize = n.parse().expect("content-length");
+        ("length", c.body(n).await)
+    } else if req
+        .headers
+        .get("transfer-encoding")
+        .is_some_and(|t| t == "chunked")
+    {
+        let mut body = Vec::new();
+        let mut first = first_chunk;
+        loop {
+            let chunk = c.chunk().await;
+            if chunk.is_empty() {
+                break;
+            }
+            if let Some(tx) = first.take() {
+                let _ = tx.send(chunk.clone()).await;
+            }
+            body.extend_from_slice(&chunk);
+        }
+        ("chunked", body)
+    } else {
+        ("none", Vec::new())
+    };
+    let text = format!(
+        "{} {framing} {}",
+        req.method,
+        String::from_utf8_lossy(&body)
+    );
+    c.send(
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{text}",
+            text.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_stream_with_their_framing() {
+    let (first_tx, mut first_rx) = mpsc::channel(1);
+    let be = raw(move |mut c| {
+        let first_tx = first_tx.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                if req.path == "/early" {
+                    // Answers before reading the body, then reads on.
+                    c.send(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nearly")
+                        .await;
+                    while c.fill().await {}
+                    return;
+                }
+                echo_body(&mut c, &req, Some(first_tx.clone())).await;
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+
+    let mut c = client::<Full<Bytes>>(port).await;
+    let post = |body: &'static str| {
+        Request::post("/echo")
+            .header("host", "x")
+            .body(Full::new(Bytes::from(body)))
+            .expect("request")
+    };
+    let o = exchange(&mut c, post("hello")).await;
+    assert_eq!(o.body(), b"POST length hello");
+    let o = exchange(&mut c, post("")).await;
+    assert_eq!(o.body(), b"POST none ", "{o:?}");
+    assert_eq!(be.accepted(), 1);
+
+    // A body of unknown length goes chunked, and streams: the backend sees its first part
+    // before the client has sent the rest.
+    let mut c = client::<Channel<Bytes, Infallible>>(port).await;
+    let (mut tx, body) = Channel::new(1);
+    let req = Request::post("/echo")
+        .header("host", "x")
+        .body(body)
+        .expect("request");
+    let pending = tokio::spawn(async move { exchange(&mut c, req).await });
+    tx.send_data(Bytes::from_static(b"first,"))
+        .await
+        .expect("send");
+    let first = tokio::time::timeout(IO_TIMEOUT, first_rx.recv())
+        .await
+        .expect("the first part streamed through");
+    assert_eq!(first.as_deref(), Some(&b"first,"[..]));
+    tx.send_data(Bytes::from_static(b"second"))
+        .await
+        .expect("send");
+    drop(tx);
+    let o = pending.await.expect("task");
+    assert_eq!(o.body(), b"POST chunked first,second", "{o:?}");
+
+    // An answer before the body is sent whole: relayed; the connection is not reused.
+    let mut c = client::<Channel<Bytes, Infallible>>(port).await;
+    let (mut tx, body) = Channel::new(1);
+    let req = Request::post("/early")
+        .header("host", "x")
+        .body(body)
+        .expect("request");
+    tx.send_data(Bytes::from_static(b"part"))
+        .await
+        .expect("send");
+    let o = exchange(&mut c, req).await;
+    assert_eq!(o.body(), b"early", "{o:?}");
+    drop(tx);
+    let before = be.accepted();
+    let mut c = client::<Full<Bytes>>(port).await;
+    let o = exchange(&mut c, post("x")).await;
+    assert_eq!(o.body(), b"POST length x");
+    assert_eq!(be.accepted(), before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_backend_connections_are_noticed_and_unsent_requests_retried() {
+    // Connection 0 answers once and closes while idle; connection 1 answers once and closes
+    // on reading the next request (the backend's idle timeout racing it); later ones serve.
+    let be = raw(|mut c| async move {
+        let n = c.n;
+        let mut served = 0;
+        while let Some(req) = c.request().await {
+            if n <= 1 && served == 1 {
+                return;
+            }
+            echo_body(&mut c, &req, None).await;
+            served += 1;
+            if n == 0 {
+                return;
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    let mut c = client::<Full<Bytes>>(port).await;
+    let get = |m: &str, body: &'static str| {
+        Request::builder()
+            .method(m)
+            .uri("/")
+            .header("host", "x")
+            .body(Full::new(Bytes::from(body)))
+            .expect("request")
+    };
+    assert_eq!(exchange(&mut c, get("GET", "")).await.body(), b"GET none ");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Connection 0 closed meanwhile: noticed before use.
+    assert_eq!(exchange(&mut c, get("GET", "")).await.body(), b"GET none ");
+    assert_eq!(be.accepted(), 2);
+    // Connection 1 closes on this request without answering: sent again on a fresh one.
+    assert_eq!(exchange(&mut c, get("GET", "")).await.body(), b"GET none ");
+    assert_eq!(be.accepted(), 3);
+
+    // Not so a request with a body, which the backend may have acted on.
+    let be = raw(|mut c| async move {
+        let mut served = 0;
+        while let Some(req) = c.request().await {
+            if served == 1 {
+                return;
+            }
+            echo_body(&mut c, &req, None).await;
+            served += 1;
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    let mut c = client::<Full<Bytes>>(port).await;
+    assert_eq!(exchange(&mut c, get("GET", "")).await.status(), Some(200));
+    let o = exchange(&mut c, get("POST", "x")).await;
+    assert_eq!(o.status(), Some(502), "{o:?}");
+    assert_eq!(be.accepted(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_passes_bytes_read_ahead_then_copies_both_ways() {
+    let be = raw(|mut c| async move {
+        if c.request().await.is_none() {
+            return;
+        }
+        // The 101 and the first bytes of the new protocol in one write.
+        c.send(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\nfirst\n")
+            .await;
+        let mut rest = std::mem::take(&mut c.buf);
+        loop {
+            if !rest.is_empty() {
+                c.send(&rest).await;
+                rest.clear();
+            }
+            if !c.fill().await {
+                return;
+            }
+            rest = std::mem::take(&mut c.buf);
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        .await
+        .expect("write");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(IO_TIMEOUT, s.read(&mut byte))
+            .await
+            .expect("head")
+            .expect("read");
+        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&head));
+        head.push(byte[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 101"), "{head:?}");
+    assert_eq!(line(&mut s).await, "first");
+    s.write_all(b"ping\n").await.expect("write");
+    assert_eq!(line(&mut s).await, "ping");
+}
+
+async fn line(s: &mut TcpStream) -> String {
+    tokio::time::timeout(IO_TIMEOUT, read_line(s))
+        .await
+        .expect("line")
+        .expect("read")
+}
