@@ -4,6 +4,8 @@
 //! per-request machinery (a dispatch channel, a oneshot, a body channel) cost more CPU than the
 //! parsing itself.
 
+use std::mem::MaybeUninit;
+
 use bytes::{BufMut, Bytes, BytesMut};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::request;
@@ -127,7 +129,12 @@ pub fn encode_data(framing: &mut Framing, data: &[u8], dst: &mut BytesMut) -> Op
         }
         Framing::Chunked => {
             dst.reserve(data.len() + 20);
-            dst.put_slice(format!("{:x}\r\n", data.len()).as_bytes());
+            let len = data.len();
+            let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1);
+            for i in (0..digits).rev() {
+                dst.put_u8(b"0123456789abcdef"[(len >> (i * 4)) & 0xf]);
+            }
+            dst.put_slice(b"\r\n");
             dst.put_slice(data);
             dst.put_slice(b"\r\n");
         }
@@ -174,9 +181,14 @@ pub struct Head {
 /// values share the head's bytes instead of being copied.
 pub fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Error> {
     loop {
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut res = httparse::Response::new(&mut headers);
-        let len = match res.parse(buf)? {
+        // Uninitialized: zeroing room for every header costs more than parsing a short head.
+        let mut headers = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+        let mut res = httparse::Response::new(&mut []);
+        let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut res,
+            buf,
+            &mut headers,
+        )? {
             httparse::Status::Complete(len) => len,
             httparse::Status::Partial if buf.len() >= MAX_HEAD => {
                 return Err(Error::HeadTooLarge);
@@ -205,18 +217,23 @@ pub fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>
             .and_then(|r| hyper::ext::ReasonPhrase::try_from(r.as_bytes()).ok());
         // Where each name and value lies in the head, so they can be cut from its bytes.
         let base = buf.as_ptr() as usize;
-        let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+        let mut spans = [[0u32; 4]; MAX_HEADERS];
         let n = res.headers.len();
+        // Offsets fit: the head is at most MAX_HEAD bytes.
+        let at = |p: *const u8, len: usize| {
+            [(p as usize - base) as u32, (p as usize - base + len) as u32]
+        };
         for (span, h) in spans.iter_mut().zip(res.headers.iter()) {
-            let name = h.name.as_ptr() as usize - base;
-            let value = h.value.as_ptr() as usize - base;
-            *span = (name, name + h.name.len(), value, value + h.value.len());
+            let [ns, ne] = at(h.name.as_ptr(), h.name.len());
+            let [vs, ve] = at(h.value.as_ptr(), h.value.len());
+            *span = [ns, ne, vs, ve];
         }
         let bytes = buf.split_to(len).freeze();
         let mut map = HeaderMap::with_capacity(n);
         let mut keep_alive = version == Version::HTTP_11;
         let mut close = false;
-        for &(ns, ne, vs, ve) in &spans[..n] {
+        for &[ns, ne, vs, ve] in &spans[..n] {
+            let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
             let name = HeaderName::from_bytes(&bytes[ns..ne])
                 .map_err(|_| Error::Header(String::from_utf8_lossy(&bytes[ns..ne]).into()))?;
             let value = HeaderValue::from_maybe_shared(bytes.slice(vs..ve))
@@ -550,6 +567,18 @@ mod tests {
         assert!(encode_end(f, &mut dst).is_some());
         let want = format!("5\r\nhello\r\n1a\r\n{}\r\n0\r\n\r\n", "x".repeat(26));
         assert_eq!(&dst[..], want.as_bytes());
+        for (len, size) in [
+            (1, "1"),
+            (15, "f"),
+            (16, "10"),
+            (4096, "1000"),
+            (65535, "ffff"),
+        ] {
+            let mut dst = BytesMut::new();
+            assert!(encode_data(&mut Framing::Chunked, &vec![b'y'; len], &mut dst).is_some());
+            assert!(dst.starts_with(format!("{size}\r\n").as_bytes()), "{len}");
+            assert_eq!(dst.len(), size.len() + 2 + len + 2);
+        }
 
         let mut dst = BytesMut::new();
         let mut f = Framing::Length(4);

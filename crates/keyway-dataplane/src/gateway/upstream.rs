@@ -3,13 +3,13 @@
 //! a small pool of keep-alive HTTP/1.1 connections (one multiplexed HTTP/2 connection for gRPC)
 //! per endpoint or connector target.
 //!
-//! An HTTP/1.1 backend connection ([`H1`]) has no task of its own: whoever uses it drives it
-//! (the request until the response head arrives, then the response body, see [`Relay`]). A
-//! proxied request thus stays on the task, and the worker thread, of its client connection
-//! instead of crossing to a connection task and back for the head and every body chunk. A
-//! client connection keeps its backend connection between requests ([`Sticky`]); idle
-//! connections otherwise wait in the pool, undriven, and one poll before reuse notices a
-//! connection the backend closed meanwhile.
+//! An HTTP/1.1 backend connection ([`H1`]) has no task of its own and speaks through the small
+//! codec in [`h1`]: the client connection's task writes the request head to the socket,
+//! reads the response head, and its response body ([`Relay`]) reads the body straight from the
+//! socket. A proxied request thus stays on the task, and the worker thread, of its client
+//! connection, with no channel between them. A client connection keeps its backend connection
+//! between requests ([`Sticky`]); idle connections otherwise wait in the pool, undriven, and
+//! one poll before reuse notices a connection the backend closed meanwhile.
 
 use std::collections::HashMap;
 use std::pin::Pin;
