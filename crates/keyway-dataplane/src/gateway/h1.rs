@@ -50,6 +50,13 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
+impl Error {
+    /// The client's request body failed (not the backend).
+    pub fn is_request_body(&self) -> bool {
+        matches!(self, Error::RequestBody(_) | Error::BodyLength)
+    }
+}
+
 /// How a request body is framed on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Framing {

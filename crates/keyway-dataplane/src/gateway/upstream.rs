@@ -262,8 +262,8 @@ impl H1 {
         }
     }
 
-    /// Sending the request failed while its response streams: the rest is given up, and so
-    /// is the connection once the response ends.
+    /// Writing the request failed while its response may still come: the rest is given up,
+    /// and so is the connection once the response ends.
     fn abandon_request(&mut self) {
         self.body = None;
         self.wbuf.clear();
@@ -317,6 +317,10 @@ impl H1 {
             if write_error.is_none()
                 && let Poll::Ready(Err(e)) = self.poll_send(cx)
             {
+                // The client's body failed: the backend would wait for the rest forever.
+                if e.is_request_body() {
+                    return Poll::Ready(Err(Some(e)));
+                }
                 write_error = Some(e);
                 if !self.wrote || (retry_safe && self.reused) {
                     return Poll::Ready(Err(None));
@@ -504,6 +508,11 @@ impl Relay {
         if (up.body.is_some() || up.wpos < up.wbuf.len())
             && let Poll::Ready(Err(e)) = up.poll_send(cx)
         {
+            // The client's body failed: the backend would wait for the rest forever, so the
+            // response ends too. A write the backend refuses leaves its response readable.
+            if e.is_request_body() {
+                return Poll::Ready(Err(e));
+            }
             tracing::debug!(backend = %up.key, "sending the request body failed: {e}");
             up.abandon_request();
         }
