@@ -384,6 +384,36 @@ async fn response_framings_and_connection_reuse() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_bodies_span_many_reads() {
+    let data: String = (0..300_000)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let sized = format!(
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{data}",
+        data.len()
+    );
+    let chunks: String = data
+        .as_bytes()
+        .chunks(70_000)
+        .map(|c| format!("{:x}\r\n{}\r\n", c.len(), String::from_utf8_lossy(c)))
+        .collect();
+    let chunked = format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n{chunks}0\r\n\r\n");
+    let be = answering(&[("/sized", &sized), ("/chunked", &chunked)]).await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    let mut c = client(port).await;
+    for path in ["/sized", "/chunked", "/sized"] {
+        let o = exchange(&mut c, get(path)).await;
+        assert_eq!(o.status(), Some(200), "{path}");
+        assert!(
+            o.body() == data.as_bytes(),
+            "{path}: {} bytes",
+            o.body().len()
+        );
+    }
+    assert_eq!(be.accepted(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_backend_input_gives_502_or_an_aborted_response() {
     let huge = format!(
         "HTTP/1.1 200 OK\r\nX-Pad: {}\r\nContent-Length: 0\r\n\r\n",
@@ -536,6 +566,14 @@ async fn request_bodies_stream_with_their_framing() {
     assert_eq!(o.body(), b"POST length hello");
     let o = exchange(&mut c, post("")).await;
     assert_eq!(o.body(), b"POST none ", "{o:?}");
+    // More than the socket buffers take at once.
+    let big: &'static str = "b".repeat(2 << 20).leak();
+    let o = exchange(&mut c, post(big)).await;
+    assert!(
+        o.body() == format!("POST length {big}").as_bytes(),
+        "{} bytes",
+        o.body().len()
+    );
     assert_eq!(be.accepted(), 1);
 
     // A body of unknown length goes chunked, and streams: the backend sees its first part
