@@ -120,6 +120,9 @@ const MAX_IDLE_PER_KEY: usize = 128;
 
 /// The least room a read of a backend connection gets.
 const READ_SIZE: usize = 16 * 1024;
+/// The most: reads that fill their room double it up to this, so a large body takes fewer
+/// reads (as hyper's adaptive read buffer did).
+const MAX_READ_SIZE: usize = 256 * 1024;
 
 /// A request encoded for an [`H1`] connection: its head, and its body still to stream. It
 /// comes back when it could not be sent (see [`SendError::Retry`]), to go on another
@@ -175,6 +178,8 @@ pub struct H1 {
     io: Mutex<Box<dyn Io>>,
     /// What was read and not yet consumed.
     rbuf: BytesMut,
+    /// The room the next read gets at least.
+    read_size: usize,
     /// The request bytes being written, from `wpos` on. A bodiless request's head stays
     /// whole until its response begins, so it can be sent again.
     wbuf: BytesMut,
@@ -201,6 +206,7 @@ impl H1 {
             key: c.key,
             io: Mutex::new(c.io),
             rbuf: BytesMut::new(),
+            read_size: READ_SIZE,
             wbuf: BytesMut::new(),
             wpos: 0,
             unflushed: false,
@@ -214,11 +220,24 @@ impl H1 {
 
     /// Reads more from the backend into `rbuf`; `Ok(0)` at its end.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
-        if self.rbuf.capacity() - self.rbuf.len() < READ_SIZE / 4 {
-            self.rbuf.reserve(READ_SIZE);
+        if self.rbuf.capacity() - self.rbuf.len() < self.read_size / 4 {
+            self.rbuf.reserve(self.read_size);
         }
+        let room = self.rbuf.capacity() - self.rbuf.len();
         let io = self.io.get_mut().unwrap_or_else(|p| p.into_inner());
-        tokio_util::io::poll_read_buf(Pin::new(&mut **io), cx, &mut self.rbuf)
+        let n = ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut **io),
+            cx,
+            &mut self.rbuf
+        ))?;
+        self.read_size = if n == room {
+            (self.read_size * 2).min(MAX_READ_SIZE)
+        } else if n < self.read_size / 8 {
+            READ_SIZE
+        } else {
+            self.read_size
+        };
+        Poll::Ready(Ok(n))
     }
 
     /// Writes what is pending of the request, pulling its body, until all of it is sent.
