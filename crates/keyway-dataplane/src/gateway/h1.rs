@@ -255,6 +255,11 @@ pub fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>
             map.append(name, value);
         }
         let body = body_kind(status, version, &map, head_request)?;
+        if map.contains_key(header::TRANSFER_ENCODING) {
+            // Transfer-Encoding overrides Content-Length, which a proxy must then drop
+            // (RFC 9112 §6.3): forwarded, it would frame the client's response wrongly.
+            map.remove(header::CONTENT_LENGTH);
+        }
         let keep_alive =
             keep_alive && !close && !matches!(body, BodyKind::Close | BodyKind::Upgrade);
         let mut response = Response::new(());
@@ -711,6 +716,19 @@ mod tests {
             assert_eq!(h.body, *body, "{raw:?}");
             assert_eq!(h.keep_alive, *keep_alive, "{raw:?}");
         }
+    }
+
+    #[test]
+    fn transfer_encoding_drops_content_length() {
+        let head = parse(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n",
+            false,
+        );
+        let Ok(Some(head)) = head else {
+            panic!("{head:?}");
+        };
+        assert_eq!(head.body, BodyKind::Chunked);
+        assert!(!head.response.headers().contains_key(header::CONTENT_LENGTH));
     }
 
     #[test]
