@@ -758,3 +758,49 @@ async fn line(s: &mut TcpStream) -> String {
         .expect("line")
         .expect("read")
 }
+
+/// A route's timeout covers the exchange until the full response has been received (Gateway
+/// API `timeouts`): a body still streaming at the deadline is cut; one that ends in time is
+/// whole, and the deadline does not outlive its response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_timeout_cuts_a_body_still_streaming() {
+    let be = raw(|mut c| async move {
+        while let Some(req) = c.request().await {
+            c.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                .await;
+            let pieces = if req.path == "/slow" { 10 } else { 1 };
+            for _ in 0..pieces {
+                c.send(b"5\r\nhello\r\n").await;
+                if req.path == "/slow" {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            c.send(b"0\r\n\r\n").await;
+        }
+    })
+    .await;
+    let port = free_port();
+    let mut yaml = service("svc", be.addr);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - timeouts: {request: 400ms}\n    backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let mut c = client(port).await;
+    // 10 pieces 100 ms apart: the head arrives at once, the body would take a second.
+    let slow = exchange(&mut c, get("/slow")).await;
+    assert!(matches!(slow, Outcome::Aborted(_)), "{slow:?}");
+    let mut c = client(port).await;
+    let fast = exchange(&mut c, get("/fast")).await;
+    assert_eq!(fast.status(), Some(200));
+    assert_eq!(fast.body(), b"hello");
+    // Past the first response's deadline, the same connection still serves.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let again = exchange(&mut c, get("/fast")).await;
+    assert_eq!(again.body(), b"hello", "{again:?}");
+}

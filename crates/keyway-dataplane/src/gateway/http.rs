@@ -418,8 +418,11 @@ async fn forward(
             })
         }
     };
-    let result = match rule.timeout {
-        Some(t) => match Box::pin(tokio::time::timeout(t, send)).await {
+    // The route's timeout covers the exchange until the full response has been received:
+    // 504 without a response head by then, and a body still streaming is cut.
+    let deadline = rule.timeout.map(|t| tokio::time::Instant::now() + t);
+    let result = match deadline {
+        Some(at) => match Box::pin(tokio::time::timeout_at(at, send)).await {
             Ok(r) => r,
             Err(_) => return full(StatusCode::GATEWAY_TIMEOUT, "request timed out"),
         },
@@ -463,6 +466,10 @@ async fn forward(
             Relay::start(conn, body, info.upstream.clone(), ctx.pool.clone())
         }
         Sent::H2(b) => Body::Incoming(b),
+    };
+    let body = match deadline {
+        Some(at) => body.until(at),
+        None => body,
     };
     Response::from_parts(parts, body)
 }

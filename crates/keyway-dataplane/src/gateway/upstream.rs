@@ -46,13 +46,35 @@ pub enum Body {
     Incoming(Incoming),
     /// An HTTP/1.1 backend's response body, read from its connection.
     Relay(Relay),
+    /// A response body that must end by a route's timeout (boxed: rare).
+    Deadline(Box<Deadline>),
 }
 
 impl Body {
     pub fn full(data: impl Into<Bytes>) -> Body {
         Body::Full(Some(data.into()))
     }
+
+    /// This body, failing if it has not ended by `at`.
+    pub fn until(self, at: tokio::time::Instant) -> Body {
+        Body::Deadline(Box::new(Deadline {
+            body: self,
+            timer: Box::pin(tokio::time::sleep_until(at)),
+        }))
+    }
 }
+
+/// A response body bounded by the route's timeout, which covers the exchange until the full
+/// response has been received (Gateway API `timeouts`): a body still streaming at the deadline
+/// is cut, and the client sees the response aborted.
+pub struct Deadline {
+    body: Body,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the response did not complete within the route's timeout")]
+pub struct DeadlineExceeded;
 
 /// The error of a [`Body`]: hyper's, or the backend connection's.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -72,6 +94,16 @@ impl hyper::body::Body for Body {
                 .poll_frame(cx)
                 .map(|f| f.map(|r| r.map_err(Into::into))),
             Body::Relay(b) => Pin::new(b).poll_frame(cx),
+            Body::Deadline(d) => {
+                // The body first: data that is ready when the deadline passes still goes.
+                if let Poll::Ready(f) = Pin::new(&mut d.body).poll_frame(cx) {
+                    return Poll::Ready(f);
+                }
+                match d.timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(DeadlineExceeded.into()))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 
@@ -81,6 +113,7 @@ impl hyper::body::Body for Body {
             Body::Full(data) => data.is_none(),
             Body::Incoming(b) => b.is_end_stream(),
             Body::Relay(b) => b.is_end_stream(),
+            Body::Deadline(d) => d.body.is_end_stream(),
         }
     }
 
@@ -90,6 +123,7 @@ impl hyper::body::Body for Body {
             Body::Full(Some(d)) => SizeHint::with_exact(d.len() as u64),
             Body::Incoming(b) => b.size_hint(),
             Body::Relay(b) => b.size_hint(),
+            Body::Deadline(d) => d.body.size_hint(),
         }
     }
 }
