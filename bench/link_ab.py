@@ -7,6 +7,7 @@ time of both sites per GB carried (the figure that does not depend on what a nei
   python3 bench/link_ab.py OLD_BINARY NEW_BINARY --runs 6 --secs 4
   python3 bench/link_ab.py BIN BIN@RUST_LOG=info   # BIN@VAR=VALUE[@...]: env for the sites
   python3 bench/link_ab.py BIN --runs 1 --perf /tmp/perf   # perf record -g both sites in run 0
+  python3 bench/link_ab.py OLD NEW --wrk --threads 2   # also keep-alive and new connections (wrk)
 
 Copy each build's target/release/keyway aside first; wrap the run in
 `flock /tmp/keyway-bench.lock` on a shared machine.
@@ -24,12 +25,26 @@ def main():
     ap.add_argument("--secs", type=int, default=4)
     ap.add_argument("--perf", default="", help="perf record -g of both sites during run 0, to PREFIX.NAME")
     ap.add_argument("--nodirect", action="store_true", help="skip the direct-path runs")
+    ap.add_argument("--wrk", action="store_true", help="also wrk keep-alive and new connections to an nginx origin")
+    ap.add_argument("--threads", type=int, default=1, help="KEYWAY_WORKER_THREADS of both sites")
     a = ap.parse_args()
+    run.THREADS = a.threads
     server = run.Procs()
     atexit.register(server.stop)
     server.start(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(run.PATHS["direct"][1])])
     run.wait_port(run.PATHS["direct"][1])
+    if a.wrk:
+        www = tempfile.mkdtemp(prefix="keyway-link-ab-www-")
+        atexit.register(shutil.rmtree, www, True)
+        os.chmod(www, 0o755)
+        with open(f"{www}/index.html", "w") as f: f.write("x" * 1024)
+        with open(f"{www}/origin.conf", "w") as f:
+            f.write(f"pid {www}/o.pid; error_log {www}/o.err; worker_processes 1; daemon off;\nevents {{ worker_connections 4096; }}\n"
+                    f"http {{ access_log off; server {{ listen 127.0.0.1:{run.PATHS['direct'][0]} backlog=4096; root {www}; keepalive_requests 1000000; }} }}\n")
+        server.start(["nginx", "-c", f"{www}/origin.conf", "-e", f"{www}/o.err"])
+        run.wait_port(run.PATHS["direct"][0])
     res = {b: ([], []) for b in a.bins}
+    http = {b: ([], []) for b in a.bins}
     direct = []
     for r in range(a.runs):
         if not a.nodirect:
@@ -62,6 +77,12 @@ def main():
                 res[b][0].append(gbps)
                 res[b][1].append(cpu[0])
                 print(f"run {r} {b}: {gbps:.2f} Gbit/s, {cpu[0]:.0f} ms/GB", flush=True)
+                if a.wrk:
+                    for close, out in ((False, http[b][0]), (True, http[b][1])):
+                        us = []
+                        rps, p99, err = run.wrk(run.PATHS["linked"][0], a.secs, close, run.PGIDS["linked"], us)
+                        out.append((rps, us[0], p99))
+                        print(f"run {r} {b}: {'new conn' if close else 'keep-alive'} {rps:.0f}/s, {us[0]:.1f} µs CPU, p99 {p99:.2f} ms {err}", flush=True)
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
@@ -74,6 +95,10 @@ def main():
         ratio = f" ({statistics.median(g) / d:.2f}x direct)" if d else ""
         print(f"{b}: median {statistics.median(g):.2f} Gbit/s{ratio}, {statistics.median(c):.0f} ms/GB; "
               f"runs {[round(x, 2) for x in g]} {[round(x) for x in c]}")
+        for label, rows in (("keep-alive", http[b][0]), ("new conn", http[b][1])):
+            if rows:
+                print(f"  {label}: median {statistics.median(x[0] for x in rows):.0f}/s, "
+                      f"{statistics.median(x[1] for x in rows):.1f} µs CPU, p99 {statistics.median(x[2] for x in rows):.2f} ms")
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,9 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     tracker: Tracker,
     remote: std::sync::OnceLock<Arc<dyn RemoteDialer>>,
+    /// The runtime the data plane was made on, where links to other sites run; `None` outside
+    /// one (tests that never serve).
+    home: Option<tokio::runtime::Handle>,
 }
 
 /// Counts open connections so shutdown can wait for them to drain.
@@ -156,6 +159,7 @@ impl DataPlane {
             metrics,
             tracker: Tracker::default(),
             remote: std::sync::OnceLock::new(),
+            home: tokio::runtime::Handle::try_current().ok(),
         });
         DataPlane {
             gateways: gateway::Gateways::new(

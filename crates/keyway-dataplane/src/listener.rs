@@ -412,7 +412,7 @@ async fn serve(
     rt: Arc<ListenerRuntime>,
     client: TcpStream,
     peer: SocketAddr,
-    _guard: ConnectionTracker,
+    guard: ConnectionTracker,
 ) {
     let _ = client.set_nodelay(true);
     // Terminate TLS first: the handshake needs no target, and a client that fails it never
@@ -450,10 +450,40 @@ async fn serve(
             .get_or_create(&Metrics::listener_labels(&rt.label))
             .inc();
     }
-    let _open = target.open_guard();
+    let open = target.open_guard();
     let m = shared.metrics.connection(&rt.label, &target);
     m.opened.inc();
     m.active.inc();
+    // Served on a connection worker, a tunnel to another site would wake the link's session
+    // (on the home runtime) across threads for every read and write: the connection moves
+    // there once instead, with everything it holds.
+    let (client, upstream) = match (client, upstream, away_from_links(&shared)) {
+        (Downstream::Plain(c), Upstream::Remote(u), Some(home)) => {
+            let label = rt.label.clone();
+            let moved = c.into_std().map(|c| {
+                home.spawn(async move {
+                    let _held = (guard, open);
+                    let result = match TcpStream::from_std(c) {
+                        Ok(mut c) => {
+                            let (r, w) = c.split();
+                            tunnel::bidirectional(r, w, u, &m.bytes_in, &m.bytes_out).await
+                        }
+                        Err(e) => Err(e),
+                    };
+                    m.active.dec();
+                    if let Err(e) = result {
+                        tracing::debug!(listener = %label, %peer, "connection ended with error: {e}");
+                    }
+                })
+            });
+            if let Err(e) = moved {
+                tracing::debug!(listener = %rt.label, %peer, "cannot move a connection: {e}");
+            }
+            return;
+        }
+        (c, u, _) => (c, u),
+    };
+    let _held = (guard, open);
     let (bytes_in, bytes_out) = (&m.bytes_in, &m.bytes_out);
     let result = match (client, upstream) {
         (Downstream::Plain(c), Upstream::Plain(u)) => {
@@ -481,6 +511,13 @@ async fn serve(
     if let Err(e) = result {
         tracing::debug!(listener = %rt.label, %peer, "connection ended with error: {e}");
     }
+}
+
+/// The home runtime, if this task runs elsewhere (on a connection worker).
+fn away_from_links(shared: &Shared) -> Option<tokio::runtime::Handle> {
+    let home = shared.home.as_ref()?;
+    let here = tokio::runtime::Handle::try_current().ok()?;
+    (here.id() != home.id()).then(|| home.clone())
 }
 
 enum Downstream {
