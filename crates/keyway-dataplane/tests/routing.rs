@@ -304,13 +304,7 @@ async fn targets_of_one_key_share_held_connections() {
     wait_listening(&dp, &listener_id("l")).await;
 
     // Least connections: held connections alternate exactly.
-    let mut held = Vec::new();
-    let mut counts: HashMap<String, usize> = HashMap::new();
-    for _ in 0..8 {
-        let (s, name) = hello(port).await.expect("connect");
-        *counts.entry(name).or_default() += 1;
-        held.push(s);
-    }
+    let (held, counts) = hold(port, 8).await;
     assert_eq!(counts.get("A"), Some(&4), "{counts:?}");
     assert_eq!(counts.get("B"), Some(&4), "{counts:?}");
     drop(held);

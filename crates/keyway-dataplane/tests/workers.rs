@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -55,13 +54,7 @@ async fn both_workers_accept_and_least_connections_holds_across_them() {
 
     // Held connections alternate exactly between the targets although two threads accept them:
     // the open-connection counts are shared.
-    let mut held = Vec::new();
-    let mut counts: HashMap<String, usize> = HashMap::new();
-    for _ in 0..24 {
-        let (s, name) = hello(port).await.expect("connect");
-        *counts.entry(name).or_default() += 1;
-        held.push(s);
-    }
+    let (mut held, counts) = hold(port, 24).await;
     assert_eq!(counts.get("A"), Some(&12), "{counts:?}");
     assert_eq!(counts.get("B"), Some(&12), "{counts:?}");
     for (i, s) in held.iter_mut().enumerate() {

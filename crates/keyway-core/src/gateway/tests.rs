@@ -943,13 +943,7 @@ fn backend_refs_table() {
         assert_eq!((got.0.as_str(), got.1.as_str()), *want, "{backend}");
         // Unresolved or not, the route is accepted and its backend takes its share (500s).
         assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
-        let lb = r.plan.gateways[0]
-            .ports
-            .iter()
-            .flat_map(|p| &p.listeners)
-            .find(|l| l.name == "one");
-        let Some(RouteRulesRef::Http(rules)) = lb.map(|l| RouteRulesRef::of(&l.routes[0].rules))
-        else {
+        let Some(rules) = http_rules_on_one(&r) else {
             panic!("no http route in plan for {backend}");
         };
         let b = &rules[0].backends[0].backend;
@@ -961,17 +955,16 @@ fn backend_refs_table() {
     }
 }
 
-enum RouteRulesRef<'a> {
-    Http(&'a Vec<plan::HttpRule>),
-    Other,
-}
-
-impl<'a> RouteRulesRef<'a> {
-    fn of(r: &'a plan::RouteRules) -> Self {
-        match r {
-            plan::RouteRules::Http(h) => RouteRulesRef::Http(h),
-            _ => RouteRulesRef::Other,
-        }
+/// The HTTP rules of the first route on listener `one` in the plan; `None` without one.
+fn http_rules_on_one(r: &GatewayResolution) -> Option<&Vec<plan::HttpRule>> {
+    let l = r.plan.gateways[0]
+        .ports
+        .iter()
+        .flat_map(|p| &p.listeners)
+        .find(|l| l.name == "one")?;
+    match &*l.routes.first()?.rules {
+        plan::RouteRules::Http(h) => Some(h),
+        _ => None,
     }
 }
 
@@ -1057,14 +1050,7 @@ fn unsupported_filters_table() {
             assert_eq!(p, Some(Value::from("UnsupportedValue")));
         }
         // Affected rules stay in the plan, marked; the others are untouched.
-        let lb = r.plan.gateways[0]
-            .ports
-            .iter()
-            .flat_map(|p| &p.listeners)
-            .find(|l| l.name == "one");
-        let Some(RouteRulesRef::Http(plan_rules)) =
-            lb.map(|l| RouteRulesRef::of(&l.routes[0].rules))
-        else {
+        let Some(plan_rules) = http_rules_on_one(&r) else {
             panic!("no http route in plan for {rules}");
         };
         let marked = plan_rules
@@ -1096,13 +1082,7 @@ fn rule_timeouts_table() {
             "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r, namespace: team-a}}\nspec:\n  parentRefs: {TO_LS}\n  rules:\n  - backendRefs: [{APP}]\n    {timeouts}\n"
         );
         let r = routes_world(&route);
-        let lb = r.plan.gateways[0]
-            .ports
-            .iter()
-            .flat_map(|p| &p.listeners)
-            .find(|l| l.name == "one");
-        let Some(RouteRulesRef::Http(rules)) = lb.map(|l| RouteRulesRef::of(&l.routes[0].rules))
-        else {
+        let Some(rules) = http_rules_on_one(&r) else {
             panic!("no http route in plan for {timeouts}");
         };
         assert_eq!(rules[0].request_timeout_ms, *want, "{timeouts}");
@@ -1180,12 +1160,7 @@ fn gateway_addresses_table() {
 #[test]
 fn service_backends_resolve_ready_endpoints_at_the_target_port() {
     let r = routes_world(&http_route("team-a", "r", TO_LS, "[]", APP));
-    let lb = r.plan.gateways[0]
-        .ports
-        .iter()
-        .flat_map(|p| &p.listeners)
-        .find(|l| l.name == "one");
-    let Some(RouteRulesRef::Http(rules)) = lb.map(|l| RouteRulesRef::of(&l.routes[0].rules)) else {
+    let Some(rules) = http_rules_on_one(&r) else {
         panic!("no route");
     };
     assert_eq!(

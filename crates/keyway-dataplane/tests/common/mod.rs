@@ -326,6 +326,18 @@ pub async fn hello(port: u16) -> io::Result<(TcpStream, String)> {
     Ok((s, name))
 }
 
+/// Opens `n` connections to `port` and keeps them open, counting which backend greeted each.
+pub async fn hold(port: u16, n: usize) -> (Vec<TcpStream>, BTreeMap<String, usize>) {
+    let mut held = Vec::new();
+    let mut counts = BTreeMap::new();
+    for _ in 0..n {
+        let (s, name) = hello(port).await.expect("connect");
+        *counts.entry(name).or_default() += 1;
+        held.push(s);
+    }
+    (held, counts)
+}
+
 /// The backend name a new short connection reaches (the connection is then closed).
 pub async fn who(port: u16) -> io::Result<String> {
     hello(port).await.map(|(_, n)| n)
