@@ -459,26 +459,29 @@ async fn serve(
     // there once instead, with everything it holds.
     let (client, upstream) = match (client, upstream, away_from_links(&shared)) {
         (Downstream::Plain(c), Upstream::Remote(u), Some(home)) => {
-            let label = rt.label.clone();
-            let moved = c.into_std().map(|c| {
-                home.spawn(async move {
-                    let _held = (guard, open);
-                    let result = match TcpStream::from_std(c) {
-                        Ok(mut c) => {
-                            let (r, w) = c.split();
-                            tunnel::bidirectional(r, w, u, &m.bytes_in, &m.bytes_out).await
-                        }
-                        Err(e) => Err(e),
-                    };
+            let c = match c.into_std() {
+                Ok(c) => c,
+                Err(e) => {
                     m.active.dec();
-                    if let Err(e) = result {
-                        tracing::debug!(listener = %label, %peer, "connection ended with error: {e}");
+                    tracing::debug!(listener = %rt.label, %peer, "cannot move a connection: {e}");
+                    return;
+                }
+            };
+            let label = rt.label.clone();
+            home.spawn(async move {
+                let _held = (guard, open);
+                let result = match TcpStream::from_std(c) {
+                    Ok(mut c) => {
+                        let (r, w) = c.split();
+                        tunnel::bidirectional(r, w, u, &m.bytes_in, &m.bytes_out).await
                     }
-                })
+                    Err(e) => Err(e),
+                };
+                m.active.dec();
+                if let Err(e) = result {
+                    tracing::debug!(listener = %label, %peer, "connection ended with error: {e}");
+                }
             });
-            if let Err(e) = moved {
-                tracing::debug!(listener = %rt.label, %peer, "cannot move a connection: {e}");
-            }
             return;
         }
         (c, u, _) => (c, u),
