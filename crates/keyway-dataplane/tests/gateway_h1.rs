@@ -804,3 +804,72 @@ async fn route_timeout_cuts_a_body_still_streaming() {
     let again = exchange(&mut c, get("/fast")).await;
     assert_eq!(again.body(), b"hello", "{again:?}");
 }
+
+/// The idle limit (here 800 ms) spares a response still being relayed even when it is silent
+/// for longer (a long poll, a stream), but not a client that stopped reading its response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_limit_spares_silent_streams_not_stalled_readers() {
+    let be = raw(|mut c| async move {
+        while let Some(req) = c.request().await {
+            c.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+                .await;
+            if req.path == "/silent" {
+                tokio::time::sleep(Duration::from_millis(2000)).await;
+                c.send(b"4\r\nlast\r\n0\r\n\r\n").await;
+            } else {
+                // Endless: 64 KiB pieces until the gateway stops taking them.
+                let piece = format!("10000\r\n{}\r\n", "x".repeat(0x10000));
+                loop {
+                    if c.s.write_all(piece.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    let port = free_port();
+    let mut yaml = service("svc", be.addr);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    let dp = Arc::new(DataPlane::with_options(
+        Arc::new(keyway_dataplane::metrics::Metrics::default()),
+        keyway_dataplane::Options {
+            http_idle_timeout: Duration::from_millis(800),
+            ..keyway_dataplane::Options::default()
+        },
+    ));
+    common::start_on(&dp, &yaml, port).await;
+
+    let mut c = client(port).await;
+    let silent = exchange(&mut c, get("/silent")).await;
+    assert_eq!(silent.body(), b"firstlast", "{silent:?}");
+
+    // A client that sends its request and never reads: closed once its socket stays full.
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("write");
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    // Draining what the kernel buffered reaches the close.
+    let drained = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert_eq!(drained, Ok(true), "a stalled reader kept its connection");
+}

@@ -67,8 +67,7 @@ pub async fn serve<I: Io>(
         let in_flight = requests.request();
         async move {
             let response = handle(&info, req).await;
-            drop(in_flight);
-            Ok::<_, Infallible>(response)
+            Ok::<_, Infallible>(response.map(|body| body.holding(in_flight)))
         }
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());

@@ -4,7 +4,10 @@
 //! memory forever.
 //!
 //! A connection counts as active while one of its requests is being handled (a slow backend,
-//! a long upload) and whenever bytes are written to its client (a response streaming out).
+//! a long upload) or its response body is still being relayed (a long poll, a gRPC stream, even
+//! silent), and whenever bytes are written to its client. A response does not keep a client
+//! that stopped reading it: once a write finds the client's socket full, only further writes
+//! count.
 //! Bytes *read* do not count: a client trickling a request head byte by byte is idle until
 //! the head is complete. A check runs every half limit, so an idle connection closes between
 //! one and one and a half limits after its last activity, at the cost of one timer per
@@ -13,7 +16,7 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -25,6 +28,9 @@ pub struct Activity {
     /// Writes to the client plus requests started; any change is activity.
     events: AtomicU64,
     in_flight: AtomicUsize,
+    /// The last write to the client found its socket full: a response in flight then does not
+    /// keep the connection, since it is the client that stopped reading.
+    write_blocked: AtomicBool,
 }
 
 impl Activity {
@@ -43,7 +49,9 @@ impl Activity {
         loop {
             tokio::time::sleep(tick).await;
             let now = self.events.load(Ordering::Relaxed);
-            if now != seen || self.in_flight.load(Ordering::Relaxed) > 0 {
+            let serving = self.in_flight.load(Ordering::Relaxed) > 0
+                && !self.write_blocked.load(Ordering::Relaxed);
+            if now != seen || serving {
                 seen = now;
                 quiet_ticks = 0;
                 continue;
@@ -83,8 +91,13 @@ impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
 
 impl<I: AsyncWrite + Unpin> Watched<I> {
     fn count<T>(&self, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
-        if let Poll::Ready(Ok(_)) = &r {
-            self.activity.events.fetch_add(1, Ordering::Relaxed);
+        match &r {
+            Poll::Ready(Ok(_)) => {
+                self.activity.events.fetch_add(1, Ordering::Relaxed);
+                self.activity.write_blocked.store(false, Ordering::Relaxed);
+            }
+            Poll::Pending => self.activity.write_blocked.store(true, Ordering::Relaxed),
+            Poll::Ready(Err(_)) => {}
         }
         r
     }

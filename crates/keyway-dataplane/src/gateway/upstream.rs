@@ -29,6 +29,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::h1::{self, BodyKind, Decoded, Framing};
+use super::idle::InFlight;
 
 use crate::Shared;
 use crate::listener::{self, Upstream};
@@ -36,7 +37,10 @@ use crate::targets::OpenGuard;
 
 /// Every body the gateway sends or answers with, as one type instead of a boxed trait object:
 /// no allocation per request and per response.
+/// `Relay` is by far the largest variant and also the common one (nearly every proxied
+/// response): boxing it would add the allocation per response this type exists to avoid.
 #[derive(Default)]
+#[allow(clippy::large_enum_variant)]
 pub enum Body {
     #[default]
     Empty,
@@ -48,11 +52,31 @@ pub enum Body {
     Relay(Relay),
     /// A response body that must end by a route's timeout (boxed: rare).
     Deadline(Box<Deadline>),
+    /// An HTTP/2 backend's response body, keeping its client connection active (boxed: rare).
+    Held(Box<(Body, InFlight)>),
 }
 
 impl Body {
     pub fn full(data: impl Into<Bytes>) -> Body {
         Body::Full(Some(data.into()))
+    }
+
+    /// This response body, keeping its client connection counted as active until it has been
+    /// sent or dropped: a stream that is silent for a while (a long poll, a gRPC watch) is not
+    /// an idle connection. Bodies already complete just drop the guard.
+    pub fn holding(self, in_flight: InFlight) -> Body {
+        match self {
+            Body::Relay(mut r) => {
+                r.in_flight = Some(in_flight);
+                Body::Relay(r)
+            }
+            Body::Deadline(mut d) => {
+                d.body = std::mem::take(&mut d.body).holding(in_flight);
+                Body::Deadline(d)
+            }
+            Body::Incoming(_) | Body::Held(_) => Body::Held(Box::new((self, in_flight))),
+            Body::Empty | Body::Full(_) => self,
+        }
     }
 
     /// This body, failing if it has not ended by `at`.
@@ -104,6 +128,7 @@ impl hyper::body::Body for Body {
                     Poll::Pending => Poll::Pending,
                 }
             }
+            Body::Held(h) => Pin::new(&mut h.0).poll_frame(cx),
         }
     }
 
@@ -114,6 +139,7 @@ impl hyper::body::Body for Body {
             Body::Incoming(b) => b.is_end_stream(),
             Body::Relay(b) => b.is_end_stream(),
             Body::Deadline(d) => d.body.is_end_stream(),
+            Body::Held(h) => h.0.is_end_stream(),
         }
     }
 
@@ -124,6 +150,7 @@ impl hyper::body::Body for Body {
             Body::Incoming(b) => b.size_hint(),
             Body::Relay(b) => b.size_hint(),
             Body::Deadline(d) => d.body.size_hint(),
+            Body::Held(h) => h.0.size_hint(),
         }
     }
 }
@@ -512,6 +539,8 @@ pub struct Relay {
     decoder: Decoder,
     home: Arc<Sticky>,
     pool: Arc<Pool>,
+    /// Counts the client connection as active while the body is being relayed.
+    in_flight: Option<InFlight>,
 }
 
 enum Decoder {
@@ -550,6 +579,7 @@ impl Relay {
             decoder,
             home,
             pool,
+            in_flight: None,
         })
     }
 
