@@ -202,17 +202,18 @@ const CLOSE: &str = "<close>";
 /// A gateway on a fresh port sending every request to `backend`.
 async fn gateway_to(backend: SocketAddr) -> (Arc<DataPlane>, u16) {
     let port = free_port();
+    let yaml = gateway_yaml(backend, port, "  - backendRefs: [{name: svc, port: 80}]\n");
+    (start(&yaml, port).await, port)
+}
+
+/// A gateway on `port` with one route of `rules` whose backend `svc` is `backend`.
+fn gateway_yaml(backend: SocketAddr, port: u16, rules: &str) -> String {
     let mut yaml = service("svc", backend);
     yaml.push_str(&gateway(&format!(
         "  - {{name: web, port: {port}, protocol: HTTP}}\n"
     )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
-        "  - backendRefs: [{name: svc, port: 80}]\n",
-    ));
-    (start(&yaml, port).await, port)
+    yaml.push_str(&http_route("r", 1, "", rules));
+    yaml
 }
 
 /// One keep-alive client connection to the gateway.
@@ -780,16 +781,11 @@ async fn route_timeout_cuts_a_body_still_streaming() {
     })
     .await;
     let port = free_port();
-    let mut yaml = service("svc", be.addr);
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
-    )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
+    let yaml = gateway_yaml(
+        be.addr,
+        port,
         "  - timeouts: {request: 400ms}\n    backendRefs: [{name: svc, port: 80}]\n",
-    ));
+    );
     let _dp = start(&yaml, port).await;
     let mut c = client(port).await;
     // 10 pieces 100 ms apart: the head arrives at once, the body would take a second.
@@ -829,16 +825,7 @@ async fn idle_limit_spares_silent_streams_not_stalled_readers() {
     })
     .await;
     let port = free_port();
-    let mut yaml = service("svc", be.addr);
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
-    )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
-        "  - backendRefs: [{name: svc, port: 80}]\n",
-    ));
+    let yaml = gateway_yaml(be.addr, port, "  - backendRefs: [{name: svc, port: 80}]\n");
     let dp = Arc::new(DataPlane::with_options(
         Arc::new(keyway_dataplane::metrics::Metrics::default()),
         keyway_dataplane::Options {
