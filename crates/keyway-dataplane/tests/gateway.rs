@@ -437,7 +437,7 @@ async fn weighted_backends_timeouts_h2c_and_upgrade() {
     s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
         .await
         .expect("write");
-    let head = read_head(&mut s).await;
+    let head = common::read_head(&mut s).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     s.write_all(b"ping\n").await.expect("write");
     let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut s))
@@ -453,22 +453,6 @@ async fn weighted_backends_timeouts_h2c_and_upgrade() {
         "{text}"
     );
     assert!(text.contains("class=\"5xx\""), "{text}");
-}
-
-async fn read_head(s: &mut TcpStream) -> String {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        let n = tokio::time::timeout(IO_TIMEOUT, s.read(&mut byte))
-            .await
-            .expect("head")
-            .expect("read");
-        if n == 0 {
-            break;
-        }
-        head.push(byte[0]);
-    }
-    String::from_utf8_lossy(&head).into_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

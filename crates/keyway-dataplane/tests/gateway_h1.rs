@@ -737,17 +737,8 @@ async fn upgrade_passes_bytes_read_ahead_then_copies_both_ways() {
     s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
         .await
         .expect("write");
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        let n = tokio::time::timeout(IO_TIMEOUT, s.read(&mut byte))
-            .await
-            .expect("head")
-            .expect("read");
-        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&head));
-        head.push(byte[0]);
-    }
-    assert!(head.starts_with(b"HTTP/1.1 101"), "{head:?}");
+    let head = common::read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head:?}");
     assert_eq!(line(&mut s).await, "first");
     s.write_all(b"ping\n").await.expect("write");
     assert_eq!(line(&mut s).await, "ping");

@@ -540,3 +540,21 @@ pub async fn tls_backend(name: &str, leaf: &Leaf) -> (SocketAddr, JoinHandle<()>
     });
     (addr, handle)
 }
+
+/// An HTTP response head read byte by byte (so nothing after it is consumed), up to the
+/// close if it comes first.
+pub async fn read_head(s: &mut TcpStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(IO_TIMEOUT, s.read(&mut byte))
+            .await
+            .expect("head")
+            .expect("read");
+        if n == 0 {
+            break;
+        }
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
