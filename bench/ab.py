@@ -14,7 +14,7 @@ Profiling hooks (first run only): PERF=name[,name] records with perf (PEV="-F 30
 or none) into /tmp/kwab-perf-NAME.data; PSTAT=name EV=events counts with perf stat into
 /tmp/kwab-stat-NAME.txt (e.g. EV=context-switches,syscalls:sys_enter_recvfrom, or a uprobe on
 mi_malloc_aligned to count allocations)."""
-import argparse, importlib.util, os, re, signal, socket, statistics, subprocess, sys, tempfile, time
+import argparse, importlib.util, os, re, resource, signal, socket, statistics, subprocess, sys, tempfile, time
 
 spec = importlib.util.spec_from_file_location("run", os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py"))
 run = importlib.util.module_from_spec(spec)
@@ -28,6 +28,22 @@ ap.add_argument("--tcp", action="store_true", help="Listener/Connector and HAPro
 ap.add_argument("bins", nargs="+")
 a = ap.parse_args()
 ORIGIN = 28180
+def out_segs():
+    rows = [l.split() for l in open("/proc/net/snmp") if l.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("OutSegs")])
+def ctx(pg):
+    """Voluntary and involuntary context switches of every thread in process group pg."""
+    v = n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit(): continue
+        try:
+            if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2]) != pg: continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                for l in open(f"/proc/{pid}/task/{tid}/status"):
+                    if l.startswith("voluntary_ctxt_switches"): v += int(l.split()[1])
+                    elif l.startswith("nonvoluntary_ctxt_switches"): n += int(l.split()[1])
+        except OSError: continue
+    return v, n
 def cpu(pg):
     t = 0
     for pid in os.listdir("/proc"):
@@ -52,7 +68,7 @@ try:
     os.makedirs(f"{w}/www"); open(f"{w}/www/index.html", "w").write("x" * 1024)
     open(f"{w}/origin.conf", "w").write(f"pid {w}/o.pid; error_log {w}/o.err; worker_processes 1; daemon off;\nevents {{ worker_connections 4096; }}\n"
         f"http {{ access_log off; server {{ listen 127.0.0.1:{ORIGIN} backlog=4096; root {w}/www; keepalive_requests 1000000; }} }}\n")
-    start(["nginx", "-c", f"{w}/origin.conf", "-e", f"{w}/o.err"])
+    ORIGIN_PG = start(["nginx", "-c", f"{w}/origin.conf", "-e", f"{w}/o.err"]).pid
     targets = []
     if not a.nohaproxy:
         mode = "  mode tcp\n" if a.tcp else "  mode http\n  option http-keep-alive\n  http-reuse always\n"
@@ -80,6 +96,7 @@ try:
             for name, port, pg in order:
                 tag = f"{name}-{mode}" if a.tcp else name
                 U[0] = 0; before = cpu(pg); ub = U[0]
+                cp0 = ctx(pg); co0 = ctx(ORIGIN_PG); sb = out_segs(); ob = cpu(ORIGIN_PG); rb = resource.getrusage(resource.RUSAGE_CHILDREN); wb = rb.ru_utime + rb.ru_stime
                 perf = None
                 if os.environ.get("IPC"):
                     perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-ipc-{tag}.txt", "-e", "instructions:u,instructions:k,cycles:u,cycles:k", "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -87,9 +104,18 @@ try:
                     perf = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-stat-{tag}.txt", "-e", os.environ["EV"], "-p", str(pg), "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 elif name in os.environ.get("PERF", "").split(",") and r == 0:
                     perf = subprocess.Popen(["perf", "record", *os.environ.get("PEV", "-F 3000").split(), *([] if os.environ.get("CG") == "none" else ["--call-graph", os.environ.get("CG", "dwarf,16384")]), "-p", str(pg), "-o", f"/tmp/kwab-perf-{tag}.data", "--", "sleep", str(a.secs - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                ostat = None
+                if os.environ.get("OSTAT"):
+                    ostat = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-ostat-{tag}.txt", "-e", os.environ["OSTAT"], "-p", f"{ORIGIN_PG},{pg}", "--per-thread", "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 out = subprocess.run(["wrk", "-t2", "-c50", f"-d{a.secs}s", "--latency", *extra, f"http://127.0.0.1:{port}/index.html"], capture_output=True, text=True, check=True).stdout
                 if perf: perf.wait()
+                if ostat: ostat.wait()
                 total = int(re.search(r"(\d+) requests in", out).group(1))
+                ra = resource.getrusage(resource.RUSAGE_CHILDREN)
+                o_us = (cpu(ORIGIN_PG) - ob) * 1e6 / total; w_us = (ra.ru_utime + ra.ru_stime - wb) * 1e6 / total
+                cp1 = ctx(pg); co1 = ctx(ORIGIN_PG)
+                cs = "" if not os.environ.get("CTX") else f", cs/kreq proxy {(cp1[0]-cp0[0])*1e3/total:.0f}+{(cp1[1]-cp0[1])*1e3/total:.0f} origin {(co1[0]-co0[0])*1e3/total:.0f}+{(co1[1]-co0[1])*1e3/total:.0f} wrk {(ra.ru_nvcsw-rb.ru_nvcsw)*1e3/total:.0f}+{(ra.ru_nivcsw-rb.ru_nivcsw)*1e3/total:.0f}"
+                ends = o_us + w_us; segs = (out_segs() - sb) / total
                 U[0] = 0; us = (cpu(pg) - before) * 1e6 / total; user = (U[0] - ub) / os.sysconf("SC_CLK_TCK") * 1e6 / total
                 rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
                 m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
@@ -103,9 +129,9 @@ try:
                         if len(f) > 2 and f[0].replace(".", "").isdigit(): vals[f[2]] = float(f[0]) / total
                     IPCS.setdefault((name, mode), []).append(vals)
                     ipc = f" ins u/k {vals.get('instructions:u',0):6.0f}/{vals.get('instructions:k',0):6.0f} cyc u/k {vals.get('cycles:u',0):6.0f}/{vals.get('cycles:k',0):6.0f}"
-                res[(name, mode)].append((us, rps, p99))
+                res[(name, mode)].append((us, rps, p99, ends))
                 u = unit[mode]
-                print(f"run {r} {mode} {name:10s} {us:6.2f} us/{u:4s} (user {user:5.2f}){ipc} {rps:9.0f} {u}/s p99 {p99:6.2f} ms {err.group(0) if err else ''}", flush=True)
+                print(f"run {r} {mode} {name:10s} {us:6.2f} us/{u:4s} (user {user:5.2f}, origin {o_us:5.2f} wrk {w_us:5.2f}, {segs:.2f} segs/req{cs}){ipc} {rps:9.0f} {u}/s p99 {p99:6.2f} ms {err.group(0) if err else ''}", flush=True)
     for mode, _ in modes:
         u = unit[mode]
         what = {"ka": "keep-alive requests", "nc": "new connections"}[mode]
@@ -115,7 +141,7 @@ try:
             if m != mode: continue
             rps = statistics.median(x[1] for x in v)
             print(f"  {n:10s} {statistics.median(x[0] for x in v):6.2f} us/{u} (min {min(x[0] for x in v):.2f})  {rps:9.0f} {u}/s"
-                  + (f" ({rps/h:.2f}x haproxy)" if h else "") + f"  p99 {statistics.median(x[2] for x in v):.2f} ms"
+                  + (f" ({rps/h:.2f}x haproxy)" if h else "") + f"  p99 {statistics.median(x[2] for x in v):.2f} ms  origin+wrk {statistics.median(x[3] for x in v):.2f} us/{u}"
                   + ("".join(f" {k.split(':')[0][:3]}:{k.split(':')[1]} {statistics.median(d.get(k,0) for d in IPCS[(n, m)]):.0f}" for k in ("instructions:u","instructions:k","cycles:u","cycles:k")) if (n, m) in IPCS else ""))
 finally:
     for p in procs:
