@@ -1,8 +1,8 @@
 //! Moving bytes both ways between client and target, with half-close: when one side finishes
 //! sending, the other side's write half is shut down and the opposite direction carries on.
 //!
-//! Buffers start small (most connections are short and chatty) and double up to 256 KiB while
-//! reads keep filling them (bulk transfers), as ztunnel does. Bytes are counted as they move, so
+//! Buffers start small (most connections are short and chatty) and double up to 256 KiB (1 MiB
+//! between plain TCP sockets) while reads keep filling them (bulk transfers), as ztunnel does. Bytes are counted as they move, so
 //! metrics of long-lived connections stay current.
 
 use std::io;
@@ -73,9 +73,8 @@ where
     tokio::try_join!(copy_half(ar, bw, a_to_b), copy_half(br, aw, b_to_a))
 }
 
-/// The same for two plain TCP streams. Short exchanges are copied through a small buffer; a
-/// direction that keeps filling 64 KiB reads is a bulk transfer and moves on to splice(2) through a
-/// pipe, so its bytes never cross into user space (half the copies of a read/write loop).
+/// The same for two plain TCP streams, through one buffer per direction whose reads grow to
+/// [`tcp::BULK_MAX`] while they keep filling it.
 pub async fn bidirectional_tcp(
     a: &tokio::net::TcpStream,
     b: &tokio::net::TcpStream,
@@ -91,18 +90,30 @@ pub async fn bidirectional_tcp(
 
 /// One direction between plain TCP sockets, driven by readiness on shared references (both
 /// directions use both sockets at once, which `TcpStream::readable`/`writable` allow).
+///
+/// Why a buffer and not splice(2): on one host (loopback, or pods on one node) spliced pages
+/// stay referenced until the receiver has read them, so the sender cannot reuse its pages
+/// while they are still in cache. In `bench/stream_ab.py` that made iperf3's own ends spend
+/// ~35% more CPU per byte than keyway saved, and 1 MiB reads beat splice outright: 17.2 vs
+/// 14.1 Gbit/s, 787 vs 898 ms/GB for the whole machine (see docs/benchmarks.md).
 mod tcp {
     use std::io;
     use std::sync::atomic::{AtomicBool, Ordering};
 
+    use bytes::BufMut;
     use prometheus_client::metrics::counter::Counter;
     use tokio::io::Interest;
     use tokio::net::TcpStream;
 
-    use super::{INITIAL, MAX};
+    use super::INITIAL;
 
-    /// A read this large that fills its buffer marks a bulk transfer.
-    const SPLICE_AFTER: usize = 64 * 1024;
+    /// Largest read of a bulk direction: each doubling up to here cut keyway's CPU per byte
+    /// (337 ms/GB at 256 KiB, 294 at 512 KiB, 271 at 1 MiB); larger gained little more.
+    pub(super) const BULK_MAX: usize = 1024 * 1024;
+
+    /// A buffer larger than this is given back after a read that drains the socket: the wait
+    /// for the next bytes may be long, and an idle connection should not hold a bulk buffer.
+    const KEEP: usize = 64 * 1024;
 
     pub(super) async fn copy(
         src: &TcpStream,
@@ -110,31 +121,21 @@ mod tcp {
         counter: &Counter,
         finished: &AtomicBool,
     ) -> io::Result<u64> {
-        let mut buf = vec![0u8; INITIAL];
+        let mut buf = Vec::new();
+        let mut size = INITIAL;
         let mut total = 0u64;
         loop {
-            let n = read(src, &mut buf).await?;
+            let n = read(src, &mut buf, size).await?;
             if n == 0 {
                 return finish(dst, finished).map(|()| total);
             }
             write_all(dst, &buf[..n]).await?;
             total += n as u64;
             counter.inc_by(n as u64);
-            if n < buf.len() {
-                continue;
-            }
-            #[cfg(target_os = "linux")]
-            if buf.len() >= SPLICE_AFTER {
-                // Without a pipe (out of descriptors) the buffer loop simply carries on.
-                if let Ok(pipe) = splice::Pipe::new() {
-                    drop(buf);
-                    return splice::copy(src, dst, pipe, counter, total)
-                        .await
-                        .and_then(|total| finish(dst, finished).map(|()| total));
-                }
-            }
-            if buf.len() < MAX {
-                buf.resize(buf.len() * 2, 0);
+            if n == size {
+                size = (size * 2).min(BULK_MAX);
+            } else if buf.capacity() > KEEP {
+                buf = Vec::new();
             }
         }
     }
@@ -152,11 +153,14 @@ mod tcp {
         }
     }
 
-    async fn read(src: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    /// Reads at most `size` bytes into `buf` (replacing its contents) without zeroing it first.
+    async fn read(src: &TcpStream, buf: &mut Vec<u8>, size: usize) -> io::Result<usize> {
         loop {
             src.readable().await?;
-            match src.try_read(buf) {
-                Ok(n) if 0 < n && n < buf.len() => {
+            buf.clear();
+            buf.reserve(size);
+            match src.try_read_buf(&mut (&mut *buf).limit(size)) {
+                Ok(n) if 0 < n && n < size => {
                     no_longer_ready(src, Interest::READABLE);
                     return Ok(n);
                 }
@@ -189,77 +193,5 @@ mod tcp {
     /// arrived meanwhile is kept (tokio compares the event's tick).
     fn no_longer_ready(socket: &TcpStream, interest: Interest) {
         let _ = socket.try_io(interest, || Err::<(), _>(io::ErrorKind::WouldBlock.into()));
-    }
-
-    #[cfg(target_os = "linux")]
-    mod splice {
-        use std::io;
-        use std::os::fd::OwnedFd;
-
-        use prometheus_client::metrics::counter::Counter;
-        use rustix::pipe::{SpliceFlags, fcntl_setpipe_size, pipe_with, splice};
-        use tokio::io::Interest;
-        use tokio::net::TcpStream;
-
-        /// Bytes a pipe holds: enough to move a full socket buffer per system call.
-        const PIPE_SIZE: usize = 1024 * 1024;
-
-        pub(super) struct Pipe {
-            read: OwnedFd,
-            write: OwnedFd,
-            size: usize,
-        }
-
-        impl Pipe {
-            pub(super) fn new() -> io::Result<Pipe> {
-                use rustix::pipe::PipeFlags;
-                let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
-                // Above /proc/sys/fs/pipe-max-size this fails; the default size still works.
-                let size = fcntl_setpipe_size(&write, PIPE_SIZE).unwrap_or(64 * 1024);
-                Ok(Pipe { read, write, size })
-            }
-        }
-
-        /// Socket → pipe → socket until EOF. The pipe is empty whenever `src` is read, so
-        /// `EAGAIN` there means the socket has nothing; while the pipe holds bytes only `dst` is
-        /// waited on, so `EAGAIN` there means the socket is full.
-        pub(super) async fn copy(
-            src: &TcpStream,
-            dst: &TcpStream,
-            pipe: Pipe,
-            counter: &Counter,
-            mut total: u64,
-        ) -> io::Result<u64> {
-            let flags = SpliceFlags::MOVE | SpliceFlags::NONBLOCK;
-            loop {
-                let n = loop {
-                    src.readable().await?;
-                    match src.try_io(Interest::READABLE, || {
-                        Ok(splice(src, None, &pipe.write, None, pipe.size, flags)?)
-                    }) {
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                        result => break result?,
-                    }
-                };
-                if n == 0 {
-                    return Ok(total);
-                }
-                let mut in_pipe = n;
-                while in_pipe > 0 {
-                    dst.writable().await?;
-                    match dst.try_io(Interest::WRITABLE, || {
-                        Ok(splice(&pipe.read, None, dst, None, in_pipe, flags)?)
-                    }) {
-                        // No short-transfer shortcut here: a splice can stop early for the
-                        // pipe's own limits, so only EAGAIN proves the socket not ready.
-                        Ok(moved) => in_pipe -= moved,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                        Err(e) => return Err(e),
-                    }
-                }
-                total += n as u64;
-                counter.inc_by(n as u64);
-            }
-        }
     }
 }

@@ -16,9 +16,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::Io;
 use crate::copy::INITIAL;
 
-/// Largest socket read into a tunnel (plain copies stop at [`crate::copy::MAX`]). Each read
+/// Largest socket read into a tunnel (as for plain TCP copies). Each read
 /// becomes one HTTP/2 DATA frame, and the frame costs a system call and a wakeup of the workload
-/// at the far site, so bulk tunnels move in larger pieces than a local copy, which splices.
+/// at the far site, so bulk tunnels move in large pieces.
 pub(crate) const TUNNEL_MAX: usize = 1024 * 1024;
 
 /// A stream to another site.

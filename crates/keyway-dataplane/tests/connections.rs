@@ -368,7 +368,7 @@ async fn graceful_shutdown_reports_connections_left_at_deadline() {
     assert_eq!(e.kind(), ErrorKind::ConnectionRefused);
 }
 
-/// Bulk transfers both ways at once (the splice path for plain TCP): every byte arrives intact
+/// Bulk transfers both ways at once (1 MiB reads for plain TCP): every byte arrives intact
 /// and in order, half-close still ends each direction on its own, and the byte counters agree.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_transfer_both_ways_is_exact_and_counted() {
