@@ -2,7 +2,8 @@
 """A/B of the linked path alone: one iperf3 stream through two keyway sites (Listener at site a,
 Connector at site b, one mTLS link; the same setup as `run.py`'s "linked"), for several keyway
 binaries alternated run by run so a noisy neighbour hits each alike. Reports Gbit/s and the CPU
-time of both sites per GB carried (the figure that does not depend on what a neighbour leaves).
+time of both sites per GB carried (the figure that does not depend on what a neighbour leaves),
+and what iperf3's own client and server spent per GB ("ends").
 
   python3 bench/link_ab.py OLD_BINARY NEW_BINARY --runs 6 --secs 4
   python3 bench/link_ab.py BIN BIN@RUST_LOG=info   # BIN@VAR=VALUE[@...]: env for the sites
@@ -43,7 +44,7 @@ def main():
                     f"http {{ access_log off; server {{ listen 127.0.0.1:{run.PATHS['direct'][0]} backlog=4096; root {www}; keepalive_requests 1000000; }} }}\n")
         server.start(["nginx", "-c", f"{www}/origin.conf", "-e", f"{www}/o.err"])
         run.wait_port(run.PATHS["direct"][0])
-    res = {b: ([], []) for b in a.bins}
+    res = {b: ([], [], []) for b in a.bins}
     http = {b: ([], []) for b in a.bins}
     direct = []
     for r in range(a.runs):
@@ -70,13 +71,14 @@ def main():
                     name = os.path.basename(b).replace("@", "_")
                     perf = subprocess.Popen(["perf", "record", "-g", "-o", f"{a.perf}.{name}", "-p", pids, "--", "sleep", str(a.secs)],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                cpu = []
-                gbps = run.iperf(run.PATHS["linked"][1], a.secs, run.PGIDS["linked"], cpu)
+                cpu, ends = [], []
+                gbps = run.iperf(run.PATHS["linked"][1], a.secs, run.PGIDS["linked"], cpu, ends)
                 if perf:
                     perf.wait()
                 res[b][0].append(gbps)
                 res[b][1].append(cpu[0])
-                print(f"run {r} {b}: {gbps:.2f} Gbit/s, {cpu[0]:.0f} ms/GB", flush=True)
+                res[b][2].append(ends[0] if ends else 0)
+                print(f"run {r} {b}: {gbps:.2f} Gbit/s, {cpu[0]:.0f} ms/GB, ends {res[b][2][-1]:.0f} ms/GB", flush=True)
                 if a.wrk:
                     for close, out in ((False, http[b][0]), (True, http[b][1])):
                         us = []
@@ -91,9 +93,10 @@ def main():
     d = statistics.median(direct) if direct else None
     if d:
         print(f"direct: median {d:.2f} Gbit/s {[round(x, 2) for x in direct]}")
-    for b, (g, c) in res.items():
+    for b, (g, c, e) in res.items():
         ratio = f" ({statistics.median(g) / d:.2f}x direct)" if d else ""
-        print(f"{b}: median {statistics.median(g):.2f} Gbit/s{ratio}, {statistics.median(c):.0f} ms/GB; "
+        print(f"{b}: median {statistics.median(g):.2f} Gbit/s{ratio}, {statistics.median(c):.0f} ms/GB, "
+              f"ends {statistics.median(e):.0f} ms/GB; "
               f"runs {[round(x, 2) for x in g]} {[round(x) for x in c]}")
         for label, rows in (("keep-alive", http[b][0]), ("new conn", http[b][1])):
             if rows:
