@@ -102,6 +102,7 @@ mod tcp {
 
     use bytes::BufMut;
     use prometheus_client::metrics::counter::Counter;
+    use rustix::net::{SendFlags, send};
     use tokio::io::Interest;
     use tokio::net::TcpStream;
 
@@ -125,11 +126,28 @@ mod tcp {
         let mut size = INITIAL;
         let mut total = 0u64;
         loop {
-            let n = read(src, &mut buf, size).await?;
+            let (n, last) = read(src, &mut buf, size).await?;
             if n == 0 {
                 return finish(dst, finished).map(|()| total);
             }
-            write_all(dst, &buf[..n]).await?;
+            if last {
+                // The peer's FIN came with these bytes: send them held back (MSG_MORE) and then
+                // the FIN, which the kernel sets on the same segment, so the receiver gets
+                // data and end in one segment and one wakeup (as HAProxy does), and no read is
+                // spent learning of the EOF. The held bytes leave at the shutdown, or at the
+                // close if the other direction already finished.
+                let shut = !finished.swap(true, Ordering::AcqRel);
+                let more = if shut {
+                    SendFlags::MORE | SendFlags::NOSIGNAL
+                } else {
+                    SendFlags::NOSIGNAL
+                };
+                write_all(dst, &buf[..n], more).await?;
+                total += n as u64;
+                counter.inc_by(n as u64);
+                return if shut { shutdown(dst) } else { Ok(()) }.map(|()| total);
+            }
+            write_all(dst, &buf[..n], SendFlags::NOSIGNAL).await?;
             total += n as u64;
             counter.inc_by(n as u64);
             if n == size {
@@ -146,6 +164,10 @@ mod tcp {
         if finished.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        shutdown(dst)
+    }
+
+    fn shutdown(dst: &TcpStream) -> io::Result<()> {
         match rustix::net::shutdown(dst, rustix::net::Shutdown::Write) {
             // The peer already went away: nothing left to tell it.
             Err(rustix::io::Errno::NOTCONN) => Ok(()),
@@ -154,26 +176,31 @@ mod tcp {
     }
 
     /// Reads at most `size` bytes into `buf` (replacing its contents) without zeroing it first.
-    async fn read(src: &TcpStream, buf: &mut Vec<u8>, size: usize) -> io::Result<usize> {
+    /// Also says whether these are the last bytes: the peer's FIN had arrived before the read
+    /// (epoll's `RDHUP`, which tokio keeps) and the read drained the socket.
+    async fn read(src: &TcpStream, buf: &mut Vec<u8>, size: usize) -> io::Result<(usize, bool)> {
         loop {
-            src.readable().await?;
+            let ready = src.ready(Interest::READABLE).await?;
             buf.clear();
             buf.reserve(size);
             match src.try_read_buf(&mut (&mut *buf).limit(size)) {
                 Ok(n) if 0 < n && n < size => {
+                    if ready.is_read_closed() {
+                        return Ok((n, true));
+                    }
                     no_longer_ready(src, Interest::READABLE);
-                    return Ok(n);
+                    return Ok((n, false));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                result => return result,
+                result => return result.map(|n| (n, false)),
             }
         }
     }
 
-    async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+    async fn write_all(dst: &TcpStream, mut data: &[u8], flags: SendFlags) -> io::Result<()> {
         while !data.is_empty() {
             dst.writable().await?;
-            match dst.try_write(data) {
+            match dst.try_io(Interest::WRITABLE, || Ok(send(dst, data, flags)?)) {
                 Ok(n) => {
                     if n < data.len() {
                         no_longer_ready(dst, Interest::WRITABLE);

@@ -123,6 +123,77 @@ async fn backend_half_close_first_client_keeps_sending() {
     assert!(wait_drained(&dp, Duration::from_secs(3)).await);
 }
 
+/// A backend that reads the request, answers and closes at once (HTTP's `Connection: close`):
+/// its answer and its FIN usually arrive together, which keyway forwards as the last bytes plus
+/// a FIN. Every size arrives whole and ends cleanly, and the byte counters are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answer_then_close_arrives_whole_at_every_size() {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let backend = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut len = [0u8; 4];
+                if s.read_exact(&mut len).await.is_err() {
+                    return;
+                }
+                let _ = s
+                    .write_all(&pattern(u32::from_be_bytes(len) as usize))
+                    .await;
+                // Dropping the socket closes it: the answer's last bytes and the FIN go out
+                // back to back.
+            });
+        }
+    });
+    let port = free_port();
+    let dp = dataplane();
+    let mut c = connector("answer", "k", backend);
+    c.health = no_hc();
+    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
+    wait_listening(&dp, &listener_id("l")).await;
+
+    let sizes = [
+        1usize,
+        100,
+        8 * 1024 - 1,
+        8 * 1024,
+        8 * 1024 + 1,
+        100_000,
+        3 << 20,
+    ];
+    let mut answered = 0u64;
+    for round in 0..3 {
+        for &size in &sizes {
+            let mut s = connect(port).await.expect("connect");
+            s.write_all(&(size as u32).to_be_bytes())
+                .await
+                .expect("request");
+            let mut answer = Vec::new();
+            tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut answer))
+                .await
+                .unwrap_or_else(|_| panic!("answer of {size} bytes in time (round {round})"))
+                .expect("read");
+            assert_eq!(answer.len(), size, "answer length");
+            assert!(answer == pattern(size), "answer of {size} bytes corrupted");
+            answered += size as u64;
+        }
+    }
+    assert!(wait_drained(&dp, Duration::from_secs(3)).await);
+    let metrics = dp.metrics().encode();
+    let counter = |direction: &str| -> u64 {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("keyway_bytes") && l.contains(&format!("direction=\"{direction}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no byte counter for {direction} in\n{metrics}"))
+    };
+    assert_eq!(counter("in"), (3 * 4 * sizes.len()) as u64);
+    assert_eq!(counter("out"), answered);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_closes_while_client_still_sending() {
     // The backend reads a little, says goodbye and closes entirely.
