@@ -31,6 +31,13 @@ ORIGIN = 28180
 def out_segs():
     rows = [l.split() for l in open("/proc/net/snmp") if l.startswith("Tcp:")]
     return int(rows[1][rows[0].index("OutSegs")])
+def pids_in(pg):
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2]) == pg: out.append(pid)
+        except OSError: pass
+    return out
 def ctx(pg):
     """Voluntary and involuntary context switches of every thread in process group pg."""
     v = n = 0
@@ -106,7 +113,7 @@ try:
                     perf = subprocess.Popen(["perf", "record", *os.environ.get("PEV", "-F 3000").split(), *([] if os.environ.get("CG") == "none" else ["--call-graph", os.environ.get("CG", "dwarf,16384")]), "-p", str(pg), "-o", f"/tmp/kwab-perf-{tag}.data", "--", "sleep", str(a.secs - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 ostat = None
                 if os.environ.get("OSTAT"):
-                    ostat = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-ostat-{tag}.txt", "-e", os.environ["OSTAT"], "-p", f"{ORIGIN_PG},{pg}", "--per-thread", "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    ostat = subprocess.Popen(["perf", "stat", "-x,", "-o", f"/tmp/kwab-ostat-{tag}.txt", "-e", os.environ["OSTAT"], "-p", ",".join(pids_in(ORIGIN_PG) + pids_in(pg)), "--per-thread", "--", "sleep", str(a.secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 out = subprocess.run(["wrk", "-t2", "-c50", f"-d{a.secs}s", "--latency", *extra, f"http://127.0.0.1:{port}/index.html"], capture_output=True, text=True, check=True).stdout
                 if perf: perf.wait()
                 if ostat: ostat.wait()
