@@ -180,18 +180,20 @@ async fn answer_then_close_arrives_whole_at_every_size() {
     }
     assert!(wait_drained(&dp, Duration::from_secs(3)).await);
     let metrics = dp.metrics().encode();
-    let counter = |direction: &str| -> u64 {
-        metrics
-            .lines()
-            .find(|l| {
-                l.starts_with("keyway_bytes") && l.contains(&format!("direction=\"{direction}\""))
-            })
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no byte counter for {direction} in\n{metrics}"))
-    };
-    assert_eq!(counter("in"), (3 * 4 * sizes.len()) as u64);
-    assert_eq!(counter("out"), answered);
+    assert_eq!(bytes_counted(&metrics, "in"), (3 * 4 * sizes.len()) as u64);
+    assert_eq!(bytes_counted(&metrics, "out"), answered);
+}
+
+/// The value of the `keyway_bytes` counter for `direction` ("in" or "out") in `metrics`.
+fn bytes_counted(metrics: &str, direction: &str) -> u64 {
+    metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("keyway_bytes") && l.contains(&format!("direction=\"{direction}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no byte counter for {direction} in\n{metrics}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -488,17 +490,10 @@ async fn bulk_transfer_both_ways_is_exact_and_counted() {
     assert!(wait_drained(&dp, Duration::from_secs(3)).await);
     let metrics = dp.metrics().encode();
     for direction in ["in", "out"] {
-        let line = metrics
-            .lines()
-            .find(|l| {
-                l.starts_with("keyway_bytes") && l.contains(&format!("direction=\"{direction}\""))
-            })
-            .unwrap_or_else(|| panic!("no byte counter for {direction} in\n{metrics}"));
-        let value: u64 = line
-            .rsplit(' ')
-            .next()
-            .and_then(|v| v.parse().ok())
-            .expect("value");
-        assert_eq!(value, (rounds * LEN) as u64, "{line}");
+        assert_eq!(
+            bytes_counted(&metrics, direction),
+            (rounds * LEN) as u64,
+            "{direction}"
+        );
     }
 }
