@@ -30,7 +30,8 @@ use crate::metrics::Metrics;
 use crate::targets::{Health, Registry};
 
 /// A byte stream to a target, whatever carries it (TCP, TLS, a tunnel stream to another site).
-pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
+/// `Any`, so a copy between two plain TCP sockets can take the TCP-only path.
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + std::any::Any {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> Io for T {}
 
 /// A boxed [`Io`].

@@ -676,6 +676,25 @@ async fn tls_passthrough_by_sni_and_tcp_route() {
     let (mut s, greeting) = common::hello(tport).await.expect("tcp route");
     assert_eq!(greeting, "tcp-echo");
     common::echo(&mut s, b"hello\n").await.expect("echo");
+    // Bulk both ways, then a half-close: plain TCP on both sides takes the Listener path's
+    // copy (reads growing to 1 MiB, the FIN sent with the last bytes).
+    let body: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+    let (mut r, mut w) = s.into_split();
+    let send = tokio::spawn({
+        let body = body.clone();
+        async move {
+            w.write_all(&body).await.expect("send");
+            w.shutdown().await.expect("half-close");
+        }
+    });
+    let mut echoed = Vec::new();
+    tokio::time::timeout(IO_TIMEOUT, r.read_to_end(&mut echoed))
+        .await
+        .expect("echo and EOF in time")
+        .expect("read");
+    send.await.expect("sender");
+    assert_eq!(echoed.len(), body.len());
+    assert!(echoed == body, "echo corrupted");
     drop(dp);
 }
 

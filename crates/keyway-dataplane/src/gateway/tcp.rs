@@ -4,7 +4,10 @@ use crate::copy;
 use crate::gateway::route_match::host_rank;
 use crate::gateway::upstream::Io;
 use crate::gateway::{Ctx, StreamRoute, pick};
+use std::any::Any;
+
 use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 /// The TLSRoute for a server name: exact hostname, then longest wildcard, then a route
 /// without hostnames; the oldest route on a tie.
@@ -48,7 +51,16 @@ pub async fn forward<S: Io>(ctx: &Ctx, route: &StreamRoute, prefix: Vec<u8>, cli
         route.metrics.bytes_in.inc_by(prefix.len() as u64);
     }
     let m = &route.metrics;
-    if let Err(e) = copy::bidirectional(client, upstream, &m.bytes_in, &m.bytes_out).await {
+    let plain = (&client as &dyn Any)
+        .downcast_ref::<TcpStream>()
+        .zip((&*upstream as &dyn Any).downcast_ref::<TcpStream>());
+    let copied = match plain {
+        // Plain TCP on both sides: the Listener path's copy (1 MiB reads, FIN with the last
+        // bytes) instead of the generic one.
+        Some((a, b)) => copy::bidirectional_tcp(a, b, &m.bytes_in, &m.bytes_out).await,
+        None => copy::bidirectional(client, upstream, &m.bytes_in, &m.bytes_out).await,
+    };
+    if let Err(e) = copied {
         tracing::debug!(backend = %c.key, "stream ended with error: {e}");
     }
 }
