@@ -131,11 +131,19 @@ mod tcp {
                 return finish(dst, finished).map(|()| total);
             }
             if last {
+                // epoll reports a reset or a timeout as the end of input too: pass on the bytes,
+                // then the error (which aborts both directions), as a further read would have.
+                if let Some(e) = src.take_error()? {
+                    write_all(dst, &buf[..n], SendFlags::NOSIGNAL).await?;
+                    counter.inc_by(n as u64);
+                    return Err(e);
+                }
                 // The peer's FIN came with these bytes: send them held back (MSG_MORE) and then
                 // the FIN, which the kernel sets on the same segment, so the receiver gets
                 // data and end in one segment and one wakeup (as HAProxy does), and no read is
                 // spent learning of the EOF. The held bytes leave at the shutdown, or at the
-                // close if the other direction already finished.
+                // close if the other direction already finished. (A short read also stops at
+                // TCP's urgent mark; urgent data is obsolete, RFC 6093, and not carried.)
                 let shut = !finished.swap(true, Ordering::AcqRel);
                 let more = if shut {
                     SendFlags::MORE | SendFlags::NOSIGNAL
@@ -154,6 +162,10 @@ mod tcp {
                 size = (size * 2).min(BULK_MAX);
             } else if buf.capacity() > KEEP {
                 buf = Vec::new();
+                // Far below the read size: the bulk phase is over, start small again.
+                if n < size / 16 {
+                    size = INITIAL;
+                }
             }
         }
     }
@@ -178,47 +190,62 @@ mod tcp {
     /// Reads at most `size` bytes into `buf` (replacing its contents) without zeroing it first.
     /// Also says whether these are the last bytes: the peer's FIN had arrived before the read
     /// (epoll's `RDHUP`, which tokio keeps) and the read drained the socket.
+    ///
+    /// A short read shows the socket drained (epoll is edge-triggered), so its readiness is
+    /// cleared at once instead of learnt from one more `recv` that fails with `EAGAIN`. The
+    /// read runs inside `try_io` and reports a short read as `WouldBlock`, so tokio clears the
+    /// readiness it saw *before* the read: an event that arrives during the read (another
+    /// thread's driver) is kept, not lost.
     async fn read(src: &TcpStream, buf: &mut Vec<u8>, size: usize) -> io::Result<(usize, bool)> {
         loop {
-            let ready = src.ready(Interest::READABLE).await?;
+            let last = src.ready(Interest::READABLE).await?.is_read_closed();
             buf.clear();
             buf.reserve(size);
-            match src.try_read_buf(&mut (&mut *buf).limit(size)) {
-                Ok(n) if 0 < n && n < size => {
-                    if ready.is_read_closed() {
-                        return Ok((n, true));
-                    }
-                    no_longer_ready(src, Interest::READABLE);
-                    return Ok((n, false));
+            let mut drained = None;
+            let read = src.try_io(Interest::READABLE, || {
+                let n = src.try_read_buf(&mut (&mut *buf).limit(size))?;
+                if 0 < n && n < size && !last {
+                    drained = Some(n);
+                    return Err(io::ErrorKind::WouldBlock.into());
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                result => return result.map(|n| (n, false)),
+                Ok(n)
+            });
+            match read {
+                Ok(n) => return Ok((n, last && 0 < n && n < size)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if let Some(n) = drained {
+                        return Ok((n, false));
+                    }
+                }
+                Err(e) => return Err(e),
             }
         }
     }
 
+    /// Writes all of `data`; a short write shows the socket full, and its readiness is cleared
+    /// the same way as a short read's.
     async fn write_all(dst: &TcpStream, mut data: &[u8], flags: SendFlags) -> io::Result<()> {
         while !data.is_empty() {
             dst.writable().await?;
-            match dst.try_io(Interest::WRITABLE, || Ok(send(dst, data, flags)?)) {
-                Ok(n) => {
-                    if n < data.len() {
-                        no_longer_ready(dst, Interest::WRITABLE);
-                    }
-                    data = &data[n..];
+            let mut full = None;
+            let sent = dst.try_io(Interest::WRITABLE, || {
+                let n = send(dst, data, flags)?;
+                if n < data.len() {
+                    full = Some(n);
+                    return Err(io::ErrorKind::WouldBlock.into());
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Ok(n)
+            });
+            match sent {
+                Ok(n) => data = &data[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if let Some(n) = full {
+                        data = &data[n..];
+                    }
+                }
                 Err(e) => return Err(e),
             }
         }
         Ok(())
-    }
-
-    /// A short read shows the socket drained, a short write shows it full (epoll is
-    /// edge-triggered): clear the readiness now, as tokio's own `poll_read`/`poll_write` do,
-    /// instead of learning it from one more system call that fails with `EAGAIN`. Readiness that
-    /// arrived meanwhile is kept (tokio compares the event's tick).
-    fn no_longer_ready(socket: &TcpStream, interest: Interest) {
-        let _ = socket.try_io(interest, || Err::<(), _>(io::ErrorKind::WouldBlock.into()));
     }
 }

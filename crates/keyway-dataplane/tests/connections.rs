@@ -196,6 +196,50 @@ fn bytes_counted(metrics: &str, direction: &str) -> u64 {
         .unwrap_or_else(|| panic!("no byte counter for {direction} in\n{metrics}"))
 }
 
+/// A backend that answers and then resets the connection: the client gets the answer, and the
+/// reset ends the whole connection (as a failed read would), rather than passing for a clean
+/// end that leaves the client's direction open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answer_then_reset_ends_the_connection() {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let backend = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut request = [0u8; 5];
+                if s.read_exact(&mut request).await.is_err() {
+                    return;
+                }
+                let _ = s.write_all(b"partial answer").await;
+                // Linger zero: the close sends RST instead of FIN.
+                let _ = s.set_zero_linger();
+            });
+        }
+    });
+    let port = free_port();
+    let dp = dataplane();
+    let mut c = connector("reset", "k", backend);
+    c.health = no_hc();
+    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
+    wait_listening(&dp, &listener_id("l")).await;
+
+    for _ in 0..5 {
+        let mut s = connect(port).await.expect("connect");
+        s.write_all(b"hello").await.expect("request");
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut answer))
+            .await
+            .expect("the connection ends in time");
+        assert_eq!(answer, b"partial answer");
+        // The client has neither closed nor sent more: only the reset can have ended it.
+        assert!(
+            wait_drained(&dp, Duration::from_secs(3)).await,
+            "the reset left the connection half open"
+        );
+        drop(s);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_closes_while_client_still_sending() {
     // The backend reads a little, says goodbye and closes entirely.
