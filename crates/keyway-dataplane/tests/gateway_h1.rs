@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{IO_TIMEOUT, free_port, gateway, http_route, read_line, service, start};
+use common::{IO_TIMEOUT, free_port, gateway, http_route, read_head, read_line, service, start};
 use http_body_util::channel::Channel;
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::client::conn::http1::SendRequest;
@@ -850,4 +850,80 @@ async fn idle_limit_spares_silent_streams_not_stalled_readers() {
     })
     .await;
     assert_eq!(drained, Ok(true), "a stalled reader kept its connection");
+}
+
+/// One raw request on a fresh connection; the response's status code.
+async fn raw_status(port: u16, request: &str) -> u16 {
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(request.as_bytes()).await.expect("send");
+    let head = tokio::time::timeout(IO_TIMEOUT, read_head(&mut s))
+        .await
+        .expect("response in time");
+    head.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"))
+}
+
+/// The backend gets the host the request was routed on, whatever else the client sent, and
+/// never an h2c upgrade; requests whose host is ambiguous or missing get 400 and never reach
+/// it (RFC 9112 §3.2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_gets_the_routed_host_and_no_h2c_upgrade() {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
+    let be = raw(move |mut c| {
+        let tx = tx.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                let _ = tx.send(req);
+                c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    let mut seen = async || {
+        tokio::time::timeout(IO_TIMEOUT, rx.recv())
+            .await
+            .expect("request at the backend")
+            .expect("backend running")
+    };
+    let host = |r: &Req| r.headers.get("host").cloned();
+
+    // An absolute-form target replaces the Host header.
+    let r = "GET http://routed.test/a HTTP/1.1\r\nHost: other.test\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 200);
+    let got = seen().await;
+    assert_eq!(got.path, "/a");
+    assert_eq!(host(&got).as_deref(), Some("routed.test"));
+
+    // `Connection: host` cannot take the Host away.
+    let r = "GET /b HTTP/1.1\r\nHost: routed.test\r\nConnection: host\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 200);
+    assert_eq!(host(&seen().await).as_deref(), Some("routed.test"));
+
+    // An h2c upgrade is forwarded as a plain request.
+    let r = "GET /c HTTP/1.1\r\nHost: routed.test\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 200);
+    let got = seen().await;
+    for hop in ["upgrade", "connection", "http2-settings"] {
+        assert!(
+            got.headers.iter().all(|(k, _)| k != hop),
+            "{hop} forwarded: {:?}",
+            got.headers
+        );
+    }
+
+    // Two Host lines, or none in HTTP/1.1: 400, and nothing reaches the backend.
+    let r = "GET /d HTTP/1.1\r\nHost: routed.test\r\nHost: other.test\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 400);
+    assert_eq!(raw_status(port, "GET /e HTTP/1.1\r\n\r\n").await, 400);
+    // HTTP/1.0 may omit it.
+    assert_eq!(raw_status(port, "GET /f HTTP/1.0\r\n\r\n").await, 200);
+    let got = seen().await;
+    assert_eq!(got.path, "/f");
+    assert_eq!(host(&got).as_deref(), Some(""));
 }

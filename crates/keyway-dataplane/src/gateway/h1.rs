@@ -30,6 +30,8 @@ pub enum Error {
     ContentLength,
     #[error("Transfer-Encoding in an HTTP/1.0 response")]
     TransferEncoding10,
+    #[error("response transfer coding other than chunked: {0}")]
+    TransferCoding(String),
     #[error("invalid chunk size line")]
     ChunkSize,
     #[error("chunk data not followed by CRLF")]
@@ -255,13 +257,19 @@ pub fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>
             map.append(name, value);
         }
         let body = body_kind(status, version, &map, head_request)?;
+        // Both framings at once is what request smuggling looks like (RFC 9112 §6.3): the
+        // connection is not used again, in case anything behind the backend framed by length.
+        let both_framings =
+            map.contains_key(header::TRANSFER_ENCODING) && map.contains_key(header::CONTENT_LENGTH);
         if map.contains_key(header::TRANSFER_ENCODING) {
             // Transfer-Encoding overrides Content-Length, which a proxy must then drop
             // (RFC 9112 §6.3): forwarded, it would frame the client's response wrongly.
             map.remove(header::CONTENT_LENGTH);
         }
-        let keep_alive =
-            keep_alive && !close && !matches!(body, BodyKind::Close | BodyKind::Upgrade);
+        let keep_alive = keep_alive
+            && !close
+            && !both_framings
+            && !matches!(body, BodyKind::Close | BodyKind::Upgrade);
         let mut response = Response::new(());
         *response.status_mut() = status;
         // The backend's version only decides keep-alive: the client gets the gateway's own
@@ -301,18 +309,20 @@ fn body_kind(
         if version == Version::HTTP_10 {
             return Err(Error::TransferEncoding10);
         }
-        // Chunked only if it is the final coding; otherwise the body runs to the close.
-        let last = h
+        // Only `chunked`: the gateway removes the chunking and the header with it, so any
+        // other coding (`gzip, chunked`) would reach the client undeclared, a corrupt body.
+        // nginx refuses these too.
+        let codings: Vec<&str> = h
             .get_all(header::TRANSFER_ENCODING)
             .iter()
-            .next_back()
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.rsplit(',').next())
-            .map(str::trim);
-        return Ok(match last {
-            Some(c) if c.eq_ignore_ascii_case("chunked") => BodyKind::Chunked,
-            _ => BodyKind::Close,
-        });
+            .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect();
+        return match codings.as_slice() {
+            [c] if c.eq_ignore_ascii_case("chunked") => Ok(BodyKind::Chunked),
+            _ => Err(Error::TransferCoding(codings.join(", "))),
+        };
     }
     match content_length(h) {
         Ok(Some(n)) => Ok(BodyKind::Length(n)),
@@ -635,19 +645,20 @@ mod tests {
                 Chunked,
                 true,
             ),
+            // Both framings: chunked wins, and the connection is not reused.
             (
-                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 9\r\n\r\n",
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n",
+                false,
+                200,
+                Chunked,
+                false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n",
                 false,
                 200,
                 Chunked,
                 true,
-            ),
-            (
-                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
-                false,
-                200,
-                Close,
-                false,
             ),
             ("HTTP/1.1 200 OK\r\n\r\n", false, 200, Close, false),
             (
@@ -715,6 +726,24 @@ mod tests {
             assert_eq!(h.response.status().as_u16(), *status, "{raw:?}");
             assert_eq!(h.body, *body, "{raw:?}");
             assert_eq!(h.keep_alive, *keep_alive, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn rejects_transfer_codings_other_than_chunked() {
+        for te in [
+            "gzip, chunked",
+            "gzip",
+            "chunked, chunked",
+            "identity",
+            "chunked\r\nTransfer-Encoding: gzip",
+        ] {
+            let raw = format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert!(
+                matches!(parse(&raw, false), Err(Error::TransferCoding(_))),
+                "{te}: {:?}",
+                parse(&raw, false)
+            );
         }
     }
 

@@ -148,6 +148,18 @@ fn trim_host(host: &str) -> &str {
 async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
     let ctx = &*info.ctx;
     let cfg = info.config.load_full();
+    // RFC 9112 §3.2: several Host lines, or an HTTP/1.1 request without a host, are a 400;
+    // a backend might read another Host than the one routed on.
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    if hosts.next().is_some() && hosts.next().is_some() {
+        return full(StatusCode::BAD_REQUEST, "more than one Host header");
+    }
+    if req.version() == Version::HTTP_11
+        && req.uri().authority().is_none()
+        && !req.headers().contains_key(header::HOST)
+    {
+        return full(StatusCode::BAD_REQUEST, "no Host header");
+    }
     let host = request_host(&req);
     let want = if info.tls.is_some() {
         Protocol::Https
@@ -194,14 +206,16 @@ async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
-const HOP: [HeaderName; 6] = [
+/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded. `HTTP2-Settings` belongs to an h2c
+/// upgrade, which is never passed on (see [`is_upgrade`]).
+const HOP: [HeaderName; 7] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
     header::TRANSFER_ENCODING,
     header::TRAILER,
     header::UPGRADE,
+    HeaderName::from_static("http2-settings"),
 ];
 
 fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
@@ -234,9 +248,17 @@ fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
+/// An HTTP/1.1 upgrade to pass on (WebSocket and the like). Not `h2c`: a backend that
+/// switched would give the client a raw HTTP/2 connection to it, past route matching, filters
+/// and timeouts ("h2c smuggling"); such a request is forwarded as a plain request.
 fn is_upgrade(req: &Request<Incoming>) -> bool {
     req.version() == Version::HTTP_11
-        && req.headers().contains_key(header::UPGRADE)
+        && req.headers().get(header::UPGRADE).is_some_and(|u| {
+            !u.to_str()
+                .unwrap_or_default()
+                .split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("h2c"))
+        })
         && req
             .headers()
             .get_all(header::CONNECTION)
@@ -296,20 +318,28 @@ async fn forward(
     }
     let upgrade = is_upgrade(&req);
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-    // Host for HTTP/2 clients (they send :authority) and absolute-form requests.
-    if !req.headers().contains_key(header::HOST)
-        && let Ok(v) = HeaderValue::from_str(&match req.uri().authority() {
-            Some(a) => Cow::Borrowed(a.as_str()),
-            None => request_host(&req),
-        })
-    {
-        req.headers_mut().insert(header::HOST, v);
-    }
+    // The backend gets the host the request was routed on: the target's authority when there
+    // is one (HTTP/2's :authority; an absolute-form target replaces Host, RFC 9112 §3.2.2),
+    // else the Host header. Set after the hop-by-hop headers are gone, so that
+    // `Connection: host` cannot remove it.
+    let routed_host = match req.uri().authority() {
+        Some(a) => HeaderValue::from_str(a.as_str().rsplit('@').next().unwrap_or_default()).ok(),
+        // No host at all (HTTP/1.0): an empty Host, as RFC 9112 §3.2 asks of HTTP/1.1.
+        None => Some(
+            req.headers()
+                .get(header::HOST)
+                .cloned()
+                .unwrap_or(HeaderValue::from_static("")),
+        ),
+    };
     let te_trailers = req
         .headers()
         .get(header::TE)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
     strip_hop_by_hop(req.headers_mut(), upgrade);
+    if let Some(h) = routed_host {
+        req.headers_mut().insert(header::HOST, h);
+    }
     req.headers_mut().remove(header::TE);
     if rule.grpc && te_trailers {
         req.headers_mut()
