@@ -814,6 +814,23 @@ async fn idle_http_connections_are_closed_and_slow_requests_are_not() {
         "an idle keep-alive connection",
     );
 
+    // HTTP/2 (prior knowledge) with no request, only a PING every 200 ms: the PING
+    // acknowledgements are writes, but no response, so the connection is idle.
+    let (mut pinged, mut pinging) = connect().await.into_split();
+    pinging
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .expect("preface");
+    let pinger = tokio::spawn(async move {
+        let ping = b"\0\0\x08\x06\0\0\0\0\0keepopen";
+        while pinging.write_all(ping).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let took = closed_within(&mut pinged, Duration::from_secs(5)).await;
+    pinger.abort();
+    window(took, "an HTTP/2 connection with only PINGs");
+
     // A backend slower than the limit (2 s against 0.8 s): the response still arrives.
     let c = client();
     let r = get(&c, port, "x", "/sleep").await;

@@ -209,11 +209,12 @@ fn sni_certificates_and_isolation_on_a_port_shared_with_a_listener_set() {
     yaml.push_str(&pki.secret("cert-a", "a.example.com"));
     yaml.push_str(&pki.secret("cert-b", "b.example.com"));
     yaml.push_str(&pki.secret("cert-w", "*.example.com"));
+    yaml.push_str(&pki.secret("cert-d", "default.example.net"));
     yaml.push_str(&service("svc-a", a.port));
     yaml.push_str(&service("svc-b", b.port));
     yaml.push_str(&service("svc-w", w.port));
     yaml.push_str(&format!(
-        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: Same}}}}\n  listeners:\n  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-a}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: ls}}\nspec:\n  parentRef: {{name: gw}}\n  listeners:\n  - {{name: b, port: {port}, protocol: HTTPS, hostname: b.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-b}}]}}}}\n  - {{name: w, port: {port}, protocol: HTTPS, hostname: \"*.example.com\", tls: {{mode: Terminate, certificateRefs: [{{name: cert-w}}]}}}}\n"
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: Same}}}}\n  listeners:\n  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-a}}]}}}}\n  - {{name: d, port: {port}, protocol: HTTPS, tls: {{mode: Terminate, certificateRefs: [{{name: cert-d}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: ls}}\nspec:\n  parentRef: {{name: gw}}\n  listeners:\n  - {{name: b, port: {port}, protocol: HTTPS, hostname: b.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-b}}]}}}}\n  - {{name: w, port: {port}, protocol: HTTPS, hostname: \"*.example.com\", tls: {{mode: Terminate, certificateRefs: [{{name: cert-w}}]}}}}\n"
     ));
     for (route, parent, path, svc) in [
         ("ra", "{name: gw}", "/", "svc-a"),
@@ -292,6 +293,29 @@ fn sni_certificates_and_isolation_on_a_port_shared_with_a_listener_set() {
         "isolation: b's listener only"
     );
     assert_eq!(curl("c.example.com", "/x"), "backend=W 200 2");
+
+    // Without a server name (an IP address), the connection gets the certificate of the
+    // listener without a hostname, so a Host of another listener is misdirected (421), not
+    // served by that listener's routes.
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-k",
+            "--max-time",
+            "5",
+            "--http2",
+            "-w",
+            " %{http_code}",
+        ])
+        .args(["-H", "Host: a.example.com"])
+        .arg(format!("https://127.0.0.1:{port}/x"))
+        .output()
+        .expect("run curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.ends_with(" 421"),
+        "no SNI, Host of listener a: {text:?}"
+    );
 
     // Plain HTTP to the TLS port gets a clear 400.
     let (code, body) = http_get(port, "a.example.com", "/");

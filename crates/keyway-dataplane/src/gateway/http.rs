@@ -170,10 +170,13 @@ async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
     let Some(listener) = cfg.select(Some(&host), |l| l.protocol == want) else {
         return full(StatusCode::NOT_FOUND, "no listener for this host");
     };
-    if let Some(Some(sni)) = &info.tls
-        && **sni != *host
+    // The listener must also be the one whose certificate the connection got: that of the
+    // server name, or without one (a client that sent none, or an IP address) that of the
+    // listener without a hostname. Else 421, also for HTTP/2 connections reused across hosts.
+    if let Some(sni) = &info.tls
+        && sni.as_deref() != Some(&*host)
     {
-        let by_sni = cfg.select(Some(sni), |l| l.protocol == want);
+        let by_sni = cfg.select(sni.as_deref(), |l| l.protocol == want);
         if !by_sni.is_some_and(|l| std::ptr::eq(l, listener)) {
             return full(
                 StatusCode::MISDIRECTED_REQUEST,

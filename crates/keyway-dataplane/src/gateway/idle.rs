@@ -5,9 +5,10 @@
 //!
 //! A connection counts as active while one of its requests is being handled (a slow backend,
 //! a long upload) or its response body is still being relayed (a long poll, a gRPC stream, even
-//! silent), and whenever bytes are written to its client. A response does not keep a client
-//! that stopped reading it: once a write finds the client's socket full, only further writes
-//! count.
+//! silent), and whenever bytes of a response are written to its client; writes with no request
+//! in progress (HTTP/2 PING and SETTINGS acknowledgements) do not count, or PINGs alone could
+//! hold a connection forever. A response does not keep a client that stopped reading it: once
+//! a write finds the client's socket full, only further writes count.
 //! Bytes *read* do not count: a client trickling a request head byte by byte is idle until
 //! the head is complete. A check runs every half limit, so an idle connection closes between
 //! one and one and a half limits after its last activity, at the cost of one timer per
@@ -25,7 +26,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// What a connection did, counted by its I/O and its requests.
 #[derive(Default)]
 pub struct Activity {
-    /// Writes to the client plus requests started; any change is activity.
+    /// Writes to the client during a request, plus requests started and ended; any change is
+    /// activity.
     events: AtomicU64,
     in_flight: AtomicUsize,
     /// The last write to the client found its socket full: a response in flight then does not
@@ -69,6 +71,8 @@ pub struct InFlight(Arc<Activity>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        // The quiet period starts when the last response ends.
+        self.0.events.fetch_add(1, Ordering::Relaxed);
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -93,7 +97,12 @@ impl<I: AsyncWrite + Unpin> Watched<I> {
     fn count<T>(&self, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
         match &r {
             Poll::Ready(Ok(_)) => {
-                self.activity.events.fetch_add(1, Ordering::Relaxed);
+                // Only writes while a response is in progress count: otherwise a client could
+                // hold an idle connection forever with HTTP/2 PINGs, whose acknowledgements
+                // are writes too.
+                if self.activity.in_flight.load(Ordering::Relaxed) > 0 {
+                    self.activity.events.fetch_add(1, Ordering::Relaxed);
+                }
                 self.activity.write_blocked.store(false, Ordering::Relaxed);
             }
             Poll::Pending => self.activity.write_blocked.store(true, Ordering::Relaxed),
@@ -170,7 +179,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn writes_keep_it_active() {
+    async fn writes_without_a_request_are_not_activity() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (mut client, server) = tokio::io::duplex(64);
         let a = Arc::new(Activity::default());
@@ -178,22 +187,46 @@ mod tests {
             io: server,
             activity: a.clone(),
         };
-        let streaming = async {
-            for _ in 0..12 {
+        // A write every 4 s with no request in progress (HTTP/2 PING acknowledgements).
+        let pinged = async {
+            loop {
                 watched.write_all(b"x").await.unwrap();
                 let mut b = [0u8; 1];
                 client.read_exact(&mut b).await.unwrap();
                 tokio::time::sleep(Duration::from_secs(4)).await;
             }
         };
-        // 48 s of a write every 4 s: never idle at a 10 s limit.
-        tokio::select! {
-            _ = a.idle(Duration::from_secs(10)) => panic!("idle while writing"),
-            _ = streaming => {}
-        }
         let start = tokio::time::Instant::now();
-        a.idle(Duration::from_secs(10)).await;
-        assert!(start.elapsed() >= Duration::from_secs(10));
+        tokio::select! {
+            _ = a.idle(Duration::from_secs(10)) => {}
+            _ = pinged => unreachable!(),
+        }
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_secs(10) && took <= Duration::from_secs(15),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_quiet_period_starts_when_the_last_response_ends() {
+        let a = Arc::new(Activity::default());
+        let guard = a.request();
+        // Checks run every 5 s; the response ends just before the one at 10 s.
+        let ended = async {
+            tokio::time::sleep(Duration::from_millis(9_900)).await;
+            drop(guard);
+            tokio::time::Instant::now()
+        };
+        let (end, idle_at) = tokio::join!(ended, async {
+            a.idle(Duration::from_secs(10)).await;
+            tokio::time::Instant::now()
+        });
+        let quiet = idle_at - end;
+        assert!(
+            quiet >= Duration::from_secs(10),
+            "idle {quiet:?} after the end"
+        );
     }
 
     #[tokio::test(start_paused = true)]
