@@ -21,10 +21,11 @@ pub enum Hello {
     Garbage,
 }
 
-/// The most bytes read before giving up on finding a ClientHello (one full TLS record).
-pub const MAX_HELLO: usize = 5 + 16 * 1024;
+/// The most bytes read before giving up on finding a ClientHello: two full TLS records, for a
+/// hello split across records (some clients split it on purpose).
+pub const MAX_HELLO: usize = 2 * (5 + 16 * 1024);
 
-/// Parses the first TLS record of `buf`.
+/// Parses the ClientHello at the start of `buf`, which may span several handshake records.
 pub fn parse(buf: &[u8]) -> Hello {
     let Some(&first) = buf.first() else {
         return Hello::Incomplete;
@@ -36,16 +37,48 @@ pub fn parse(buf: &[u8]) -> Hello {
             Hello::Garbage
         };
     }
-    if buf.len() < 5 {
-        return Hello::Incomplete;
-    }
-    let len = usize::from(u16::from_be_bytes([buf[3], buf[4]]));
-    let Some(record) = buf.get(5..5 + len) else {
-        return Hello::Incomplete;
-    };
-    match client_hello_sni(record) {
-        Some(sni) => Hello::Tls(sni),
-        None => Hello::Garbage,
+    // The handshake bytes of consecutive handshake records, copied only when the hello does
+    // not fit its first record (clients that split it).
+    let mut joined: Vec<u8> = Vec::new();
+    let mut first_record = true;
+    let mut rest = buf;
+    loop {
+        if rest.len() < 5 {
+            return Hello::Incomplete;
+        }
+        if rest[0] != 0x16 {
+            return Hello::Garbage;
+        }
+        let len = usize::from(u16::from_be_bytes([rest[3], rest[4]]));
+        let Some(fragment) = rest.get(5..5 + len) else {
+            return Hello::Incomplete;
+        };
+        rest = &rest[5 + len..];
+        let message: &[u8] = if first_record {
+            fragment
+        } else {
+            joined.extend_from_slice(fragment);
+            &joined
+        };
+        if message.len() >= 4 {
+            if message[0] != 1 {
+                return Hello::Garbage;
+            }
+            let whole = 4
+                + ((usize::from(message[1]) << 16)
+                    | (usize::from(message[2]) << 8)
+                    | usize::from(message[3]));
+            if message.len() >= whole {
+                return match client_hello_sni(&message[..whole]) {
+                    Some(sni) => Hello::Tls(sni),
+                    None => Hello::Garbage,
+                };
+            }
+        }
+        if first_record {
+            joined.extend_from_slice(fragment);
+            first_record = false;
+        }
     }
 }
 
@@ -78,8 +111,7 @@ fn client_hello_sni(record: &[u8]) -> Option<Option<String>> {
         return None;
     }
     let len = c.u24()?;
-    // A ClientHello split over several records: the SNI may be in the part we have.
-    let body = c.0.get(..len).unwrap_or(c.0);
+    let body = c.0.get(..len)?;
     let mut c = Cur(body);
     c.take(2 + 32)?;
     let sid = c.u8()?;
@@ -173,11 +205,68 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
 mod tests {
     use super::*;
 
+    /// A real ClientHello (rustls) for `name`, as one TLS record.
+    fn client_hello(name: &str) -> Vec<u8> {
+        let config = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let server = rustls::pki_types::ServerName::try_from(name.to_string()).expect("name");
+        let mut conn =
+            rustls::ClientConnection::new(std::sync::Arc::new(config), server).expect("client");
+        let mut out = Vec::new();
+        conn.write_tls(&mut out).expect("hello");
+        out
+    }
+
+    /// `hello` (one record) re-framed as two records split `at` bytes into its payload.
+    fn split(hello: &[u8], at: usize) -> Vec<u8> {
+        let (a, b) = hello[5..].split_at(at);
+        let mut out = Vec::new();
+        for part in [a, b] {
+            out.extend_from_slice(&hello[..3]);
+            out.extend_from_slice(&(part.len() as u16).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+        out
+    }
+
+    #[test]
+    fn reads_the_server_name_of_a_hello_split_anywhere() {
+        let hello = client_hello("Split.Example.");
+        assert_eq!(parse(&hello), Hello::Tls(Some("split.example".into())));
+        for at in 0..=hello.len() - 5 {
+            let two = split(&hello, at);
+            assert_eq!(
+                parse(&two),
+                Hello::Tls(Some("split.example".into())),
+                "split at {at}"
+            );
+            // Any prefix short of the whole hello asks for more.
+            if at < hello.len() - 5 {
+                for cut in [two.len() - 1, 5 + at + 4, 5 + at] {
+                    assert_eq!(
+                        parse(&two[..cut]),
+                        Hello::Incomplete,
+                        "split {at}, cut {cut}"
+                    );
+                }
+            }
+        }
+        // A non-handshake record before the hello is whole is not a hello.
+        let mut bad = split(&hello, 10);
+        bad[5 + 10] = 0x17;
+        assert_eq!(parse(&bad), Hello::Garbage);
+    }
+
     #[test]
     fn garbage_never_panics() {
         assert_eq!(parse(b""), Hello::Incomplete);
         assert_eq!(parse(b"GET / HTTP/1.1\r\n"), Hello::PlainHttp);
-        assert_eq!(parse(&[0x16, 3, 1, 0, 4, 1, 0, 0, 9]), Hello::Garbage);
+        // A hello longer than its record: the rest may follow in the next record.
+        assert_eq!(parse(&[0x16, 3, 1, 0, 4, 1, 0, 0, 9]), Hello::Incomplete);
+        assert_eq!(parse(&[0x16, 3, 1, 0, 4, 2, 0, 0, 0]), Hello::Garbage);
         assert_eq!(parse(&[0x16, 3, 1, 0, 9, 1]), Hello::Incomplete);
         for n in 0..64u8 {
             let v: Vec<u8> = (0..n).map(|i| i.wrapping_mul(37)).collect();
