@@ -147,12 +147,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Network {
     /// A network with no links, for `dataplane`. Must be called within a tokio runtime.
     pub fn new(dataplane: Arc<DataPlane>) -> Network {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
         // Sequence numbers start at the clock, so a restarted site's advertisements are newer
         // than whatever the network remembers of its previous run.
-        let seq = now.as_millis() as u64;
+        let seq = clock_ms();
         let inner = Arc::new(Inner {
             dataplane: dataplane.clone(),
             id: format!("{:016x}", fastrand::u64(..)),
@@ -336,10 +333,21 @@ impl Network {
     }
 }
 
+/// Milliseconds since the Unix epoch: where a site's advertisement numbers start.
+fn clock_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// How far ahead of this site's clock an advertisement's number may be: a day covers clock
+/// skew and years of originations at a few per second beyond the clock (one per change).
+const SEQ_AHEAD_MAX: u64 = 24 * 3600 * 1000;
+
 impl Inner {
     /// Issues a new advertisement of this site, floods it, and recomputes routes.
     fn originate(&self, st: &mut State) {
-        st.seq += 1;
+        st.seq = st.seq.saturating_add(1);
         let mut links: BTreeMap<String, u64> = BTreeMap::new();
         for c in st.conns.values() {
             if c.sender.is_some() {
@@ -365,6 +373,12 @@ impl Inner {
 
     /// Takes in an advertisement received on connection `from`.
     fn receive(&self, from: u64, adv: Advertisement) {
+        // A number far ahead of any clock would make every later advertisement of that
+        // origin look old, freezing what the network knows of it: ignored.
+        if adv.seq > clock_ms().saturating_add(SEQ_AHEAD_MAX) {
+            tracing::warn!(origin = %adv.origin, seq = adv.seq, "advertisement numbered ahead of any clock: ignored");
+            return;
+        }
         let mut st = lock(&self.state);
         if adv.origin == st.site {
             // An echo of our own, perhaps from a previous run with a higher number: move past it.
@@ -555,4 +569,39 @@ impl Drop for StreamCount {
 /// Boxes a stream for the data plane.
 pub(crate) fn boxed(s: stream::H2Stream) -> BoxTunnel {
     Box::new(s)
+}
+
+#[cfg(test)]
+mod advertisement_tests {
+    use super::*;
+
+    fn adv(origin: &str, id: &str, seq: u64) -> Advertisement {
+        Advertisement {
+            origin: origin.into(),
+            id: id.into(),
+            seq,
+            keys: vec!["k".into()],
+            listening: Vec::new(),
+            links: Vec::new(),
+        }
+    }
+
+    /// A forged number far ahead of the clock would freeze an origin (every later
+    /// advertisement looking older) or overflow our own: ignored instead.
+    #[tokio::test]
+    async fn advertisements_numbered_ahead_of_the_clock_are_ignored() {
+        let metrics = Arc::new(keyway_dataplane::metrics::Metrics::default());
+        let net = Network::new(Arc::new(DataPlane::new(metrics)));
+        let inner = &net.inner;
+        inner.receive(1, adv("east", "e1", u64::MAX));
+        assert!(!lock(&inner.state).db.contains_key("east"));
+        let now = clock_ms();
+        inner.receive(1, adv("east", "e1", now));
+        assert_eq!(lock(&inner.state).db.get("east").map(|a| a.seq), Some(now));
+        // An echo of our own origin with a forged number: no overflow, no adoption.
+        let me = lock(&inner.state).site.clone();
+        let before = lock(&inner.state).seq;
+        inner.receive(1, adv(&me, "other-run", u64::MAX));
+        assert_eq!(lock(&inner.state).seq, before);
+    }
 }

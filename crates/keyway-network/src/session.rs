@@ -27,10 +27,18 @@ use crate::{
     Inner, NetError, StreamCount, boxed,
 };
 
-/// HTTP/2 flow control for tunnels: 4 MiB per stream, 16 MiB per connection. Unequal on
-/// purpose: with equal windows one stalled stream could hold the whole connection's window.
+/// HTTP/2 flow control for tunnels: 4 MiB per stream, 64 MiB per connection. Unequal on
+/// purpose: data a stalled reader has not taken holds connection window too, so it takes 16
+/// stalled streams (not 4) to stop a connection's other streams and its control stream.
 const STREAM_WINDOW: u32 = 4 << 20;
-const CONN_WINDOW: u32 = 16 << 20;
+const CONN_WINDOW: u32 = 64 << 20;
+/// Most tunnel streams a peer may have open on one connection, and the largest header block
+/// it may send (a CONNECT has three short headers): bounds what a peer can make us hold.
+const MAX_STREAMS: u32 = 10_000;
+const MAX_HEADER_LIST: u32 = 16 << 10;
+/// How long setting up a stream may take at any site on its path (a target's connect and TLS
+/// handshake, the next hop's answer), as long as the origin waits.
+const STREAM_SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest DATA frame we accept: a tunnel's 1 MiB socket read crosses the link as one frame and
 /// leaves the far site in one `send` to the workload. Measured against 256 KiB on two linked
 /// sites (one iperf3 stream, 2 cores): ~4% less CPU per byte, as every frame costs a wakeup of
@@ -247,6 +255,8 @@ fn h2_client() -> h2::client::Builder {
         .initial_connection_window_size(CONN_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_send_buffer_size(SEND_BUFFER)
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_concurrent_streams(MAX_STREAMS)
         .enable_push(false);
     b
 }
@@ -257,7 +267,8 @@ fn h2_server() -> h2::server::Builder {
         .initial_connection_window_size(CONN_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_send_buffer_size(SEND_BUFFER)
-        .max_concurrent_streams(100_000);
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_concurrent_streams(MAX_STREAMS);
     b
 }
 
@@ -517,9 +528,18 @@ async fn serve_stream(
     let (key, site) = (key.to_string(), site.to_string());
     let hops: u8 = header(&req, H_HOPS)
         .and_then(|h| h.parse().ok())
-        .unwrap_or(0);
+        .unwrap_or(0)
+        .min(crate::MAX_HOPS);
     let upstream: Upstream = if site == inner.site() {
-        match inner.dataplane.connect_local(&key).await {
+        let connected =
+            tokio::time::timeout(STREAM_SETUP_TIMEOUT, inner.dataplane.connect_local(&key))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(format!(
+                        "no target of {key} connected within {STREAM_SETUP_TIMEOUT:?}"
+                    ))
+                });
+        match connected {
             Ok(local) => {
                 let target = local.target.clone();
                 let _open = local.open;
@@ -603,8 +623,16 @@ pub(crate) async fn open_stream(
         .send_request(req, false)
         .map_err(|e| format!("link to {}: {e}", conn.peer))?;
     let count = StreamCount::new(&conn.streams);
-    let resp = resp
+    // A next hop that never answers must not hold this stream (and its count) forever:
+    // dropping the request resets the stream there too.
+    let resp = tokio::time::timeout(STREAM_SETUP_TIMEOUT, resp)
         .await
+        .map_err(|_| {
+            format!(
+                "link to {}: no answer within {STREAM_SETUP_TIMEOUT:?}",
+                conn.peer
+            )
+        })?
         .map_err(|e| format!("link to {}: {e}", conn.peer))?;
     if resp.status() != StatusCode::OK {
         let why = resp
