@@ -16,38 +16,52 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 % 251) as u8).collect()
 }
 
-/// Reads until EOF, then answers `<bytes received>\n` and 1 MiB of pattern, then closes.
-async fn collector() -> SocketAddr {
+/// A backend on a fresh port that runs `serve` on every connection it accepts.
+async fn backend_each<F, Fut>(serve: F) -> SocketAddr
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr");
     tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut got = Vec::new();
-                if s.read_to_end(&mut got).await.is_err() {
-                    return;
-                }
-                let _ = s.write_all(format!("{}\n", got.len()).as_bytes()).await;
-                let _ = s.write_all(&pattern(1 << 20)).await;
-                let _ = s.shutdown().await;
-            });
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(serve(s));
         }
     });
     addr
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_half_close_still_gets_the_full_response() {
-    let backend = collector().await;
+/// A data plane with listener `l` on a fresh port for key `k`, whose one connector `name`
+/// (health checks off) is `backend`.
+async fn site_to(name: &str, backend: SocketAddr) -> (Arc<keyway_dataplane::DataPlane>, u16) {
     let port = free_port();
     let dp = dataplane();
-    let mut c = connector("collector", "k", backend);
+    let mut c = connector(name, "k", backend);
     c.health = no_hc();
     dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
     wait_listening(&dp, &listener_id("l")).await;
+    (dp, port)
+}
+
+/// Reads until EOF, then answers `<bytes received>\n` and 1 MiB of pattern, then closes.
+async fn collector() -> SocketAddr {
+    backend_each(|mut s| async move {
+        let mut got = Vec::new();
+        if s.read_to_end(&mut got).await.is_err() {
+            return;
+        }
+        let _ = s.write_all(format!("{}\n", got.len()).as_bytes()).await;
+        let _ = s.write_all(&pattern(1 << 20)).await;
+        let _ = s.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_half_close_still_gets_the_full_response() {
+    let backend = collector().await;
+    let (dp, port) = site_to("collector", backend).await;
 
     for _ in 0..3 {
         let mut s = connect(port).await.expect("connect");
@@ -73,30 +87,19 @@ async fn client_half_close_still_gets_the_full_response() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_half_close_first_client_keeps_sending() {
     // The backend answers at once, half-closes, then keeps reading and reports what it got.
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let backend = l.local_addr().expect("addr");
     let (tx, mut rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                continue;
-            };
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let _ = s.write_all(b"early answer\n").await;
-                let _ = s.shutdown().await;
-                let mut got = Vec::new();
-                let r = s.read_to_end(&mut got).await;
-                let _ = tx.send((r.is_ok(), got));
-            });
+    let backend = backend_each(move |mut s| {
+        let tx = tx.clone();
+        async move {
+            let _ = s.write_all(b"early answer\n").await;
+            let _ = s.shutdown().await;
+            let mut got = Vec::new();
+            let r = s.read_to_end(&mut got).await;
+            let _ = tx.send((r.is_ok(), got));
         }
-    });
-    let port = free_port();
-    let dp = dataplane();
-    let mut c = connector("half", "k", backend);
-    c.health = no_hc();
-    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
-    wait_listening(&dp, &listener_id("l")).await;
+    })
+    .await;
+    let (dp, port) = site_to("half", backend).await;
 
     let mut s = connect(port).await.expect("connect");
     let mut answer = Vec::new();
@@ -128,29 +131,19 @@ async fn backend_half_close_first_client_keeps_sending() {
 /// a FIN. Every size arrives whole and ends cleanly, and the byte counters are exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answer_then_close_arrives_whole_at_every_size() {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let backend = l.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut len = [0u8; 4];
-                if s.read_exact(&mut len).await.is_err() {
-                    return;
-                }
-                let _ = s
-                    .write_all(&pattern(u32::from_be_bytes(len) as usize))
-                    .await;
-                // Dropping the socket closes it: the answer's last bytes and the FIN go out
-                // back to back.
-            });
+    let backend = backend_each(|mut s| async move {
+        let mut len = [0u8; 4];
+        if s.read_exact(&mut len).await.is_err() {
+            return;
         }
-    });
-    let port = free_port();
-    let dp = dataplane();
-    let mut c = connector("answer", "k", backend);
-    c.health = no_hc();
-    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
-    wait_listening(&dp, &listener_id("l")).await;
+        let _ = s
+            .write_all(&pattern(u32::from_be_bytes(len) as usize))
+            .await;
+        // Dropping the socket closes it: the answer's last bytes and the FIN go out
+        // back to back.
+    })
+    .await;
+    let (dp, port) = site_to("answer", backend).await;
 
     let sizes = [
         1usize,
@@ -201,27 +194,17 @@ fn bytes_counted(metrics: &str, direction: &str) -> u64 {
 /// end that leaves the client's direction open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answer_then_reset_ends_the_connection() {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let backend = l.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut request = [0u8; 5];
-                if s.read_exact(&mut request).await.is_err() {
-                    return;
-                }
-                let _ = s.write_all(b"partial answer").await;
-                // Linger zero: the close sends RST instead of FIN.
-                let _ = s.set_zero_linger();
-            });
+    let backend = backend_each(|mut s| async move {
+        let mut request = [0u8; 5];
+        if s.read_exact(&mut request).await.is_err() {
+            return;
         }
-    });
-    let port = free_port();
-    let dp = dataplane();
-    let mut c = connector("reset", "k", backend);
-    c.health = no_hc();
-    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
-    wait_listening(&dp, &listener_id("l")).await;
+        let _ = s.write_all(b"partial answer").await;
+        // Linger zero: the close sends RST instead of FIN.
+        let _ = s.set_zero_linger();
+    })
+    .await;
+    let (dp, port) = site_to("reset", backend).await;
 
     for _ in 0..5 {
         let mut s = connect(port).await.expect("connect");
@@ -243,27 +226,14 @@ async fn answer_then_reset_ends_the_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_closes_while_client_still_sending() {
     // The backend reads a little, says goodbye and closes entirely.
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let backend = l.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut first = [0u8; 10];
-                let _ = s.read_exact(&mut first).await;
-                let _ = s.write_all(b"bye\n").await;
-                drop(s);
-            });
-        }
-    });
-    let port = free_port();
-    let dp = dataplane();
-    let mut c = connector("closer", "k", backend);
-    c.health = no_hc();
-    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
-    wait_listening(&dp, &listener_id("l")).await;
+    let backend = backend_each(|mut s| async move {
+        let mut first = [0u8; 10];
+        let _ = s.read_exact(&mut first).await;
+        let _ = s.write_all(b"bye\n").await;
+        drop(s);
+    })
+    .await;
+    let (dp, port) = site_to("closer", backend).await;
 
     for round in 0..3 {
         let s = connect(port).await.expect("connect");
@@ -490,24 +460,14 @@ async fn graceful_shutdown_reports_connections_left_at_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_transfer_both_ways_is_exact_and_counted() {
     // An echo backend that half-closes once the client has.
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let backend = l.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.split();
-                if tokio::io::copy(&mut r, &mut w).await.is_ok() {
-                    let _ = w.shutdown().await;
-                }
-            });
+    let backend = backend_each(|mut s| async move {
+        let (mut r, mut w) = s.split();
+        if tokio::io::copy(&mut r, &mut w).await.is_ok() {
+            let _ = w.shutdown().await;
         }
-    });
-    let port = free_port();
-    let dp = dataplane();
-    let mut c = connector("echo", "k", backend);
-    c.health = no_hc();
-    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
-    wait_listening(&dp, &listener_id("l")).await;
+    })
+    .await;
+    let (dp, port) = site_to("echo", backend).await;
 
     const LEN: usize = 24 << 20;
     let rounds = 2;
