@@ -87,7 +87,11 @@ pub(crate) fn start_access(
             }
         };
         tracing::info!(addr = ?listener.local_addr().ok(), "accepting links");
+        // Accepted sessions belong to this task: when the RouterAccess goes away or changes
+        // (a rotated CA revoking a site), aborting it drops the set and ends them too.
+        let mut sessions = tokio::task::JoinSet::new();
         loop {
+            while sessions.try_join_next().is_some() {}
             let (tcp, peer) = match listener.accept().await {
                 Ok(x) => x,
                 Err(e) => {
@@ -98,7 +102,7 @@ pub(crate) fn start_access(
             };
             let inner = inner.clone();
             let acceptor = acceptor.clone();
-            tokio::spawn(async move {
+            sessions.spawn(async move {
                 let _ = tcp.set_nodelay(true);
                 // Nothing but the TLS handshake happens before the peer proves its identity.
                 let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await

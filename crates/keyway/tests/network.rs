@@ -354,3 +354,40 @@ fn garbage_on_the_link_port_is_closed_without_harm() {
     assert!(b.get("/healthz").is_some());
     drop(a);
 }
+
+/// Removing a site's RouterAccess (say, to cut a site off) ends the links already accepted on
+/// it, not only new ones: the far site loses the keys behind it.
+#[test]
+fn removing_a_router_access_ends_its_links() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (b_port, listen) = (free_port(), free_port());
+    let backend = Backend::start("at-b");
+    let connector = connector_yaml("svc", "svc", backend.port);
+    let b = start_site(
+        "b",
+        &ca,
+        &[router_access_yaml(b_port, "link-tls"), connector.clone()],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).is_ok()),
+        "linked: {}",
+        a.log()
+    );
+    // The same site without its RouterAccess.
+    let without = [site_yaml("b"), ca.secret_yaml("link-tls"), connector];
+    write_file(&b.config_dir(), "site.yaml", &without.join("---\n"));
+    assert!(
+        eventually(Duration::from_secs(5), || who(listen).is_err()),
+        "the link accepted on the removed RouterAccess still carries traffic"
+    );
+    assert_eq!(a.sites_in_network(), 1);
+}
