@@ -431,13 +431,7 @@ async fn weighted_backends_timeouts_h2c_and_upgrade() {
     assert_eq!(r.field("path"), Some("/h2"));
 
     // WebSocket-style upgrade passes through and echoes.
-    let mut s = TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
-    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
-        .await
-        .expect("write");
-    let head = common::read_head(&mut s).await;
+    let (mut s, head) = common::upgrade_echo(port).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     s.write_all(b"ping\n").await.expect("write");
     let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut s))

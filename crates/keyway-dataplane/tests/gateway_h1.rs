@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{IO_TIMEOUT, free_port, gateway, http_route, read_head, read_line, service, start};
+use common::{IO_TIMEOUT, free_port, gateway, http_route, read_line, service, start};
 use http_body_util::channel::Channel;
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::client::conn::http1::SendRequest;
@@ -731,13 +731,7 @@ async fn upgrade_passes_bytes_read_ahead_then_copies_both_ways() {
     })
     .await;
     let (_dp, port) = gateway_to(be.addr).await;
-    let mut s = TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
-    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
-        .await
-        .expect("write");
-    let head = common::read_head(&mut s).await;
+    let (mut s, head) = common::upgrade_echo(port).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head:?}");
     assert_eq!(line(&mut s).await, "first");
     s.write_all(b"ping\n").await.expect("write");
@@ -854,11 +848,7 @@ async fn idle_limit_spares_silent_streams_not_stalled_readers() {
 
 /// One raw request on a fresh connection; the response's status code.
 async fn raw_status(port: u16, request: &str) -> u16 {
-    let mut s = TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
-    s.write_all(request.as_bytes()).await.expect("send");
-    let head = tokio::time::timeout(IO_TIMEOUT, read_head(&mut s))
+    let (_, head) = tokio::time::timeout(IO_TIMEOUT, common::send_raw(port, request.as_bytes()))
         .await
         .expect("response in time");
     head.split(' ')

@@ -541,6 +541,26 @@ pub async fn tls_backend(name: &str, leaf: &Leaf) -> (SocketAddr, JoinHandle<()>
     (addr, handle)
 }
 
+/// Connects to `port`, sends `request` as it is and reads the response head; the stream (for
+/// what follows) and the head.
+pub async fn send_raw(port: u16, request: &[u8]) -> (TcpStream, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(request).await.expect("write");
+    let head = read_head(&mut s).await;
+    (s, head)
+}
+
+/// [`send_raw`] of a request to upgrade `GET /ws` to the `echo` protocol.
+pub async fn upgrade_echo(port: u16) -> (TcpStream, String) {
+    send_raw(
+        port,
+        b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+    )
+    .await
+}
+
 /// An HTTP response head read byte by byte (so nothing after it is consumed), up to the
 /// close if it comes first.
 pub async fn read_head(s: &mut TcpStream) -> String {
