@@ -2,8 +2,8 @@
 //! sending, the other side's write half is shut down and the opposite direction carries on.
 //!
 //! Buffers start small (most connections are short and chatty) and double up to 256 KiB (1 MiB
-//! between plain TCP sockets) while reads keep filling them (bulk transfers), as ztunnel does. Bytes are counted as they move, so
-//! metrics of long-lived connections stay current.
+//! between plain TCP sockets) while reads keep filling them (bulk transfers), as ztunnel does.
+//! Bytes are counted as they move, so metrics of long-lived connections stay current.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};

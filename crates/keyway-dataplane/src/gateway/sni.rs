@@ -2,6 +2,7 @@
 //! listeners need the SNI without terminating, terminating ones hand the bytes already read to
 //! rustls, and plain HTTP sent to a TLS port gets a clear 400 instead of a handshake failure.
 
+use std::borrow::Cow;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -37,10 +38,9 @@ pub fn parse(buf: &[u8]) -> Hello {
             Hello::Garbage
         };
     }
-    // The handshake bytes of consecutive handshake records, copied only when the hello does
-    // not fit its first record (clients that split it).
-    let mut joined: Vec<u8> = Vec::new();
-    let mut first_record = true;
+    // The handshake bytes of consecutive handshake records: borrowed from the first record,
+    // copied only when the hello does not fit it (clients that split it).
+    let mut message: Cow<'_, [u8]> = Cow::Borrowed(&[]);
     let mut rest = buf;
     loop {
         if rest.len() < 5 {
@@ -54,12 +54,11 @@ pub fn parse(buf: &[u8]) -> Hello {
             return Hello::Incomplete;
         };
         rest = &rest[5 + len..];
-        let message: &[u8] = if first_record {
-            fragment
+        if message.is_empty() {
+            message = Cow::Borrowed(fragment);
         } else {
-            joined.extend_from_slice(fragment);
-            &joined
-        };
+            message.to_mut().extend_from_slice(fragment);
+        }
         if message.len() >= 4 {
             if message[0] != 1 {
                 return Hello::Garbage;
@@ -74,10 +73,6 @@ pub fn parse(buf: &[u8]) -> Hello {
                     None => Hello::Garbage,
                 };
             }
-        }
-        if first_record {
-            joined.extend_from_slice(fragment);
-            first_record = false;
         }
     }
 }
