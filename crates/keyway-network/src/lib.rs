@@ -8,6 +8,7 @@
 //! connections: on one the dialing site is the HTTP/2 client, on the other (told apart by ALPN)
 //! the accepting site is. Each site opens streams only on connections where it is the client.
 
+mod db;
 pub mod grant;
 pub mod graph;
 pub mod protocol;
@@ -90,7 +91,9 @@ struct State {
     local_keys: Vec<String>,
     listening: Vec<String>,
     conns: HashMap<u64, Arc<Conn>>,
-    db: HashMap<String, Advertisement>,
+    db: db::Db,
+    /// When a peer's advertisement last did not fit in `db` was logged (at most every 10 s).
+    db_full_logged: Option<Instant>,
     unreachable_since: HashMap<String, Instant>,
     routes: BTreeMap<String, Route>,
     remote_entries: Vec<(String, String, u64)>,
@@ -159,7 +162,8 @@ impl Network {
                 local_keys: Vec::new(),
                 listening: Vec::new(),
                 conns: HashMap::new(),
-                db: HashMap::new(),
+                db: db::Db::default(),
+                db_full_logged: None,
                 unreachable_since: HashMap::new(),
                 routes: BTreeMap::new(),
                 remote_entries: Vec::new(),
@@ -366,7 +370,7 @@ impl Inner {
                 .map(|(site, cost)| Adjacency { site, cost })
                 .collect(),
         };
-        st.db.insert(adv.origin.clone(), adv.clone());
+        let _ = st.db.insert(adv.clone(), true);
         flood(st, &adv, None);
         self.recompute(st);
     }
@@ -391,19 +395,29 @@ impl Inner {
         if st.db.get(&adv.origin).is_some_and(|old| old.seq >= adv.seq) {
             return;
         }
+        if let Err(full) = st.db.insert(adv.clone(), false) {
+            let now = Instant::now();
+            if st
+                .db_full_logged
+                .is_none_or(|t| now.duration_since(t) > Duration::from_secs(10))
+            {
+                st.db_full_logged = Some(now);
+                tracing::warn!(origin = %adv.origin, "advertisement ignored: the network's sites would pass this site's bound ({full:?}: at most {} sites, {} MiB of names)", db::MAX_SITES, db::MAX_BYTES >> 20);
+            }
+            return;
+        }
         flood(&st, &adv, Some(from));
-        st.db.insert(adv.origin.clone(), adv);
         self.recompute(&mut st);
     }
 
     /// Routes from the link-state database; pushes changed remote targets to the data plane.
     fn recompute(&self, st: &mut State) {
-        st.routes = graph::routes(&st.site, &st.db);
+        st.routes = graph::routes(&st.site, st.db.map());
         let now = Instant::now();
         let me = st.site.clone();
         let unreachable: Vec<String> = st
             .db
-            .keys()
+            .origins()
             .filter(|s| **s != me && !st.routes.contains_key(*s))
             .cloned()
             .collect();
@@ -594,7 +608,7 @@ mod advertisement_tests {
         let net = Network::new(Arc::new(DataPlane::new(metrics)));
         let inner = &net.inner;
         inner.receive(1, adv("east", "e1", u64::MAX));
-        assert!(!lock(&inner.state).db.contains_key("east"));
+        assert!(lock(&inner.state).db.get("east").is_none());
         let now = clock_ms();
         inner.receive(1, adv("east", "e1", now));
         assert_eq!(lock(&inner.state).db.get("east").map(|a| a.seq), Some(now));
@@ -603,5 +617,30 @@ mod advertisement_tests {
         let before = lock(&inner.state).seq;
         inner.receive(1, adv(&me, "other-run", u64::MAX));
         assert_eq!(lock(&inner.state).seq, before);
+    }
+
+    /// A peer cannot make this site hold more sites than its bound: past it, advertisements
+    /// of new origins are dropped (and so not flooded on), known origins still update.
+    #[tokio::test]
+    async fn advertisements_past_the_bound_are_dropped() {
+        let metrics = Arc::new(keyway_dataplane::metrics::Metrics::default());
+        let net = Network::new(Arc::new(DataPlane::new(metrics)));
+        let inner = &net.inner;
+        lock(&inner.state).db = db::Db::with_limits(2, usize::MAX);
+        let now = clock_ms();
+        inner.receive(1, adv("east", "e1", now));
+        inner.receive(1, adv("west", "w1", now));
+        inner.receive(1, adv("north", "n1", now));
+        let origins = |inner: &Inner| {
+            let mut o: Vec<String> = lock(&inner.state).db.origins().cloned().collect();
+            o.sort();
+            o
+        };
+        assert_eq!(origins(inner), ["east", "west"]);
+        inner.receive(1, adv("east", "e1", now + 1));
+        assert_eq!(
+            lock(&inner.state).db.get("east").map(|a| a.seq),
+            Some(now + 1)
+        );
     }
 }
