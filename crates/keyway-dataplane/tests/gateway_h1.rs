@@ -421,12 +421,15 @@ async fn bad_backend_input_gives_502_or_an_aborted_response() {
         "p".repeat(70 * 1024)
     );
     let endless = format!("HTTP/1.1 200 OK\r\nX-Pad: {}", "p".repeat(70 * 1024));
+    // More interim responses than any request needs, and the backend stays.
+    let interims = "HTTP/1.1 100 Continue\r\n\r\n".repeat(40);
     let answers: Vec<(&str, String)> = vec![
         ("/garbage", format!("HELLO THERE\r\n\r\n{CLOSE}")),
         ("/status", format!("HTTP/1.1 2x0 OK\r\n\r\n{CLOSE}")),
         ("/huge", format!("{huge}{CLOSE}")),
         // Never ends, and the backend stays: the limit, not the close, must end it.
         ("/endless", endless),
+        ("/interims", interims),
         (
             "/length",
             format!("HTTP/1.1 200 OK\r\nContent-Length: 1x\r\n\r\n{CLOSE}"),

@@ -13,6 +13,10 @@ use hyper::{Method, Response, StatusCode, Version};
 
 /// The largest response head accepted (status line, headers, and any 1xx heads before it).
 pub const MAX_HEAD: usize = 64 * 1024;
+/// The most `1xx` interim responses (`100 Continue`, `102 Processing`, `103 Early Hints`)
+/// accepted before one request's final response: a backend sending them without end would
+/// otherwise hold the request for as long as it liked, past any idea of a response.
+pub const MAX_INTERIM: u32 = 32;
 /// The most header lines in one response head.
 const MAX_HEADERS: usize = 100;
 /// The longest chunk-size line (with extensions) accepted.
@@ -24,6 +28,8 @@ pub enum Error {
     Parse(#[from] httparse::Error),
     #[error("response head larger than {MAX_HEAD} bytes")]
     HeadTooLarge,
+    #[error("more than {MAX_INTERIM} interim (1xx) responses")]
+    TooManyInterim,
     #[error("invalid response header {0}")]
     Header(String),
     #[error("invalid Content-Length in response")]
@@ -186,9 +192,14 @@ pub struct Head {
 }
 
 /// Parses the response head at the start of `buf` and removes it (with any `1xx` interim
-/// responses before it, which are skipped); `Ok(None)` while it is incomplete. The header
-/// values share the head's bytes instead of being copied.
-pub fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Error> {
+/// responses before it, which are skipped and counted in `interim`, kept by the caller across
+/// reads); `Ok(None)` while it is incomplete. The header values share the head's bytes instead
+/// of being copied.
+pub fn parse_head(
+    buf: &mut BytesMut,
+    head_request: bool,
+    interim: &mut u32,
+) -> Result<Option<Head>, Error> {
     loop {
         // Uninitialized: zeroing room for every header costs more than parsing a short head.
         let mut headers = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
@@ -212,6 +223,10 @@ pub fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>
             StatusCode::from_u16(code).map_err(|_| Error::Parse(httparse::Error::Status))?;
         if status.is_informational() && code != 101 {
             // `100 Continue` and the like: the final response follows.
+            *interim += 1;
+            if *interim > MAX_INTERIM {
+                return Err(Error::TooManyInterim);
+            }
             let _ = buf.split_to(len);
             continue;
         }
@@ -616,7 +631,7 @@ mod tests {
     }
 
     fn parse(raw: &str, head_request: bool) -> Result<Option<Head>, Error> {
-        parse_head(&mut BytesMut::from(raw), head_request)
+        parse_head(&mut BytesMut::from(raw), head_request, &mut 0)
     }
 
     #[test]
@@ -765,7 +780,7 @@ mod tests {
         let mut buf = BytesMut::from(
             "HTTP/1.1 200 Fine\r\nX-A: 1\r\nx-a: 2\r\nContent-Length: 4\r\n\r\nbodyNEXT",
         );
-        let h = parse_head(&mut buf, false)
+        let h = parse_head(&mut buf, false, &mut 0)
             .ok()
             .flatten()
             .unwrap_or_else(|| panic!("no head"));
@@ -779,6 +794,32 @@ mod tests {
             Some(&b"Fine"[..])
         );
         assert_eq!(&buf[..], b"bodyNEXT");
+    }
+
+    /// Interim responses are bounded per request, counted across the reads they arrive in.
+    #[test]
+    fn interim_responses_are_bounded() {
+        let continues = |n: u32| "HTTP/1.1 100 Continue\r\n\r\n".repeat(n as usize);
+        let last = "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+        let raw = continues(MAX_INTERIM) + last;
+        assert!(matches!(parse(&raw, false), Ok(Some(h)) if h.response.status() == 200));
+        let raw = continues(MAX_INTERIM + 1) + last;
+        assert!(matches!(parse(&raw, false), Err(Error::TooManyInterim)));
+        // One at a time, as a backend trickling them would send them.
+        let mut interim = 0;
+        let mut buf = BytesMut::new();
+        for _ in 0..MAX_INTERIM {
+            buf.extend_from_slice(continues(1).as_bytes());
+            assert!(matches!(
+                parse_head(&mut buf, false, &mut interim),
+                Ok(None)
+            ));
+        }
+        buf.extend_from_slice(continues(1).as_bytes());
+        assert!(matches!(
+            parse_head(&mut buf, false, &mut interim),
+            Err(Error::TooManyInterim)
+        ));
     }
 
     #[test]

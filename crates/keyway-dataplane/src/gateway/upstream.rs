@@ -393,6 +393,7 @@ impl H1 {
         self.body = body;
         let mut write_error = None;
         let mut answered = false;
+        let mut interim = 0;
         let result = std::future::poll_fn(|cx| {
             if write_error.is_none()
                 && let Poll::Ready(Err(e)) = self.poll_send(cx)
@@ -408,7 +409,7 @@ impl H1 {
                 self.abandon_request();
             }
             loop {
-                match h1::parse_head(&mut self.rbuf, head_request) {
+                match h1::parse_head(&mut self.rbuf, head_request, &mut interim) {
                     Ok(Some(h)) => return Poll::Ready(Ok(h)),
                     Ok(None) => {}
                     Err(e) => return Poll::Ready(Err(Some(e))),
