@@ -412,6 +412,7 @@ where
     ready.store(true, Ordering::Release);
 
     let mut keepalive = tokio::time::interval(KEEPALIVE_EVERY);
+    let mut backlog = Backlog::default();
     let pinger = async {
         let Some(ping) = ping.as_mut() else {
             return std::future::pending::<NetError>().await;
@@ -443,12 +444,20 @@ where
                 if let Some(e) = failed { break Err(e.into()) }
             }
             Some(bytes) = outbox.recv() => {
-                if let Err(e) = ctl_send.send_data(bytes, false) { break Err(e.into()) }
+                if let Err(e) = backlog.push(bytes, &mut ctl_send) { break Err(e) }
             }
             _ = keepalive.tick() => {
-                if let Err(e) = ctl_send.send_data(Message::Keepalive.encode(), false) {
-                    break Err(e.into())
+                if let Err(e) = backlog.push(Message::Keepalive.encode(), &mut ctl_send) {
+                    break Err(e)
                 }
+            }
+            cap = std::future::poll_fn(|cx| ctl_send.poll_capacity(cx)), if backlog.bytes > 0 => {
+                let sent = match cap {
+                    Some(Ok(n)) => backlog.send(n, &mut ctl_send).map_err(NetError::from),
+                    Some(Err(e)) => Err(e.into()),
+                    None => Err(NetError::Peer("control stream closed".into())),
+                };
+                if let Err(e) = sent { break Err(e) }
             }
             e = &mut pinger => break Err(e),
             _ = &mut driver.0 => break Err(NetError::Peer("connection closed".into())),
@@ -460,6 +469,65 @@ where
     });
     drop(registration);
     result
+}
+
+/// Control messages waiting for the peer's flow-control window: they are handed to h2 only as
+/// the window allows, so that a peer that stops reading its control stream (while answering
+/// PINGs) makes us hold at most [`MAX_CONTROL_BACKLOG`] for it, not an ever-growing h2 buffer.
+struct Backlog {
+    queue: std::collections::VecDeque<Bytes>,
+    bytes: usize,
+    max: usize,
+}
+
+impl Default for Backlog {
+    fn default() -> Self {
+        Backlog {
+            queue: Default::default(),
+            bytes: 0,
+            max: MAX_CONTROL_BACKLOG,
+        }
+    }
+}
+
+/// Twice what the link-state database may hold: room for a full database to be sent while
+/// another is still queued. Legitimately only reached by a peer that does not read at all.
+const MAX_CONTROL_BACKLOG: usize = 2 * crate::db::MAX_BYTES;
+
+impl Backlog {
+    fn push(&mut self, bytes: Bytes, send: &mut SendStream<Bytes>) -> Result<(), NetError> {
+        self.bytes += bytes.len();
+        self.queue.push_back(bytes);
+        if self.bytes > self.max {
+            return Err(NetError::Peer(format!(
+                "peer does not read its control stream ({} MiB waiting)",
+                self.bytes >> 20
+            )));
+        }
+        send.reserve_capacity(self.bytes);
+        // Capacity already assigned is not announced again by `poll_capacity`.
+        let ready = send.capacity();
+        Ok(self.send(ready, send)?)
+    }
+
+    /// Hands up to `capacity` bytes to h2, and asks for capacity for the rest.
+    fn send(&mut self, mut capacity: usize, send: &mut SendStream<Bytes>) -> Result<(), h2::Error> {
+        while capacity > 0 {
+            let Some(front) = self.queue.front_mut() else {
+                break;
+            };
+            let chunk = if front.len() <= capacity {
+                self.queue.pop_front().unwrap_or_default()
+            } else {
+                front.split_to(capacity)
+            };
+            capacity -= chunk.len();
+            self.bytes -= chunk.len();
+            send.send_data(chunk, false)?;
+        }
+        send.reserve_capacity(self.bytes);
+        Ok(())
+    }
 }
 
 /// Reads the next chunk of the control stream into the decoder.
@@ -672,5 +740,90 @@ mod role_tests {
         assert_eq!(accepted_role(Some(ALPN_GRANT), false), Ok(Role::Grant));
         assert!(accepted_role(None, true).is_err());
         assert!(accepted_role(Some(b"h2"), true).is_err());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An h2 connection in memory with one stream open; returns the client's sending half and
+    /// the server's receiving half.
+    async fn stream_pair() -> (SendStream<Bytes>, RecvStream) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let server = tokio::spawn(async move {
+            let mut conn = h2::server::handshake(b).await.ok()?;
+            let (req, _respond) = conn.accept().await?.ok()?;
+            tokio::spawn(async move { while conn.accept().await.is_some() {} });
+            Some(req.into_body())
+        });
+        let (client, conn) = h2::client::handshake(a).await.expect("handshake");
+        tokio::spawn(conn);
+        let mut client = client.ready().await.expect("ready");
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri("http://peer/")
+            .body(())
+            .expect("request");
+        let (_response, send) = client.send_request(req, false).expect("send");
+        let recv = server.await.ok().flatten().expect("server stream");
+        (send, recv)
+    }
+
+    /// Messages of every size arrive whole and in order through the peer's window (h2's
+    /// default, 64 KiB), however the window splits them.
+    #[tokio::test]
+    async fn control_backlog_delivers_in_order_through_the_window() {
+        let (mut send, mut recv) = stream_pair().await;
+        let sizes = [1usize, 70_000, 5, 200_000, 65_535, 3];
+        let mut want = Vec::new();
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            while let Some(Ok(data)) = recv.data().await {
+                let _ = recv.flow_control().release_capacity(data.len());
+                got.extend_from_slice(&data);
+            }
+            got
+        });
+        let mut backlog = Backlog::default();
+        for (i, n) in sizes.iter().enumerate() {
+            let msg = Bytes::from(vec![i as u8; *n]);
+            want.extend_from_slice(&msg);
+            backlog.push(msg, &mut send).expect("push");
+        }
+        while backlog.bytes > 0 {
+            let cap = std::future::poll_fn(|cx| send.poll_capacity(cx)).await;
+            let n = cap.expect("open").expect("capacity");
+            backlog.send(n, &mut send).expect("send");
+        }
+        send.send_data(Bytes::new(), true).expect("end");
+        let got = tokio::time::timeout(Duration::from_secs(10), reader)
+            .await
+            .expect("in time")
+            .expect("reader");
+        assert!(got == want, "{} bytes arrived of {}", got.len(), want.len());
+    }
+
+    /// A peer that never reads: what waits for its window is bounded, and passing the bound
+    /// is an error (the connection ends) instead of a buffer that grows forever.
+    #[tokio::test]
+    async fn control_backlog_is_bounded_when_the_peer_does_not_read() {
+        let (mut send, _recv) = stream_pair().await;
+        let mut backlog = Backlog {
+            max: 1 << 20,
+            ..Backlog::default()
+        };
+        let mut pushed = 0;
+        let err = loop {
+            match backlog.push(Bytes::from(vec![0; 10_000]), &mut send) {
+                Ok(()) => pushed += 10_000,
+                Err(e) => break e,
+            }
+            assert!(pushed < 4 << 20, "no bound");
+        };
+        assert!(err.to_string().contains("does not read"), "{err}");
+        // The peer's window (64 KiB) went to h2; the rest waited with us.
+        assert!(backlog.bytes <= (1 << 20) + 10_000);
+        assert!(pushed >= 1 << 20);
     }
 }
