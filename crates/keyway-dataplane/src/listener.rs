@@ -312,9 +312,9 @@ pub struct LocalConnection {
 pub(crate) async fn connect_local(shared: &Shared, key: &str) -> Result<LocalConnection, String> {
     let mut last = format!("no reachable target for routing key {key} at this site");
     for target in shared.registry.local_candidates(key) {
+        let open = target.open_guard();
         match connect_target(shared, &target, key).await {
             Ok(upstream) => {
-                let open = target.open_guard();
                 return Ok(LocalConnection {
                     target,
                     upstream,
@@ -382,12 +382,19 @@ async fn connect_target(
     }
 }
 
+/// A connection made by [`connect`].
+pub(crate) struct Connected {
+    pub target: Arc<Target>,
+    pub upstream: Upstream,
+    /// Counts the connection on its target (from before the connect began).
+    pub open: OpenGuard,
+    /// Not the first choice: an earlier target or a preferred key failed.
+    pub failover: bool,
+}
+
 /// Connects to the best reachable target of `selection`, failing over across targets and keys.
 /// Shared with the gateway's skupper backends, so HTTP traffic gets the same failover.
-pub(crate) async fn connect(
-    shared: &Shared,
-    selection: &KeySelection,
-) -> Option<(String, Arc<Target>, Upstream, bool)> {
+pub(crate) async fn connect(shared: &Shared, selection: &KeySelection) -> Option<Connected> {
     let keys = key_order(selection, &shared.registry);
     let preferred = match selection {
         KeySelection::Priority(keys) => keys.first().cloned(),
@@ -397,11 +404,17 @@ pub(crate) async fn connect(
     for key in keys {
         for target in shared.registry.candidates(&key) {
             attempts += 1;
+            let open = target.open_guard();
             let Ok(upstream) = connect_target(shared, &target, &key).await else {
                 continue;
             };
             let failover = attempts > 1 || preferred.as_deref() != Some(key.as_str());
-            return Some((key, target, upstream, failover));
+            return Some(Connected {
+                target,
+                upstream,
+                open,
+                failover,
+            });
         }
     }
     None
@@ -433,7 +446,12 @@ async fn serve(
             }
         }
     };
-    let Some((_key, target, upstream, failover)) = connect(&shared, &rt.plan.selection).await
+    let Some(Connected {
+        target,
+        upstream,
+        open,
+        failover,
+    }) = connect(&shared, &rt.plan.selection).await
     else {
         shared
             .metrics
@@ -450,7 +468,6 @@ async fn serve(
             .get_or_create(&Metrics::listener_labels(&rt.label))
             .inc();
     }
-    let open = target.open_guard();
     let m = shared.metrics.connection(&rt.label, &target);
     m.opened.inc();
     m.active.inc();

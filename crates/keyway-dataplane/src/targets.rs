@@ -45,7 +45,10 @@ pub struct Target {
     plan: ConnectorPlan,
     state: AtomicU32,
     failures: AtomicU32,
-    open: AtomicUsize,
+    /// Connections open or being set up. Shared with the target this one replaced (the same
+    /// connector edited, or the same remote key at a new path cost): their connections run on
+    /// and still load the same workload.
+    open: Arc<AtomicUsize>,
     last_error: Mutex<Option<String>>,
     retired: AtomicBool,
 }
@@ -65,7 +68,7 @@ impl Target {
             plan: plan.clone(),
             state: AtomicU32::new(Health::Unknown as u32),
             failures: AtomicU32::new(0),
-            open: AtomicUsize::new(0),
+            open: Arc::new(AtomicUsize::new(0)),
             last_error: Mutex::new(None),
             retired: AtomicBool::new(false),
         }
@@ -128,7 +131,15 @@ impl Target {
         self.last_error.lock().ok().and_then(|e| e.clone())
     }
 
-    /// Counts a connection as open until the guard drops.
+    /// Takes over the open-connection count of the target this one replaces.
+    fn sharing_count_of(mut self, old: &Target) -> Self {
+        self.open = old.open.clone();
+        self
+    }
+
+    /// Counts a connection as open until the guard drops. Taken before connecting, so that
+    /// connections still being set up count too: otherwise a target slow to accept (or a
+    /// burst of clients) would see every new connection sent its way meanwhile.
     pub fn open_guard(self: &Arc<Self>) -> OpenGuard {
         self.open.fetch_add(1, Ordering::AcqRel);
         OpenGuard(self.clone())
@@ -205,13 +216,15 @@ impl Registry {
                     next.insert(plan.id.clone(), (target, handle));
                 }
                 old => {
-                    if let Some((target, handle)) = old {
+                    let mut target = Target::new(plan, tls(plan));
+                    if let Some((old, handle)) = old {
                         handle.abort();
                         // The new target re-creates its series on its first health result.
-                        self.metrics.forget_target(&target);
-                        retired.push(target);
+                        self.metrics.forget_target(&old);
+                        target = target.sharing_count_of(&old);
+                        retired.push(old);
                     }
-                    let target = Arc::new(Target::new(plan, tls(plan)));
+                    let target = Arc::new(target);
                     let handle = tokio::spawn(health_loop(Arc::downgrade(self), target.clone()));
                     next.insert(plan.id.clone(), (target, handle));
                 }
@@ -255,7 +268,8 @@ impl Registry {
     }
 
     /// Replaces the keys reachable at other sites: `(routing key, site, path cost)`. A target
-    /// whose key, site and cost are unchanged is kept (its open-connection count with it).
+    /// whose key, site and cost are unchanged is kept; one whose cost changed is replaced,
+    /// keeping its open-connection count.
     pub fn set_remote(&self, entries: &[(String, String, u64)]) {
         let checkers = match self.checkers.lock() {
             Ok(c) => c,
@@ -278,8 +292,12 @@ impl Registry {
                 match old.remove(&(key.clone(), site.clone())) {
                     Some(t) if t.cost == *cost => remote.push(t),
                     other => {
-                        retired.extend(other);
-                        remote.push(Arc::new(Target::remote(key, site, *cost)));
+                        let mut target = Target::remote(key, site, *cost);
+                        if let Some(old) = other {
+                            target = target.sharing_count_of(&old);
+                            retired.push(old);
+                        }
+                        remote.push(Arc::new(target));
                     }
                 }
             }
@@ -327,14 +345,21 @@ impl Registry {
         let Some(all) = map.get(key) else {
             return Vec::new();
         };
-        let mut usable: Vec<Arc<Target>> = all.iter().filter(|t| t.usable()).cloned().collect();
-        if usable.len() > 1 {
-            let shift = self.rotate.fetch_add(1, Ordering::Relaxed) % usable.len();
-            usable.rotate_left(shift);
-            // Stable sort keeps the rotated order among equal scores.
-            usable.sort_by_key(|t| t.open_connections() as u64 + t.cost);
+        let usable: Vec<Arc<Target>> = all.iter().filter(|t| t.usable()).cloned().collect();
+        if usable.len() < 2 {
+            return usable;
         }
-        usable
+        // Each score is read once: the counts move under other connections, and a sort whose
+        // keys change while it runs has no total order (the standard sort may panic on that).
+        let mut scored: Vec<(u64, Arc<Target>)> = usable
+            .into_iter()
+            .map(|t| ((t.open_connections() as u64).saturating_add(t.cost), t))
+            .collect();
+        let shift = self.rotate.fetch_add(1, Ordering::Relaxed) % scored.len();
+        scored.rotate_left(shift);
+        // Stable sort keeps the rotated order among equal scores.
+        scored.sort_by_key(|(score, _)| *score);
+        scored.into_iter().map(|(_, t)| t).collect()
     }
 
     /// Every target, for status and metrics.

@@ -324,6 +324,117 @@ async fn targets_of_one_key_share_held_connections() {
     );
 }
 
+/// Connections still being set up count on their target: a burst of clients arriving while one
+/// target holds 10 and the other none is shared out, not sent whole to the idle one (which is
+/// what reading counts only after each connect did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connects_in_progress_count_toward_the_load() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    let l = listener("l", port, "k");
+    dp.apply(&plan(vec![l.clone()], vec![connector("ca", "k", a.addr)]));
+    wait_listening(&dp, &listener_id("l")).await;
+    let (_held_a, counts) = hold(port, 10).await;
+    assert_eq!(counts.get("A"), Some(&10));
+    dp.apply(&plan(
+        vec![l],
+        vec![connector("ca", "k", a.addr), connector("cb", "k", b.addr)],
+    ));
+    let burst: Vec<_> = (0..20).map(|_| tokio::spawn(hello(port))).collect();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    let mut held = Vec::new();
+    for t in burst {
+        let (s, name) = t.await.expect("task").expect("connect");
+        *counts.entry(name).or_default() += 1;
+        held.push(s);
+    }
+    // Least connections over 10 + 20: B catches up to 10, then they alternate (A 15, B 15).
+    let on_a = counts.get("A").copied().unwrap_or(0);
+    assert!((2..=8).contains(&on_a), "{counts:?}");
+}
+
+/// Editing a connector, or a remote key's path cost changing, replaces its target; the open
+/// connections still load the same workload, so the new target takes over their count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaced_targets_keep_their_open_count() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    let l = listener("l", port, "k");
+    dp.apply(&plan(
+        vec![l.clone()],
+        vec![connector("ca", "k", a.addr), connector("cb", "k", b.addr)],
+    ));
+    wait_listening(&dp, &listener_id("l")).await;
+    let (_held, counts) = hold(port, 20).await;
+    assert_eq!(counts.get("A"), Some(&10), "{counts:?}");
+    let mut edited = connector("ca", "k", a.addr);
+    edited.health.interval_ms = 150;
+    dp.apply(&plan(vec![l], vec![edited, connector("cb", "k", b.addr)]));
+    let (_held, counts) = hold(port, 10).await;
+    assert_eq!(counts.get("A"), Some(&5), "{counts:?}");
+
+    let reg = dp.registry();
+    reg.set_remote(&[("r".into(), "s1".into(), 2)]);
+    let guards: Vec<_> = (0..5)
+        .map(|_| reg.candidates("r")[0].open_guard())
+        .collect();
+    reg.set_remote(&[("r".into(), "s1".into(), 1)]);
+    let replaced = reg.candidates("r")[0].clone();
+    assert_eq!(replaced.cost, 1);
+    assert_eq!(replaced.open_connections(), 5);
+    drop(guards);
+    assert_eq!(replaced.open_connections(), 0);
+}
+
+/// Choosing a target reads each score once while other connections move the counts (a sort
+/// whose keys change under it can panic), and a path cost near the largest number does not
+/// overflow the score.
+#[test]
+fn choosing_while_counts_move_and_costs_are_huge() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let _enter = rt.enter();
+    let dp = dataplane();
+    let reg = dp.registry().clone();
+    let mut entries: Vec<(String, String, u64)> = (0..32)
+        .map(|i| ("k".to_string(), format!("s{i:02}"), 1 + i % 3))
+        .collect();
+    entries.push(("k".into(), "far".into(), u64::MAX));
+    reg.set_remote(&entries);
+    let targets = reg.candidates("k");
+    let far = targets.iter().find(|t| t.remote.as_deref() == Some("far"));
+    let _far_open = far.map(|t| t.open_guard());
+    let stop = Arc::new(AtomicBool::new(false));
+    let movers: Vec<_> = (0..2)
+        .map(|seed| {
+            let (targets, stop) = (targets.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                let mut i = seed;
+                while !stop.load(Ordering::Relaxed) {
+                    i = (i * 7 + 3) % targets.len();
+                    held.push(targets[i].open_guard());
+                    if held.len() > 40 {
+                        held.drain(..20);
+                    }
+                }
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(2) {
+        let c = reg.candidates("k");
+        assert_eq!(c.last().and_then(|t| t.remote.as_deref()), Some("far"));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for m in movers {
+        let _ = m.join();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_reloads_keep_listener_socket_and_connections() {
     let a = Backend::start("A").await;

@@ -783,8 +783,12 @@ impl Pool {
                 listener,
                 selection,
             } => {
-                let Some((_key, target, upstream, _failover)) =
-                    listener::connect(shared, selection).await
+                let Some(listener::Connected {
+                    target,
+                    upstream,
+                    open,
+                    ..
+                }) = listener::connect(shared, selection).await
                 else {
                     return Err(ConnectError::Unreachable(listener.clone()));
                 };
@@ -795,7 +799,7 @@ impl Pool {
                 };
                 Ok(Connected {
                     io,
-                    guard: Some(target.open_guard()),
+                    guard: Some(open),
                     key: target_key(&target),
                 })
             }
