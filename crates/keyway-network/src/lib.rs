@@ -99,7 +99,10 @@ struct State {
     remote_entries: Vec<(String, String, u64)>,
     links: BTreeMap<String, (LinkPlan, Vec<AbortOnDrop>)>,
     link_state: BTreeMap<String, LinkState>,
-    access: Option<(RouterAccessPlan, AbortOnDrop)>,
+    /// The RouterAccess in force, its accept task, and its bound socket (kept here so that a
+    /// changed RouterAccess on the same address takes over the socket instead of binding anew
+    /// while the old task, aborted, may still hold it).
+    access: Option<(RouterAccessPlan, AbortOnDrop, Arc<std::net::TcpListener>)>,
     access_error: Option<(ObjectKey, String)>,
 }
 
@@ -212,16 +215,22 @@ impl Network {
         }
         // RouterAccess.
         let same_access = match (&st.access, &plan.router_access) {
-            (Some((running, _)), Some(wanted)) => running == wanted,
+            (Some((running, ..)), Some(wanted)) => running == wanted,
             (None, None) => true,
             _ => false,
         };
         if !same_access {
-            st.access = None;
+            let old = st.access.take();
             st.access_error = None;
             if let Some(ra) = &plan.router_access {
-                match session::start_access(inner, ra) {
-                    Ok(task) => st.access = Some((ra.clone(), task)),
+                let bound = old
+                    .as_ref()
+                    .filter(|(o, ..)| o.bind_host == ra.bind_host && o.port == ra.port)
+                    .map(|(.., socket)| socket.clone());
+                // Aborting the old task ends the links accepted on it (a rotated CA revokes).
+                drop(old);
+                match session::start_access(inner, ra, bound) {
+                    Ok((task, socket)) => st.access = Some((ra.clone(), task, socket)),
                     Err(e) => {
                         tracing::error!(router_access = %ra.id.name, "{e}");
                         st.access_error = Some((ra.id.clone(), e.to_string()));

@@ -60,21 +60,31 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 pub(crate) fn start_access(
     inner: &Arc<Inner>,
     ra: &RouterAccessPlan,
-) -> Result<AbortOnDrop, NetError> {
+    bound: Option<Arc<std::net::TcpListener>>,
+) -> Result<(AbortOnDrop, Arc<std::net::TcpListener>), NetError> {
     // A client certificate is optional at the TLS layer only so that a site without credentials
     // can redeem a token (ALPN keyway-grant/1); `accepted_role` refuses every link protocol on a
     // connection without a verified client certificate.
     let config =
         tls::access_server_config(&ra.tls, &[ALPN_FORWARD, ALPN_REVERSE, ALPN_GRANT], true)
             .map_err(|e| NetError::Tls(e.to_string()))?;
-    let std_listener =
-        std::net::TcpListener::bind((ra.bind_host.as_str(), ra.port)).map_err(|e| {
-            NetError::Peer(format!(
-                "cannot bind the inter-router port {}:{}: {e}",
-                ra.bind_host, ra.port
-            ))
-        })?;
-    std_listener.set_nonblocking(true)?;
+    let socket = match bound {
+        Some(socket) => socket,
+        None => {
+            let socket =
+                std::net::TcpListener::bind((ra.bind_host.as_str(), ra.port)).map_err(|e| {
+                    NetError::Peer(format!(
+                        "cannot bind the inter-router port {}:{}: {e}",
+                        ra.bind_host, ra.port
+                    ))
+                })?;
+            socket.set_nonblocking(true)?;
+            Arc::new(socket)
+        }
+    };
+    // The task accepts on its own descriptor of the socket, closed when the task ends; the
+    // socket stays bound through `socket` for a successor.
+    let std_listener = socket.try_clone()?;
     let acceptor = TlsAcceptor::from(config);
     let runtime = inner.runtime.clone();
     let inner = inner.clone();
@@ -146,7 +156,7 @@ pub(crate) fn start_access(
             });
         }
     });
-    Ok(AbortOnDrop(task))
+    Ok((AbortOnDrop(task), socket))
 }
 
 /// What an accepted connection on the RouterAccess port may do.

@@ -396,3 +396,60 @@ fn removing_a_router_access_ends_its_links() {
         a.sites_in_network()
     );
 }
+
+/// Re-issuing the RouterAccess's certificate restarts the port on the same address: the new
+/// accept task takes over the bound socket instead of racing the old one for the address (a
+/// lost race used to leave the port unbound until the next change), and links come back.
+#[test]
+fn reissued_router_access_certificates_keep_the_port() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (b_port, listen) = (free_port(), free_port());
+    let backend = Backend::start("at-b");
+    let connector = connector_yaml("svc", "svc", backend.port);
+    let b = start_site(
+        "b",
+        &ca,
+        &[router_access_yaml(b_port, "link-tls"), connector.clone()],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).is_ok()),
+        "linked: {}",
+        a.log()
+    );
+    for round in 1..=6 {
+        let reissued = [
+            site_yaml("b"),
+            ca.secret_yaml("link-tls"),
+            router_access_yaml(b_port, "link-tls"),
+            connector.clone(),
+        ];
+        write_file(&b.config_dir(), "site.yaml", &reissued.join("---\n"));
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                b.log().matches("accepting links").count() > round
+            }),
+            "round {round}: no restart: {}",
+            b.log()
+        );
+        assert!(
+            !b.log().contains("cannot bind"),
+            "round {round}: {}",
+            b.log()
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || who(listen).as_deref()
+                == Ok("at-b")),
+            "round {round}: the link did not come back: {}",
+            a.log()
+        );
+    }
+}
