@@ -217,14 +217,29 @@ fn check_credentials(c: &Credentials) -> Result<(), String> {
     Ok(())
 }
 
-/// Serves redemptions on one accepted connection (ALPN [`ALPN_GRANT`]).
+/// Most redemption connections served at once. They come from clients without certificates,
+/// so each is bounded (header block, body, time) and so is their number.
+const MAX_REDEMPTION_CONNECTIONS: usize = 32;
+static REDEMPTION_CONNECTIONS: tokio::sync::Semaphore =
+    tokio::sync::Semaphore::const_new(MAX_REDEMPTION_CONNECTIONS);
+/// A redemption request's header block: a POST with a few short headers.
+const MAX_HEADER_LIST: u32 = 8 << 10;
+
+/// Serves redemptions on one accepted connection (ALPN [`ALPN_GRANT`]): at most
+/// [`MAX_REDEMPTION_CONNECTIONS`] at once, each for at most [`TIMEOUT`].
 pub(crate) async fn serve<S>(handler: Arc<dyn GrantHandler>, io: S) -> Result<(), crate::NetError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let Ok(_permit) = REDEMPTION_CONNECTIONS.try_acquire() else {
+        return Err(crate::NetError::Peer(format!(
+            "refused: {MAX_REDEMPTION_CONNECTIONS} redemption connections already open"
+        )));
+    };
     let work = async move {
         let mut conn = h2::server::Builder::new()
             .max_concurrent_streams(4)
+            .max_header_list_size(MAX_HEADER_LIST)
             .handshake(io)
             .await?;
         while let Some(next) = conn.accept().await {
@@ -233,7 +248,7 @@ where
         }
         Ok::<(), crate::NetError>(())
     };
-    tokio::time::timeout(TIMEOUT * 3, work)
+    tokio::time::timeout(TIMEOUT, work)
         .await
         .map_err(|_| crate::NetError::Timeout("token redemption"))?
 }

@@ -349,6 +349,92 @@ fn link_protocols_without_a_client_certificate_are_refused() {
     assert_eq!(west.sites_in_network(), 1);
 }
 
+/// The redemption protocol is open to clients without a certificate, so its header blocks are
+/// bounded: a HEADERS frame followed by CONTINUATION frames without end (which would pin up to
+/// h2's default 16 MiB per connection) is cut off after a few frames with a GOAWAY.
+#[test]
+fn redemption_connections_cannot_flood_header_blocks() {
+    use std::io::{Read, Write};
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (_west, port) = west(&ca, &backend);
+    let roots = keyway_core::tls::parse_certificates(ca.pem().as_bytes()).expect("ca");
+    let config =
+        keyway_dataplane::tls::grant_client_config(&roots, b"keyway-grant/1").expect("config");
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let conn = rustls::ClientConnection::new(config, name).expect("conn");
+    let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    tcp.set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    let frame = |kind: u8, flags: u8, payload: &[u8]| {
+        let n = payload.len();
+        let mut f = vec![
+            (n >> 16) as u8,
+            (n >> 8) as u8,
+            n as u8,
+            kind,
+            flags,
+            0,
+            0,
+            0,
+            1,
+        ];
+        f.extend_from_slice(payload);
+        f
+    };
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00".to_vec();
+    // One valid HPACK field, `x-pad`, whose value runs through all 21 frames.
+    let value_len: usize = 21 * 16_000 - 10;
+    let mut first = vec![0x00, 5];
+    first.extend_from_slice(b"x-pad");
+    let mut n = value_len - 127;
+    first.push(0x7f);
+    while n >= 128 {
+        first.push((n % 128) as u8 | 0x80);
+        n /= 128;
+    }
+    first.push(n as u8);
+    first.resize(16_000, b'a');
+    out.extend(frame(1, 0, &first)); // HEADERS, no END_HEADERS
+    for _ in 0..20 {
+        out.extend(frame(9, 0, &[b'a'; 16_000])); // CONTINUATION, no END_HEADERS
+    }
+    let _ = tls.write_all(&out);
+    let _ = tls.flush();
+    // Read the server's frames: a GOAWAY (or the connection closing) must come.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let cut = loop {
+        let mut at = 0;
+        let mut goaway = false;
+        while got.len() >= at + 9 {
+            let n = (got[at] as usize) << 16 | (got[at + 1] as usize) << 8 | got[at + 2] as usize;
+            goaway |= got[at + 3] == 7;
+            at += 9 + n;
+        }
+        if goaway {
+            break true;
+        }
+        match tls.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                break false;
+            }
+            Err(_) => break true,
+        }
+    };
+    assert!(
+        cut,
+        "the site kept buffering a header block of 20 CONTINUATION frames"
+    );
+}
+
 /// An AccessToken dropped into a running site's config dir is redeemed by the site itself (as
 /// Skupper does): the Link appears, traffic flows, the token's status says `redeemed`. A token
 /// that is refused says why in its status.
