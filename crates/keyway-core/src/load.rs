@@ -110,6 +110,13 @@ impl FileLoad {
         }
     }
 
+    /// A directory that could not be read: every object from a file under it is kept at its
+    /// last valid version (the reconciler treats a `file` ending in `/` as covering everything
+    /// under it).
+    pub fn unreadable_directory(dir: &str, message: &str) -> Self {
+        FileLoad::unreadable(&format!("{}/", dir.trim_end_matches('/')), message)
+    }
+
     /// True when a document could not even be identified: the file's other objects must then not
     /// be treated as deleted, because we cannot tell which object the broken document was.
     pub fn has_unidentified_rejects(&self) -> bool {

@@ -190,9 +190,13 @@ pub fn reconcile(
             continue;
         }
         let keep = rejected.contains(&key)
-            || index
-                .get(&key)
-                .is_some_and(|o| incomplete.contains(o.origin.file.as_str()));
+            || index.get(&key).is_some_and(|o| {
+                let file = o.origin.file.as_str();
+                incomplete.contains(file)
+                    || incomplete
+                        .iter()
+                        .any(|dir| dir.ends_with('/') && file.starts_with(dir))
+            });
         if keep {
             if let Some(old) = index.get(&key) {
                 let note = format!("; {} keeps its last valid version from {}", key, old.origin);

@@ -152,6 +152,31 @@ fn an_unparseable_document_deletes_nothing() {
     assert_eq!(r.errors.len(), 1);
     assert_eq!(r.errors[0].to_string(), "a.yaml:1: file is not valid UTF-8");
     assert_eq!(site.index.len(), 2);
+
+    // An unreadable directory deletes nothing under it, and only under it.
+    let mut site = Site::default();
+    site.reload(
+        &[
+            ("d/team/a.yaml", &listener("web", "8080")),
+            ("d/team2.yaml", &connector("db")),
+        ],
+        0,
+    );
+    let loads = vec![FileLoad::unreadable_directory(
+        "d/team",
+        "cannot read directory: Permission denied",
+    )];
+    let r = reconcile(&mut site.index, &mut site.state, &loads, &at(1));
+    assert_eq!(r.errors.len(), 1);
+    assert_eq!(
+        r.errors[0].to_string(),
+        "d/team/:1: cannot read directory: Permission denied"
+    );
+    assert!(site.get(Kind::Listener, "web").is_some());
+    assert!(
+        site.get(Kind::Connector, "db").is_none(),
+        "d/team2.yaml is not under d/team/"
+    );
 }
 
 #[test]

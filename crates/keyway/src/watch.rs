@@ -14,7 +14,9 @@ const DEBOUNCE: Duration = Duration::from_millis(150);
 
 /// Starts watching; every debounced burst sends one `()`. The returned guard stops the watch.
 pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl Drop> {
-    let root = dir.to_path_buf();
+    // Events come with absolute paths: a relative root would never be their prefix.
+    let root = std::path::absolute(dir)?;
+    let watched = root.clone();
     let mut debouncer =
         new_debouncer(
             DEBOUNCE,
@@ -41,8 +43,42 @@ pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl D
                 }
             },
         )?;
-    debouncer.watch(dir, RecursiveMode::Recursive)?;
+    watch_tree(&mut debouncer, &watched, true)?;
     Ok(debouncer)
+}
+
+/// Watches `dir` and everything under it. A subdirectory that cannot be watched (no permission)
+/// is skipped with a warning rather than stopping the watch of the rest, as the loader skips it.
+fn watch_tree<W: notify::Watcher, C: notify_debouncer_full::FileIdCache>(
+    debouncer: &mut notify_debouncer_full::Debouncer<W, C>,
+    dir: &Path,
+    is_root: bool,
+) -> anyhow::Result<()> {
+    let Err(e) = debouncer.watch(dir, RecursiveMode::Recursive) else {
+        return Ok(());
+    };
+    if let Err(e) = debouncer.watch(dir, RecursiveMode::NonRecursive) {
+        if is_root {
+            return Err(e.into());
+        }
+        tracing::warn!(
+            "cannot watch {}: {e}; changes under it need a reload",
+            dir.display()
+        );
+        return Ok(());
+    }
+    tracing::debug!(
+        "cannot watch all of {} ({e}): watching its parts",
+        dir.display()
+    );
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let path = entry.path();
+        let hidden = entry.file_name().to_string_lossy().starts_with('.');
+        if !hidden && path.is_dir() {
+            watch_tree(debouncer, &path, false)?;
+        }
+    }
+    Ok(())
 }
 
 /// Whether a change at `path` can change what the loader reads: a manifest file, or a directory
@@ -61,14 +97,21 @@ fn may_hold_manifests(root: &Path, path: &Path) -> bool {
         || (!path.exists() && !name.contains('.'))
 }
 
-/// Whether `path` (under `root`) is a dot-file or inside a dot-directory.
+/// Whether `path` (under `root`) is a dot-file or inside a dot-directory, which the loader
+/// skips. Except `..data` and the other `..`-names at the root: a Kubernetes ConfigMap or Secret
+/// volume keeps its files there and swaps them by re-pointing the `..data` symlink, which the
+/// manifests at the root link through.
 fn is_hidden(root: &Path, path: &Path) -> bool {
-    path.strip_prefix(root)
-        .unwrap_or(path)
-        .components()
-        .any(|c| {
-            c.as_os_str()
-                .to_str()
-                .is_some_and(|n| n.starts_with('.') && n != "." && n != "..")
-        })
+    let Ok(relative) = path.strip_prefix(root) else {
+        return false;
+    };
+    let mut names = relative.components().filter_map(|c| c.as_os_str().to_str());
+    if names.next().is_some_and(|first| first.starts_with("..")) {
+        return false;
+    }
+    relative.components().any(|c| {
+        c.as_os_str()
+            .to_str()
+            .is_some_and(|n| n.starts_with('.') && n != "." && n != "..")
+    })
 }

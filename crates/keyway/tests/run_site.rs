@@ -366,6 +366,91 @@ fn only_manifest_changes_reload() {
     assert_eq!(count(), started + 1, "one edit, one reload");
 }
 
+/// A Kubernetes ConfigMap volume: the files live in a `..<timestamp>` directory, `..data`
+/// points at it, and each manifest at the root links through `..data`. An update writes a new
+/// directory and re-points `..data` in one rename; every event is on a dot-path. A FIFO and a
+/// symlink cycle beside them neither hang nor repeat the walk.
+#[test]
+fn kubernetes_volume_updates_reload_and_odd_entries_are_skipped() {
+    use std::os::unix::fs::symlink;
+    let a = Backend::start("a");
+    let b = Backend::start("b");
+    let dir = temp_dir("configmap");
+    let (p1, p2) = (free_port(), free_port());
+    let version = |name: &str, port: u16| {
+        let v = dir.join(name);
+        std::fs::create_dir(&v).expect("mkdir");
+        let both = format!(
+            "{}---\n{}---\n{}",
+            mkl("svc", port, &["key-a"]),
+            connector("a", "key-a", a.port),
+            connector("b", "key-b", b.port)
+        );
+        std::fs::write(v.join("svc.yaml"), both).expect("write");
+    };
+    version("..2026_11_29_v1", p1);
+    symlink("..2026_11_29_v1", dir.join("..data")).expect("symlink");
+    symlink("..data/svc.yaml", dir.join("svc.yaml")).expect("symlink");
+    // Neither may be read: the FIFO would block the read for good, the cycle repeat the walk.
+    assert!(
+        Command::new("mkfifo")
+            .arg(dir.join("pipe.yaml"))
+            .status()
+            .expect("mkfifo")
+            .success()
+    );
+    symlink(".", dir.join("self")).expect("symlink");
+    let site = Site::start(&dir);
+    wait_until("the first version serves", || hello(p1).is_ok());
+    let started = reload_count(&site.get("/metrics").1);
+
+    version("..2026_11_29_v2", p2);
+    symlink("..2026_11_29_v2", dir.join("..data_tmp")).expect("symlink");
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).expect("swap");
+    std::fs::remove_dir_all(dir.join("..2026_11_29_v1")).expect("rm");
+    wait_until("the second version serves", || hello(p2).is_ok());
+    assert!(hello(p1).is_err(), "the first version still serves");
+    assert!(reload_count(&site.get("/metrics").1) > started);
+    // Nothing was reported twice: the cycle was not walked.
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["validate", "--config"])
+        .arg(&dir)
+        .output()
+        .expect("validate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A relative `--config` (like the default `./keyway.d`) is watched whatever the directories
+/// above it are called, dot-directories included.
+#[test]
+fn a_relative_config_under_a_dot_directory_reloads() {
+    let a = Backend::start("a");
+    let base = temp_dir("relative").join(".config");
+    let dir = base.join("keyway.d");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let (p1, p2) = (free_port(), free_port());
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    std::fs::write(dir.join("svc.yaml"), mkl("svc", p1, &["key-a"])).expect("write");
+    let admin = format!("127.0.0.1:{}", free_port());
+    let log = std::fs::File::create(dir.join(".keyway.log")).expect("log file");
+    let child = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .current_dir(&base)
+        .args(["run", "--config", "keyway.d", "--admin", &admin])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn keyway run");
+    let site = Site { child, admin, dir };
+    site.wait_for("/readyz", |code, _| code == 200);
+    wait_until("serving", || hello(p1).is_ok());
+    site.write("svc.yaml", &mkl("svc", p2, &["key-a"]));
+    wait_until("the edit is applied", || hello(p2).is_ok());
+}
+
 fn reload_count(metrics: &str) -> u64 {
     metrics
         .lines()
