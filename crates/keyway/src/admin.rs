@@ -4,6 +4,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -13,6 +14,13 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 use crate::site::Site;
+
+/// Connections served at once; more wait their turn.
+const MAX_CONNECTIONS: usize = 64;
+/// How long a request's headers may take to arrive (also an idle keep-alive connection's wait
+/// for its next request).
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+const MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
 
 /// Binds the admin address now (so a bad address fails `keyway run` at once) and serves it on a
 /// dedicated thread.
@@ -36,17 +44,34 @@ pub fn start(addr: &str, site: Arc<Site>) -> anyhow::Result<SocketAddr> {
                         return;
                     }
                 };
+                let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
                 loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        continue;
+                    let stream = match listener.accept().await {
+                        Ok((stream, _)) => stream,
+                        Err(e) => {
+                            // Out of descriptors, say: wait rather than spin.
+                            tracing::warn!("admin endpoint accept failed: {e}");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
+                    // Past the limit a new connection waits for a slot (in the kernel's backlog
+                    // once that fills): a client holding many open cannot take the process's
+                    // descriptors, and headers that never end time out to free their slots.
+                    let Ok(slot) = slots.clone().acquire_owned().await else {
+                        return;
                     };
                     let site = site.clone();
                     tokio::spawn(async move {
                         let service =
                             hyper::service::service_fn(move |req| handle(site.clone(), req));
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), service)
-                            .await;
+                        let connection = hyper::server::conn::http1::Builder::new()
+                            .timer(hyper_util::rt::TokioTimer::new())
+                            .header_read_timeout(HEADER_TIMEOUT)
+                            .serve_connection(TokioIo::new(stream), service);
+                        // Whatever a client does, a connection ends within the hour.
+                        let _ = tokio::time::timeout(MAX_CONNECTION_AGE, connection).await;
+                        drop(slot);
                     });
                 }
             });

@@ -298,6 +298,20 @@ fn random_bytes(n: usize) -> Result<Vec<u8>> {
 /// Writes a file readable by its owner only (it holds a code or a private key): a dot-file
 /// first (the config watcher and loader skip those), then renamed into place.
 pub fn write_private(path: &Path, text: &str) -> Result<()> {
+    // Anything but a regular file (a symlink, `/dev/stdout`, a FIFO, a device) is written
+    // through, as a shell redirection would: a rename would replace the node itself.
+    if let Ok(meta) = std::fs::symlink_metadata(path)
+        && !meta.file_type().is_file()
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        return f
+            .write_all(text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()));
+    }
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -307,8 +321,10 @@ pub fn write_private(path: &Path, text: &str) -> Result<()> {
         .map(|f| f.to_string_lossy().to_string())
         .unwrap_or_else(|| "out".into());
     let tmp = dir.join(format!(".{file}.tmp"));
+    // A leftover of an interrupted write; never followed if it is a link.
+    let _ = std::fs::remove_file(&tmp);
     let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
+    options.write(true).create_new(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
@@ -322,4 +338,59 @@ pub fn write_private(path: &Path, text: &str) -> Result<()> {
         .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A regular file is replaced whole, private; a symlink or a FIFO is written through, never
+    /// replaced (as root, renaming over `/dev/null` would replace the device itself).
+    #[test]
+    fn private_writes_replace_files_and_write_through_other_nodes() {
+        use std::os::unix::fs::{PermissionsExt, symlink};
+        let dir = std::env::temp_dir().join(format!("keyway-write-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let file = dir.join("token.yaml");
+        std::fs::write(&file, "old").expect("write");
+        write_private(&file, "new").expect("write_private");
+        assert_eq!(std::fs::read_to_string(&file).expect("read"), "new");
+        let mode = std::fs::metadata(&file).expect("meta").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+
+        let link = dir.join("link.yaml");
+        symlink(&file, &link).expect("symlink");
+        write_private(&link, "through").expect("write_private");
+        assert!(
+            std::fs::symlink_metadata(&link)
+                .expect("meta")
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(std::fs::read_to_string(&file).expect("read"), "through");
+
+        let fifo = dir.join("fifo");
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(&fifo)
+                .status()
+                .expect("mkfifo")
+                .success()
+        );
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::read_to_string(fifo))
+        };
+        write_private(&fifo, "piped").expect("write_private");
+        assert_eq!(reader.join().expect("reader").expect("read"), "piped");
+        use std::os::unix::fs::FileTypeExt;
+        assert!(
+            std::fs::symlink_metadata(&fifo)
+                .expect("meta")
+                .file_type()
+                .is_fifo()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

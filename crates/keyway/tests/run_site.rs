@@ -451,6 +451,34 @@ fn a_relative_config_under_a_dot_directory_reloads() {
     wait_until("the edit is applied", || hello(p2).is_ok());
 }
 
+/// The admin endpoint does not wait forever on a client: headers that never end, and a
+/// keep-alive connection left idle, are closed within a few seconds (5 s), and it still serves.
+#[test]
+fn admin_endpoint_closes_slow_and_idle_clients() {
+    let dir = temp_dir("admin-slow");
+    std::fs::write(dir.join("svc.yaml"), mkl("svc", free_port(), &["key-a"])).expect("write");
+    let site = Site::start(&dir);
+    let slow = TcpStream::connect(&site.admin).expect("connect");
+    let mut idle = TcpStream::connect(&site.admin).expect("connect");
+    (&slow)
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .expect("write");
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("write");
+    let started = Instant::now();
+    for (what, mut s) in [("slow", slow), ("idle", idle)] {
+        s.set_read_timeout(Some(Duration::from_secs(15)))
+            .expect("timeout");
+        let mut all = Vec::new();
+        let _ = s.read_to_end(&mut all);
+        assert!(
+            started.elapsed() < Duration::from_secs(12),
+            "{what} connection kept open"
+        );
+    }
+    assert_eq!(site.get("/healthz").0, 200);
+}
+
 fn reload_count(metrics: &str) -> u64 {
     metrics
         .lines()
