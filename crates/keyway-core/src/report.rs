@@ -66,6 +66,13 @@ pub fn objects(
             {
                 spec.insert("code".into(), json!("<redacted>"));
             }
+            if matches!(
+                obj.key.kind,
+                Kind::Secret | Kind::AccessGrant | Kind::AccessToken
+            ) && let Some(Value::Object(meta)) = map.get_mut("metadata")
+            {
+                redact_copies(meta);
+            }
             map.remove("status");
             if let Some(s) = statuses.get(&obj.key) {
                 map.insert("status".into(), s.clone());
@@ -75,6 +82,20 @@ pub fn objects(
     }
     items.sort_by(|a, b| a.0.cmp(b.0));
     items.into_iter().map(|(_, v)| v).collect()
+}
+
+/// Metadata that can hold a whole copy of the object, secrets included: `kubectl apply`'s
+/// last-applied annotation (common in exported YAML) and `managedFields`.
+fn redact_copies(meta: &mut serde_json::Map<String, Value>) {
+    const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+    if let Some(Value::Object(annotations)) = meta.get_mut("annotations")
+        && annotations.contains_key(LAST_APPLIED)
+    {
+        annotations.insert(LAST_APPLIED.into(), json!("<redacted>"));
+    }
+    if meta.contains_key("managedFields") {
+        meta.insert("managedFields".into(), json!("<redacted>"));
+    }
 }
 
 fn redact_secret(map: &mut serde_json::Map<String, Value>) {
@@ -655,6 +676,31 @@ mod table_tests {
             .get(start.min(end)..end)
             .map(|c| c.iter().collect::<String>().trim().to_string())
             .unwrap_or_default()
+    }
+
+    /// Secret values, codes, and the copies of them that exported YAML carries in metadata
+    /// (`kubectl apply`'s last-applied annotation, managedFields) are never shown.
+    #[test]
+    fn secrets_and_their_copies_in_metadata_are_redacted() {
+        let yaml = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\n  annotations:\n    kubectl.kubernetes.io/last-applied-configuration: '{\"stringData\":{\"tls.key\":\"TOPSECRET\"}}'\n    team: web\n  managedFields:\n  - manager: kubectl\n    fieldsV1: {TOPSECRET: {}}\nstringData:\n  password: TOPSECRET\n---\napiVersion: skupper.io/v2alpha1\nkind: AccessToken\nmetadata:\n  name: t\n  annotations:\n    kubectl.kubernetes.io/last-applied-configuration: '{\"spec\":{\"code\":\"TOPSECRET\"}}'\nspec:\n  url: https://127.0.0.1:9090/x\n  code: TOPSECRET\n  ca: x\n";
+        let loads = vec![crate::load_file("s.yaml", yaml)];
+        let mut index = crate::Index::default();
+        let mut state = crate::ObjectState::default();
+        let r = crate::reconcile(
+            &mut index,
+            &mut state,
+            &loads,
+            &crate::Time(crate::jiff::Timestamp::UNIX_EPOCH),
+        );
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        let shown = objects(&index, &BTreeMap::new(), &Filter::default());
+        assert_eq!(shown.len(), 2, "{shown:?}");
+        let text = serde_json::to_string(&shown).unwrap_or_default();
+        assert!(!text.contains("TOPSECRET"), "{text}");
+        assert!(
+            text.contains("\"team\":\"web\""),
+            "other annotations stay: {text}"
+        );
     }
 
     #[test]

@@ -343,6 +343,12 @@ fn check_strategy(p: &mut Problems, s: &skupper::MultiKeyListenerStrategy) {
                     format!("{at}.{key}"),
                     format!("weight must be a positive integer, found {weight}"),
                 );
+            } else if *weight > i64::from(i32::MAX) {
+                // The upstream schema's integers are int32; larger ones would be clamped.
+                p.add(
+                    format!("{at}.{key}"),
+                    format!("weight must be at most {}, found {weight}", i32::MAX),
+                );
             }
         }
     }

@@ -137,6 +137,18 @@ pub const INVALID: u8 = 1;
 /// Exit code for failures other than invalid input.
 pub const FAILURE: u8 = 3;
 
+/// A printing command ends quietly when its reader goes away (`keyway status | head`), as Unix
+/// tools do, instead of panicking on a failed print. Not for `run` and `demo`: a server must see
+/// a closed socket as an error, not die of it.
+fn quiet_on_closed_stdout() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in `main`, before any other thread exists, so nothing races
+    // the disposition change; SIG_DFL installs no handler, so no code runs in signal context.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 pub fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -145,6 +157,9 @@ pub fn main() -> ExitCode {
             return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
         }
     };
+    if !matches!(cli.command, Command::Run { .. } | Command::Demo { .. }) {
+        quiet_on_closed_stdout();
+    }
     let result = match cli.command {
         Command::Run {
             config,

@@ -400,6 +400,15 @@ fn cases() -> Vec<Case> {
             "weight must be a positive integer, found 0",
         ),
         case(
+            "mkl-weight-too-large",
+            mkl(
+                "  strategy:\n    weighted:\n      routingKeys:\n        a: 1\n        b: 4294967296\n",
+            ),
+            12,
+            "spec.strategy.weighted.routingKeys.b",
+            "weight must be at most 2147483647, found 4294967296",
+        ),
+        case(
             "mkl-weight-negative",
             mkl("  strategy:\n    weighted:\n      routingKeys:\n        a: -3\n"),
             11,
@@ -853,5 +862,41 @@ fn valid_directory_exits_0() {
     let out = keyway(&["validate"], &dir);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
     assert_eq!(text(&out.stdout).lines().count(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `keyway status ... | head`: the reader going away ends the command quietly, without a
+/// panic message (the output here is far larger than a pipe holds).
+#[test]
+fn status_into_a_closed_pipe_ends_quietly() {
+    use std::io::Read;
+    let dir = temp_dir("sigpipe");
+    let docs: Vec<String> = (0..400)
+        .map(|i| {
+            skupper(
+                "Listener",
+                &format!(
+                    "  routingKey: key-{i}\n  host: 127.0.0.1\n  port: {}\n",
+                    20000 + i
+                ),
+            )
+            .replace("name: x", &format!("name: l{i}"))
+        })
+        .collect();
+    std::fs::write(dir.join("many.yaml"), docs.join("---\n")).expect("write");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "-o", "json", "--config"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut first = [0u8; 16];
+    let mut stdout = child.stdout.take().expect("stdout");
+    stdout.read_exact(&mut first).expect("some output");
+    drop(stdout);
+    let out = child.wait_with_output().expect("wait");
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
