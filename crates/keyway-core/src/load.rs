@@ -92,6 +92,69 @@ pub struct FileLoad {
     pub warnings: Vec<ConfigError>,
 }
 
+/// Kinds of the API groups keyway reads that it does not serve: left alone like any unknown
+/// kind (a manifest set may well hold them), though some are spelled close to one it serves.
+const UNSERVED_KINDS: &[&str] = &[
+    "UDPRoute",
+    "BackendTLSPolicy",
+    "BackendLBPolicy",
+    "BackendTrafficPolicy",
+    "XBackendTrafficPolicy",
+    "XMesh",
+    "Certificate",
+    "SecuredAccess",
+    "AttachedConnector",
+    "AttachedConnectorBinding",
+];
+
+/// Why `kind` in `api_version` looks like a slip for a kind keyway serves: the right kind in a
+/// version keyway does not read, or (in the same API group) a name off by letter case or by at
+/// most two letters. `None` for a kind of another group, or one merely unknown.
+fn near_kind(api_version: &str, kind: &str) -> Option<String> {
+    let group = |v: &str| v.rsplit_once('/').map_or("", |(g, _)| g).to_string();
+    let wanted = group(api_version);
+    if UNSERVED_KINDS.contains(&kind) {
+        return None;
+    }
+    let served: Vec<Kind> = Kind::ALL
+        .iter()
+        .copied()
+        .filter(|k| group(k.api_version()) == wanted)
+        .collect();
+    if let Some(k) = served.iter().find(|k| k.name() == kind) {
+        return Some(format!(
+            "{kind} is not read in {api_version}; keyway reads it as {}",
+            k.api_version()
+        ));
+    }
+    let close = served.iter().find(|k| {
+        k.name().eq_ignore_ascii_case(kind)
+            || (kind.len() >= 4 && edit_distance(k.name(), kind) <= 2)
+    })?;
+    Some(format!(
+        "unknown kind {kind} in {api_version}; did you mean {}?",
+        close.name()
+    ))
+}
+
+/// Levenshtein distance (kind names are short).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (diagonal + usize::from(ca != *cb))
+                .min(above + 1)
+                .min(row[j] + 1);
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
 impl FileLoad {
     /// A file that could not be read at all: one unidentified rejection, so nothing it held is deleted.
     pub fn unreadable(file: &str, message: &str) -> Self {
@@ -228,11 +291,18 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         return;
     }
     let Some(kind) = Kind::from_type(&api_version, &kind_name) else {
-        load.outcomes.push(DocOutcome::Ignored(err(
-            "kind",
-            format!("unknown kind {kind_name} in {api_version}; ignored"),
-            None,
-        )));
+        // A slip in a kind keyway reads must not pass for a kind it does not: ignoring the
+        // document would delete the object it held. Rejected (and so unidentified), it keeps
+        // the object's last valid version.
+        let outcome = match near_kind(&api_version, &kind_name) {
+            Some(message) => DocOutcome::Rejected(err("kind", message, None)),
+            None => DocOutcome::Ignored(err(
+                "kind",
+                format!("unknown kind {kind_name} in {api_version}; ignored"),
+                None,
+            )),
+        };
+        load.outcomes.push(outcome);
         return;
     };
     let name = doc

@@ -153,6 +153,14 @@ fn an_unparseable_document_deletes_nothing() {
     assert_eq!(r.errors[0].to_string(), "a.yaml:1: file is not valid UTF-8");
     assert_eq!(site.index.len(), 2);
 
+    // A slip in apiVersion or kind deletes nothing either: it is an error, not an unknown kind.
+    let mut site = Site::default();
+    site.reload(&[("a.yaml", &listener("web", "8080"))], 0);
+    let slipped = listener("web", "8081").replace("skupper.io/v2alpha1", "skupper.io/v2alpah1");
+    let r = site.reload(&[("a.yaml", &slipped)], 1);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert_eq!(port_of(site.get(Kind::Listener, "web")), 8080);
+
     // An unreadable directory deletes nothing under it, and only under it.
     let mut site = Site::default();
     site.reload(

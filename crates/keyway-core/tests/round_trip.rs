@@ -431,10 +431,59 @@ fn unknown_kinds_and_fields_warn() {
         load.warnings[0].to_string(),
         "mixed.yaml:14: spec.colour: unknown field; ignored"
     );
-    // A known kind under an unknown apiVersion is unknown too.
-    let load = load_file(
-        "v9.yaml",
-        "apiVersion: skupper.io/v9\nkind: Listener\nmetadata:\n  name: a\n",
-    );
-    assert!(matches!(load.outcomes[0], DocOutcome::Ignored(_)));
+    // A kind keyway reads, in a version it does not or misspelt, is rejected, not ignored:
+    // ignoring it would delete the object a running site has from that file.
+    for (api, kind, message) in [
+        (
+            "skupper.io/v9",
+            "Listener",
+            "Listener is not read in skupper.io/v9; keyway reads it as skupper.io/v2alpha1",
+        ),
+        (
+            "skupper.io/v2alpah1",
+            "Listener",
+            "Listener is not read in skupper.io/v2alpah1; keyway reads it as skupper.io/v2alpha1",
+        ),
+        (
+            "skupper.io/v2alpha1",
+            "Listner",
+            "unknown kind Listner in skupper.io/v2alpha1; did you mean Listener?",
+        ),
+        (
+            "skupper.io/v2alpha1",
+            "listener",
+            "unknown kind listener in skupper.io/v2alpha1; did you mean Listener?",
+        ),
+        (
+            "gateway.networking.k8s.io/v1",
+            "HTTPRoue",
+            "unknown kind HTTPRoue in gateway.networking.k8s.io/v1; did you mean HTTPRoute?",
+        ),
+        (
+            "v1",
+            "Secrt",
+            "unknown kind Secrt in v1; did you mean Secret?",
+        ),
+    ] {
+        let text = format!("apiVersion: {api}\nkind: {kind}\nmetadata:\n  name: a\n");
+        let load = load_file("slip.yaml", &text);
+        match &load.outcomes[0] {
+            DocOutcome::Rejected(e) => assert_eq!(e.message, message),
+            other => panic!("{api} {kind}: want Rejected, got {other:?}"),
+        }
+    }
+    // Kinds of the same groups that keyway does not serve, and other groups, stay warnings.
+    for (api, kind) in [
+        ("gateway.networking.k8s.io/v1alpha2", "UDPRoute"),
+        ("skupper.io/v2alpha1", "AttachedConnector"),
+        ("v1", "ConfigMap"),
+        ("example.com/v1", "Listener"),
+    ] {
+        let text = format!("apiVersion: {api}\nkind: {kind}\nmetadata:\n  name: a\n");
+        let load = load_file("other.yaml", &text);
+        assert!(
+            matches!(load.outcomes[0], DocOutcome::Ignored(_)),
+            "{api} {kind}"
+        );
+    }
 }
