@@ -95,6 +95,27 @@ pub fn reconcile(
         stamp(obj, state, now);
     }
 
+    // Files with a document that could not be identified: their objects are kept (step 4).
+    let incomplete: HashSet<&str> = files
+        .iter()
+        .filter(|f| f.has_unidentified_rejects())
+        .map(|f| f.file.as_str())
+        .collect();
+    // Objects staying in force at their last valid version (step 4). They take part in the
+    // cross-object rules below: a new object must not take a port or the Site from one that
+    // is still running only because its new version was rejected.
+    let kept: Vec<ObjectKey> = index
+        .keys()
+        .filter(|k| !candidates.contains_key(*k))
+        .filter(|k| {
+            rejected.contains(*k)
+                || index
+                    .get(k)
+                    .is_some_and(|o| is_incomplete(&incomplete, &o.origin.file))
+        })
+        .cloned()
+        .collect();
+
     // 3. Cross-object rules; a violator is rejected like a bad document.
     let mut rule_rejected: Vec<ObjectKey> = Vec::new();
     let mut reject =
@@ -133,18 +154,26 @@ pub fn reconcile(
             reject(&mut candidates, &key, err);
         }
     }
+    let kept_site = kept.iter().find(|k| k.kind == Kind::Site).cloned();
     let sites: Vec<ObjectKey> = by_precedence(&candidates, Kind::Site);
-    for extra in sites.iter().skip(1) {
+    let site = kept_site.or_else(|| sites.first().cloned());
+    for extra in sites.iter().filter(|k| Some(*k) != site.as_ref()) {
         let err = candidates[extra].error_at(
             "metadata.name",
             format!(
                 "a config directory holds one Site; {} is already it",
-                sites[0]
+                site.as_ref().map(ToString::to_string).unwrap_or_default()
             ),
         );
         reject(&mut candidates, extra, err);
     }
-    let mut bound: Vec<(String, i64, ObjectKey)> = Vec::new();
+    let mut bound: Vec<(String, i64, ObjectKey)> = kept
+        .iter()
+        .filter_map(|k| {
+            let (host, port) = host_port(&index.get(k)?.resource)?;
+            Some((host, port, k.clone()))
+        })
+        .collect();
     let mut listeners = by_precedence(&candidates, Kind::Listener);
     listeners.extend(by_precedence(&candidates, Kind::MultiKeyListener));
     listeners.sort_by_key(|k| precedence_of(&candidates[k]));
@@ -179,24 +208,15 @@ pub fn reconcile(
 
     // 4. Keep the last valid version of every rejected object, and of objects whose file has a
     //    document that could not be identified.
-    let incomplete: HashSet<&str> = files
-        .iter()
-        .filter(|f| f.has_unidentified_rejects())
-        .map(|f| f.file.as_str())
-        .collect();
     let previous: Vec<ObjectKey> = index.keys().cloned().collect();
     for key in previous {
         if candidates.contains_key(&key) {
             continue;
         }
         let keep = rejected.contains(&key)
-            || index.get(&key).is_some_and(|o| {
-                let file = o.origin.file.as_str();
-                incomplete.contains(file)
-                    || incomplete
-                        .iter()
-                        .any(|dir| dir.ends_with('/') && file.starts_with(dir))
-            });
+            || index
+                .get(&key)
+                .is_some_and(|o| is_incomplete(&incomplete, &o.origin.file));
         if keep {
             if let Some(old) = index.get(&key) {
                 let note = format!("; {} keeps its last valid version from {}", key, old.origin);
@@ -288,8 +308,24 @@ fn host_port(resource: &Resource) -> Option<(String, i64)> {
     }
 }
 
-/// Two listener hosts collide on one port when equal or when either is a wildcard address.
+/// Whether `file` is one of the incomplete files, or under an incomplete directory (a name
+/// ending in `/`: a directory that could not be read).
+fn is_incomplete(incomplete: &HashSet<&str>, file: &str) -> bool {
+    incomplete.contains(file)
+        || incomplete
+            .iter()
+            .any(|dir| dir.ends_with('/') && file.starts_with(dir))
+}
+
+/// Two listener hosts collide on one port when equal, when either is a wildcard address, or
+/// when both are loopback (`localhost` is 127.0.0.1 and ::1 alike).
 fn hosts_overlap(a: &str, b: &str) -> bool {
     let wildcard = |h: &str| matches!(h, "0.0.0.0" | "::" | "[::]");
-    a.eq_ignore_ascii_case(b) || wildcard(a) || wildcard(b)
+    let loopback =
+        |h: &str| h.eq_ignore_ascii_case("localhost") || matches!(h, "127.0.0.1" | "::1" | "[::1]");
+    let localhost = |h: &str| h.eq_ignore_ascii_case("localhost");
+    a.eq_ignore_ascii_case(b)
+        || wildcard(a)
+        || wildcard(b)
+        || ((localhost(a) || localhost(b)) && loopback(a) && loopback(b))
 }

@@ -404,3 +404,60 @@ fn a_rejected_version_does_not_advance_generation() {
     site.reload(&[("l.yaml", &listener("late", "18000"))], 20);
     assert_eq!(site.created(Kind::Listener, "late"), at(20));
 }
+
+/// An object kept at its last valid version still holds its port and the Site: a newcomer on
+/// the same address (or a second Site) is rejected, not run beside it.
+#[test]
+fn kept_objects_keep_their_port_and_the_site() {
+    let mut site = Site::default();
+    let site_doc = |name: &str| {
+        format!("apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: {name}\n")
+    };
+    site.reload(
+        &[
+            ("a.yaml", &listener("a", "28093")),
+            ("s.yaml", &site_doc("east")),
+        ],
+        0,
+    );
+    // a's new version is rejected (so a keeps 28093); b arrives on 28093 meanwhile.
+    let r = site.reload(
+        &[
+            ("a.yaml", &listener("a", "oops")),
+            ("b.yaml", &listener("b", "28093")),
+            (
+                "s.yaml",
+                &site_doc("east").replace("name: east", "name: [east"),
+            ),
+            ("t.yaml", &site_doc("west")),
+        ],
+        1,
+    );
+    let messages: Vec<String> = r.errors.iter().map(ToString::to_string).collect();
+    assert_eq!(port_of(site.get(Kind::Listener, "a")), 28093);
+    assert!(site.get(Kind::Listener, "b").is_none(), "{messages:?}");
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.contains("127.0.0.1:28093 is already used by Listener default/a")),
+        "{messages:?}"
+    );
+    assert!(site.get(Kind::Site, "east").is_some());
+    assert!(site.get(Kind::Site, "west").is_none(), "{messages:?}");
+
+    // localhost and 127.0.0.1 are one address.
+    let mut site = Site::default();
+    site.reload(&[("a.yaml", &listener("a", "28094"))], 0);
+    let r = site.reload(
+        &[
+            ("a.yaml", &listener("a", "28094")),
+            (
+                "b.yaml",
+                &listener("b", "28094").replace("127.0.0.1", "localhost"),
+            ),
+        ],
+        1,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert!(site.get(Kind::Listener, "b").is_none());
+}
