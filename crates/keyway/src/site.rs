@@ -181,17 +181,32 @@ impl Site {
             if attempt.in_flight || attempt.permanent || attempt.done {
                 continue;
             }
+            // Checked before redeeming, so a clash costs no redemption.
+            let path = match crate::token::link_destination(
+                &current.index,
+                &self.config,
+                &key.namespace,
+                &key.name,
+            ) {
+                Ok(path) => path,
+                Err(why) => {
+                    let why = format!("{why}; rename the AccessToken");
+                    tracing::warn!(token = %key, "cannot redeem AccessToken: {why}");
+                    attempt.error = Some(why);
+                    attempt.permanent = true;
+                    continue;
+                }
+            };
             attempt.in_flight = true;
             let request = RedeemRequest {
                 code: token.spec.code.clone(),
                 site: current.resolution.plan.site_name.clone(),
             };
             let token = (**token).clone();
-            let config = self.config.clone();
             let table = self.tokens.clone();
             runtime.spawn(async move {
                 loop {
-                    let result = redeem_token(&key, &token, &request, &config).await;
+                    let result = redeem_token(&key, &token, &request, &path).await;
                     {
                         let mut tokens = lock(&table);
                         // The token was deleted or edited: a newer attempt owns it.
@@ -393,7 +408,7 @@ async fn redeem_token(
     key: &ObjectKey,
     token: &keyway_core::skupper::AccessToken,
     request: &RedeemRequest,
-    config: &std::path::Path,
+    path: &std::path::Path,
 ) -> Result<(), (String, bool)> {
     use keyway_network::grant::{GrantUrl, RedeemError, redeem};
     let url = GrantUrl::parse(&token.spec.url).map_err(|e| (e, true))?;
@@ -408,8 +423,7 @@ async fn redeem_token(
             (e.to_string(), permanent)
         })?;
     let manifest = crate::token::link_manifest(&key.namespace, &key.name, token, &url.host, &creds);
-    let path = config.join(format!("link-{}.yaml", key.name));
-    crate::token::write_private(&path, &manifest).map_err(|e| (format!("{e:#}"), false))?;
+    crate::token::write_private(path, &manifest).map_err(|e| (format!("{e:#}"), false))?;
     tracing::info!(token = %key, remote = %creds.site, "AccessToken redeemed; Link written to {}", path.display());
     Ok(())
 }

@@ -211,17 +211,10 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         );
     }
     let namespace = "default";
-    for kind in [Kind::Link, Kind::Secret] {
-        if compiled.index.resource(kind, namespace, &name).is_some() {
-            return fail(
-                INVALID,
-                format!(
-                    "a {kind} {namespace}/{name} already exists in {}; pass --name LINKNAME",
-                    config.display()
-                ),
-            );
-        }
-    }
+    let path = match link_destination(&compiled.index, config, namespace, &name) {
+        Ok(path) => path,
+        Err(why) => return fail(INVALID, format!("{why}; pass --name LINKNAME")),
+    };
     let url = match GrantUrl::parse(&token.spec.url) {
         Ok(u) => u,
         Err(e) => return fail(INVALID, format!("invalid token: {e}")),
@@ -246,7 +239,6 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         }
     };
     let manifest = link_manifest(namespace, &name, &token, &url.host, &creds);
-    let path = config.join(format!("link-{name}.yaml"));
     write_private(&path, &manifest)?;
     eprintln!(
         "Link {name} to site {} written to {}; the running site links within a second",
@@ -254,6 +246,30 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         path.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Where a redeemed token's Link and Secret (both named `name`) go: `link-NAME.yaml` in the
+/// config dir. Refused when a Link or a Secret of that name exists, or the file does: the
+/// granting site chose the token's name, and must not overwrite the site's own objects.
+pub fn link_destination(
+    index: &keyway_core::Index,
+    config: &Path,
+    namespace: &str,
+    name: &str,
+) -> Result<std::path::PathBuf, String> {
+    for kind in [Kind::Link, Kind::Secret] {
+        if index.resource(kind, namespace, name).is_some() {
+            return Err(format!(
+                "a {kind} {namespace}/{name} already exists in {}",
+                config.display()
+            ));
+        }
+    }
+    let path = config.join(format!("link-{name}.yaml"));
+    if std::fs::symlink_metadata(&path).is_ok() {
+        return Err(format!("{} already exists", path.display()));
+    }
+    Ok(path)
 }
 
 /// The Link (named `name`, dialing the token url's host at the granting site's inter-router

@@ -480,4 +480,33 @@ fn a_running_site_redeems_tokens_in_its_config_dir() {
         false
     );
     assert!(!east.log().contains(&code) && !west.log().contains(&code));
+
+    // The granting site names the token, so it must not overwrite the site's own objects: a
+    // token named like one of its Secrets, or like an existing link-NAME.yaml, is refused
+    // (before redeeming) and both stay as they were.
+    let own = listener_yaml("important", "imp", free_port());
+    write_file(&east.config_dir(), "link-taken.yaml", &own);
+    let secret = ca.secret_yaml("clash");
+    write_file(&east.config_dir(), "clash-secret.yaml", &secret);
+    for name in ["taken", "clash"] {
+        let token = issue(&west, name, &[]);
+        let text = std::fs::read_to_string(&token).expect("token");
+        write_file(&east.config_dir(), &format!("token-{name}.yaml"), &text);
+    }
+    for name in ["taken", "clash"] {
+        assert!(
+            eventually(Duration::from_secs(5), || east
+                .status_of("AccessToken", name)
+                .is_some_and(|s| s["status"] == "Error"
+                    && s["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("already exists")))),
+            "{name}: {:?}",
+            east.status_of("AccessToken", name)
+        );
+    }
+    let read = |f: &str| std::fs::read_to_string(east.config_dir().join(f)).expect("read");
+    assert_eq!(read("link-taken.yaml"), own);
+    assert_eq!(read("clash-secret.yaml"), secret);
+    assert!(!east.config_dir().join("link-clash.yaml").exists());
 }
