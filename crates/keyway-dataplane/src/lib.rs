@@ -53,6 +53,10 @@ pub struct Shared {
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,
     tracker: Tracker,
+    /// Held for writing while a plan swaps the targets and the listeners' key lists, and for
+    /// reading while an accept loop judges reachability: a loop must not see new targets with
+    /// an old key list (or the reverse) and close a port that stays open in both plans.
+    pub(crate) swapping: std::sync::RwLock<()>,
     remote: std::sync::OnceLock<Arc<dyn RemoteDialer>>,
     /// The runtime the data plane was made on, where links to other sites run; `None` outside
     /// one (tests that never serve).
@@ -159,6 +163,7 @@ impl DataPlane {
             registry: Registry::new(metrics.clone()),
             metrics,
             tracker: Tracker::default(),
+            swapping: std::sync::RwLock::new(()),
             remote: std::sync::OnceLock::new(),
             home: tokio::runtime::Handle::try_current().ok(),
         });
@@ -228,6 +233,11 @@ impl DataPlane {
             })
             .cloned()
             .collect();
+        let swapping = self
+            .shared
+            .swapping
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
         self.shared.registry.apply(&connectors, &client_tls);
 
         let mut listeners = match self.listeners.lock() {
@@ -277,9 +287,9 @@ impl DataPlane {
         listeners.clear();
         *listeners = next;
         drop(listeners);
-        // The registry woke the accept loops before the new runtimes were stored; a loop that
-        // looked in between saw the old key list. Wake them again so a key-list edit opens or
-        // closes the port at once.
+        drop(swapping);
+        // The registry woke the accept loops before the new runtimes were stored (they waited
+        // on `swapping`); wake them again so a key-list edit alone opens or closes the port.
         self.shared.registry.bump();
         if let Ok(mut e) = self.tls_errors.lock() {
             *e = tls_errors;

@@ -179,13 +179,17 @@ async fn accept_loop(
             break;
         }
         changes.borrow_and_update();
-        let rt = runtime.load_full();
-        let reachable = rt
-            .plan
-            .selection
-            .keys()
-            .iter()
-            .any(|k| shared.registry.is_reachable(k));
+        let (rt, reachable) = {
+            let _consistent = shared.swapping.read().unwrap_or_else(|p| p.into_inner());
+            let rt = runtime.load_full();
+            let reachable = rt
+                .plan
+                .selection
+                .keys()
+                .iter()
+                .any(|k| shared.registry.is_reachable(k));
+            (rt, reachable)
+        };
         if !reachable {
             if let Some(s) = socket.take() {
                 tracing::info!(listener = %rt.label, "no routing key reachable: closing the port");

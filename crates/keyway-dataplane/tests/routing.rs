@@ -435,6 +435,52 @@ fn choosing_while_counts_move_and_costs_are_huge() {
     }
 }
 
+/// A reload that changes a listener's keys and swaps the connectors at once ([a] + Connector a
+/// <-> [b] + Connector b) keeps the port open: some key is reachable in both plans, and no
+/// accept loop may judge the new targets by the old key list in between. 200 reloads under a
+/// stream of connects, none refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swapping_keys_and_connectors_together_keeps_the_port_open() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    let mut ca = connector("ca", "a", a.addr);
+    ca.health = no_hc();
+    let mut cb = connector("cb", "b", b.addr);
+    cb.health = no_hc();
+    let p1 = plan(vec![priority("m", port, &["a"])], vec![ca]);
+    let p2 = plan(vec![priority("m", port, &["b"])], vec![cb]);
+    dp.apply(&p1);
+    wait_listening(&dp, &mkl_id("m")).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let refused = Arc::new(AtomicUsize::new(0));
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, refused) = (stop.clone(), refused.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                        .await
+                        .is_err()
+                    {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for i in 0..200 {
+        dp.apply(if i % 2 == 0 { &p2 } else { &p1 });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        let _ = c.await;
+    }
+    assert_eq!(refused.load(Ordering::Relaxed), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_reloads_keep_listener_socket_and_connections() {
     let a = Backend::start("A").await;
