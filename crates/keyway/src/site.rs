@@ -349,6 +349,16 @@ impl Site {
                 current.resolution.plan.site_name.clone(),
             )
         };
+        if request.site == site_name {
+            // A token issued into the site's own config dir, most likely: its Link would dial
+            // itself, and the redemption would be used up for nothing.
+            return Err(Refusal::new(
+                409,
+                format!(
+                    "site {site_name} cannot redeem its own AccessGrant; the token is for another site"
+                ),
+            ));
+        }
         let now = cli::now().0;
         self.grants.redeem(&facts, &request.code, now, || {
             let ca = ca?;

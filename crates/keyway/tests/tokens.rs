@@ -235,6 +235,18 @@ fn refused_redemptions_say_why() {
         assert!(!dir.join(format!("link-{name}.yaml")).exists());
     }
 
+    // Redeemed into the granting site's own config dir: refused, and no redemption used.
+    let out = redeem(&token, &west.config_dir(), &["--name", "selfie"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("cannot redeem its own AccessGrant"),
+        "{}",
+        text(&out)
+    );
+    assert!(!west.config_dir().join("link-selfie.yaml").exists());
+    let grant = west.status_of("AccessGrant", "good").expect("status");
+    assert_eq!(grant["redemptions"], 0, "{grant}");
+
     let quick = issue(&west, "quick", &["--expiry", "1s"]);
     std::thread::sleep(Duration::from_millis(1200));
     let out = redeem(&quick, &dir, &[]);
