@@ -56,7 +56,9 @@ pub fn reconcile(
     let mut files: Vec<&FileLoad> = files.iter().collect();
     files.sort_by(|a, b| a.file.cmp(&b.file));
 
-    // 1. Candidates, first definition wins; remember which keys had a rejected document.
+    // 1. Candidates: of two definitions of one object, the one from the file it is in force
+    //    from wins (a newcomer never displaces what serves), else the first in path order.
+    //    Remember which keys had a rejected document.
     let mut candidates: BTreeMap<ObjectKey, LoadedObject> = BTreeMap::new();
     let mut rejected: HashSet<ObjectKey> = HashSet::new();
     for file in &files {
@@ -65,10 +67,21 @@ pub fn reconcile(
             match outcome {
                 DocOutcome::Object(obj) => {
                     if let Some(first) = candidates.get(&obj.key) {
-                        out.errors.push(obj.error_at(
+                        let in_force = index.get(&obj.key).map(|o| &o.origin.file);
+                        let displaces = in_force == Some(&obj.origin.file)
+                            && in_force != Some(&first.origin.file);
+                        let (winner, loser) = if displaces {
+                            (&**obj, first)
+                        } else {
+                            (first, &**obj)
+                        };
+                        out.errors.push(loser.error_at(
                             "metadata.name",
-                            format!("{} is already defined at {}", obj.key, first.origin),
+                            format!("{} is already defined at {}", obj.key, winner.origin),
                         ));
+                        if displaces {
+                            candidates.insert(obj.key.clone(), (**obj).clone());
+                        }
                     } else {
                         candidates.insert(obj.key.clone(), (**obj).clone());
                     }

@@ -461,3 +461,37 @@ fn kept_objects_keep_their_port_and_the_site() {
     assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
     assert!(site.get(Kind::Listener, "b").is_none());
 }
+
+/// Two files defining one object: the definition in force keeps it, even when a newcomer's
+/// file sorts first; the newcomer gets the error. With none in force, the first path wins.
+#[test]
+fn a_duplicate_does_not_displace_the_definition_in_force() {
+    let mut site = Site::default();
+    site.reload(&[("teams/web.yaml", &listener("web", "28101"))], 0);
+    let r = site.reload(
+        &[
+            ("00-new.yaml", &listener("web", "28102")),
+            ("teams/web.yaml", &listener("web", "28101")),
+        ],
+        1,
+    );
+    assert_eq!(port_of(site.get(Kind::Listener, "web")), 28101);
+    let messages: Vec<String> = r.errors.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        messages,
+        [
+            "00-new.yaml:4: metadata.name: Listener default/web is already defined at teams/web.yaml:1"
+        ]
+    );
+
+    let mut fresh = Site::default();
+    let r = fresh.reload(
+        &[
+            ("00-new.yaml", &listener("web", "28102")),
+            ("teams/web.yaml", &listener("web", "28101")),
+        ],
+        0,
+    );
+    assert_eq!(port_of(fresh.get(Kind::Listener, "web")), 28102);
+    assert_eq!(r.errors.len(), 1);
+}
