@@ -196,9 +196,29 @@ async fn accept_loop(
                 s.close().await;
             }
             state.listening.store(false, Ordering::Release);
+            // The port stays closed, but whether it could open is known now: a bad address or
+            // a port another process holds shows in status at once, not once a key is reachable.
+            let (host, port) = (rt.plan.host.as_str(), rt.plan.port);
+            let probed = tokio::time::timeout(Duration::from_secs(2), workers::probe(host, port))
+                .await
+                .unwrap_or(Ok(()));
+            let failed = probed.is_err();
+            state.set_error(
+                probed
+                    .err()
+                    .map(|e| format!("cannot bind {host}:{port}: {e}")),
+            );
+            // A failed probe is tried again now and then, so its error clears once the port
+            // frees even if nothing else changes.
+            let again = if failed {
+                Duration::from_secs(2)
+            } else {
+                Duration::MAX
+            };
             tokio::select! {
                 _ = changes.changed() => {}
                 _ = stop.changed() => {}
+                _ = tokio::time::sleep(again) => {}
             }
             continue;
         }

@@ -149,6 +149,49 @@ fn listen_on(addr: SocketAddr, reuse_port: bool) -> io::Result<std::net::TcpList
     Ok(std::net::TcpListener::from(fd))
 }
 
+/// Whether `host:port` could be bound now, without listening (so no connection is taken):
+/// the address resolves and some address of it is free. For a listener whose port stays
+/// closed while no key is reachable, so that a bad address shows in its status at once.
+pub async fn probe(host: &str, port: u16) -> io::Result<()> {
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        match bind_only(addr) {
+            Ok(()) => return Ok(()),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "could not resolve to any address",
+        )
+    }))
+}
+
+#[cfg(target_os = "linux")]
+fn bind_only(addr: SocketAddr) -> io::Result<()> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType, ipproto, sockopt};
+    let family = if addr.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let fd = rustix::net::socket_with(
+        family,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        Some(ipproto::TCP),
+    )?;
+    sockopt::set_socket_reuseaddr(&fd, true)?;
+    rustix::net::bind(&fd, &addr)?;
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn bind_only(addr: SocketAddr) -> io::Result<()> {
+    std::net::TcpListener::bind(addr).map(drop)
+}
+
 #[cfg(not(target_os = "linux"))]
 fn listen_on(addr: SocketAddr, _reuse_port: bool) -> io::Result<std::net::TcpListener> {
     let l = std::net::TcpListener::bind(addr)?;

@@ -636,6 +636,36 @@ async fn observe_reports_reachability_health_and_bind_errors() {
     assert!(!dp.observe().bind_errors.contains_key(&listener_id("taken")));
 }
 
+/// A listener with no reachable key keeps its port closed, yet a port it could not open (held by
+/// another process) or an address that does not resolve shows in its status at once; the error
+/// clears when the port frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_problems_show_while_no_key_is_reachable() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let mut unresolvable = listener("nowhere", free_port(), "k");
+    unresolvable.host = "no-such-host.invalid".into();
+    let dp = dataplane();
+    dp.apply(&plan(
+        vec![listener("taken", taken_port, "k"), unresolvable],
+        vec![],
+    ));
+    let reported = eventually(Duration::from_secs(5), || async {
+        let o = dp.observe();
+        o.bind_errors.contains_key(&listener_id("taken"))
+            && o.bind_errors.contains_key(&listener_id("nowhere"))
+    })
+    .await;
+    assert!(reported, "{:?}", dp.observe());
+    drop(taken);
+    let cleared = eventually(Duration::from_secs(5), || async {
+        !dp.observe().bind_errors.contains_key(&listener_id("taken"))
+    })
+    .await;
+    assert!(cleared, "{:?}", dp.observe());
+    assert!(!dp.observe().listening.contains(&listener_id("taken")));
+}
+
 /// With health checks turned off, a failed connect must not take the target out for good: there
 /// is no checker to bring it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
