@@ -198,6 +198,8 @@ pub fn is_manifest_file(name: &str) -> bool {
 
 /// Parses and validates every document of one file.
 pub fn load_file(file: &str, text: &str) -> FileLoad {
+    // Some editors start UTF-8 files with a byte-order mark; YAML allows one, JSON parsers not.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let docs = if file.to_ascii_lowercase().ends_with(".json") {
         yaml::parse_json(text)
     } else {
@@ -305,6 +307,21 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         load.outcomes.push(outcome);
         return;
     };
+    // A name or namespace that is not a string (`name: 8080`, `namespace: no`) is an error
+    // that says so, rather than a missing name or the default namespace.
+    for field in ["name", "namespace"] {
+        if let Some(v) = doc.value.pointer(&format!("/metadata/{field}"))
+            && !v.is_string()
+            && !v.is_null()
+        {
+            load.outcomes.push(DocOutcome::Rejected(err(
+                &format!("metadata.{field}"),
+                format!("metadata.{field} must be a string, found {v}"),
+                None,
+            )));
+            return;
+        }
+    }
     let name = doc
         .value
         .pointer("/metadata/name")

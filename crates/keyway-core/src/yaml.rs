@@ -328,10 +328,13 @@ fn parse_chunk(chunk: &Chunk) -> Result<ParsedDoc, SyntaxError> {
                 .map(|l| u32::try_from(l.line()).unwrap_or(0) + chunk.offset)
                 .filter(|l| *l > chunk.offset)
                 .unwrap_or(start_line);
-            Err(SyntaxError {
-                line,
-                message: first_line(&err.to_string()),
-            })
+            let mut message = first_line(&err.to_string());
+            if message.contains("budget breached") {
+                message = format!(
+                    "document too large for the YAML parser's limits ({message}); split it into several documents"
+                );
+            }
+            Err(SyntaxError { line, message })
         }
     }
 }

@@ -472,6 +472,30 @@ fn unknown_kinds_and_fields_warn() {
             other => panic!("{api} {kind}: want Rejected, got {other:?}"),
         }
     }
+    // A document past the parser's node budget says what to do about it.
+    let huge = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\nitems: [{}]\n",
+        "1,".repeat(260_000)
+    );
+    let load = load_file("huge.yaml", &huge);
+    match &load.outcomes[0] {
+        DocOutcome::Rejected(e) => assert!(
+            e.message.contains("split it into several documents"),
+            "{}",
+            e.message
+        ),
+        other => panic!("want Rejected, got {other:?}"),
+    }
+
+    // A byte-order mark is allowed before JSON as before YAML.
+    let json = "\u{feff}{\"apiVersion\":\"skupper.io/v2alpha1\",\"kind\":\"Connector\",\"metadata\":{\"name\":\"c\"},\"spec\":{\"routingKey\":\"k\",\"host\":\"127.0.0.1\",\"port\":80}}";
+    let load = load_file("bom.json", json);
+    assert!(
+        matches!(load.outcomes[0], DocOutcome::Object(_)),
+        "{:?}",
+        load.outcomes
+    );
+
     // Kinds of the same groups that keyway does not serve, and other groups, stay warnings.
     for (api, kind) in [
         ("gateway.networking.k8s.io/v1alpha2", "UDPRoute"),

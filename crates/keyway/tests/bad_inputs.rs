@@ -497,6 +497,20 @@ fn cases() -> Vec<Case> {
             "metadata.name",
             "metadata.name is required",
         ),
+        case(
+            "metadata-name-not-a-string",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: 8080\nspec: {}\n",
+            4,
+            "metadata.name",
+            "metadata.name must be a string, found 8080",
+        ),
+        case(
+            "metadata-namespace-a-bool",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: a\n  namespace: false\nspec: {}\n",
+            5,
+            "metadata.namespace",
+            "metadata.namespace must be a string, found false",
+        ),
         // --- Secrets -------------------------------------------------------------------------
         case(
             "secret-tls-crt-not-pem",
