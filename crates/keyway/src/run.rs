@@ -31,6 +31,7 @@ pub fn run(
             config.display()
         );
     }
+    check_state_outside_config(&config, &state)?;
     let threads: Option<usize> = std::env::var("KEYWAY_WORKER_THREADS")
         .ok()
         .and_then(|v| v.parse().ok());
@@ -196,4 +197,27 @@ fn raise_open_file_limit() {
             current / 2
         ),
     }
+}
+
+/// The state directory may live under the config directory only as a dot-directory (as the
+/// default `.keyway-state` does): the loader and the watcher skip those. Anywhere else there,
+/// keyway would read its own state files as config, and reload on every save of them.
+fn check_state_outside_config(config: &std::path::Path, state: &std::path::Path) -> Result<()> {
+    let absolute = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let (config, state) = (absolute(config), absolute(state));
+    let Ok(inside) = state.strip_prefix(&config) else {
+        return Ok(());
+    };
+    let hidden = inside
+        .components()
+        .any(|c| c.as_os_str().to_string_lossy().starts_with('.'));
+    if hidden {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "state directory {} is inside the config directory {}: keyway would read its own state as config; use a dot-directory there (the default is {}) or a path outside",
+        state.display(),
+        config.display(),
+        config.join(".keyway-state").display()
+    )
 }

@@ -117,8 +117,11 @@ impl Site {
         resolution.plan.gateways = current.gateway.update(&index, &cli::now()).plan.clone();
         self.dataplane.apply(&resolution.plan);
         self.network.apply(&resolution.plan);
+        // Like errors, a warning is logged when it appears, not again at every reload.
         for w in &reconciled.warnings {
-            tracing::warn!("{w}");
+            if !current.reconciled.warnings.contains(w) {
+                tracing::warn!("{w}");
+            }
         }
         current.index = index;
         current.objects = objects;

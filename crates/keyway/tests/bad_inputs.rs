@@ -914,3 +914,22 @@ fn status_into_a_closed_pipe_ends_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A state directory inside the config directory (other than a dot-directory) would be read as
+/// config and reloaded on every save: `keyway run` refuses it and says what to do.
+#[test]
+fn a_state_directory_inside_the_config_is_refused() {
+    let dir = temp_dir("state-inside");
+    std::fs::write(dir.join("a.yaml"), GOOD).expect("write");
+    let state = dir.join("state");
+    let state = state.to_str().expect("utf8");
+    let out = keyway(&["run", "--admin", "127.0.0.1:0", "--state", state], &dir);
+    assert_ne!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("is inside the config directory"),
+        "{stderr}"
+    );
+    assert!(!dir.join("state").exists(), "nothing was written there");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -479,6 +479,30 @@ fn admin_endpoint_closes_slow_and_idle_clients() {
     assert_eq!(site.get("/healthz").0, 200);
 }
 
+/// A warning (here an unknown kind) is logged when it appears, not again at every reload.
+#[test]
+fn warnings_are_logged_once() {
+    let a = Backend::start("a");
+    let dir = temp_dir("warn-once");
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    std::fs::write(
+        dir.join("cm.yaml"),
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: settings\n",
+    )
+    .expect("write");
+    let site = Site::start(&dir);
+    for round in 1..=2u64 {
+        let before = reload_count(&site.get("/metrics").1);
+        site.write(
+            "a.yaml",
+            &connector("a", "key-a", a.port).replace("200ms", &format!("{}00ms", round + 2)),
+        );
+        site.wait_for("/metrics", |_, body| reload_count(body) > before);
+    }
+    let log = std::fs::read_to_string(dir.join(".keyway.log")).expect("log");
+    assert_eq!(log.matches("unknown kind ConfigMap").count(), 1, "{log}");
+}
+
 fn reload_count(metrics: &str) -> u64 {
     metrics
         .lines()
