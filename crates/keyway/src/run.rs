@@ -78,15 +78,44 @@ pub fn run(
         // Watch before the first load, so a file written while the site starts is not missed
         // (a change during the first load just triggers one more reload).
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let _watch = watch::watch(&config, tx).context("cannot watch the config directory")?;
+        let watcher =
+            watch::watch(&config, tx.clone()).context("cannot watch the config directory")?;
+        let mut root = dir_identity(&config);
         site.reload();
         let admin = admin::start(admin_addr, site.clone())?;
         tracing::info!(config = %config.display(), admin = %admin, "site running");
 
         let reloader = {
             let site = site.clone();
+            let config = config.clone();
             tokio::spawn(async move {
-                while rx.recv().await.is_some() {
+                // Held for its effect: dropping it stops the watch.
+                let mut _watcher = Some(watcher);
+                let mut check = tokio::time::interval(ROOT_CHECK);
+                loop {
+                    tokio::select! {
+                        got = rx.recv() => if got.is_none() { return },
+                        _ = check.tick() => {
+                            // The directory itself replaced (renamed over, or removed and made
+                            // again): the watch still follows the old one, so watch the new.
+                            let now = dir_identity(&config);
+                            if now == root {
+                                continue;
+                            }
+                            root = now;
+                            _watcher = None;
+                            if root.is_some() {
+                                match watch::watch(&config, tx.clone()) {
+                                    Ok(w) => _watcher = Some(w),
+                                    Err(e) => {
+                                        tracing::warn!("cannot watch the config directory again: {e:#}");
+                                        root = None;
+                                        continue;
+                                    }
+                                }
+                            }
+                        }
+                    }
                     // Coalesce whatever else arrived while we were busy.
                     while rx.try_recv().is_ok() {}
                     let site = site.clone();
@@ -220,4 +249,16 @@ fn check_state_outside_config(config: &std::path::Path, state: &std::path::Path)
         config.display(),
         config.join(".keyway-state").display()
     )
+}
+
+/// How often `keyway run` checks that its config directory is still the one it watches.
+const ROOT_CHECK: Duration = Duration::from_secs(1);
+
+/// Which directory `path` is (device and inode), or `None` while there is none.
+fn dir_identity(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .ok()
+        .filter(|m| m.is_dir())
+        .map(|m| (m.dev(), m.ino()))
 }

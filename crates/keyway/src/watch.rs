@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 const DEBOUNCE: Duration = Duration::from_millis(150);
 
 /// Starts watching; every debounced burst sends one `()`. The returned guard stops the watch.
-pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl Drop> {
+pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl Drop + use<>> {
     // Events come with absolute paths: a relative root would never be their prefix.
     let root = std::path::absolute(dir)?;
     let watched = root.clone();

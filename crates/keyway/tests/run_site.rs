@@ -503,6 +503,37 @@ fn warnings_are_logged_once() {
     assert_eq!(log.matches("unknown kind ConfigMap").count(), 1, "{log}");
 }
 
+/// The config directory itself replaced (a new one renamed over it, or removed and made again):
+/// keyway watches the new directory, and later edits in it are applied.
+#[test]
+fn a_replaced_config_directory_is_watched_again() {
+    let a = Backend::start("a");
+    let base = temp_dir("replaced");
+    let dir = base.join("conf");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let ports = [free_port(), free_port(), free_port()];
+    let write = |d: &Path, port: u16| {
+        std::fs::write(d.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+        std::fs::write(d.join("svc.yaml"), mkl("svc", port, &["key-a"])).expect("write");
+    };
+    write(&dir, ports[0]);
+    let site = Site::start(&dir);
+    wait_until("serving", || hello(ports[0]).is_ok());
+    // A new directory renamed over the old one.
+    let new = base.join("conf.new");
+    std::fs::create_dir(&new).expect("mkdir");
+    write(&new, ports[1]);
+    std::fs::rename(&dir, base.join("conf.old")).expect("rename");
+    std::fs::rename(&new, &dir).expect("rename");
+    wait_until("the new directory serves", || hello(ports[1]).is_ok());
+    // An edit in it afterwards.
+    std::fs::write(dir.join("svc.yaml"), mkl("svc", ports[2], &["key-a"])).expect("write");
+    wait_until("an edit in the new directory is applied", || {
+        hello(ports[2]).is_ok()
+    });
+    drop(site);
+}
+
 fn reload_count(metrics: &str) -> u64 {
     metrics
         .lines()
