@@ -331,6 +331,26 @@ pub fn issue_client_cert(
     Ok((cert.pem(), key.serialize_pem()))
 }
 
+/// Whether certificates the CA issues will be accepted on the RouterAccess port: its clients
+/// are verified against the RouterAccess Secret's `ca.crt`, and an issued certificate is sent
+/// alone, so the issuing CA must be one of those certificates. (An `issuer` Secret holding
+/// another CA would issue certificates every link refuses.)
+pub fn issuer_trusted(ca: &CaPem, router_access_ca: &str) -> Result<(), String> {
+    let parse =
+        |pem: &str| keyway_core::tls::parse_certificates(pem.as_bytes()).unwrap_or_default();
+    let trusted = parse(router_access_ca);
+    if parse(&ca.cert)
+        .first()
+        .is_some_and(|issuer| trusted.contains(issuer))
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: the issuing CA is not in the RouterAccess Secret's ca.crt, so links would refuse the certificates it issues; add it there",
+        ca.source
+    ))
+}
+
 fn verify_chain(ca_pem: &str, cert: &rustls::pki_types::CertificateDer<'_>) -> Result<(), String> {
     let cas = keyway_core::tls::parse_certificates(ca_pem.as_bytes()).map_err(|e| e.to_string())?;
     let mut roots = rustls::RootCertStore::empty();
@@ -415,6 +435,12 @@ pub fn grant_status(
                 url = Some(GrantUrl::format(h, ra.port, &key.namespace, &key.name));
             }
             ca = router_access_ca(ctx.index, &ra.id);
+            let issuer = issuer.and_then(|i| {
+                let trusted = ca
+                    .as_deref()
+                    .ok_or("the RouterAccess Secret has no ca.crt")?;
+                issuer_trusted(&i, trusted).map(|()| i)
+            });
             match (issuer, host) {
                 (Err(e), _) => Cond::error("Resolved", &e),
                 (Ok(_), None) => Cond::error(

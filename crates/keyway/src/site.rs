@@ -366,6 +366,7 @@ impl Site {
         self.grants.redeem(&facts, &request.code, now, || {
             let ca = ca?;
             let ra_ca = ra_ca.ok_or("the RouterAccess Secret has no ca.crt")?;
+            grants::issuer_trusted(&ca, &ra_ca)?;
             let (cert, key) = grants::issue_client_cert(&ca, &request.site, now)?;
             Ok(Credentials {
                 site: site_name,

@@ -100,6 +100,9 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
     let Some(ca_pem) = grants::router_access_ca(&compiled.index, &ra.id) else {
         return fail(INVALID, "the RouterAccess Secret has no ca.crt");
     };
+    if let Err(e) = grants::issuer_trusted(&ca, &ca_pem) {
+        return fail(INVALID, e);
+    }
     let host = match args.host.or_else(|| {
         match compiled
             .index

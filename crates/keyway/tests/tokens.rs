@@ -312,6 +312,47 @@ fn issue_without_a_ca_key_says_how_to_fix_it() {
             .all(|e| !e.file_name().to_string_lossy().starts_with("accessgrant-")),
         "no grant written"
     );
+    // An issuer the RouterAccess does not trust would issue certificates every link refuses;
+    // the one it trusts is fine.
+    let other = Ca::new("other");
+    write_file(
+        &dir,
+        "issuers.yaml",
+        &[
+            other.issuer_secret_yaml("other-ca"),
+            ca.issuer_secret_yaml("link-ca"),
+        ]
+        .join("---\n"),
+    );
+    let config = dir.to_str().expect("utf8");
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--issuer",
+        "other-ca",
+        "-o",
+        "/dev/null",
+    ]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(t.contains("not in the RouterAccess Secret's ca.crt"), "{t}");
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--issuer",
+        "link-ca",
+        "--name",
+        "ok",
+        "-o",
+        "/dev/null",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    std::fs::remove_file(dir.join("issuers.yaml")).expect("rm");
+    std::fs::remove_file(dir.join("accessgrant-ok.yaml")).expect("rm");
     // Without a RouterAccess at all.
     write_file(&dir, "site.yaml", &site_yaml("west"));
     let out = keyway(&["token", "issue", "--config", dir.to_str().expect("utf8")]);

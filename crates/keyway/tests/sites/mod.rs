@@ -78,6 +78,16 @@ impl Ca {
     pub fn pem(&self) -> String {
         self.0.pem()
     }
+
+    /// A Secret named `name` holding this CA itself as `tls.crt` and `tls.key` (an AccessGrant
+    /// `issuer`).
+    pub fn issuer_secret_yaml(&self, name: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
+            indent(&self.0.pem()),
+            indent(&self.0.key().serialize_pem())
+        )
+    }
 }
 
 fn indent(pem: &str) -> String {
