@@ -19,7 +19,7 @@ pub enum PemError {
 /// Every certificate of a PEM bundle (at least one).
 pub fn parse_certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, PemError> {
     let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
-    let certs = certs.map_err(|e| PemError::Malformed(e.to_string()))?;
+    let certs = certs.map_err(|e| PemError::Malformed(describe(&e)))?;
     if certs.is_empty() {
         return Err(PemError::NoCertificate);
     }
@@ -37,7 +37,23 @@ pub fn parse_private_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, PemError>
             Ok(key)
         }
         Err(rustls_pki_types::pem::Error::NoItemsFound) => Err(PemError::NoKey),
-        Err(e) => Err(PemError::Malformed(e.to_string())),
+        Err(e) => Err(PemError::Malformed(describe(&e))),
+    }
+}
+
+/// The PEM parser's error in words: its own message shows the marker lines as byte lists.
+fn describe(e: &rustls_pki_types::pem::Error) -> String {
+    use rustls_pki_types::pem::Error;
+    match e {
+        Error::MissingSectionEnd { end_marker } => format!(
+            "missing the line `-----END {}-----` (is the PEM cut short?)",
+            String::from_utf8_lossy(end_marker).trim()
+        ),
+        Error::IllegalSectionStart { line } => format!(
+            "bad section start `{}`",
+            String::from_utf8_lossy(line).trim()
+        ),
+        other => other.to_string(),
     }
 }
 

@@ -305,15 +305,20 @@ fn status(
             .into_iter()
             .filter(|item| filter.matches_value(item))
             .collect();
-        for e in list["metadata"]["configErrors"]
+        let errors = list["metadata"]["configErrors"]
             .as_array()
-            .into_iter()
-            .flatten()
-        {
+            .cloned()
+            .unwrap_or_default();
+        for e in &errors {
             eprintln!("error: {}", e.as_str().unwrap_or_default());
         }
         print_items(items, output)?;
-        return Ok(ExitCode::SUCCESS);
+        // As with --config: config errors make the exit code say so.
+        return Ok(if errors.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(INVALID)
+        });
     }
     let mut compiled = compile_dir(config)?;
     let errors = compiled.errors();

@@ -120,6 +120,14 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
             );
         }
     };
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if bare.parse::<std::net::IpAddr>().is_err() && !keyway_core::validate::is_dns_subdomain(&host)
+    {
+        return fail(
+            INVALID,
+            format!("host `{host}` is not a host name or an IP address"),
+        );
+    }
     let code = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(random_bytes(24)?);
     let created = cli::now().0;
     let mut grant = format!(
@@ -135,10 +143,20 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
         indent(&ca_pem)
     );
     let grant_path = args.config.join(format!("accessgrant-{name}.yaml"));
-    write_private(&grant_path, &grant)?;
+    // The token first: if it cannot be written, no grant is left behind to redeem it (and the
+    // name stays free for another try).
     match &args.output {
-        Some(path) => write_private(path, &token)?,
+        Some(path) => {
+            write_private(path, &token)?;
+            if let Err(e) = write_private(&grant_path, &grant) {
+                if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file()) {
+                    let _ = std::fs::remove_file(path);
+                }
+                return Err(e);
+            }
+        }
         None => {
+            write_private(&grant_path, &grant)?;
             let mut out = std::io::stdout().lock();
             out.write_all(token.as_bytes())
                 .and_then(|_| out.flush())

@@ -513,6 +513,16 @@ fn cases() -> Vec<Case> {
         ),
         // --- Secrets -------------------------------------------------------------------------
         case(
+            "secret-tls-crt-cut-short",
+            format!(
+                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\nstringData:\n  ca.crt: |\n{}",
+                indent(&CERT[..CERT.len() / 2], 4)
+            ),
+            7,
+            "stringData.ca.crt",
+            "malformed PEM: missing the line `-----END CERTIFICATE-----` (is the PEM cut short?)",
+        ),
+        case(
             "secret-tls-crt-not-pem",
             format!(
                 "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: not a certificate\n  tls.key: |\n{}",

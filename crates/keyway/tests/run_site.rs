@@ -592,6 +592,20 @@ fn admin_endpoint_and_status_cli() {
         table.contains("Listeners:") && table.contains("Connectors:"),
         "{table}"
     );
+    // A config error: printed, and the exit code says so, as with --config.
+    site.write("bad.yaml", "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: bad}\nspec: {port: nope}\n");
+    site.wait_for("/status", |_, body| body.contains("bad.yaml"));
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "--admin", &site.admin])
+        .output()
+        .expect("status");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad.yaml"));
     // A site that is not there: a clear error and a non-zero, non-usage exit.
     let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
         .args(["status", "--admin", "127.0.0.1:1"])

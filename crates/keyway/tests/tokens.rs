@@ -361,6 +361,73 @@ fn issue_without_a_ca_key_says_how_to_fix_it() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `token issue` that fails leaves no grant behind (an unwritable `-o`), and a `--host` that is
+/// not a host is refused before anything is written.
+#[test]
+fn a_failed_issue_leaves_no_grant() {
+    let ca = Ca::new("ca");
+    let dir = std::env::temp_dir().join(format!("keyway-token-fail-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    write_file(
+        &dir,
+        "site.yaml",
+        &[
+            site_yaml("west"),
+            ca.secret_yaml_with_ca_key("link-tls"),
+            router_access_yaml(free_port(), "link-tls"),
+        ]
+        .join("---\n"),
+    );
+    let config = dir.to_str().expect("utf8");
+    let grants = || {
+        std::fs::read_dir(&dir)
+            .expect("dir")
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().starts_with("accessgrant-"))
+            .count()
+    };
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--name",
+        "t",
+        "-o",
+        "/nonexistent/dir/t.yaml",
+    ]);
+    assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(grants(), 0, "a grant was left behind");
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--name",
+        "t",
+        "--host",
+        "evil.example/x?",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("is not a host name"), "{}", text(&out));
+    assert_eq!(grants(), 0);
+    // The name is still free.
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--name",
+        "t",
+        "-o",
+        "/dev/null",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(grants(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The RouterAccess port accepts TLS without a client certificate only for redemptions: a link
 /// protocol on such a connection is closed before anything is read, and no link comes up.
 #[test]
