@@ -19,7 +19,6 @@ use crate::plan::{
 use crate::resource::{Kind, ObjectKey, Resource};
 use crate::skupper::{self, StrategyKind};
 use crate::tls::{self, TlsMaterial};
-use crate::validate::parse_duration_secs;
 
 /// The plan for the service network plus what could not be configured.
 #[derive(Clone, Debug, Default)]
@@ -361,10 +360,8 @@ pub fn health_of(settings: &BTreeMap<String, String>) -> Result<HealthCheck, (St
 
 /// `250ms`, `2s`, `1m`.
 pub fn parse_duration_ms(text: &str) -> Option<u64> {
-    if let Some(ms) = text.strip_suffix("ms") {
-        return ms.parse().ok();
-    }
-    parse_duration_secs(text).map(|s| s * 1000)
+    crate::validate::parse_duration_nanos(text)
+        .map(|ns| u64::try_from(ns / 1_000_000).unwrap_or(u64::MAX))
 }
 
 /// Status of every skupper.io object (SPEC §3.3), as the `status` JSON of each object.

@@ -843,29 +843,93 @@ pub fn is_gateway_hostname(s: &str) -> bool {
 
 /// Parses `90s`, `15m`, `1h30m`, `2d` into seconds (AccessGrant `expirationWindow`).
 pub fn parse_duration_secs(text: &str) -> Option<u64> {
-    let mut total = 0u64;
-    let mut digits = String::new();
-    if text.is_empty() {
+    parse_duration_nanos(text).map(|ns| u64::try_from(ns / 1_000_000_000).unwrap_or(u64::MAX))
+}
+
+/// A duration as Go's `time.ParseDuration` reads it (Skupper and Kubernetes write them so):
+/// numbers with optional fractions, each with a unit `ns`, `us`/`µs`, `ms`, `s`, `m`, `h`, like
+/// `1h30m`, `1.5h` or `300ms`; also `d` for days. In nanoseconds.
+pub fn parse_duration_nanos(text: &str) -> Option<u128> {
+    const UNITS: [(&str, u128); 8] = [
+        ("ns", 1),
+        ("us", 1_000),
+        ("µs", 1_000),
+        ("ms", 1_000_000),
+        ("s", 1_000_000_000),
+        ("m", 60_000_000_000),
+        ("h", 3_600_000_000_000),
+        ("d", 86_400_000_000_000),
+    ];
+    if text == "0" {
+        return Some(0);
+    }
+    let mut rest = text;
+    let mut total: u128 = 0;
+    if rest.is_empty() {
         return None;
     }
-    for c in text.chars() {
-        if c.is_ascii_digit() {
-            digits.push(c);
-            continue;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(rest.len());
+        let (number, tail) = rest.split_at(number_len);
+        let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+        if whole.is_empty() && fraction.is_empty() {
+            return None;
         }
-        let n: u64 = digits.parse().ok()?;
-        digits.clear();
-        let unit = match c {
-            's' => 1,
-            'm' => 60,
-            'h' => 3600,
-            'd' => 86400,
-            _ => return None,
+        // Longest unit first: `ms` before `m`.
+        let (unit, scale) = UNITS
+            .iter()
+            .filter(|(u, _)| tail.starts_with(u))
+            .max_by_key(|(u, _)| u.len())?;
+        let whole: u128 = if whole.is_empty() {
+            0
+        } else {
+            whole.parse().ok()?
         };
-        total = total.checked_add(n.checked_mul(unit)?)?;
-    }
-    if !digits.is_empty() {
-        return None;
+        let mut value = whole.checked_mul(*scale)?;
+        if !fraction.is_empty() {
+            let digits = u32::try_from(fraction.len()).ok().filter(|d| *d <= 18)?;
+            let part: u128 = fraction.parse().ok()?;
+            value = value.checked_add(part.checked_mul(*scale)? / 10u128.pow(digits))?;
+        }
+        total = total.checked_add(value)?;
+        rest = &tail[unit.len()..];
     }
     Some(total)
+}
+
+#[cfg(test)]
+mod duration_tests {
+    use super::*;
+
+    /// Go's `time.ParseDuration` forms (what Skupper and Kubernetes YAML holds), plus days.
+    #[test]
+    fn durations_read_as_go_reads_them() {
+        let ms = |t: &str| parse_duration_nanos(t).map(|n| n / 1_000_000);
+        for (text, want) in [
+            ("15m", Some(900_000)),
+            ("1h30m", Some(5_400_000)),
+            ("1.5h", Some(5_400_000)),
+            ("300ms", Some(300)),
+            ("2h45m10.5s", Some(9_910_500)),
+            ("1500us", Some(1)),
+            (".5s", Some(500)),
+            ("1d", Some(86_400_000)),
+            ("0", Some(0)),
+            ("", None),
+            ("15", None),
+            ("m", None),
+            ("1x", None),
+            ("1.2.3s", None),
+            ("-1s", None),
+        ] {
+            assert_eq!(ms(text), want, "{text:?}");
+        }
+        assert_eq!(parse_duration_secs("1.5h"), Some(5400));
+        assert_eq!(
+            crate::service_network::parse_duration_ms("500ms"),
+            Some(500)
+        );
+    }
 }

@@ -172,9 +172,11 @@ impl GrantFacts {
             namespace: key.namespace.clone(),
             name: key.name.clone(),
             code,
+            // 0 is read as the default, as upstream Skupper's controller does.
             allowed: grant
                 .spec
                 .redemptions_allowed
+                .filter(|n| *n > 0)
                 .unwrap_or(DEFAULT_REDEMPTIONS),
             expires: expiration(grant),
         })
@@ -545,6 +547,19 @@ mod tests {
                 !msg.contains("secret-code") && !msg.contains("bogus-guess"),
                 "{msg}"
             );
+        }
+    }
+
+    /// `redemptionsAllowed: 0` (or none) allows the default, one, as upstream Skupper reads it.
+    #[test]
+    fn zero_redemptions_allowed_means_the_default() {
+        let key = ObjectKey::new(Kind::AccessGrant, "default", "g");
+        for n in [Some(0), None] {
+            let mut grant = AccessGrant::default();
+            grant.spec.code = Some("c".into());
+            grant.spec.redemptions_allowed = n;
+            let facts = GrantFacts::of(&key, &grant).expect("facts");
+            assert_eq!(facts.allowed, DEFAULT_REDEMPTIONS, "{n:?}");
         }
     }
 
