@@ -399,7 +399,11 @@ async fn connect_target(
                 Ok(s) => Ok(Upstream::Tls(Box::new(s))),
                 Err(e) => {
                     tracing::warn!(target = %target.address(), "TLS to target failed: {e}");
-                    Err(format!("TLS to {} failed: {e}", target.address()))
+                    // A failed connection like any other (SPEC §3.1): the next ones go
+                    // elsewhere until the health check finds the target again.
+                    let why = format!("TLS to {} failed: {e}", target.address());
+                    shared.registry.connect_failed(target, &why);
+                    Err(why)
                 }
             }
         }

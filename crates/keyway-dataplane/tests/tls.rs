@@ -268,6 +268,8 @@ async fn failed_origination_handshake_fails_over_to_next_key() {
     let dp = dataplane();
     let mut bad = connector("bad", "bad", named_addr);
     bad.tls = Some(client_tls(&ca, true)); // 127.0.0.1 is not backend.test
+    // Its TCP health check passes; slow it so only real connections judge it here.
+    bad.health.interval_ms = 60_000;
     dp.apply(&plan(
         vec![priority("m", port, &["bad", "b"])],
         vec![bad, connector("cb", "b", b.addr)],
@@ -276,4 +278,17 @@ async fn failed_origination_handshake_fails_over_to_next_key() {
     for i in 0..5 {
         assert_eq!(who(port).await.expect("failover"), "B", "connection {i}");
     }
+    // The failed handshake counts as a failed connection: the target is unhealthy at once
+    // (until its health check finds it again), so connections stop paying for it.
+    let why = dp
+        .observe()
+        .unhealthy_connectors
+        .get(&keyway_core::ObjectKey::new(
+            keyway_core::Kind::Connector,
+            "default",
+            "bad",
+        ))
+        .cloned()
+        .unwrap_or_default();
+    assert!(why.contains("TLS to"), "{:?}", dp.observe());
 }
