@@ -406,6 +406,35 @@ fn unbindable_port_is_reported_as_port_unavailable() {
     assert_ne!(code, 200, "{body}");
 }
 
+/// A port serving one Gateway stays with it when another Gateway claims it later (here through
+/// a ListenerSet attached to a Gateway whose name sorts first): the newcomer's listener is
+/// PortUnavailable, and the running one goes on answering.
+#[test]
+fn a_newcomer_never_takes_a_serving_port_from_another_gateway() {
+    let dir = temp_dir("port-keep");
+    let (port, other) = (free_port(), free_port());
+    let gateways = format!(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: a-gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: All}}}}\n  listeners:\n  - {{name: l, protocol: HTTP, port: {other}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: b-gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {{name: l, protocol: HTTP, port: {port}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: b-gw}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: served-by-b.example, statusCode: 302}}}}]\n"
+    );
+    std::fs::write(dir.join("a.yaml"), gateways).expect("write");
+    let site = Site::start(&dir, false);
+    assert!(eventually(Duration::from_secs(5), || http_get(
+        port, "x", "/"
+    )
+    .0 == 302));
+    std::fs::write(
+        dir.join("ls.yaml"),
+        format!("apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: tenant, namespace: tenant}}\nspec:\n  parentRef: {{name: a-gw, namespace: default}}\n  listeners:\n  - {{name: l, protocol: HTTP, port: {port}, hostname: tenant.example}}\n"),
+    )
+    .expect("write");
+    site.wait_for("/status", |_, body| {
+        body.contains("is already used by Gateway default/b-gw")
+    });
+    for host in ["x", "tenant.example"] {
+        assert_eq!(http_get(port, host, "/").0, 302, "{host}");
+    }
+}
+
 /// `spec.addresses` decides where a Gateway's ports are bound (status.addresses says so), and an
 /// edit moves them without a restart; an address type keyway cannot bind is `UnsupportedAddress`.
 #[test]

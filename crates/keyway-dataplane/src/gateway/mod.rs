@@ -239,6 +239,8 @@ struct PortState {
 }
 
 struct PortHandle {
+    /// The Gateway whose listeners the port serves.
+    owner: ObjectKey,
     config: Arc<ArcSwap<PortConfig>>,
     state: Arc<PortState>,
     /// Listeners on the port, for error reports.
@@ -300,42 +302,57 @@ impl Gateways {
     pub fn apply(&self, plan: &GatewayPlan) {
         let mut rejected = Vec::new();
         let mut wanted: BTreeMap<SocketAddr, (&ObjectKey, &PortBind)> = BTreeMap::new();
+        let all = [IpAddr::V4(Ipv4Addr::UNSPECIFIED)];
+        // Two Gateways cannot both own a port on overlapping addresses (the wildcard overlaps
+        // every address). The Gateway serving the port now keeps it: a newcomer (say a
+        // ListenerSet adding the port to another Gateway) never takes a port that serves.
+        // Between new claims, the first in key order wins.
+        let serving: Vec<(u16, ObjectKey)> = lock(&self.ports)
+            .iter()
+            .map(|(addr, h)| (addr.port(), h.owner.clone()))
+            .collect();
+        let mut claims: Vec<(&ObjectKey, &[IpAddr], &PortBind)> = Vec::new();
         for gw in &plan.gateways {
-            let all = [IpAddr::V4(Ipv4Addr::UNSPECIFIED)];
             let ips = if gw.addresses.is_empty() {
                 &all[..]
             } else {
                 &gw.addresses[..]
             };
             for pb in &gw.ports {
-                // Two Gateways cannot both own a port on overlapping addresses (the wildcard
-                // overlaps every address); the first in key order keeps it.
-                let taken = wanted.iter().find(|(addr, (owner, _))| {
-                    addr.port() == pb.port
-                        && **owner != gw.gateway
-                        && ips.iter().any(|ip| overlap(*ip, addr.ip()))
-                });
-                if let Some((_, (owner, _))) = taken {
-                    for l in &pb.listeners {
-                        rejected.push(ListenerError {
-                            owner: l.owner.clone(),
-                            listener: l.name.clone(),
-                            message: format!(
-                                "port {} is already used by Gateway {}/{}",
-                                pb.port, owner.namespace, owner.name
-                            ),
-                        });
-                    }
-                    continue;
+                claims.push((&gw.gateway, ips, pb));
+            }
+        }
+        claims.sort_by_key(|(owner, _, pb)| {
+            !serving
+                .iter()
+                .any(|(port, o)| *port == pb.port && o == *owner)
+        });
+        for (gw_key, ips, pb) in claims {
+            let taken = wanted.iter().find(|(addr, (owner, _))| {
+                addr.port() == pb.port
+                    && *owner != gw_key
+                    && ips.iter().any(|ip| overlap(*ip, addr.ip()))
+            });
+            if let Some((_, (owner, _))) = taken {
+                for l in &pb.listeners {
+                    rejected.push(ListenerError {
+                        owner: l.owner.clone(),
+                        listener: l.name.clone(),
+                        message: format!(
+                            "port {} is already used by Gateway {}/{}",
+                            pb.port, owner.namespace, owner.name
+                        ),
+                    });
                 }
-                for ip in ips {
-                    wanted.insert(SocketAddr::new(*ip, pb.port), (&gw.gateway, pb));
-                }
+                continue;
+            }
+            for ip in ips {
+                wanted.insert(SocketAddr::new(*ip, pb.port), (gw_key, pb));
             }
         }
         let mut ports = lock(&self.ports);
         let mut next = BTreeMap::new();
-        for (addr, (_, pb)) in wanted {
+        for (addr, (owner, pb)) in wanted {
             let config = self.compile(pb, &mut rejected);
             let listeners = pb
                 .listeners
@@ -346,10 +363,11 @@ impl Gateways {
                 Some(mut h) => {
                     h.config.store(Arc::new(config));
                     h.listeners = listeners;
+                    h.owner = owner.clone();
                     next.insert(addr, h);
                 }
                 None => {
-                    next.insert(addr, self.start(addr, config, listeners));
+                    next.insert(addr, self.start(addr, owner.clone(), config, listeners));
                 }
             }
         }
@@ -384,6 +402,7 @@ impl Gateways {
     fn start(
         &self,
         addr: SocketAddr,
+        owner: ObjectKey,
         config: PortConfig,
         listeners: Vec<(ObjectKey, String)>,
     ) -> PortHandle {
@@ -398,6 +417,7 @@ impl Gateways {
             stop_rx,
         ));
         PortHandle {
+            owner,
             config,
             state,
             listeners,
