@@ -381,6 +381,59 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
     );
 }
 
+/// A route for `/admin` cannot be passed by spelling the path another way: dot segments, runs
+/// of slashes and escaped letters are normalised before matching, and the backend gets the
+/// path that was matched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crafted_paths_cannot_pass_a_more_specific_route() {
+    let port = free_port();
+    let public = http_backend("public").await;
+    let mut yaml = service("public", public);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - matches: [{path: {type: PathPrefix, value: /admin}}]\n    filters: [{type: RequestRedirect, requestRedirect: {hostname: login.example}}]\n  - matches: [{path: {type: PathPrefix, value: /}}]\n    backendRefs: [{name: public, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let raw = |path: &'static str| async move {
+        let mut s = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: h.example\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .expect("write");
+        let mut out = String::new();
+        let _ = tokio::time::timeout(IO_TIMEOUT, s.read_to_string(&mut out)).await;
+        out
+    };
+    for path in [
+        "/admin/secret",
+        "/x/../admin/secret",
+        "/%61dmin/secret",
+        "//admin/secret",
+        "/./admin/secret",
+        "/x/%2e%2e/admin/secret",
+    ] {
+        let out = raw(path).await;
+        assert!(out.starts_with("HTTP/1.1 302"), "{path}: {out}");
+    }
+    // Other paths reach the backend normalised, query kept.
+    let out = raw("/a//b/./c/../d?q=1").await;
+    assert!(out.contains("path=/a/b/d?q=1"), "{out}");
+    let out = raw("/a/%2f/b").await;
+    assert!(
+        out.contains("path=/a/%2F/b"),
+        "an encoded slash stays a character: {out}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weighted_backends_timeouts_h2c_and_upgrade() {
     let a = http_backend("a").await;

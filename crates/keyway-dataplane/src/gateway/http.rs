@@ -145,7 +145,7 @@ fn trim_host(host: &str) -> &str {
         .trim_end_matches('.')
 }
 
-async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
+async fn handle(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     let ctx = &*info.ctx;
     let cfg = info.config.load_full();
     // RFC 9112 §3.2: several Host lines, or an HTTP/1.1 request without a host, are a 400;
@@ -159,6 +159,23 @@ async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
         && !req.headers().contains_key(header::HOST)
     {
         return full(StatusCode::BAD_REQUEST, "no Host header");
+    }
+    // Routes match, and the backend gets, the normalised path (see `path`): a raw `..` or `//`
+    // could pass a route for a more specific path and reach a broader one.
+    if let Some(normal) = super::path::normalize(req.uri().path()) {
+        let target = match req.uri().query() {
+            Some(q) => format!("{normal}?{q}"),
+            None => normal,
+        };
+        let mut parts = req.uri().clone().into_parts();
+        let Ok(pq) = target.parse() else {
+            return full(StatusCode::BAD_REQUEST, "invalid path");
+        };
+        parts.path_and_query = Some(pq);
+        match Uri::from_parts(parts) {
+            Ok(uri) => *req.uri_mut() = uri,
+            Err(_) => return full(StatusCode::BAD_REQUEST, "invalid path"),
+        }
     }
     let host = request_host(&req);
     let want = if info.tls.is_some() {

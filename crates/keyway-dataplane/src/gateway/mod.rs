@@ -11,6 +11,7 @@ pub mod filters;
 pub mod h1;
 pub mod http;
 pub mod idle;
+pub mod path;
 pub mod route_match;
 pub mod sni;
 pub mod tcp;
