@@ -627,6 +627,31 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                         format!("{at}.matches[{j}].path.value"),
                         "regular expression must not be empty",
                     );
+                } else if t == "RegularExpression" {
+                    check_regex(p, &format!("{at}.matches[{j}].path.value"), value);
+                }
+            }
+            // Header and query matches (HTTPRoute), and gRPC method matches, by expression.
+            for list in ["headers", "queryParams"] {
+                for (k, h) in m[list]
+                    .as_array()
+                    .map(Vec::as_slice)
+                    .unwrap_or_default()
+                    .iter()
+                    .enumerate()
+                {
+                    if h["type"].as_str() == Some("RegularExpression")
+                        && let Some(v) = h["value"].as_str()
+                    {
+                        check_regex(p, &format!("{at}.matches[{j}].{list}[{k}].value"), v);
+                    }
+                }
+            }
+            if m["method"]["type"].as_str() == Some("RegularExpression") {
+                for part in ["service", "method"] {
+                    if let Some(v) = m["method"][part].as_str() {
+                        check_regex(p, &format!("{at}.matches[{j}].method.{part}"), v);
+                    }
                 }
             }
             let mut header_names = HashSet::new();
@@ -680,10 +705,36 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                 "RequestRedirect filter must not be used together with backendRefs",
             );
         }
+        let matches = rule["matches"].as_array();
         for (j, f) in filters.iter().enumerate() {
             let Some(t) = f["type"].as_str() else {
                 continue;
             };
+            if let Some(code) = f["requestRedirect"]["statusCode"].as_i64()
+                && !matches!(code, 301 | 302 | 303 | 307 | 308)
+            {
+                p.add(
+                    format!("{at}.filters[{j}].requestRedirect.statusCode"),
+                    format!("statusCode must be 301, 302, 303, 307 or 308, found {code}"),
+                );
+            }
+            // Upstream's schema rule: a prefix can only be replaced where exactly one
+            // PathPrefix match says which prefix (no matches means the default, `/`).
+            let replaces_prefix = ["requestRedirect", "urlRewrite"]
+                .iter()
+                .any(|k| f[*k]["path"]["type"].as_str() == Some("ReplacePrefixMatch"));
+            let one_prefix = matches.is_none_or(|ms| {
+                ms.len() == 1
+                    && ms[0]["path"]["type"]
+                        .as_str()
+                        .is_none_or(|t| t == "PathPrefix")
+            });
+            if replaces_prefix && !one_prefix {
+                p.add(
+                    format!("{at}.filters[{j}]"),
+                    "ReplacePrefixMatch needs exactly one match, of type PathPrefix",
+                );
+            }
             if let Some((_, field)) = FILTER_CONFIG.iter().find(|(ty, _)| *ty == t)
                 && f[*field].is_null()
             {
@@ -897,6 +948,18 @@ pub fn parse_duration_nanos(text: &str) -> Option<u128> {
         rest = &tail[unit.len()..];
     }
     Some(total)
+}
+
+/// A regular expression as the data plane compiles it (whole-value match).
+fn check_regex(p: &mut Problems, path: &str, re: &str) {
+    if let Err(e) = regex::Regex::new(&format!("^(?:{re})$")) {
+        let why = e.to_string();
+        let why = why.lines().last().unwrap_or("invalid").trim().to_string();
+        p.add(
+            path.to_string(),
+            format!("invalid regular expression: {why}"),
+        );
+    }
 }
 
 #[cfg(test)]

@@ -381,6 +381,52 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
     );
 }
 
+/// Every redirect code the API allows is sent as written; an IPv6 literal host stays bracketed
+/// in Location; several X-Forwarded-For lines are one list, the client appended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirect_codes_ipv6_locations_and_forwarded_lists() {
+    let port = free_port();
+    let be = http_backend("be").await;
+    let mut yaml = service("svc", be);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    let mut rules = String::new();
+    for code in [301, 302, 303, 307, 308] {
+        rules.push_str(&format!("  - matches: [{{path: {{type: PathPrefix, value: /c{code}}}}}]\n    filters: [{{type: RequestRedirect, requestRedirect: {{statusCode: {code}}}}}]\n"));
+    }
+    rules.push_str("  - matches: [{path: {type: PathPrefix, value: /v6}}]\n    filters: [{type: RequestRedirect, requestRedirect: {path: {type: ReplaceFullPath, replaceFullPath: /new}}}]\n");
+    rules.push_str("  - backendRefs: [{name: svc, port: 80}]\n");
+    yaml.push_str(&http_route("r", 1, "", &rules));
+    let _dp = start(&yaml, port).await;
+    let c = client();
+    for code in [301, 302, 303, 307, 308] {
+        let r = get(&c, port, "h.example", &format!("/c{code}")).await;
+        assert_eq!(r.status.as_u16(), code);
+    }
+    let r = get(&c, port, &format!("[::1]:{port}"), "/v6").await;
+    assert_eq!(
+        r.headers.get("location").and_then(|v| v.to_str().ok()),
+        Some(format!("http://[::1]:{port}/new").as_str())
+    );
+    let r = send(
+        &c,
+        port,
+        "GET",
+        "h.example",
+        "/",
+        &[
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-forwarded-for", "2.2.2.2"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        r.header("x-forwarded-for"),
+        Some("1.1.1.1, 2.2.2.2, 127.0.0.1")
+    );
+}
+
 /// A route for `/admin` cannot be passed by spelling the path another way: dot segments, runs
 /// of slashes and escaped letters are normalised before matching, and the backend gets the
 /// path that was matched.

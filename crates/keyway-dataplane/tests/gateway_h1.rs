@@ -914,6 +914,11 @@ async fn backend_gets_the_routed_host_and_no_h2c_upgrade() {
     let r = "GET /d HTTP/1.1\r\nHost: routed.test\r\nHost: other.test\r\n\r\n";
     assert_eq!(raw_status(port, r).await, 400);
     assert_eq!(raw_status(port, "GET /e HTTP/1.1\r\n\r\n").await, 400);
+    // Userinfo in the Host or the target: 400 (else routed on one host, read as another).
+    let r = "GET /g HTTP/1.1\r\nHost: other.test@routed.test\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 400);
+    let r = "GET http://other.test@routed.test/g HTTP/1.1\r\nHost: routed.test\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 400);
     // HTTP/1.0 may omit it.
     assert_eq!(raw_status(port, "GET /f HTTP/1.0\r\n\r\n").await, 200);
     let got = seen().await;

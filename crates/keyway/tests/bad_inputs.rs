@@ -664,6 +664,31 @@ fn cases() -> Vec<Case> {
             "RequestRedirect filter must not be used together with backendRefs",
         ),
         case(
+            "route-redirect-status-code",
+            http_route(
+                "  - filters:\n    - type: RequestRedirect\n      requestRedirect: {statusCode: 304}\n",
+            ),
+            11,
+            "spec.rules[0].filters[0].requestRedirect.statusCode",
+            "statusCode must be 301, 302, 303, 307 or 308, found 304",
+        ),
+        case(
+            "route-replace-prefix-without-a-prefix-match",
+            http_route(
+                "  - matches: [{path: {type: Exact, value: /foo}}]\n    filters:\n    - type: URLRewrite\n      urlRewrite: {path: {type: ReplacePrefixMatch, replacePrefixMatch: /bar}}\n",
+            ),
+            11,
+            "spec.rules[0].filters[0]",
+            "ReplacePrefixMatch needs exactly one match, of type PathPrefix",
+        ),
+        case(
+            "route-bad-path-regex",
+            http_route("  - matches: [{path: {type: RegularExpression, value: \"/re/(\"}}]\n"),
+            9,
+            "spec.rules[0].matches[0].path.value",
+            "invalid regular expression: error: unclosed group",
+        ),
+        case(
             "route-filter-without-its-configuration",
             http_route("  - filters:\n    - type: URLRewrite\n"),
             10,

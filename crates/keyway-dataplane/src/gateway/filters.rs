@@ -144,10 +144,13 @@ pub fn compile_http(
         } else if let Some(m) = &x.response_header_modifier {
             f.response_headers.push(header_mod!(m, errors));
         } else if let Some(r) = &x.request_redirect {
-            let status = match r.status_code {
-                Some(301) => StatusCode::MOVED_PERMANENTLY,
-                _ => StatusCode::FOUND,
-            };
+            // The codes the API allows (validation refuses others); 302 by default.
+            let status = r
+                .status_code
+                .and_then(|c| u16::try_from(c).ok())
+                .filter(|c| matches!(c, 301 | 302 | 303 | 307 | 308))
+                .and_then(|c| StatusCode::from_u16(c).ok())
+                .unwrap_or(StatusCode::FOUND);
             f.redirect = Some(Redirect {
                 scheme: r.scheme.as_ref().map(|s| match s {
                     HttpRouteRulesFiltersRequestRedirectScheme::Http => "http",
@@ -243,7 +246,12 @@ pub fn location(
         Some(p) => p.apply(path, matched_prefix),
         None => path.to_string(),
     };
-    let mut out = format!("{scheme_out}://{host}");
+    // An IPv6 literal goes back in brackets (the Host it came from had them).
+    let mut out = if host.contains(':') && !host.starts_with('[') {
+        format!("{scheme_out}://[{host}]")
+    } else {
+        format!("{scheme_out}://{host}")
+    };
     if let Some(p) = port {
         out.push_str(&format!(":{p}"));
     }

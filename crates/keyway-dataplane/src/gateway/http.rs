@@ -160,6 +160,20 @@ async fn handle(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     {
         return full(StatusCode::BAD_REQUEST, "no Host header");
     }
+    // RFC 9110 §4.2.4: userinfo in an http(s) URI is an error; in a Host header it is not even
+    // valid syntax (RFC 9112 §3.2). Either would let the host routed on differ from the one a
+    // backend reads.
+    let userinfo = req
+        .uri()
+        .authority()
+        .is_some_and(|a| a.as_str().contains('@'))
+        || req
+            .headers()
+            .get(header::HOST)
+            .is_some_and(|h| h.as_bytes().contains(&b'@'));
+    if userinfo {
+        return full(StatusCode::BAD_REQUEST, "userinfo in the host");
+    }
     // Routes match, and the backend gets, the normalised path (see `path`): a raw `..` or `//`
     // could pass a route for a more specific path and reach a broader one.
     if let Some(normal) = super::path::normalize(req.uri().path()) {
@@ -383,13 +397,17 @@ async fn forward(
         }
     }
     // X-Forwarded-For: append the client; X-Forwarded-Proto: what the client spoke.
-    let xff = match req
+    // Several X-Forwarded-For lines are one list (RFC 9110 §5.3): all of them, then the client.
+    let previous: Vec<&str> = req
         .headers()
-        .get(X_FORWARDED_FOR)
-        .and_then(|v| v.to_str().ok())
-    {
-        Some(prev) => HeaderValue::from_str(&format!("{prev}, {}", info.peer.ip())).ok(),
-        None => info.peer_ip.clone(),
+        .get_all(X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let xff = if previous.is_empty() {
+        info.peer_ip.clone()
+    } else {
+        HeaderValue::from_str(&format!("{}, {}", previous.join(", "), info.peer.ip())).ok()
     };
     if let Some(v) = xff {
         req.headers_mut().insert(X_FORWARDED_FOR, v);

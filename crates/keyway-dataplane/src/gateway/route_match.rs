@@ -264,7 +264,12 @@ pub fn compile_grpc(m: &GrpcRouteRulesMatches) -> Result<Match, String> {
             let (s, me) = (mm.service.as_deref(), mm.method.as_deref());
             match mm.r#type {
                 Some(GrpcRouteRulesMatchesMethodType::RegularExpression) => {
-                    let re = format!("/{}/{}", s.unwrap_or("[^/]+"), me.unwrap_or("[^/]+"));
+                    // Grouped: an alternation in either part must not swallow the slash.
+                    let re = format!(
+                        "/(?:{})/(?:{})",
+                        s.unwrap_or("[^/]+"),
+                        me.unwrap_or("[^/]+")
+                    );
                     PathMatch::Regex(anchored(&re).map_err(|e| bad_regex("method", e))?)
                 }
                 _ => match (s, me) {
@@ -391,6 +396,33 @@ mod tests {
             method: None,
             headers: Vec::new(),
             query: Vec::new(),
+        }
+    }
+
+    /// An alternation in a gRPC service or method expression stays within its part.
+    #[test]
+    fn grpc_expressions_are_grouped() {
+        let m = GrpcRouteRulesMatches {
+            headers: None,
+            method: Some(
+                gateway_api::apis::standard::grpcroutes::GrpcRouteRulesMatchesMethod {
+                    method: Some("Get|Put".into()),
+                    service: Some("alt\\.A|alt\\.B".into()),
+                    r#type: Some(GrpcRouteRulesMatchesMethodType::RegularExpression),
+                },
+            ),
+        };
+        let m = compile_grpc(&m).expect("compile");
+        let post = Method::POST;
+        let h = HeaderMap::new();
+        for (path, want) in [
+            ("/alt.A/Get", true),
+            ("/alt.B/Put", true),
+            ("/alt.A", false),
+            ("/alt.C/Get", false),
+            ("/alt.B/Get/x", false),
+        ] {
+            assert_eq!(m.matches(&req(&post, path, None, &h)), want, "{path}");
         }
     }
 
