@@ -799,7 +799,7 @@ async fn grpc_route_matches_service_and_method_over_h2() {
     yaml.push_str(&gateway(&format!(
         "  - {{name: web, port: {port}, protocol: HTTP}}\n"
     )));
-    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata: {name: g}\nspec:\n  parentRefs: [{name: gw}]\n  rules:\n  - matches: [{method: {service: demo.Echo, method: Hi}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: hi}]}}]\n    backendRefs: [{name: svc, port: 80}]\n  - matches: [{method: {service: demo.Echo}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: svc}]}}]\n    backendRefs: [{name: svc, port: 80}]\n");
+    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata: {name: g}\nspec:\n  parentRefs: [{name: gw}]\n  rules:\n  - matches: [{method: {service: demo.Echo, method: Hi}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: hi}]}}]\n    backendRefs: [{name: svc, port: 80}]\n  - matches: [{method: {service: demo.Echo}}]\n    filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-rule, value: svc}]}}]\n    backendRefs: [{name: svc, port: 80}]\n  - matches: [{method: {service: zero.Weight}}]\n    backendRefs: [{name: svc, port: 80, weight: 0}]\n  - matches: [{method: {service: no.Backend}}]\n    backendRefs: [{name: nosuch, port: 80}]\n");
     let _dp = start(&yaml, port).await;
     let h2: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
         .http2_only(true)
@@ -810,8 +810,31 @@ async fn grpc_route_matches_service_and_method_over_h2() {
     assert_eq!(r.header("x-rule"), Some("hi"));
     let r = send(&h2, port, "POST", "x", "/demo.Echo/Other", &ct).await;
     assert_eq!(r.header("x-rule"), Some("svc"));
+    // Errors keyway makes itself are gRPC errors: no route is UNIMPLEMENTED, a rule whose
+    // backends all weigh 0 (or do not resolve) is UNAVAILABLE, as the GRPCRoute API requires.
+    let grpc_status = |r: &Reply| {
+        (
+            r.status,
+            r.headers
+                .get("grpc-status")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+        )
+    };
     let r = send(&h2, port, "POST", "x", "/other.Svc/Hi", &ct).await;
-    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(grpc_status(&r), (StatusCode::OK, Some("12".into())));
+    for path in ["/zero.Weight/Hi", "/no.Backend/Hi"] {
+        let r = send(&h2, port, "POST", "x", path, &ct).await;
+        assert_eq!(
+            grpc_status(&r),
+            (StatusCode::OK, Some("14".into())),
+            "{path}"
+        );
+        assert_eq!(
+            r.headers.get("content-type").and_then(|v| v.to_str().ok()),
+            Some("application/grpc")
+        );
+    }
 }
 
 /// Reads from `s` until the gateway closes it (EOF or reset); how long that took, or `None`

@@ -87,6 +87,11 @@ pub async fn serve<I: Io>(
     pool.close_sticky(&upstream);
 }
 
+/// Marks a response keyway made itself (not a backend's), so a gRPC client can get it in
+/// gRPC's terms (see [`as_grpc`]).
+#[derive(Clone, Copy)]
+struct LocalReply;
+
 fn full(status: StatusCode, text: &str) -> Response<Body> {
     let mut r = Response::new(Body::full(format!("{text}\n")));
     *r.status_mut() = status;
@@ -94,6 +99,44 @@ fn full(status: StatusCode, text: &str) -> Response<Body> {
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
+    r.extensions_mut().insert(LocalReply);
+    r
+}
+
+/// A response keyway made for a gRPC request, as gRPC clients read errors: HTTP 200 with
+/// `grpc-status` and no body (trailers-only). Invalid or zero-weight backends are UNAVAILABLE
+/// as the GRPCRoute API requires; a plain 500 would read as UNKNOWN.
+fn as_grpc(resp: Response<Body>) -> Response<Body> {
+    let status = resp.status();
+    // Redirects and successes are not errors to translate.
+    if resp.extensions().get::<LocalReply>().is_none()
+        || status.is_success()
+        || status.is_redirection()
+    {
+        return resp;
+    }
+    let code = match status.as_u16() {
+        400 => "13",             // INTERNAL
+        404 => "12",             // UNIMPLEMENTED: no route for the method
+        421 => "14",             // UNAVAILABLE: retry on another connection
+        408 | 504 => "4",        // DEADLINE_EXCEEDED
+        500 | 502 | 503 => "14", // UNAVAILABLE
+        _ => "2",                // UNKNOWN
+    };
+    let message = status.canonical_reason().unwrap_or("error");
+    let mut r = Response::new(Body::full(String::new()));
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    h.insert(
+        HeaderName::from_static("grpc-status"),
+        HeaderValue::from_static(code),
+    );
+    if let Ok(v) = HeaderValue::from_str(message) {
+        h.insert(HeaderName::from_static("grpc-message"), v);
+    }
     r
 }
 
@@ -145,7 +188,16 @@ fn trim_host(host: &str) -> &str {
         .trim_end_matches('.')
 }
 
-async fn handle(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
+async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
+    let grpc = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    let resp = route(info, req).await;
+    if grpc { as_grpc(resp) } else { resp }
+}
+
+async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     let ctx = &*info.ctx;
     let cfg = info.config.load_full();
     // RFC 9112 §3.2: several Host lines, or an HTTP/1.1 request without a host, are a 400;
