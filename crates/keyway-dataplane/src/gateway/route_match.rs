@@ -83,6 +83,9 @@ pub enum PathRank {
 /// Gateway API precedence of one match; greater wins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Rank {
+    /// GRPCRoute precedence comes first for gRPC matches: characters of the matched service,
+    /// then of the method (0, 0 for HTTP matches, where the path decides).
+    pub grpc: (usize, usize),
     pub path: PathRank,
     pub method: bool,
     pub headers: usize,
@@ -92,6 +95,8 @@ pub struct Rank {
 /// One compiled match.
 #[derive(Clone, Debug)]
 pub struct Match {
+    /// Characters of the service and the method a gRPC match names (see [`Rank::grpc`]).
+    pub grpc: (usize, usize),
     pub path: PathMatch,
     pub method: Option<Method>,
     pub headers: Vec<(HeaderName, ValueMatch)>,
@@ -110,6 +115,7 @@ impl Match {
     /// The upstream default when a rule has no matches: every request.
     pub fn any() -> Match {
         Match {
+            grpc: (0, 0),
             path: PathMatch::Prefix(String::new()),
             method: None,
             headers: Vec::new(),
@@ -119,6 +125,7 @@ impl Match {
 
     pub fn rank(&self) -> Rank {
         Rank {
+            grpc: self.grpc,
             path: self.path.rank(),
             method: self.method.is_some(),
             headers: self.headers.len(),
@@ -249,6 +256,7 @@ pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
         query.push((q.name.clone(), vm));
     }
     Ok(Match {
+        grpc: (0, 0),
         path,
         method,
         headers,
@@ -294,7 +302,14 @@ pub fn compile_grpc(m: &GrpcRouteRulesMatches) -> Result<Match, String> {
         };
         headers.push((header_name(&h.name)?, vm));
     }
+    let grpc = m.method.as_ref().map_or((0, 0), |mm| {
+        (
+            mm.service.as_deref().map_or(0, str::len),
+            mm.method.as_deref().map_or(0, str::len),
+        )
+    });
     Ok(Match {
+        grpc,
         path,
         method: None,
         headers,
@@ -392,11 +407,36 @@ mod tests {
 
     fn m(path: PathMatch) -> Match {
         Match {
+            grpc: (0, 0),
             path,
             method: None,
             headers: Vec::new(),
             query: Vec::new(),
         }
+    }
+
+    /// GRPCRoute precedence: more characters of service first, then of method; a service-only
+    /// match beats a method-only one.
+    #[test]
+    fn grpc_precedence_is_service_then_method() {
+        use gateway_api::apis::standard::grpcroutes::GrpcRouteRulesMatchesMethod;
+        let grpc = |service: Option<&str>, method: Option<&str>| {
+            compile_grpc(&GrpcRouteRulesMatches {
+                headers: None,
+                method: Some(GrpcRouteRulesMatchesMethod {
+                    method: method.map(str::to_string),
+                    service: service.map(str::to_string),
+                    r#type: None,
+                }),
+            })
+            .expect("compile")
+            .rank()
+        };
+        let service_only = grpc(Some("demo.Echo"), None);
+        let method_only = grpc(None, Some("Hi"));
+        let both = grpc(Some("demo.Echo"), Some("Hi"));
+        assert!(service_only > method_only);
+        assert!(both > service_only);
     }
 
     /// An alternation in a gRPC service or method expression stays within its part.
