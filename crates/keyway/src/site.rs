@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use keyway_core::conditions::carry_transition_times;
-use keyway_core::gateway::{GatewayResolver, mark_port_unavailable};
+use keyway_core::gateway::{GatewayResolver, mark_invalid_certificate, mark_port_unavailable};
 use keyway_core::load::ConfigError;
 use keyway_core::report::{self, Filter};
 use keyway_core::service_network::{self, Reachability, Resolution};
@@ -292,11 +292,15 @@ impl Site {
         let gw = current.gateway.resolution();
         statuses.extend(gw.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
         // What the data plane saw overrides what the resolver expected: a listener on a port
-        // that could not be bound is not programmed.
+        // that could not be bound, or whose certificate could not be used, is not programmed.
         let now_value = serde_json::to_value(&now).unwrap_or(Value::Null);
         for e in &obs.gateway_errors {
             if let Some(s) = statuses.get_mut(&e.owner) {
-                mark_port_unavailable(s, &e.listener, &e.message, &now_value);
+                if e.invalid_certificate {
+                    mark_invalid_certificate(s, &e.listener, &e.message, &now_value);
+                } else {
+                    mark_port_unavailable(s, &e.listener, &e.message, &now_value);
+                }
             }
         }
         for (key, status) in statuses.iter_mut() {

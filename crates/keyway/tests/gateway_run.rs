@@ -406,6 +406,43 @@ fn unbindable_port_is_reported_as_port_unavailable() {
     assert_ne!(code, 200, "{body}");
 }
 
+/// A Secret whose key does not belong to its certificate parses, but cannot serve: the
+/// listener says so as a bad certificate reference (not as a port problem).
+#[test]
+fn a_key_that_does_not_match_its_certificate_is_an_invalid_certificate_ref() {
+    let dir = temp_dir("keymismatch");
+    let port = free_port();
+    let pki = Pki::new();
+    let (one, other) = (pki.secret("tls", "a.example"), pki.secret("x", "a.example"));
+    let cert_part = one.split("  tls.key: |\n").next().expect("cert");
+    let key_part = other.split("  tls.key: |\n").nth(1).expect("key");
+    let mismatched = format!("{cert_part}  tls.key: |\n{key_part}");
+    std::fs::write(
+        dir.join("gw.yaml"),
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {{name: https, port: {port}, protocol: HTTPS, hostname: a.example, tls: {{certificateRefs: [{{name: tls}}]}}}}\n{mismatched}"
+        ),
+    )
+    .expect("write");
+    let site = Site::start(&dir, false);
+    site.wait_for("/status", |_, body| {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        v["items"].as_array().into_iter().flatten().any(|i| {
+            let conds = &i["status"]["listeners"][0]["conditions"];
+            let has = |t: &str, r: &str| {
+                conds
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == t && c["status"] == "False" && c["reason"] == r)
+            };
+            i["kind"] == "Gateway"
+                && has("ResolvedRefs", "InvalidCertificateRef")
+                && has("Programmed", "Invalid")
+        })
+    });
+}
+
 /// A port serving one Gateway stays with it when another Gateway claims it later (here through
 /// a ListenerSet attached to a Gateway whose name sorts first): the newcomer's listener is
 /// PortUnavailable, and the running one goes on answering.

@@ -389,6 +389,39 @@ impl std::fmt::Debug for Statuses {
 /// bound, so it is `Programmed=False/PortUnavailable` (status never says healthy over a dead
 /// port). `status` is the rendered status of the listener's Gateway or ListenerSet.
 pub fn mark_port_unavailable(status: &mut Value, listener: &str, message: &str, now: &Value) {
+    set_listener_conditions(
+        status,
+        listener,
+        &[("Programmed", "PortUnavailable")],
+        message,
+        now,
+    );
+}
+
+/// Overrides a listener's status when the data plane could not use its certificate (a key that
+/// does not match it, say): `ResolvedRefs=False/InvalidCertificateRef` and
+/// `Programmed=False/Invalid`, as for a certificate the resolver itself found bad.
+pub fn mark_invalid_certificate(status: &mut Value, listener: &str, message: &str, now: &Value) {
+    set_listener_conditions(
+        status,
+        listener,
+        &[
+            ("ResolvedRefs", "InvalidCertificateRef"),
+            ("Programmed", "Invalid"),
+        ],
+        message,
+        now,
+    );
+}
+
+/// Sets each `(type, reason)` condition of `listener` to False with `message`.
+fn set_listener_conditions(
+    status: &mut Value,
+    listener: &str,
+    falses: &[(&str, &str)],
+    message: &str,
+    now: &Value,
+) {
     let Some(listeners) = status.get_mut("listeners").and_then(Value::as_array_mut) else {
         return;
     };
@@ -402,13 +435,17 @@ pub fn mark_port_unavailable(status: &mut Value, listener: &str, message: &str, 
         return;
     };
     for c in conds.iter_mut() {
-        if c.get("type").and_then(Value::as_str) == Some("Programmed") {
-            if c.get("status").and_then(Value::as_str) != Some("False") {
-                c["lastTransitionTime"] = now.clone();
-            }
-            c["status"] = Value::from("False");
-            c["reason"] = Value::from("PortUnavailable");
-            c["message"] = Value::from(message);
+        let Some((_, reason)) = falses
+            .iter()
+            .find(|(t, _)| c.get("type").and_then(Value::as_str) == Some(*t))
+        else {
+            continue;
+        };
+        if c.get("status").and_then(Value::as_str) != Some("False") {
+            c["lastTransitionTime"] = now.clone();
         }
+        c["status"] = Value::from("False");
+        c["reason"] = Value::from(*reason);
+        c["message"] = Value::from(message);
     }
 }

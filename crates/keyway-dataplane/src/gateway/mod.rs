@@ -221,6 +221,9 @@ pub struct ListenerError {
     pub owner: ObjectKey,
     pub listener: String,
     pub message: String,
+    /// The listener's certificate could not be used (a key that does not match its
+    /// certificate, say), rather than its port.
+    pub invalid_certificate: bool,
 }
 
 /// State every gateway connection shares.
@@ -343,6 +346,7 @@ impl Gateways {
                             "port {} is already used by Gateway {}/{}",
                             pb.port, owner.namespace, owner.name
                         ),
+                        invalid_certificate: false,
                     });
                 }
                 continue;
@@ -388,6 +392,7 @@ impl Gateways {
                         owner: owner.clone(),
                         listener: listener.clone(),
                         message: e.clone(),
+                        invalid_certificate: false,
                     });
                 }
             }
@@ -437,6 +442,7 @@ impl Gateways {
                         owner: l.owner.clone(),
                         listener: l.name.clone(),
                         message,
+                        invalid_certificate: true,
                     });
                 }
             }
