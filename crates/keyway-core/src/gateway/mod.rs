@@ -621,7 +621,7 @@ impl GatewayResolver {
             let mut standings = standings.into_iter();
             let own_standings = standings.next().unwrap_or_default();
             let listeners_ok = own.is_empty() || own_standings.contains(&Standing::Accepted);
-            let unsupported_address = unsupported_address(gw).is_some();
+            let unsupported_address = unsupported_spec(gw).is_some();
             let accepted = listeners_ok && !unsupported_address;
             let gw_index = owners.len();
             owners.push(Owner {
@@ -1249,6 +1249,28 @@ fn unlink_targets(
     }
 }
 
+/// Why a Gateway cannot be accepted as written, as (reason, message): parameters keyway does
+/// not take (`spec.infrastructure.parametersRef`: keyway has no parameter kinds, and the
+/// Gateway API says a reference it cannot resolve makes the Gateway `InvalidParameters`), or
+/// addresses it cannot bind (IP addresses only).
+fn unsupported_spec(gw: &Gateway) -> Option<(&'static str, String)> {
+    if let Some(r) = gw
+        .spec
+        .infrastructure
+        .as_ref()
+        .and_then(|i| i.parameters_ref.as_ref())
+    {
+        return Some((
+            "InvalidParameters",
+            format!(
+                "spec.infrastructure.parametersRef: keyway takes no parameters ({}/{} {})",
+                r.group, r.kind, r.name
+            ),
+        ));
+    }
+    unsupported_address(gw).map(|m| ("UnsupportedAddress", m))
+}
+
 /// Why a Gateway's `spec.addresses` cannot be served: keyway binds IP addresses only.
 fn unsupported_address(gw: &Gateway) -> Option<String> {
     gw.spec
@@ -1292,17 +1314,15 @@ fn owner_conditions(o: &Owner<'_>) -> Vec<C> {
             let broken = o.standings.iter().any(|s| *s != Standing::Accepted);
             let unsupported = unsupported_address
                 .then(|| match &o.obj.resource {
-                    Resource::Gateway(gw) => self::unsupported_address(gw),
+                    Resource::Gateway(gw) => self::unsupported_spec(gw),
                     _ => None,
                 })
                 .flatten();
             let accepted_cond = match (accepted, broken) {
-                _ if unsupported.is_some() => C::new(
-                    "Accepted",
-                    false,
-                    "UnsupportedAddress",
-                    unsupported.unwrap_or_default(),
-                ),
+                _ if unsupported.is_some() => {
+                    let (reason, message) = unsupported.unwrap_or_default();
+                    C::new("Accepted", false, reason, message)
+                }
                 (false, _) => C::new(
                     "Accepted",
                     false,

@@ -1157,6 +1157,33 @@ fn gateway_addresses_table() {
     }
 }
 
+/// `spec.infrastructure.parametersRef`: keyway takes no parameters, so a Gateway naming some is
+/// `Accepted=False/InvalidParameters` and its ListenerSets `ParentNotAccepted` (conformance
+/// GatewayInvalidParametersRef, ListenerSetParentNotAccepted).
+#[test]
+fn gateway_parameters_are_invalid() {
+    let y = base("from: All").replace(
+        "  gatewayClassName: keyway\n",
+        "  gatewayClassName: keyway\n  infrastructure:\n    parametersRef: {group: invalid.io, kind: InvalidParameters, name: nope}\n",
+    ) + &listener_set(
+        "team-a",
+        "ls",
+        1,
+        "gw",
+        &l("one", 8080, "HTTP", Some("a.example.com")),
+    );
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(
+        top(&r, GW, "infra", "gw", "Accepted"),
+        no("InvalidParameters")
+    );
+    assert_eq!(
+        top(&r, Kind::ListenerSet, "team-a", "ls", "Accepted"),
+        no("ParentNotAccepted")
+    );
+    assert!(r.plan.gateways.is_empty(), "{:?}", r.plan);
+}
+
 #[test]
 fn service_backends_resolve_ready_endpoints_at_the_target_port() {
     let r = routes_world(&http_route("team-a", "r", TO_LS, "[]", APP));
