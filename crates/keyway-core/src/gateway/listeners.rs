@@ -307,26 +307,29 @@ pub(crate) enum Standing {
 #[derive(Default)]
 struct PortState<'a> {
     http: HashSet<&'a str>,
-    tls: HashSet<&'a str>,
+    /// Hostname → HTTPS or TLS: the two share a port by SNI, but not a hostname.
+    tls: HashMap<&'a str, Protocol>,
     tcp: bool,
 }
 
 impl PortState<'_> {
     fn clash(&self, protocol: Protocol, host: &str) -> Option<Conflict> {
-        let (same, other) = match protocol.family() {
-            ProtocolFamily::Tcp => {
-                return (self.tcp || !self.http.is_empty() || !self.tls.is_empty())
-                    .then_some(Conflict::Protocol);
-            }
-            ProtocolFamily::Http => (&self.http, &self.tls),
-            ProtocolFamily::Tls => (&self.tls, &self.http),
-        };
-        if self.tcp || !other.is_empty() {
-            Some(Conflict::Protocol)
-        } else if same.contains(host) {
-            Some(Conflict::Hostname)
-        } else {
-            None
+        match protocol.family() {
+            ProtocolFamily::Tcp => (self.tcp || !self.http.is_empty() || !self.tls.is_empty())
+                .then_some(Conflict::Protocol),
+            _ if self.tcp => Some(Conflict::Protocol),
+            ProtocolFamily::Http if !self.tls.is_empty() => Some(Conflict::Protocol),
+            ProtocolFamily::Http => self.http.contains(host).then_some(Conflict::Hostname),
+            ProtocolFamily::Tls if !self.http.is_empty() => Some(Conflict::Protocol),
+            // HTTPS beside TLS on one hostname is a protocol clash (conformance
+            // GatewayListenerProtocolAndRouteKindConflicts); the same one twice, a hostname clash.
+            ProtocolFamily::Tls => self.tls.get(host).map(|held| {
+                if *held == protocol {
+                    Conflict::Hostname
+                } else {
+                    Conflict::Protocol
+                }
+            }),
         }
     }
 }
@@ -336,10 +339,13 @@ fn pair_clash(a: (Protocol, &str), b: (Protocol, &str)) -> Option<Conflict> {
     let (fa, fb) = (a.0.family(), b.0.family());
     if fa != fb || fa == ProtocolFamily::Tcp {
         Some(Conflict::Protocol)
-    } else if a.1 == b.1 {
-        Some(Conflict::Hostname)
-    } else {
+    } else if a.1 != b.1 {
         None
+    } else if a.0 != b.0 {
+        // HTTPS and TLS on one hostname (see `PortState::clash`).
+        Some(Conflict::Protocol)
+    } else {
+        Some(Conflict::Hostname)
     }
 }
 
@@ -411,7 +417,7 @@ pub(crate) fn settle_refs<'a>(resources: &[Vec<&'a ListenerIn>]) -> Vec<Vec<Stan
                     state.http.insert(l.hostname());
                 }
                 ProtocolFamily::Tls => {
-                    state.tls.insert(l.hostname());
+                    state.tls.insert(l.hostname(), p);
                 }
                 ProtocolFamily::Tcp => state.tcp = true,
             }

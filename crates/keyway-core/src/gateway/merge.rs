@@ -2,12 +2,13 @@
 //! change to one resource re-settles only what that change can affect.
 //!
 //! Why this is exact: settlement never looks across ports, so a port settles alone exactly as it
-//! does among all ports. On a port where every eligible listener is HTTP, or every one is
-//! HTTPS/TLS, there are no protocol conflicts, and a listener only ever clashes with listeners of
-//! the same hostname; each (port, hostname) group then settles alone too: in merge order, the
-//! first resource with exactly one listener of that hostname holds it, a resource with several
-//! loses them all without blocking anyone, and every later one is conflicted. Ports with TCP or
-//! with both families are settled whole. A change to one resource thus re-settles the hostname
+//! does among all ports. On a port where every eligible listener speaks one protocol (all HTTP,
+//! all HTTPS or all TLS), there are no protocol conflicts, and a listener only ever clashes with
+//! listeners of the same hostname; each (port, hostname) group then settles alone too: in merge
+//! order, the first resource with exactly one listener of that hostname holds it, a resource
+//! with several loses them all without blocking anyone, and every later one is conflicted. Ports
+//! with TCP or with several protocols (HTTPS beside TLS clash by protocol on one hostname) are
+//! settled whole. A change to one resource thus re-settles the hostname
 //! groups it has or had, or the whole port when the port is (or was) mixed. Fresh resolves use
 //! [`listeners::settle`] over everything; the property tests compare the two.
 
@@ -15,7 +16,7 @@ use std::sync::Arc;
 
 use super::fxhash::{FxMap as HashMap, FxSet as HashSet};
 use super::listeners::{self, Conflict, ListenerIn, Standing};
-use super::plan::ProtocolFamily;
+use super::plan::Protocol;
 
 /// One resource taking part in the merge.
 struct Member {
@@ -28,8 +29,8 @@ struct Member {
 /// The eligible listeners on one port.
 #[derive(Default)]
 struct Port {
-    /// How many are HTTP, HTTPS/TLS and TCP (indexed by [`family_slot`]).
-    families: [u32; 3],
+    /// How many speak HTTP, HTTPS, TLS and TCP (indexed by [`protocol_slot`]).
+    protocols: [u32; 4],
     /// By hostname: (member, listener index), in no particular order.
     hosts: HashMap<String, Vec<(usize, usize)>>,
 }
@@ -37,16 +38,17 @@ struct Port {
 impl Port {
     /// Whether hostname groups settle independently (see the module docs).
     fn uniform(&self) -> bool {
-        let [http, tls, tcp] = self.families;
-        tcp == 0 && (http == 0 || tls == 0)
+        let [http, https, tls, tcp] = self.protocols;
+        tcp == 0 && [http, https, tls].iter().filter(|n| **n > 0).count() <= 1
     }
 }
 
-fn family_slot(f: ProtocolFamily) -> usize {
-    match f {
-        ProtocolFamily::Http => 0,
-        ProtocolFamily::Tls => 1,
-        ProtocolFamily::Tcp => 2,
+fn protocol_slot(p: Protocol) -> usize {
+    match p {
+        Protocol::Http => 0,
+        Protocol::Https => 1,
+        Protocol::Tls => 2,
+        Protocol::Tcp => 3,
     }
 }
 
@@ -182,7 +184,7 @@ impl Merge {
             let Some(p) = l.eligible() else { continue };
             self.touch(touched.as_deref_mut(), l.spec.port, l.hostname());
             let port = self.ports.entry(l.spec.port).or_default();
-            port.families[family_slot(p.family())] += 1;
+            port.protocols[protocol_slot(p)] += 1;
             port.hosts
                 .entry(l.hostname().to_string())
                 .or_default()
@@ -202,7 +204,7 @@ impl Merge {
             let Some(port) = self.ports.get_mut(&l.spec.port) else {
                 continue;
             };
-            port.families[family_slot(p.family())] -= 1;
+            port.protocols[protocol_slot(p)] -= 1;
             if let Some(group) = port.hosts.get_mut(l.hostname()) {
                 group.retain(|(m, _)| *m != id);
                 if group.is_empty() {

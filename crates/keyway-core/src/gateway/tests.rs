@@ -403,10 +403,12 @@ fn conflict_table() {
             (443, "TLS", Some("b.com")),
             None,
         ),
+        // One hostname, HTTPS beside TLS: a protocol clash (conformance
+        // GatewayListenerProtocolAndRouteKindConflicts).
         (
             (443, "HTTPS", Some("a.com")),
             (443, "TLS", Some("a.com")),
-            Some("HostnameConflict"),
+            Some("ProtocolConflict"),
         ),
         (
             (443, "HTTPS", Some("a.com")),
@@ -511,8 +513,8 @@ fn mutually_conflicting_listeners_of_one_resource_all_lose_and_never_block() {
             &l("three", 443, "HTTPS", Some("x.com")),
         );
     let r = resolve(&index_of(&y), &now());
-    assert_lost(&r, LS, "team-a", "first", "one", "HostnameConflict");
-    assert_lost(&r, LS, "team-a", "first", "two", "HostnameConflict");
+    assert_lost(&r, LS, "team-a", "first", "one", "ProtocolConflict");
+    assert_lost(&r, LS, "team-a", "first", "two", "ProtocolConflict");
     assert_won(&r, LS, "team-a", "first", "ok");
     // The losers hold nothing: the later set gets x.com.
     assert_won(&r, LS, "team-b", "second", "three");
@@ -532,8 +534,8 @@ fn gateway_with_conflicting_own_listeners_reports_listeners_not_valid() {
         no("ListenersNotValid")
     );
     assert_eq!(top(&r, GW, "infra", "gw", "Programmed"), no("Invalid"));
-    assert_lost(&r, GW, "infra", "gw", "a", "HostnameConflict");
-    assert_lost(&r, GW, "infra", "gw", "b", "HostnameConflict");
+    assert_lost(&r, GW, "infra", "gw", "a", "ProtocolConflict");
+    assert_lost(&r, GW, "infra", "gw", "b", "ProtocolConflict");
     assert_lost(&r, GW, "infra", "gw", "c", "ProtocolConflict");
     assert_lost(&r, GW, "infra", "gw", "d", "ProtocolConflict");
     let own = l("a", 443, "HTTPS", Some("x.com"))
