@@ -640,9 +640,16 @@ impl GatewayResolver {
             for (((kid, slot), (version, listeners)), standings) in
                 admitted.into_iter().zip(kid_inputs).zip(standings)
             {
+                // Valid: unconflicted and with its references resolved (a listener whose
+                // certificate cannot be used still holds its hostname, but does not make the
+                // set valid; conformance ListenerSetReferenceGrant).
+                let valid = standings
+                    .iter()
+                    .zip(listeners.iter())
+                    .any(|(s, l)| *s == Standing::Accepted && l.tls.is_ok());
                 let admission = if !accepted {
                     Admission::ParentNotAccepted
-                } else if standings.contains(&Standing::Accepted) {
+                } else if valid {
                     Admission::Accepted
                 } else {
                     Admission::ListenersNotValid

@@ -651,6 +651,45 @@ fn listener_validation_table() {
     }
 }
 
+/// A ListenerSet whose only listener cannot use its certificate (here not permitted by a
+/// ReferenceGrant) is not valid as a whole: Accepted=False/ListenersNotValid, and not counted
+/// in the Gateway's attachedListenerSets (conformance ListenerSetReferenceGrant). The listener
+/// still holds its hostname.
+#[test]
+fn a_set_whose_listeners_all_lack_certificates_is_not_valid() {
+    let y = base("from: All")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            "  - {name: x, port: 443, protocol: HTTPS, hostname: a.example.com, tls: {mode: Terminate, certificateRefs: [{name: cert, namespace: infra}]}}\n",
+        )
+        + &listener_set(
+            "team-b",
+            "later",
+            2,
+            "gw",
+            &l("late", 443, "HTTPS", Some("a.example.com")),
+        );
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(
+        top(&r, LS, "team-a", "ls", "Accepted"),
+        no("ListenersNotValid")
+    );
+    assert_eq!(
+        top(&r, LS, "team-a", "ls", "Programmed"),
+        no("ListenersNotValid")
+    );
+    assert_eq!(
+        lcond(&r, LS, "team-a", "ls", "x", "ResolvedRefs"),
+        no("RefNotPermitted")
+    );
+    assert_eq!(status(&r, GW, "infra", "gw")["attachedListenerSets"], 0);
+    // The hostname stays held: the later set does not take it.
+    assert_lost(&r, LS, "team-b", "later", "late", "HostnameConflict");
+}
+
 #[test]
 fn supported_kinds_list_only_valid_kinds() {
     let y = base("from: All")
