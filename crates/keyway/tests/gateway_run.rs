@@ -406,6 +406,74 @@ fn unbindable_port_is_reported_as_port_unavailable() {
     assert_ne!(code, 200, "{body}");
 }
 
+/// A listener whose certificate is missing still holds its hostname: a handshake for it is
+/// refused, not answered by another team's wildcard listener with that team's certificate and
+/// routes. Fixing the Secret makes it serve.
+#[test]
+fn a_hostname_whose_certificate_is_missing_is_not_served_by_a_wildcard() {
+    let dir = temp_dir("missing-cert");
+    let port = free_port();
+    let pki = Pki::new();
+    let gw = format!(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: All}}}}\n  listeners:\n  - {{name: web, port: {}, protocol: HTTP}}\n",
+        free_port()
+    );
+    let set = |ns: &str, host: &str, cert: &str| {
+        format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: ls, namespace: {ns}}}\nspec:\n  parentRef: {{name: gw, namespace: default}}\n  listeners:\n  - {{name: https, port: {port}, protocol: HTTPS, hostname: \"{host}\", tls: {{certificateRefs: [{{name: {cert}}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r, namespace: {ns}}}\nspec:\n  parentRefs: [{{kind: ListenerSet, name: ls}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: {ns}.example, statusCode: 302}}}}]\n"
+        )
+    };
+    let wildcard_secret = pki.secret("wild", "*.foo.com").replace(
+        "metadata: {name: wild}",
+        "metadata: {name: wild, namespace: team-b}",
+    );
+    let yaml = format!(
+        "{gw}{}{}{wildcard_secret}",
+        set("team-a", "a.foo.com", "not-yet"),
+        set("team-b", "*.foo.com", "wild"),
+    );
+    std::fs::write(dir.join("gw.yaml"), &yaml).expect("write");
+    let _site = Site::start(&dir, false);
+    let curl = |host: &str| -> String {
+        let out = Command::new("curl")
+            .args([
+                "-s",
+                "-k",
+                "--max-time",
+                "5",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code} %{redirect_url}",
+            ])
+            .args(["--resolve", &format!("{host}:{port}:127.0.0.1")])
+            .arg(format!("https://{host}:{port}/"))
+            .output()
+            .expect("run curl");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || curl("b.foo.com")
+            .starts_with("302 https://team-b.example")),
+        "{}",
+        curl("b.foo.com")
+    );
+    let got = curl("a.foo.com");
+    assert!(got.starts_with("000"), "a.foo.com was answered: {got}");
+    // Its certificate arrives: it serves its own routes.
+    let a_secret = pki.secret("not-yet", "a.foo.com").replace(
+        "metadata: {name: not-yet}",
+        "metadata: {name: not-yet, namespace: team-a}",
+    );
+    std::fs::write(dir.join("a-secret.yaml"), a_secret).expect("write");
+    assert!(
+        eventually(Duration::from_secs(5), || curl("a.foo.com")
+            .starts_with("302 https://team-a.example")),
+        "{}",
+        curl("a.foo.com")
+    );
+}
+
 /// A Secret whose key does not belong to its certificate parses, but cannot serve: the
 /// listener says so as a bad certificate reference (not as a port problem).
 #[test]

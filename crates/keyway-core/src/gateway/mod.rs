@@ -999,13 +999,33 @@ impl GatewayResolver {
             self.out.statuses.put(&o.obj.key, model, now);
             let mut binds = Vec::new();
             for (j, l) in o.listeners.iter().enumerate() {
-                let (true, Ok(protocol), Ok(tls), Ok(port)) = (
-                    o.programmed(j),
-                    &l.protocol,
-                    &l.tls,
-                    u16::try_from(l.spec.port),
-                ) else {
+                let (Ok(protocol), Ok(port)) = (&l.protocol, u16::try_from(l.spec.port)) else {
                     continue;
+                };
+                let tls = match &l.tls {
+                    Ok(tls) if o.programmed(j) => tls.clone(),
+                    // Holds its hostname without a usable certificate: in the plan with none,
+                    // so the data plane refuses handshakes for it instead of letting a less
+                    // specific listener (another team's wildcard) answer.
+                    Err(_)
+                        if (o.accepted() || o.admission == Admission::ListenersNotValid)
+                            && o.standing(j) == Some(Standing::Accepted) =>
+                    {
+                        let bind = ListenerBind {
+                            owner: o.obj.key.clone(),
+                            name: l.spec.name.clone(),
+                            hostname: l.spec.hostname.clone(),
+                            protocol: *protocol,
+                            tls: Some(Arc::new(plan::ListenerTls {
+                                mode: plan::TlsMode::Terminate,
+                                certificates: Vec::new(),
+                            })),
+                            routes: Vec::new(),
+                        };
+                        binds.push((port, protocol.family(), Arc::new(bind)));
+                        continue;
+                    }
+                    _ => continue,
                 };
                 let mut routes = bound.remove(&(i, j)).unwrap_or_default();
                 routes.sort_by(|a, b| precedence_ref(a.0).cmp(&precedence_ref(b.0)));

@@ -163,6 +163,22 @@ pub struct Listener {
     pub streams: Vec<StreamRoute>,
 }
 
+impl Listener {
+    /// A listener that holds its hostname but serves nothing: no certificate, no routes.
+    fn refusing(l: &ListenerBind) -> Listener {
+        Listener {
+            owner: l.owner.clone(),
+            name: l.name.clone(),
+            hostname: l.hostname.as_ref().map(|h| h.to_ascii_lowercase()),
+            protocol: l.protocol,
+            tls_mode: l.tls.as_ref().map(|t| t.mode),
+            server_config: None,
+            http: HttpRoutes::default(),
+            streams: Vec::new(),
+        }
+    }
+}
+
 /// What one port serves; swapped whole on reload.
 pub struct PortConfig {
     pub port: u16,
@@ -434,16 +450,32 @@ impl Gateways {
     fn compile(&self, pb: &PortBind, rejected: &mut Vec<ListenerError>) -> PortConfig {
         let mut listeners = Vec::with_capacity(pb.listeners.len());
         for l in &pb.listeners {
-            match self.compile_listener(l) {
+            // A terminating listener without certificates is one the resolver could not give
+            // any (its status says why); it holds its hostname all the same.
+            let unresolved = l
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.mode == TlsMode::Terminate && t.certificates.is_empty());
+            let compiled = if unresolved {
+                Err(None)
+            } else {
+                self.compile_listener(l).map_err(Some)
+            };
+            match compiled {
                 Ok(c) => listeners.push(c),
-                Err(message) => {
-                    tracing::warn!(listener = %l.name, owner = %l.owner, "{message}");
-                    rejected.push(ListenerError {
-                        owner: l.owner.clone(),
-                        listener: l.name.clone(),
-                        message,
-                        invalid_certificate: true,
-                    });
+                Err(why) => {
+                    if let Some(message) = why {
+                        tracing::warn!(listener = %l.name, owner = %l.owner, "{message}");
+                        rejected.push(ListenerError {
+                            owner: l.owner.clone(),
+                            listener: l.name.clone(),
+                            message,
+                            invalid_certificate: true,
+                        });
+                    }
+                    // Its hostname stays taken: a handshake for it is refused rather than
+                    // served by a less specific listener (another team's wildcard).
+                    listeners.push(Listener::refusing(l));
                 }
             }
         }
@@ -737,10 +769,15 @@ async fn serve_tls(
         .client_hello()
         .server_name()
         .map(|s| s.trim_end_matches('.').to_ascii_lowercase());
-    let Some(l) = cfg.select(name.as_deref(), |l| l.server_config.is_some()) else {
+    // The listener holding the name, even one without a usable certificate (then the
+    // handshake is refused): a less specific listener must not answer for it.
+    let Some(l) = cfg.select(name.as_deref(), |l| {
+        l.tls_mode != Some(TlsMode::Passthrough)
+    }) else {
         return;
     };
     let Some(server_config) = l.server_config.clone() else {
+        tracing::debug!(%peer, ?name, "the listener for this server name has no usable certificate: closing");
         return;
     };
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, start.into_stream(server_config)).await
