@@ -354,6 +354,12 @@ pub(crate) fn attach(
         return Err(("NoMatchingParent", Cow::Borrowed(NO_PARENT)));
     };
     if !view.accepted {
+        // Said only within the route's own namespace: to a route elsewhere, a parent that is
+        // not accepted (say a ListenerSet its Gateway does not allow) must look like none at
+        // all, or the message would tell it that the object exists.
+        if view.namespace != route_ns {
+            return Err(("NoMatchingParent", Cow::Borrowed(NO_PARENT)));
+        }
         return Err((
             "NoMatchingParent",
             format!("the parent {} is not accepted", parent.kind).into(),

@@ -744,6 +744,43 @@ fn routes_world(extra: &str) -> GatewayResolution {
 
 const APP: &str = "{name: app, port: 80}";
 
+/// A route in another namespace learns nothing from a ListenerSet that is not accepted: its
+/// message is the one for no parent at all. Within the set's own namespace it says why.
+#[test]
+fn a_parent_that_is_not_accepted_looks_absent_from_other_namespaces() {
+    let y = base("from: Same")
+        + &svc("team-a", "app")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("one", 80, "HTTP", Some("a.example.com")),
+        )
+        + &http_route("team-a", "own", TO_LS, "[]", APP)
+        + &http_route("team-b", "other", TO_LS, "[]", APP)
+        + &http_route(
+            "team-b",
+            "none",
+            "[{name: nothing, namespace: team-a, kind: ListenerSet}]",
+            "[]",
+            APP,
+        );
+    let r = resolve(&index_of(&y), &now());
+    let message = |ns: &str, route: &str| {
+        status(&r, Kind::HTTPRoute, ns, route)["parents"][0]["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "Accepted"))
+            .map(|c| c["message"].clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(message("team-b", "other"), message("team-b", "none"));
+    assert_eq!(
+        message("team-a", "own"),
+        "the parent ListenerSet is not accepted"
+    );
+}
+
 #[test]
 fn gateway_routes_never_leak_onto_listener_set_listeners() {
     let r = routes_world(&http_route("team-a", "r", TO_GW, "[]", APP));
