@@ -880,11 +880,13 @@ async fn idle_http_connections_are_closed_and_slow_requests_are_not() {
             .await
             .expect("connect")
     };
-    // Closed between one and one and a half limits of quiet; allow scheduling slack.
+    // Closed between one and one and a half limits of quiet; allow scheduling slack (the
+    // gateway's clock starts at accept, a little before this test's starts measuring).
     let window = |took: Option<Duration>, what: &str| {
         let took = took.unwrap_or_else(|| panic!("{what}: still open after 5 s"));
         assert!(
-            took >= limit && took <= limit * 3 / 2 + Duration::from_millis(700),
+            took + Duration::from_millis(50) >= limit
+                && took <= limit * 3 / 2 + Duration::from_millis(700),
             "{what}: closed after {took:?}"
         );
     };
