@@ -128,25 +128,35 @@ pub fn bind_group(addr: SocketAddr, n: usize) -> io::Result<Vec<std::net::TcpLis
 /// `SO_REUSEPORT` group.
 #[cfg(target_os = "linux")]
 fn listen_on(addr: SocketAddr, reuse_port: bool) -> io::Result<std::net::TcpListener> {
+    let fd = bound_socket(addr, reuse_port, true)?;
+    rustix::net::listen(&fd, 128)?;
+    Ok(std::net::TcpListener::from(fd))
+}
+
+/// A TCP socket for `addr` with `SO_REUSEADDR` (and `SO_REUSEPORT` if asked), bound.
+#[cfg(target_os = "linux")]
+fn bound_socket(
+    addr: SocketAddr,
+    reuse_port: bool,
+    nonblocking: bool,
+) -> io::Result<std::os::fd::OwnedFd> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType, ipproto, sockopt};
     let family = if addr.is_ipv4() {
         AddressFamily::INET
     } else {
         AddressFamily::INET6
     };
-    let fd = rustix::net::socket_with(
-        family,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        Some(ipproto::TCP),
-    )?;
+    let mut flags = SocketFlags::CLOEXEC;
+    if nonblocking {
+        flags |= SocketFlags::NONBLOCK;
+    }
+    let fd = rustix::net::socket_with(family, SocketType::STREAM, flags, Some(ipproto::TCP))?;
     sockopt::set_socket_reuseaddr(&fd, true)?;
     if reuse_port {
         sockopt::set_socket_reuseport(&fd, true)?;
     }
     rustix::net::bind(&fd, &addr)?;
-    rustix::net::listen(&fd, 128)?;
-    Ok(std::net::TcpListener::from(fd))
+    Ok(fd)
 }
 
 /// Whether `host:port` could be bound now, without listening (so no connection is taken):
@@ -170,21 +180,7 @@ pub async fn probe(host: &str, port: u16) -> io::Result<()> {
 
 #[cfg(target_os = "linux")]
 fn bind_only(addr: SocketAddr) -> io::Result<()> {
-    use rustix::net::{AddressFamily, SocketFlags, SocketType, ipproto, sockopt};
-    let family = if addr.is_ipv4() {
-        AddressFamily::INET
-    } else {
-        AddressFamily::INET6
-    };
-    let fd = rustix::net::socket_with(
-        family,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC,
-        Some(ipproto::TCP),
-    )?;
-    sockopt::set_socket_reuseaddr(&fd, true)?;
-    rustix::net::bind(&fd, &addr)?;
-    Ok(())
+    bound_socket(addr, false, false).map(drop)
 }
 
 #[cfg(not(target_os = "linux"))]

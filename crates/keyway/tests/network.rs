@@ -355,11 +355,20 @@ fn garbage_on_the_link_port_is_closed_without_harm() {
     drop(a);
 }
 
-/// Removing a site's RouterAccess (say, to cut a site off) ends the links already accepted on
-/// it, not only new ones: the far site loses the keys behind it.
-#[test]
-fn removing_a_router_access_ends_its_links() {
-    let _serial = serial();
+/// Site b with a RouterAccess and a Connector for `svc`, site a linked to it with a Listener
+/// for `svc` on `listen`; returned once traffic flows.
+struct LinkedPair {
+    ca: Ca,
+    b_port: u16,
+    listen: u16,
+    /// b's Connector, to write b's config again.
+    connector: String,
+    a: SiteProc,
+    b: SiteProc,
+    _backend: Backend,
+}
+
+fn linked_pair() -> LinkedPair {
     let ca = Ca::new("net");
     let (b_port, listen) = (free_port(), free_port());
     let backend = Backend::start("at-b");
@@ -382,6 +391,31 @@ fn removing_a_router_access_ends_its_links() {
         "linked: {}",
         a.log()
     );
+    LinkedPair {
+        ca,
+        b_port,
+        listen,
+        connector,
+        a,
+        b,
+        _backend: backend,
+    }
+}
+
+/// Removing a site's RouterAccess (say, to cut a site off) ends the links already accepted on
+/// it, not only new ones: the far site loses the keys behind it.
+#[test]
+fn removing_a_router_access_ends_its_links() {
+    let _serial = serial();
+    let LinkedPair {
+        ca,
+        b_port: _,
+        listen,
+        connector,
+        a,
+        b,
+        _backend,
+    } = linked_pair();
     // The same site without its RouterAccess.
     let without = [site_yaml("b"), ca.secret_yaml("link-tls"), connector];
     write_file(&b.config_dir(), "site.yaml", &without.join("---\n"));
@@ -403,28 +437,15 @@ fn removing_a_router_access_ends_its_links() {
 #[test]
 fn reissued_router_access_certificates_keep_the_port() {
     let _serial = serial();
-    let ca = Ca::new("net");
-    let (b_port, listen) = (free_port(), free_port());
-    let backend = Backend::start("at-b");
-    let connector = connector_yaml("svc", "svc", backend.port);
-    let b = start_site(
-        "b",
-        &ca,
-        &[router_access_yaml(b_port, "link-tls"), connector.clone()],
-    );
-    let a = start_site(
-        "a",
-        &ca,
-        &[
-            link_yaml("to-b", b_port, 1, "link-tls"),
-            listener_yaml("svc", "svc", listen),
-        ],
-    );
-    assert!(
-        eventually(Duration::from_secs(10), || who(listen).is_ok()),
-        "linked: {}",
-        a.log()
-    );
+    let LinkedPair {
+        ca,
+        b_port,
+        listen,
+        connector,
+        a,
+        b,
+        _backend,
+    } = linked_pair();
     for round in 1..=6 {
         let reissued = [
             site_yaml("b"),

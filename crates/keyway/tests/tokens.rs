@@ -284,23 +284,26 @@ fn a_restart_does_not_reset_the_redemption_count() {
     assert!(text(&out).contains("redeemed 2 of 2"), "{}", text(&out));
 }
 
+/// A config directory (not running) for site `west` with a RouterAccess whose Secret is
+/// `secret` (named `link-tls`).
+fn granting_dir(tag: &str, secret: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("keyway-token-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let docs = [
+        site_yaml("west"),
+        secret.to_string(),
+        router_access_yaml(free_port(), "link-tls"),
+    ];
+    write_file(&dir, "site.yaml", &docs.join("---\n"));
+    dir
+}
+
 /// `token issue` without the CA key says how to fix it.
 #[test]
 fn issue_without_a_ca_key_says_how_to_fix_it() {
     let ca = Ca::new("ca");
-    let dir = std::env::temp_dir().join(format!("keyway-token-nokey-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("dir");
-    write_file(
-        &dir,
-        "site.yaml",
-        &[
-            site_yaml("west"),
-            ca.secret_yaml("link-tls"),
-            router_access_yaml(free_port(), "link-tls"),
-        ]
-        .join("---\n"),
-    );
+    let dir = granting_dir("nokey", &ca.secret_yaml("link-tls"));
     let out = keyway(&["token", "issue", "--config", dir.to_str().expect("utf8")]);
     let t = text(&out);
     assert_eq!(out.status.code(), Some(1), "{t}");
@@ -366,19 +369,7 @@ fn issue_without_a_ca_key_says_how_to_fix_it() {
 #[test]
 fn a_failed_issue_leaves_no_grant() {
     let ca = Ca::new("ca");
-    let dir = std::env::temp_dir().join(format!("keyway-token-fail-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("dir");
-    write_file(
-        &dir,
-        "site.yaml",
-        &[
-            site_yaml("west"),
-            ca.secret_yaml_with_ca_key("link-tls"),
-            router_access_yaml(free_port(), "link-tls"),
-        ]
-        .join("---\n"),
-    );
+    let dir = granting_dir("fail", &ca.secret_yaml_with_ca_key("link-tls"));
     let config = dir.to_str().expect("utf8");
     let grants = || {
         std::fs::read_dir(&dir)
