@@ -75,12 +75,31 @@ pub fn ready_from(conds: Vec<Cond>, generation: i64, now: &Time) -> Value {
 }
 
 /// Keeps `lastTransitionTime` of conditions whose status did not change since `previous`, so a
-/// running site reports when something actually transitioned.
+/// running site reports when something actually transitioned. Also for the conditions of each
+/// Gateway/ListenerSet listener (matched by name) and each route parent (by parentRef).
 pub fn carry_transition_times(previous: &Value, next: &mut Value) {
-    let Some(prev) = previous.get("conditions").and_then(Value::as_array) else {
-        return;
-    };
-    let Some(list) = next.get_mut("conditions").and_then(Value::as_array_mut) else {
+    carry_list(previous.get("conditions"), next.get_mut("conditions"));
+    for (field, key) in [("listeners", "name"), ("parents", "parentRef")] {
+        let (Some(prev), Some(list)) = (
+            previous.get(field).and_then(Value::as_array),
+            next.get_mut(field).and_then(Value::as_array_mut),
+        ) else {
+            continue;
+        };
+        for item in list {
+            let Some(id) = item.get(key) else { continue };
+            if let Some(p) = prev.iter().find(|p| p.get(key) == Some(id)) {
+                carry_list(p.get("conditions"), item.get_mut("conditions"));
+            }
+        }
+    }
+}
+
+fn carry_list(previous: Option<&Value>, next: Option<&mut Value>) {
+    let (Some(prev), Some(list)) = (
+        previous.and_then(Value::as_array),
+        next.and_then(Value::as_array_mut),
+    ) else {
         return;
     };
     for cond in list {
@@ -90,5 +109,34 @@ pub fn carry_transition_times(previous: &Value, next: &mut Value) {
         if let Some(p) = same {
             cond["lastTransitionTime"] = p["lastTransitionTime"].clone();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Times carry over where a condition kept its status, at the top, per listener (by name)
+    /// and per route parent (by parentRef); a flip takes the new time.
+    #[test]
+    fn transition_times_carry_over_at_every_level() {
+        let cond = |status: &str, at: &str| json!({"type": "Accepted", "status": status, "lastTransitionTime": at});
+        let previous = json!({
+            "conditions": [cond("True", "t0")],
+            "listeners": [{"name": "a", "conditions": [cond("True", "t0")]}, {"name": "b", "conditions": [cond("True", "t0")]}],
+            "parents": [{"parentRef": {"name": "gw"}, "conditions": [cond("False", "t0")]}],
+        });
+        let mut next = json!({
+            "conditions": [cond("True", "t1")],
+            "listeners": [{"name": "b", "conditions": [cond("False", "t1")]}, {"name": "a", "conditions": [cond("True", "t1")]}],
+            "parents": [{"parentRef": {"name": "gw"}, "conditions": [cond("False", "t1")]}, {"parentRef": {"name": "new"}, "conditions": [cond("True", "t1")]}],
+        });
+        carry_transition_times(&previous, &mut next);
+        let at = |v: &Value| v["conditions"][0]["lastTransitionTime"].clone();
+        assert_eq!(at(&next), "t0");
+        assert_eq!(at(&next["listeners"][0]), "t1", "b flipped");
+        assert_eq!(at(&next["listeners"][1]), "t0", "a kept its status");
+        assert_eq!(at(&next["parents"][0]), "t0");
+        assert_eq!(at(&next["parents"][1]), "t1", "a new parent");
     }
 }
