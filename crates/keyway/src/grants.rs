@@ -144,14 +144,7 @@ fn read_counts(dir: &Path) -> Result<Counts> {
 }
 
 fn write_counts(dir: &Path, counts: &Counts) -> Result<()> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("cannot create state directory {}", dir.display()))?;
-    let tmp = dir.join(format!(".{FILE}.tmp"));
-    std::fs::write(&tmp, serde_json::to_vec_pretty(counts)?)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, dir.join(FILE))
-        .with_context(|| format!("cannot write {}", dir.join(FILE).display()))?;
-    Ok(())
+    crate::state::write_durably(dir, FILE, &serde_json::to_vec_pretty(counts)?)
 }
 
 /// What a redemption check needs of an AccessGrant.
