@@ -139,7 +139,8 @@ struct RouteResult {
 struct OwnerResult {
     fp: u64,
     admission: Admission,
-    sets: Option<i32>,
+    /// A Gateway's accepted ListenerSets, and whether any of their listeners is programmed.
+    sets: Option<(i32, bool)>,
     binds: Vec<(u16, ProtocolFamily, Arc<ListenerBind>)>,
 }
 
@@ -911,15 +912,17 @@ impl GatewayResolver {
 
         let mut relayout = false;
         let mut rebound: Vec<usize> = Vec::new();
-        let mut accepted_sets: HashMap<usize, i32> = HashMap::default();
+        let mut accepted_sets: HashMap<usize, (i32, bool)> = HashMap::default();
         for o in &owners {
             if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
-                *accepted_sets.entry(o.gateway).or_default() += 1;
+                let entry = accepted_sets.entry(o.gateway).or_default();
+                entry.0 += 1;
+                entry.1 |= (0..o.listeners.len()).any(|j| o.programmed(j));
             }
         }
-        let sets_of = |i: usize| -> Option<i32> {
+        let sets_of = |i: usize| -> Option<(i32, bool)> {
             matches!(owners[i].admission, Admission::Gateway { .. })
-                .then(|| accepted_sets.get(&i).copied().unwrap_or(0))
+                .then(|| accepted_sets.get(&i).copied().unwrap_or_default())
         };
         let mut dirty: Vec<bool> = owners
             .iter()
@@ -992,9 +995,9 @@ impl GatewayResolver {
             let model = Model::Listeners {
                 addresses,
                 generation: generation(o.obj),
-                conditions: owner_conditions(o),
+                conditions: owner_conditions(o, sets.is_some_and(|s| s.1)),
                 listeners,
-                attached_listener_sets: sets,
+                attached_listener_sets: sets.map(|s| s.0),
             };
             self.out.statuses.put(&o.obj.key, model, now);
             let mut binds = Vec::new();
@@ -1331,8 +1334,10 @@ pub(crate) fn gateway_ips(gw: &Gateway) -> Vec<std::net::IpAddr> {
 }
 
 /// Accepted and Programmed of a Gateway or ListenerSet.
-fn owner_conditions(o: &Owner<'_>) -> Vec<C> {
-    let programmed = (0..o.listeners.len()).any(|j| o.programmed(j));
+/// `sets_programmed`: for a Gateway, whether a listener of one of its ListenerSets is
+/// programmed (the Gateway is programmed when any listener it serves is, own or not).
+fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
+    let own_programmed = (0..o.listeners.len()).any(|j| o.programmed(j));
     match o.admission {
         Admission::Gateway {
             accepted,
@@ -1364,7 +1369,7 @@ fn owner_conditions(o: &Owner<'_>) -> Vec<C> {
                 ),
                 (true, false) => C::new("Accepted", true, "Accepted", "accepted"),
             };
-            let programmed_cond = if programmed {
+            let programmed_cond = if own_programmed || (accepted && sets_programmed) {
                 C::new("Programmed", true, "Programmed", "programmed")
             } else {
                 C::new("Programmed", false, "Invalid", "no listener is programmed")
@@ -1373,7 +1378,7 @@ fn owner_conditions(o: &Owner<'_>) -> Vec<C> {
         }
         Admission::Accepted => vec![
             C::new("Accepted", true, "Accepted", "accepted"),
-            if programmed {
+            if own_programmed {
                 C::new("Programmed", true, "Programmed", "programmed")
             } else {
                 C::new(

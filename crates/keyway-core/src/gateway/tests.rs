@@ -1235,6 +1235,30 @@ fn gateway_addresses_table() {
     }
 }
 
+/// A Gateway is programmed when any listener it serves is, its ListenerSets' included: here
+/// its own HTTPS listener lacks its Secret, but a ListenerSet's HTTP listener serves.
+#[test]
+fn a_gateway_serving_only_listener_set_listeners_is_programmed() {
+    let own = l("own", 443, "HTTPS", Some("x.com")).replace("name: cert", "name: missing");
+    let y = gateway("infra", "gw", "from: All", &own)
+        + &secret("team-a", "cert")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("one", 8080, "HTTP", Some("a.example.com")),
+        );
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(lcond(&r, GW, "infra", "gw", "own", "Programmed").0, "False");
+    assert_eq!(top(&r, LS, "team-a", "ls", "Programmed"), yes("Programmed"));
+    assert_eq!(top(&r, GW, "infra", "gw", "Programmed"), yes("Programmed"));
+    // Without the ListenerSet nothing is programmed.
+    let y = gateway("infra", "gw", "from: All", &own);
+    let r = resolve(&index_of(&y), &now());
+    assert_eq!(top(&r, GW, "infra", "gw", "Programmed"), no("Invalid"));
+}
+
 /// `spec.infrastructure.parametersRef`: keyway takes no parameters, so a Gateway naming some is
 /// `Accepted=False/InvalidParameters` and its ListenerSets `ParentNotAccepted` (conformance
 /// GatewayInvalidParametersRef, ListenerSetParentNotAccepted).
