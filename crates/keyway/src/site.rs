@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use keyway_core::conditions::carry_transition_times;
-use keyway_core::gateway::{GatewayResolver, mark_invalid_certificate, mark_port_unavailable};
+use keyway_core::gateway::{
+    GatewayResolver, mark_invalid_certificate, mark_port_unavailable, rederive_programmed,
+};
 use keyway_core::load::ConfigError;
 use keyway_core::report::{self, Filter};
 use keyway_core::service_network::{self, Reachability, Resolution};
@@ -302,6 +304,9 @@ impl Site {
                     mark_port_unavailable(s, &e.listener, &e.message, &now_value);
                 }
             }
+        }
+        if !obs.gateway_errors.is_empty() {
+            rederive_programmed(&current.index, &mut statuses, &now_value);
         }
         for (key, status) in statuses.iter_mut() {
             if let Some(prev) = current.last_status.get(key) {

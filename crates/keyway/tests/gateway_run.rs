@@ -404,6 +404,21 @@ fn unbindable_port_is_reported_as_port_unavailable() {
     });
     let (code, body) = site.get("/readyz");
     assert_ne!(code, 200, "{body}");
+    // Its only listener is down, so the Gateway is not programmed either.
+    let v: serde_json::Value = serde_json::from_str(&site.get("/status").1).expect("status");
+    let gw = v["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|i| i["kind"] == "Gateway")
+        .expect("gateway");
+    let programmed = gw["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == "Programmed")
+        .expect("Programmed");
+    assert_eq!(programmed["status"], "False", "{programmed}");
 }
 
 /// A listener whose certificate is missing still holds its hostname: a handshake for it is

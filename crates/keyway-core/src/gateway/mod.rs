@@ -47,7 +47,9 @@ use routes::{OwnerView, RouteIn};
 use status::{C, ListenerStatus, Model, ParentStatus};
 
 pub use plan::GatewayPlan;
-pub use status::{StatusEntry, Statuses, mark_invalid_certificate, mark_port_unavailable};
+pub use status::{
+    StatusEntry, Statuses, mark_invalid_certificate, mark_port_unavailable, rederive_programmed,
+};
 
 /// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).
 pub const CONTROLLER_NAME: &str = "keyway.io/gateway-controller";

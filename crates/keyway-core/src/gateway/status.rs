@@ -398,6 +398,68 @@ pub fn mark_port_unavailable(status: &mut Value, listener: &str, message: &str, 
     );
 }
 
+/// After the data plane's overrides ([`mark_port_unavailable`], [`mark_invalid_certificate`]):
+/// a ListenerSet none of whose listeners is programmed any more is not programmed, and a
+/// Gateway is programmed only while a listener it serves (own or from its ListenerSets) is.
+/// Status never says healthy over dead ports.
+pub fn rederive_programmed(
+    index: &crate::Index,
+    statuses: &mut std::collections::BTreeMap<crate::ObjectKey, Value>,
+    now: &Value,
+) {
+    use crate::resource::{Kind, Resource};
+    let any_programmed = |status: &Value| {
+        status["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|l| {
+                l["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "Programmed" && c["status"] == "True")
+            })
+    };
+    let demote = |status: &mut Value, reason: &str| {
+        for c in status["conditions"].as_array_mut().into_iter().flatten() {
+            if c["type"] == "Programmed" && c["status"] == "True" {
+                c["status"] = Value::from("False");
+                c["reason"] = Value::from(reason);
+                c["message"] = Value::from("no listener is programmed");
+                c["lastTransitionTime"] = now.clone();
+            }
+        }
+    };
+    let mut gateways_serving: std::collections::BTreeSet<crate::ObjectKey> = Default::default();
+    for obj in index.of_kind(Kind::ListenerSet) {
+        let Resource::ListenerSet(ls) = &obj.resource else {
+            continue;
+        };
+        let Some(status) = statuses.get_mut(&obj.key) else {
+            continue;
+        };
+        if any_programmed(status) {
+            let p = &ls.spec.parent_ref;
+            let ns = p.namespace.as_deref().unwrap_or(&obj.key.namespace);
+            gateways_serving.insert(crate::ObjectKey::new(Kind::Gateway, ns, &p.name));
+        } else if status["listeners"]
+            .as_array()
+            .is_some_and(|l| !l.is_empty())
+        {
+            demote(status, "ListenersNotValid");
+        }
+    }
+    for obj in index.of_kind(Kind::Gateway) {
+        if let Some(status) = statuses.get_mut(&obj.key)
+            && !any_programmed(status)
+            && !gateways_serving.contains(&obj.key)
+        {
+            demote(status, "Invalid");
+        }
+    }
+}
+
 /// Overrides a listener's status when the data plane could not use its certificate (a key that
 /// does not match it, say): `ResolvedRefs=False/InvalidCertificateRef` and
 /// `Programmed=False/Invalid`, as for a certificate the resolver itself found bad.
