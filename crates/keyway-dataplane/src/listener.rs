@@ -225,7 +225,8 @@ async fn accept_loop(
         let Some(sockets) = socket.as_ref() else {
             match bind(&shared, &runtime, workers.as_deref()).await {
                 Ok(s) => {
-                    tracing::info!(listener = %rt.label, addr = ?s.local_addr(), "listening");
+                    let addr = s.local_addr().map_or_else(String::new, |a| a.to_string());
+                    tracing::info!(listener = %rt.label, %addr, "listening");
                     socket = Some(s);
                     bind_failures = 0;
                     state.set_error(None);
@@ -489,6 +490,14 @@ async fn serve(
         tracing::debug!(listener = %rt.label, %peer, "no target reachable: closing");
         return;
     };
+    tracing::debug!(
+        listener = %rt.label,
+        %peer,
+        routing_key = %target.routing_key,
+        target = %target.address(),
+        failover,
+        "connected"
+    );
     if failover {
         shared
             .metrics

@@ -63,7 +63,7 @@ enum Command {
         /// Only this namespace.
         #[arg(short = 'n', long = "namespace")]
         namespace: Option<String>,
-        /// Only these kinds, comma-separated (listener, mkl, gateway,listenerset, ...).
+        /// Only these kinds, comma-separated (e.g. listener, mkl, gateway, listenerset).
         kind: Option<String>,
         /// Only this name.
         name: Option<String>,
@@ -228,9 +228,15 @@ pub fn default_state_dir(config: &Path) -> PathBuf {
 
 /// Compiles a directory offline, reading (never writing) its state directory.
 pub fn compile_dir(config: &Path) -> Result<Compiled> {
+    if config.is_file() {
+        anyhow::bail!(
+            "{} is a file; --config takes the directory that holds the manifests",
+            config.display()
+        );
+    }
     if !config.is_dir() {
         anyhow::bail!(
-            "config directory {} does not exist; pass --config DIR (try --config examples/quickstart)",
+            "config directory {} does not exist; pass --config DIR, or --admin ADDR to ask a running site",
             config.display()
         );
     }
@@ -249,10 +255,11 @@ fn validate(config: &Path) -> Result<ExitCode> {
         println!("{e}");
     }
     if errors.is_empty() {
+        let n = compiled.index.len();
         println!(
-            "{}: {} objects valid",
+            "{}: {n} object{} valid",
             config.display(),
-            compiled.index.len()
+            if n == 1 { "" } else { "s" }
         );
         Ok(ExitCode::SUCCESS)
     } else {

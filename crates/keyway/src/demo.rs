@@ -102,12 +102,12 @@ impl Ports {
             ),
             (
                 self.at(HTTP),
-                "0.0.0.0",
+                "127.0.0.1",
                 "the Gateway's HTTP listener".to_string(),
             ),
             (
                 self.at(HTTPS),
-                "0.0.0.0",
+                "127.0.0.1",
                 "the ListenerSets' HTTPS listener".to_string(),
             ),
         ];
@@ -240,7 +240,7 @@ async fn demo(ports: Ports, keep: bool) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     };
 
-    print!("{}", instructions(&net, ports, &exe));
+    print!("{}", instructions(&net, ports, &exe, keep));
     if !converged {
         println!(
             "warning: the network did not converge within {}s; see the site logs above.",
@@ -580,7 +580,7 @@ async fn watch_active_key(admin: String) {
 }
 
 /// The text a person reads once the network is up.
-fn instructions(net: &Network, ports: Ports, exe: &Path) -> String {
+fn instructions(net: &Network, ports: Ports, exe: &Path, keep: bool) -> String {
     let keyway = display_exe(exe);
     let [east, central, west] = [&net.sites[0], &net.sites[1], &net.sites[2]];
     let ca = net.root.join("ca.crt");
@@ -589,8 +589,13 @@ fn instructions(net: &Network, ports: Ports, exe: &Path) -> String {
     let _ = writeln!(
         o,
         "\nkeyway demo: three sites on loopback, linked over mutual TLS: east -- central -- west\n\
-         Everything lives in {} (removed on exit unless --keep).\n",
-        net.root.display()
+         Everything lives in {} ({}).\n",
+        net.root.display(),
+        if keep {
+            "kept on exit (--keep)"
+        } else {
+            "removed on exit unless --keep"
+        }
     );
     let _ = writeln!(
         o,
@@ -618,7 +623,7 @@ fn instructions(net: &Network, ports: Ports, exe: &Path) -> String {
         o,
         "  # The MultiKeyListener at central: priorityFailover [backend-east, backend-west, backend-all]\n\
          \x20 nc 127.0.0.1 {mkl}\n\
-         \x20     -> hello from backend-east   (type a line: it echoes back; Ctrl-D ends)\n\
+         \x20     -> hello from backend-east   (type a line: it echoes back; Ctrl-C ends)\n\
          \x20 # no nc? curl telnet://127.0.0.1:{mkl} does the same\n"
     );
     let _ = writeln!(
@@ -862,7 +867,7 @@ fn gateway_yaml(port: u16, app: u16) -> String {
     format!(
         "# The Gateway API guide's ListenerSet example: a shared Gateway that accepts ListenerSets\n\
          # from namespaces labelled belongs-to: shared-gateway.\n\
-         apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: parent-gateway\n  namespace: default\nspec:\n  gatewayClassName: keyway\n  allowedListeners:\n    namespaces:\n      from: Selector\n      selector:\n        matchLabels:\n          belongs-to: shared-gateway\n  listeners:\n  - name: foo\n    hostname: foo.com\n    protocol: HTTP\n    port: {port}\n---\n\
+         apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: parent-gateway\n  namespace: default\nspec:\n  gatewayClassName: keyway\n  addresses:\n  - type: IPAddress\n    value: 127.0.0.1\n  allowedListeners:\n    namespaces:\n      from: Selector\n      selector:\n        matchLabels:\n          belongs-to: shared-gateway\n  listeners:\n  - name: foo\n    hostname: foo.com\n    protocol: HTTP\n    port: {port}\n---\n\
          apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata:\n  name: foo-route\n  namespace: default\nspec:\n  parentRefs:\n  - name: parent-gateway\n  hostnames: [\"foo.com\"]\n  rules:\n  - backendRefs:\n    - name: foo-app\n      port: 80\n---\n{}",
         service_yaml("foo-app", "default", app)
     )

@@ -25,6 +25,12 @@ pub fn run(
     init_tracing();
     #[cfg(unix)]
     raise_open_file_limit();
+    if config.is_file() {
+        anyhow::bail!(
+            "{} is a file; --config takes the directory that holds the manifests",
+            config.display()
+        );
+    }
     if !config.is_dir() {
         anyhow::bail!(
             "config directory {} does not exist; create it or pass --config DIR",
@@ -127,8 +133,13 @@ pub fn run(
         shutdown_signal().await;
         tracing::info!(
             drain_secs = drain.as_secs(),
-            "shutting down: no longer accepting, draining open connections"
+            "shutting down: no longer accepting, draining open connections (a second Ctrl-C or SIGTERM exits at once)"
         );
+        tokio::spawn(async {
+            shutdown_signal().await;
+            tracing::warn!("second signal: exiting without waiting for open connections");
+            std::process::exit(130);
+        });
         reloader.abort();
         // Drain first: connections to keys at other sites still need the links.
         let left = site.dataplane.shutdown(drain).await;
@@ -191,9 +202,12 @@ async fn parent_gone() {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only on a terminal: a log file must not fill with escape codes.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .try_init();
 }
 

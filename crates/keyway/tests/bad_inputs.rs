@@ -968,3 +968,24 @@ fn a_state_directory_inside_the_config_is_refused() {
     assert!(!dir.join("state").exists(), "nothing was written there");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--config` given a file (say the manifest itself) says it wants the directory.
+#[test]
+fn config_given_a_file_says_it_wants_the_directory() {
+    let dir = temp_dir("config-file");
+    std::fs::write(dir.join("a.yaml"), GOOD).expect("write");
+    let out = keyway(&["validate"], &dir.join("a.yaml"));
+    assert_ne!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("is a file; --config takes the directory"),
+        "{stderr}"
+    );
+    let out = keyway(&["validate"], &dir);
+    assert!(
+        text(&out.stdout).contains("2 objects valid"),
+        "{}",
+        text(&out.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

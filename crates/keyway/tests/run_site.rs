@@ -615,6 +615,44 @@ fn admin_endpoint_and_status_cli() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach a keyway site"));
 }
 
+/// A second signal while draining exits at once, open connections or not.
+#[test]
+fn a_second_signal_skips_the_drain() {
+    let a = Backend::start("a");
+    let dir = temp_dir("drain-twice");
+    let port = free_port();
+    std::fs::write(dir.join("l.yaml"), format!("apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}", connector("web", "web", a.port))).expect("write");
+    let mut site = Site::start(&dir);
+    let (_, _live) = hello(port).expect("connect");
+    let pid = site.child.id().to_string();
+    let term = || {
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .expect("kill")
+                .success()
+        )
+    };
+    term();
+    wait_until("port closed", || {
+        TcpStream::connect(("127.0.0.1", port)).is_err()
+    });
+    term();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = site.child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "still draining after a second signal"
+        );
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(130));
+}
+
 #[test]
 fn sigterm_stops_accepting_and_drains() {
     let a = Backend::start("a");
@@ -656,6 +694,11 @@ fn sigterm_stops_accepting_and_drains() {
     assert!(status.success());
     let stderr = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
     assert!(stderr.contains("shutting down"), "{stderr}");
+    // A log written to a file holds no terminal colour codes.
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "escape codes in the log: {stderr:?}"
+    );
 }
 
 /// Started with the soft open-file limit a shell often hands out (here 256), a site raises it

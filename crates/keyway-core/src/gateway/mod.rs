@@ -1470,6 +1470,14 @@ fn listener_conditions(owner: &Owner<'_>, j: usize, l: &ListenerIn) -> Vec<C> {
         _ => {
             let programmed = if owner.programmed(j) {
                 C::new("Programmed", true, "Programmed", "programmed")
+            } else if l.tls.is_ok() {
+                // Valid itself: its Gateway or ListenerSet is what is not accepted.
+                C::new(
+                    "Programmed",
+                    false,
+                    "Invalid",
+                    "the Gateway or ListenerSet it belongs to is not accepted; see its conditions",
+                )
             } else {
                 C::new(
                     "Programmed",

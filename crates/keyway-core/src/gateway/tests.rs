@@ -1227,6 +1227,14 @@ fn gateway_addresses_table() {
             );
         } else {
             assert!(r.plan.gateways.is_empty(), "{addresses}: {:?}", r.plan);
+            // Its listener is fine; the message says the Gateway is what is not accepted.
+            let web = &status(&r, GW, "infra", "gw")["listeners"][0]["conditions"];
+            let programmed = web
+                .as_array()
+                .and_then(|c| c.iter().find(|c| c["type"] == "Programmed"))
+                .map(|c| c["message"].to_string())
+                .unwrap_or_default();
+            assert!(programmed.contains("not accepted"), "{programmed}");
             assert_eq!(
                 top(&r, Kind::ListenerSet, "team-a", "ls", "Accepted"),
                 no("ParentNotAccepted")
