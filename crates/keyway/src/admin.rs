@@ -22,13 +22,18 @@ const MAX_CONNECTIONS: usize = 64;
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
 
-/// Binds the admin address now (so a bad address fails `keyway run` at once) and serves it on a
-/// dedicated thread.
-pub fn start(addr: &str, site: Arc<Site>) -> anyhow::Result<SocketAddr> {
+/// Binds the admin address, before anything else starts: a bad or busy address fails
+/// `keyway run` before it opens any port.
+pub fn bind(addr: &str) -> anyhow::Result<std::net::TcpListener> {
     let std_listener = std::net::TcpListener::bind(addr).map_err(|e| {
         anyhow::anyhow!("cannot bind admin address {addr}: {e}; pick another with --admin")
     })?;
     std_listener.set_nonblocking(true)?;
+    Ok(std_listener)
+}
+
+/// Serves the admin endpoint on `std_listener` (see [`bind`]) on a dedicated thread.
+pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Result<SocketAddr> {
     let local = std_listener.local_addr()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -38,6 +38,7 @@ pub fn run(
         );
     }
     check_state_outside_config(&config, &state)?;
+    let admin_listener = admin::bind(admin_addr)?;
     let threads: Option<usize> = std::env::var("KEYWAY_WORKER_THREADS")
         .ok()
         .and_then(|v| v.parse().ok());
@@ -88,7 +89,7 @@ pub fn run(
             watch::watch(&config, tx.clone()).context("cannot watch the config directory")?;
         let mut root = dir_identity(&config);
         site.reload();
-        let admin = admin::start(admin_addr, site.clone())?;
+        let admin = admin::start(admin_listener, site.clone())?;
         tracing::info!(config = %config.display(), admin = %admin, "site running");
 
         let reloader = {

@@ -989,3 +989,22 @@ fn config_given_a_file_says_it_wants_the_directory() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A bad `--admin` address stops `keyway run` before it loads anything or opens a port.
+#[test]
+fn a_bad_admin_address_fails_before_anything_starts() {
+    let dir = temp_dir("bad-admin");
+    std::fs::write(dir.join("a.yaml"), GOOD).expect("write");
+    let out = keyway(&["run", "--admin", "nonsense"], &dir);
+    assert_ne!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("cannot bind admin address nonsense"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("config applied"),
+        "the site started first: {stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
