@@ -250,6 +250,9 @@ fn validate(config: &Path) -> Result<ExitCode> {
     for w in &compiled.reconciled.warnings {
         eprintln!("warning: {w}");
     }
+    for w in keyway_core::gateway::foreign_class_warnings(&compiled.index) {
+        eprintln!("warning: {w}");
+    }
     let errors = compiled.errors();
     for e in &errors {
         println!("{e}");

@@ -1008,3 +1008,24 @@ fn a_bad_admin_address_fails_before_anything_starts() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Gateway of a class keyway does not serve (say an example's `gatewayClassName: example`)
+/// is valid but left alone: `validate` says so and how to make it keyway's.
+#[test]
+fn a_gateway_of_a_foreign_class_gets_a_hint() {
+    let dir = temp_dir("foreign-class");
+    std::fs::write(
+        dir.join("gw.yaml"),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: g\nspec:\n  gatewayClassName: example\n  listeners:\n  - {name: web, port: 8080, protocol: HTTP}\n",
+    )
+    .expect("write");
+    let out = keyway(&["validate"], &dir);
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    let want = format!(
+        "warning: {}:6: spec.gatewayClassName: class `example` is not served by keyway",
+        dir.join("gw.yaml").display()
+    );
+    assert!(stderr.contains(&want), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -66,6 +66,37 @@ pub struct GatewayResolution {
     pub problems: Vec<ConfigError>,
 }
 
+/// Gateways of a class keyway does not serve, as warnings: nothing is wrong with them, but a
+/// user who pasted an example (`gatewayClassName: example`) would otherwise see them silently
+/// ignored. Keyway serves the class `keyway` and every GatewayClass naming its controller.
+pub fn foreign_class_warnings(index: &Index) -> Vec<ConfigError> {
+    let ours: HashSet<&str> = index
+        .of_kind(Kind::GatewayClass)
+        .filter_map(|c| match &c.resource {
+            Resource::GatewayClass(gc) if gc.spec.controller_name == CONTROLLER_NAME => {
+                Some(c.key.name.as_str())
+            }
+            _ => None,
+        })
+        .chain([BUILTIN_CLASS])
+        .collect();
+    index
+        .of_kind(Kind::Gateway)
+        .filter_map(|g| match &g.resource {
+            Resource::Gateway(gw) if !ours.contains(gw.spec.gateway_class_name.as_str()) => {
+                Some(g.error_at(
+                    "spec.gatewayClassName",
+                    format!(
+                        "class `{}` is not served by keyway, so this Gateway is left alone; use `gatewayClassName: {BUILTIN_CLASS}` or a GatewayClass with `controllerName: {CONTROLLER_NAME}`",
+                        gw.spec.gateway_class_name
+                    ),
+                ))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 /// Resolves the Gateway API objects of `index` from scratch.
 pub fn resolve(index: &Index, now: &Time) -> GatewayResolution {
     let mut resolver = GatewayResolver {
