@@ -615,6 +615,21 @@ fn admin_endpoint_and_status_cli() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach a keyway site"));
 }
 
+/// Waits for the site's process to exit, at most `limit` after `what`.
+fn exit_within(site: &mut Site, limit: Duration, what: &str) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = site.child.try_wait().expect("wait") {
+            return s;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "still running {limit:?} after {what}"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A second signal while draining exits at once, open connections or not.
 #[test]
 fn a_second_signal_skips_the_drain() {
@@ -639,17 +654,7 @@ fn a_second_signal_skips_the_drain() {
         TcpStream::connect(("127.0.0.1", port)).is_err()
     });
     term();
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = site.child.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(3),
-            "still draining after a second signal"
-        );
-        thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within(&mut site, Duration::from_secs(3), "a second signal");
     assert_eq!(status.code(), Some(130));
 }
 
@@ -680,17 +685,7 @@ fn sigterm_stops_accepting_and_drains() {
     );
     let _ = live.get_mut().shutdown(Shutdown::Both);
     drop(live);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = site.child.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "did not exit after drain"
-        );
-        thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within(&mut site, Duration::from_secs(5), "the drain");
     assert!(status.success());
     let stderr = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
     assert!(stderr.contains("shutting down"), "{stderr}");
