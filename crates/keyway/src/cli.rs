@@ -226,8 +226,8 @@ pub fn default_state_dir(config: &Path) -> PathBuf {
     config.join(".keyway-state")
 }
 
-/// Compiles a directory offline, reading (never writing) its state directory.
-pub fn compile_dir(config: &Path) -> Result<Compiled> {
+/// That `config` is a directory; else an error saying what it is instead, and `hint`.
+pub fn check_config_dir(config: &Path, hint: &str) -> Result<()> {
     if config.is_file() {
         anyhow::bail!(
             "{} is a file; --config takes the directory that holds the manifests",
@@ -236,10 +236,19 @@ pub fn compile_dir(config: &Path) -> Result<Compiled> {
     }
     if !config.is_dir() {
         anyhow::bail!(
-            "config directory {} does not exist; pass --config DIR, or --admin ADDR to ask a running site",
+            "config directory {} does not exist; {hint}",
             config.display()
         );
     }
+    Ok(())
+}
+
+/// Compiles a directory offline, reading (never writing) its state directory.
+pub fn compile_dir(config: &Path) -> Result<Compiled> {
+    check_config_dir(
+        config,
+        "pass --config DIR, or --admin ADDR to ask a running site",
+    )?;
     let files = source::load_dir(config)?;
     let mut objects = state::load(&default_state_dir(config))?;
     Ok(offline::compile(&files, &mut objects, &now()))

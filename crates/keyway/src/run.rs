@@ -25,18 +25,7 @@ pub fn run(
     init_tracing();
     #[cfg(unix)]
     raise_open_file_limit();
-    if config.is_file() {
-        anyhow::bail!(
-            "{} is a file; --config takes the directory that holds the manifests",
-            config.display()
-        );
-    }
-    if !config.is_dir() {
-        anyhow::bail!(
-            "config directory {} does not exist; create it or pass --config DIR",
-            config.display()
-        );
-    }
+    crate::cli::check_config_dir(&config, "create it or pass --config DIR")?;
     check_state_outside_config(&config, &state)?;
     let admin_listener = admin::bind(admin_addr)?;
     let threads: Option<usize> = std::env::var("KEYWAY_WORKER_THREADS")

@@ -111,6 +111,13 @@ impl Site {
         admin::wait_for(&self.admin, path, Duration::from_secs(10), ok)
     }
 
+    /// Sends SIGTERM.
+    fn terminate(&self) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+    }
+
     fn status(&self) -> serde_json::Value {
         serde_json::from_str(&self.get("/status").1).expect("status json")
     }
@@ -615,6 +622,16 @@ fn admin_endpoint_and_status_cli() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach a keyway site"));
 }
 
+/// A site with one Listener (on the returned port) to one greeting backend.
+fn site_with_listener(tag: &str) -> (Backend, PathBuf, Site, u16) {
+    let a = Backend::start("a");
+    let dir = temp_dir(tag);
+    let port = free_port();
+    std::fs::write(dir.join("l.yaml"), format!("apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}", connector("web", "web", a.port))).expect("write");
+    let site = Site::start(&dir);
+    (a, dir, site, port)
+}
+
 /// Waits for the site's process to exit, at most `limit` after `what`.
 fn exit_within(site: &mut Site, limit: Duration, what: &str) -> std::process::ExitStatus {
     let start = Instant::now();
@@ -633,47 +650,22 @@ fn exit_within(site: &mut Site, limit: Duration, what: &str) -> std::process::Ex
 /// A second signal while draining exits at once, open connections or not.
 #[test]
 fn a_second_signal_skips_the_drain() {
-    let a = Backend::start("a");
-    let dir = temp_dir("drain-twice");
-    let port = free_port();
-    std::fs::write(dir.join("l.yaml"), format!("apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}", connector("web", "web", a.port))).expect("write");
-    let mut site = Site::start(&dir);
+    let (_a, _dir, mut site, port) = site_with_listener("drain-twice");
     let (_, _live) = hello(port).expect("connect");
-    let pid = site.child.id().to_string();
-    let term = || {
-        assert!(
-            Command::new("kill")
-                .args(["-TERM", &pid])
-                .status()
-                .expect("kill")
-                .success()
-        )
-    };
-    term();
+    site.terminate();
     wait_until("port closed", || {
         TcpStream::connect(("127.0.0.1", port)).is_err()
     });
-    term();
+    site.terminate();
     let status = exit_within(&mut site, Duration::from_secs(3), "a second signal");
     assert_eq!(status.code(), Some(130));
 }
 
 #[test]
 fn sigterm_stops_accepting_and_drains() {
-    let a = Backend::start("a");
-    let dir = temp_dir("drain");
-    let port = free_port();
-    std::fs::write(dir.join("l.yaml"), format!("apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: web}}\nspec: {{routingKey: web, host: 127.0.0.1, port: {port}}}\n---\n{}", connector("web", "web", a.port))).expect("write");
-    let mut site = Site::start(&dir);
+    let (_a, dir, mut site, port) = site_with_listener("drain");
     let (_, mut live) = hello(port).expect("connect");
-    let pid = site.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .expect("kill")
-            .success()
-    );
+    site.terminate();
     wait_until("port closed", || {
         TcpStream::connect(("127.0.0.1", port)).is_err()
     });
