@@ -262,7 +262,8 @@ fn validate(config: &Path) -> Result<ExitCode> {
     for w in keyway_core::gateway::foreign_class_warnings(&compiled.index) {
         eprintln!("warning: {w}");
     }
-    let errors = compiled.errors();
+    let mut errors = compiled.errors();
+    errors.extend(certificate_errors(&compiled));
     for e in &errors {
         println!("{e}");
     }
@@ -282,6 +283,37 @@ fn validate(config: &Path) -> Result<ExitCode> {
         );
         Ok(ExitCode::from(INVALID))
     }
+}
+
+/// Terminating listeners whose certificates would not serve (a key that does not belong to its
+/// certificate, a chain rustls refuses): what a running site reports as InvalidCertificateRef,
+/// found by building each listener's TLS configuration as the data plane does.
+fn certificate_errors(compiled: &Compiled) -> Vec<keyway_core::ConfigError> {
+    let mut errors = Vec::new();
+    let listeners = compiled
+        .gateway
+        .plan
+        .gateways
+        .iter()
+        .flat_map(|g| &g.ports)
+        .flat_map(|p| &p.listeners);
+    for l in listeners {
+        let Err(message) = keyway_dataplane::gateway::terminating_config(l) else {
+            continue;
+        };
+        let Some(owner) = compiled.index.get(&l.owner) else {
+            continue;
+        };
+        let at = owner.resource.to_value()["spec"]["listeners"]
+            .as_array()
+            .and_then(|ls| ls.iter().position(|x| x["name"] == l.name.as_str()));
+        let path = match at {
+            Some(i) => format!("spec.listeners[{i}].tls.certificateRefs"),
+            None => "spec.listeners".into(),
+        };
+        errors.push(owner.error_at(&path, format!("listener {:?}: {message}", l.name)));
+    }
+    errors
 }
 
 fn status(

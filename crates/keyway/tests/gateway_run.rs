@@ -490,7 +490,8 @@ fn a_hostname_whose_certificate_is_missing_is_not_served_by_a_wildcard() {
 }
 
 /// A Secret whose key does not belong to its certificate parses, but cannot serve: the
-/// listener says so as a bad certificate reference (not as a port problem).
+/// listener says so as a bad certificate reference (not as a port problem), and `keyway
+/// validate` finds it before anything runs.
 #[test]
 fn a_key_that_does_not_match_its_certificate_is_an_invalid_certificate_ref() {
     let dir = temp_dir("keymismatch");
@@ -507,6 +508,22 @@ fn a_key_that_does_not_match_its_certificate_is_an_invalid_certificate_ref() {
         ),
     )
     .expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["validate", "--config"])
+        .arg(&dir)
+        .output()
+        .expect("run keyway validate");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let want = format!(
+        "{}:7: spec.listeners[0].tls.certificateRefs: listener \"https\": ",
+        dir.join("gw.yaml").display()
+    );
+    assert!(
+        stdout.starts_with(&want),
+        "{stdout:?} should start with {want:?}"
+    );
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
     let site = Site::start(&dir, false);
     site.wait_for("/status", |_, body| {
         let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();

@@ -230,6 +230,28 @@ pub fn pick(backends: &[WeightedBackend]) -> Option<&WeightedBackend> {
     })
 }
 
+/// The TLS server configuration a terminating listener serves with; `None` for the others.
+/// Fails as the listener would at run time (a key that does not belong to its certificate, a
+/// chain rustls refuses), so `keyway validate` can say so without binding anything.
+pub fn terminating_config(l: &ListenerBind) -> Result<Option<Arc<ServerConfig>>, String> {
+    match (&l.tls, l.protocol) {
+        (Some(t), Protocol::Https | Protocol::Tls)
+            if t.mode == TlsMode::Terminate && !t.certificates.is_empty() =>
+        {
+            let alpn: &[&[u8]] = if l.protocol == Protocol::Https {
+                &[b"h2", b"http/1.1"]
+            } else {
+                &[]
+            };
+            // Several certificates (RSA next to ECDSA): each client gets one it can verify.
+            crate::tls::server_config_choosing(&t.certificates, alpn)
+                .map(Some)
+                .map_err(|e| e.to_string())
+        }
+        _ => Ok(None),
+    }
+}
+
 /// A listener the data plane could not serve, for status.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListenerError {
@@ -488,21 +510,7 @@ impl Gateways {
 
     fn compile_listener(&self, l: &ListenerBind) -> Result<Listener, String> {
         let tls_mode = l.tls.as_ref().map(|t| t.mode);
-        let server_config = match (&l.tls, l.protocol) {
-            (Some(t), Protocol::Https | Protocol::Tls) if t.mode == TlsMode::Terminate => {
-                let alpn: &[&[u8]] = if l.protocol == Protocol::Https {
-                    &[b"h2", b"http/1.1"]
-                } else {
-                    &[]
-                };
-                // Several certificates (RSA next to ECDSA): each client gets one it can verify.
-                Some(
-                    crate::tls::server_config_choosing(&t.certificates, alpn)
-                        .map_err(|e| e.to_string())?,
-                )
-            }
-            _ => None,
-        };
+        let server_config = terminating_config(l)?;
         let mut hostnames = Vec::new();
         let mut entries = Vec::new();
         let mut rules = Vec::new();
