@@ -925,3 +925,194 @@ async fn backend_gets_the_routed_host_and_no_h2c_upgrade() {
     assert_eq!(got.path, "/f");
     assert_eq!(host(&got).as_deref(), Some(""));
 }
+
+/// RFC 9112 §6.3 (2): a 2xx answer to CONNECT makes the connection a tunnel right after the
+/// head; Content-Length is to be ignored, and the connection can never carry another request.
+/// The gateway does not pass CONNECT on (501), so no backend connection in the pool can tunnel
+/// to where one client asked, for the next client to use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_is_refused_and_leaves_no_tunnel_in_the_pool() {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(usize, String, String)>();
+    let be = raw(move |mut c| {
+        let tx = tx.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                let _ = tx.send((c.n, req.method.clone(), req.path.clone()));
+                if req.method == "CONNECT" {
+                    // Tunnel established: from now on the bytes go to the far end, which
+                    // answers everything with `tunnelled`.
+                    c.send(b"HTTP/1.1 200 Connection Established\r\nContent-Length: 0\r\n\r\n")
+                        .await;
+                    while c.fill().await {
+                        if c.buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                            c.buf.clear();
+                            c.send(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\ntunnelled")
+                                .await;
+                        }
+                    }
+                    return;
+                }
+                c.send(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nnormal")
+                    .await;
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+
+    // Client A asks for a tunnel, then goes away.
+    let (s, head) = tokio::time::timeout(
+        IO_TIMEOUT,
+        common::send_raw(
+            port,
+            b"CONNECT elsewhere.test:443 HTTP/1.1\r\nHost: elsewhere.test:443\r\n\r\n",
+        ),
+    )
+    .await
+    .expect("CONNECT answered");
+    drop(s);
+    let seen = rx.try_recv();
+    assert!(head.starts_with("HTTP/1.1 501"), "{head}");
+    assert!(seen.is_err(), "the backend saw {seen:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // Client B: an ordinary request.
+    let mut c = client(port).await;
+    let o = exchange(&mut c, get("/b")).await;
+    assert_eq!(
+        o.body(),
+        b"normal",
+        "client B got {o:?} over backend connection(s) {} (backend saw A's request as {seen:?})",
+        be.accepted()
+    );
+}
+
+/// An idle pooled connection the backend has closed (here: half-closed, the backend still
+/// reading) is closed by the gateway too, without waiting for a request for that very key to
+/// pop it (until then the socket would sit in CLOSE_WAIT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_the_backend_closed_is_closed() {
+    let (tx, mut rx) = mpsc::unbounded_channel::<bool>();
+    let be = raw(move |mut c| {
+        let tx = tx.clone();
+        async move {
+            if c.request().await.is_none() {
+                return;
+            }
+            c.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .await;
+            // The backend's idle timeout: it closes its side.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = c.s.shutdown().await;
+            // Does the gateway ever close its side?
+            let eof = tokio::time::timeout(Duration::from_secs(3), async {
+                let mut b = [0u8; 64];
+                loop {
+                    match c.s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+            })
+            .await
+            .is_ok();
+            let _ = tx.send(eof);
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    {
+        let mut c = client(port).await;
+        assert_eq!(exchange(&mut c, get("/")).await.body(), b"ok");
+    } // the client goes away: its backend connection goes to the pool
+    let closed = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("backend script ended");
+    assert_eq!(
+        closed,
+        Some(true),
+        "3 s after the backend closed an idle pooled connection the gateway still holds it"
+    );
+}
+
+/// RFC 9112 §6.1: a request with a transfer coding the server does not understand gets 501.
+/// hyper decodes only `chunked`; passed on, the backend would get gzip bytes declared as
+/// identity (the gateway refuses the same on responses for this very reason, h1.rs
+/// `body_kind`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_transfer_coding_other_than_chunked_is_a_501() {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Option<String>, Vec<u8>)>();
+    let be = raw(move |mut c| {
+        let tx = tx.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                let te = req.headers.get("transfer-encoding").cloned();
+                let mut body = Vec::new();
+                if te.is_some() {
+                    loop {
+                        let chunk = c.chunk().await;
+                        if chunk.is_empty() {
+                            break;
+                        }
+                        body.extend_from_slice(&chunk);
+                    }
+                }
+                let _ = tx.send((te, body));
+                c.send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                    .await;
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    // "gzip" here is just bytes the backend would have to gunzip.
+    let (_s, head) = tokio::time::timeout(
+        IO_TIMEOUT,
+        common::send_raw(
+            port,
+            b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n4\r\nGZIP\r\n0\r\n\r\n",
+        ),
+    )
+    .await
+    .expect("answered");
+    let got = rx.try_recv().ok();
+    assert!(
+        head.starts_with("HTTP/1.1 501") && got.is_none(),
+        "client got {:?}; backend got Transfer-Encoding/body {got:?}",
+        head.lines().next()
+    );
+}
+
+/// Header filters cannot change framing: a RequestHeaderModifier setting `Transfer-Encoding`
+/// would have the backend wait for a body that never comes (a GET declared chunked), and a
+/// ResponseHeaderModifier setting `Content-Length` would cut the client's body short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_filters_cannot_change_framing() {
+    let be = raw(|mut c| async move {
+        while let Some(req) = c.request().await {
+            if req
+                .headers
+                .get("transfer-encoding")
+                .is_some_and(|t| t == "chunked")
+            {
+                while !c.chunk().await.is_empty() {}
+            }
+            c.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .await;
+        }
+    })
+    .await;
+    let port = free_port();
+    let yaml = gateway_yaml(
+        be.addr,
+        port,
+        "  - timeouts: {request: 1s}\n    filters:\n    - {type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: Transfer-Encoding, value: chunked}, {name: Content-Length, value: '5'}]}}\n    - {type: ResponseHeaderModifier, responseHeaderModifier: {set: [{name: Content-Length, value: '1'}, {name: Connection, value: close}]}}\n    backendRefs: [{name: svc, port: 80}]\n",
+    );
+    let _dp = start(&yaml, port).await;
+    let mut c = client(port).await;
+    for _ in 0..2 {
+        let o = exchange(&mut c, get("/")).await;
+        assert_eq!(o.status(), Some(200), "{o:?}");
+        assert_eq!(o.body(), b"ok", "{o:?}");
+    }
+}

@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::service::service_fn;
-use hyper::{Request, Response, StatusCode, Uri, Version};
+use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use keyway_core::gateway::plan::{Backend, Protocol};
@@ -226,6 +226,18 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     if userinfo {
         return full(StatusCode::BAD_REQUEST, "userinfo in the host");
     }
+    // CONNECT asks a proxy for a tunnel (RFC 9110 §9.3.6); a gateway routes requests. Passed
+    // on, a backend's 2xx would turn its connection into a tunnel (RFC 9112 §6.3) that must
+    // never carry another client's request.
+    if req.method() == Method::CONNECT {
+        return full(StatusCode::NOT_IMPLEMENTED, "CONNECT is not served");
+    }
+    // RFC 9112 §6.1: a transfer coding the gateway does not understand is a 501. Only a lone
+    // `chunked` (which hyper decodes) is; passed on, the backend would read a coded body as
+    // the body itself.
+    if !chunked_at_most(req.headers()) {
+        return full(StatusCode::NOT_IMPLEMENTED, "unsupported transfer coding");
+    }
     // Routes match, and the backend gets, the normalised path (see `path`): a raw `..` or `//`
     // could pass a route for a more specific path and reach a broader one.
     if let Some(normal) = super::path::normalize(req.uri().path()) {
@@ -334,6 +346,49 @@ fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
+/// Whether the Transfer-Encoding of a request is absent or exactly `chunked`.
+fn chunked_at_most(h: &HeaderMap) -> bool {
+    let mut codings = h
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|c| !c.is_empty());
+    match codings.next() {
+        None => true,
+        Some(c) => c.eq_ignore_ascii_case(b"chunked") && codings.next().is_none(),
+    }
+}
+
+/// Applies a route's header filters without letting them change how the message is framed or
+/// the connection it travels on: Content-Length, Transfer-Encoding and the other hop-by-hop
+/// headers are the gateway's (RFC 9112 §6, RFC 9110 §7.6.1). Set by a filter, they would make
+/// the peer read another body than the one sent (a GET declared chunked waits for chunks that
+/// never come). With `keep_upgrade`, Connection and Upgrade stay as they were.
+fn apply_header_filters(h: &mut HeaderMap, mods: &[filters::HeaderMod], keep_upgrade: bool) {
+    if mods.is_empty() {
+        return;
+    }
+    let saved: Vec<(HeaderName, HeaderValue)> = h
+        .iter()
+        .filter(|(n, _)| {
+            *n == header::CONTENT_LENGTH
+                || (keep_upgrade && (*n == header::CONNECTION || *n == header::UPGRADE))
+        })
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    for m in mods {
+        m.apply(h);
+    }
+    h.remove(header::CONTENT_LENGTH);
+    for n in &HOP {
+        h.remove(n);
+    }
+    for (n, v) in saved {
+        h.append(n, v);
+    }
+}
+
 /// An HTTP/1.1 upgrade to pass on (WebSocket and the like). Not `h2c`: a backend that
 /// switched would give the client a raw HTTP/2 connection to it, past route matching, filters
 /// and timeouts ("h2c smuggling"); such a request is forwarded as a plain request.
@@ -388,9 +443,7 @@ async fn forward(
             }
             Err(_) => return full(StatusCode::INTERNAL_SERVER_ERROR, "invalid redirect"),
         }
-        for m in &f.response_headers {
-            m.apply(resp.headers_mut());
-        }
+        apply_header_filters(resp.headers_mut(), &f.response_headers, false);
         return resp;
     }
     let Some(wb) = pick(&rule.backends) else {
@@ -431,9 +484,7 @@ async fn forward(
         req.headers_mut()
             .insert(header::TE, HeaderValue::from_static("trailers"));
     }
-    for m in &f.request_headers {
-        m.apply(req.headers_mut());
-    }
+    apply_header_filters(req.headers_mut(), &f.request_headers, upgrade);
     // A rewritten path; otherwise the client's is kept as it is.
     let mut rewritten: Option<String> = None;
     if let Some(rw) = &f.rewrite {
@@ -570,16 +621,12 @@ async fn forward(
             }
         });
         let mut out = Response::from_parts(parts, Body::default());
-        for m in &f.response_headers {
-            m.apply(out.headers_mut());
-        }
+        apply_header_filters(out.headers_mut(), &f.response_headers, true);
         return out;
     }
     let (mut parts, sent) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers, false);
-    for m in &f.response_headers {
-        m.apply(&mut parts.headers);
-    }
+    apply_header_filters(&mut parts.headers, &f.response_headers, false);
     let body = match sent {
         Sent::H1 { conn, body } => {
             Relay::start(conn, body, info.upstream.clone(), ctx.pool.clone())

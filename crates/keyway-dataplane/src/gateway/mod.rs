@@ -326,10 +326,12 @@ impl Gateways {
         http_idle_timeout: Duration,
     ) -> Self {
         let metrics = GatewayMetrics::new(&shared.metrics);
+        let pool = Arc::new(upstream::Pool::default());
+        pool.sweep_in_background();
         Gateways {
             ctx: Arc::new(Ctx {
                 shared,
-                pool: Arc::default(),
+                pool,
                 workers,
                 http_idle_timeout,
             }),

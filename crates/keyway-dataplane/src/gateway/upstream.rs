@@ -178,6 +178,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// An endpoint whose connect failed is skipped for this long while others remain.
 const PENALTY: Duration = Duration::from_secs(2);
 const MAX_IDLE_PER_KEY: usize = 128;
+/// How often pooled connections are looked at: those the backend has closed are closed on our
+/// side too (else each would wait in CLOSE_WAIT until a request for its key popped it, forever
+/// for an endpoint that went away), and those idle for [`POOL_IDLE_TIMEOUT`] are closed.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// As hyper-util's pool: a backend connection unused this long is closed.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The least room a read of a backend connection gets.
 const READ_SIZE: usize = 16 * 1024;
@@ -259,6 +265,8 @@ pub struct H1 {
     /// False once it must not carry another request (`Connection: close`, a body delimited
     /// by the close, an error, a request body not sent whole).
     reusable: bool,
+    /// When it went into the pool.
+    pooled_at: Option<Instant>,
 }
 
 impl H1 {
@@ -276,6 +284,7 @@ impl H1 {
             guard: c.guard,
             reused: false,
             reusable: true,
+            pooled_at: None,
         }
     }
 
@@ -725,6 +734,37 @@ fn endpoint_key(address: &str, port: u16) -> String {
 }
 
 impl Pool {
+    /// Closes, every [`SWEEP_EVERY`], the pooled connections that the backend has closed or
+    /// that have been idle too long, for as long as the pool lives. Without a runtime (nothing
+    /// can be pooled then) it does nothing.
+    pub fn sweep_in_background(self: &Arc<Pool>) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let pool = Arc::downgrade(self);
+        rt.spawn(async move {
+            let mut every = tokio::time::interval(SWEEP_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(pool) = pool.upgrade() else {
+                    return;
+                };
+                pool.sweep();
+            }
+        });
+    }
+
+    fn sweep(&self) {
+        let mut idle = lock(&self.h1);
+        idle.retain(|_, list| {
+            list.retain_mut(|c| {
+                c.pooled_at.is_some_and(|t| t.elapsed() < POOL_IDLE_TIMEOUT) && c.check_idle()
+            });
+            !list.is_empty()
+        });
+    }
+
     /// Connects to `backend`, trying every choice before giving up.
     pub async fn connect(
         &self,
@@ -896,10 +936,11 @@ impl Pool {
         }
     }
 
-    fn put_h1(&self, c: H1) {
+    fn put_h1(&self, mut c: H1) {
         if !c.is_clean() {
             return;
         }
+        c.pooled_at = Some(Instant::now());
         let mut idle = lock(&self.h1);
         let list = idle.entry(c.key.clone()).or_default();
         if list.len() < MAX_IDLE_PER_KEY {
