@@ -135,18 +135,35 @@ pub fn server_config_choosing(
     Ok(Arc::new(config))
 }
 
-/// Picks the first certificate whose key signs with a scheme from the ClientHello.
+/// Picks, among the certificates valid for the server name the client asked for (all of them
+/// when none is, or without a name), the first whose key signs with a scheme from the
+/// ClientHello: one listener can hold a certificate per domain, and an RSA one next to an
+/// ECDSA one.
 #[derive(Debug)]
 struct BySignatureScheme(Vec<Arc<CertifiedKey>>);
 
 impl ResolvesServerCert for BySignatureScheme {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         let offered = hello.signature_schemes();
-        self.0
-            .iter()
-            .find(|k| k.key.choose_scheme(offered).is_some())
-            .cloned()
+        let signs = |k: &&Arc<CertifiedKey>| k.key.choose_scheme(offered).is_some();
+        let name = hello
+            .server_name()
+            .and_then(|n| rustls::pki_types::ServerName::try_from(n).ok());
+        if let Some(name) = name
+            && let Some(k) = self.0.iter().filter(|k| valid_for(k, &name)).find(signs)
+        {
+            return Some(k.clone());
+        }
+        self.0.iter().find(signs).cloned()
     }
+}
+
+/// Whether `key`'s end-entity certificate names `name` (a wildcard covering it counts).
+fn valid_for(key: &CertifiedKey, name: &rustls::pki_types::ServerName<'_>) -> bool {
+    key.end_entity_cert()
+        .ok()
+        .and_then(|der| webpki::EndEntityCert::try_from(der).ok())
+        .is_some_and(|cert| cert.verify_is_valid_for_subject_name(name).is_ok())
 }
 
 /// A client config for a connector target. With `ca.crt` the workload's chain is verified (and its

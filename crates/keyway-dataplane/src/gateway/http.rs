@@ -261,17 +261,28 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     } else {
         Protocol::Http
     };
-    // Listener isolation: only the most specific listener for the Host serves it.
-    let Some(listener) = cfg.select(Some(&host), |l| l.protocol == want) else {
+    // Listener isolation: only the most specific listener for the Host serves it, whatever it
+    // speaks. A Host that a TLS listener on this port holds is not for an HTTPS wildcard's
+    // routes (domain fronting: SNI for the wildcard, Host for the TLS listener): 421.
+    let Some(listener) = cfg.select(Some(&host), |_| true) else {
         return full(StatusCode::NOT_FOUND, "no listener for this host");
     };
-    // The listener must also be the one whose certificate the connection got: that of the
-    // server name, or without one (a client that sent none, or an IP address) that of the
-    // listener without a hostname. Else 421, also for HTTP/2 connections reused across hosts.
+    if listener.protocol != want {
+        return full(
+            StatusCode::MISDIRECTED_REQUEST,
+            "the Host belongs to a listener that does not serve HTTP requests",
+        );
+    }
+    // The listener must also be the one whose certificate the connection got (as the
+    // handshake chose it): that of the server name, or without one (a client that sent none,
+    // or an IP address) that of the listener without a hostname. Else 421, also for HTTP/2
+    // connections reused across hosts.
     if let Some(sni) = &info.tls
         && sni.as_deref() != Some(&*host)
     {
-        let by_sni = cfg.select(sni.as_deref(), |l| l.protocol == want);
+        let by_sni = cfg.select(sni.as_deref(), |l| {
+            l.tls_mode != Some(keyway_core::gateway::plan::TlsMode::Passthrough)
+        });
         if !by_sni.is_some_and(|l| std::ptr::eq(l, listener)) {
             return full(
                 StatusCode::MISDIRECTED_REQUEST,

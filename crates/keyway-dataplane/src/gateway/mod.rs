@@ -243,7 +243,7 @@ pub fn terminating_config(l: &ListenerBind) -> Result<Option<Arc<ServerConfig>>,
             } else {
                 &[]
             };
-            // Several certificates (RSA next to ECDSA): each client gets one it can verify.
+            // Several certificates (one per domain, RSA next to ECDSA): by server name, then by key.
             crate::tls::server_config_choosing(&t.certificates, alpn)
                 .map(Some)
                 .map_err(|e| e.to_string())

@@ -1,0 +1,547 @@
+//! TLS and TCP listeners of Gateways: passthrough and terminate, certificates by SNI, listener
+//! isolation across protocols on one port, stalled clients, reloads and half-closes.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{
+    Backend, Ca, IO_TIMEOUT, Leaf, compile, free_port, gateway, read_line, service, start,
+};
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A `kubernetes.io/tls` Secret for `leaf`.
+fn secret_yaml(name: &str, leaf: &Leaf) -> String {
+    let indent = |pem: &str| {
+        pem.lines()
+            .map(|l| format!("    {l}\n"))
+            .collect::<String>()
+    };
+    format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
+        indent(&leaf.cert_pem),
+        indent(&leaf.key_pem)
+    )
+}
+
+fn tls_route(name: &str, section: &str, hostnames: &str, svc: &str) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: TLSRoute\nmetadata: {{name: {name}}}\nspec:\n  parentRefs: [{{name: gw, sectionName: {section}}}]\n  hostnames: [{hostnames}]\n  rules: [{{backendRefs: [{{name: {svc}, port: 80}}]}}]\n"
+    )
+}
+
+fn http_route_to(name: &str, section: &str, svc: &str) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {name}}}\nspec:\n  parentRefs: [{{name: gw, sectionName: {section}}}]\n  rules:\n  - backendRefs: [{{name: {svc}, port: 80}}]\n"
+    )
+}
+
+/// A rustls client trusting `ca` (no verification of the name when `verify` is false).
+fn client_config(ca: &Ca, sni: bool) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.der()).expect("root");
+    let mut c = rustls::ClientConfig::builder_with_provider(common::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    c.enable_sni = sni;
+    Arc::new(c)
+}
+
+async fn read_all<S: AsyncRead + Unpin>(s: &mut S) -> String {
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// HTTP/1.1 GET over TLS with server name `sni` and `Host: host`; the status line and body.
+async fn https_get(port: u16, ca: &Ca, sni: &str, host: &str) -> std::io::Result<String> {
+    let tcp = common::connect(port).await?;
+    let connector = tokio_rustls::TlsConnector::from(client_config(ca, true));
+    let name = ServerName::try_from(sni.to_string()).expect("name");
+    let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp))
+        .await
+        .map_err(|_| std::io::Error::other("handshake timed out"))??;
+    t.write_all(format!("GET / HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n").as_bytes())
+        .await?;
+    Ok(read_all(&mut t).await)
+}
+
+/// A backend that answers any HTTP request with `backend=<name>`.
+async fn http_backend(name: &'static str) -> std::net::SocketAddr {
+    use http_body_util::Full;
+    use hyper::service::service_fn;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let svc = service_fn(move |_req| async move {
+                    Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                        bytes::Bytes::from(format!("backend={name}\n")),
+                    )))
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// A real ClientHello (rustls) for `name`.
+fn client_hello(name: &str) -> Vec<u8> {
+    let config = rustls::ClientConfig::builder_with_provider(common::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let server = ServerName::try_from(name.to_string()).expect("name");
+    let mut conn = rustls::ClientConnection::new(Arc::new(config), server).expect("client");
+    let mut out = Vec::new();
+    conn.write_tls(&mut out).expect("hello");
+    out
+}
+
+/// Replaces the (same-length) server name in a hello.
+fn rename(mut hello: Vec<u8>, from: &str, to: &str) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let pos = hello
+        .windows(from.len())
+        .position(|w| w == from.as_bytes())
+        .expect("name in hello");
+    hello[pos..pos + to.len()].copy_from_slice(to.as_bytes());
+    hello
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Listener isolation across HTTPS and TLS listeners on one port: a TLS passthrough listener
+/// holds `secret.example.com`; the HTTPS wildcard `*.example.com` must not serve a request
+/// for that host just because the client sent the wildcard's SNI (domain fronting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_wildcard_does_not_serve_a_host_held_by_a_tls_listener() {
+    let ca = Ca::new("ca");
+    let w = http_backend("W").await;
+    let s = Backend::start("S").await;
+    let port = free_port();
+    let mut yaml = secret_yaml("cert-w", &ca.leaf(&["*.example.com"]));
+    yaml.push_str(&service("svc-w", w));
+    yaml.push_str(&service("svc-s", s.addr));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: w, port: {port}, protocol: HTTPS, hostname: \"*.example.com\", tls: {{mode: Terminate, certificateRefs: [{{name: cert-w}}]}}}}\n  - {{name: s, port: {port}, protocol: TLS, hostname: secret.example.com, tls: {{mode: Passthrough}}}}\n  - {{name: t, port: {port}, protocol: TLS, hostname: t.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-t}}]}}}}\n"
+    )));
+    yaml.push_str(&secret_yaml("cert-t", &ca.leaf(&["t.example.com"])));
+    yaml.push_str(&tls_route("rt", "t", "t.example.com", "svc-s"));
+    yaml.push_str(&http_route_to("rw", "w", "svc-w"));
+    yaml.push_str(&tls_route("rs", "s", "secret.example.com", "svc-s"));
+    let dp = start(&yaml, port).await;
+    assert!(dp.observe().gateway_errors.is_empty());
+    // Sanity: the wildcard serves its own hosts.
+    let ok = https_get(port, &ca, "www.example.com", "www.example.com")
+        .await
+        .expect("https");
+    assert!(ok.contains("backend=W"), "{ok}");
+    // SNI of the wildcard, Host of the passthrough listener.
+    let fronted = https_get(port, &ca, "www.example.com", "secret.example.com")
+        .await
+        .expect("https");
+    // The same with a TLS Terminate listener holding t.example.com.
+    let fronted_t = https_get(port, &ca, "www.example.com", "t.example.com")
+        .await
+        .expect("https");
+    for (host, got) in [
+        ("secret.example.com", &fronted),
+        ("t.example.com", &fronted_t),
+    ] {
+        assert!(
+            got.starts_with("HTTP/1.1 421") && !got.contains("backend=W"),
+            "a request for {host} (held by a TLS listener) with the wildcard's SNI: {got}"
+        );
+    }
+}
+
+/// Passthrough: SNI in upper case with a trailing dot, a hello split over TCP segments, and
+/// a hello without SNI (to the listener without a hostname).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_sni_variants() {
+    let a = Backend::start("A").await;
+    let d = Backend::start("D").await;
+    let port = free_port();
+    let mut yaml = service("sa", a.addr);
+    yaml.push_str(&service("sd", d.addr));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: a, port: {port}, protocol: TLS, hostname: a.pass.test, tls: {{mode: Passthrough}}}}\n  - {{name: d, port: {port}, protocol: TLS, tls: {{mode: Passthrough}}}}\n"
+    )));
+    yaml.push_str(&tls_route("ra", "a", "a.pass.test", "sa"));
+    yaml.push_str(&tls_route("rd", "d", "\"*.test\"", "sd"));
+    let _dp = start(&yaml, port).await;
+    let through = |bytes: Vec<u8>, pieces: usize| async move {
+        let mut s = common::connect(port).await.expect("connect");
+        let step = bytes.len().div_ceil(pieces);
+        for chunk in bytes.chunks(step) {
+            s.write_all(chunk).await.expect("write");
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        read_line(&mut s).await
+    };
+    let upper = rename(client_hello("a.pass.testx"), "a.pass.testx", "A.PASS.TEST.");
+    assert_eq!(through(upper, 1).await.expect("upper"), "A");
+    assert_eq!(
+        through(client_hello("a.pass.test"), 7)
+            .await
+            .expect("split"),
+        "A"
+    );
+    assert_eq!(
+        through(client_hello("other.test"), 1).await.expect("other"),
+        "D"
+    );
+}
+
+/// The certificate a TLS handshake with server name `sni` gets (DER), with the stream.
+async fn handshake(
+    port: u16,
+    ca: &Ca,
+    sni: &str,
+) -> std::io::Result<(tokio_rustls::client::TlsStream<TcpStream>, Vec<u8>)> {
+    let tcp = common::connect(port).await?;
+    let connector = tokio_rustls::TlsConnector::from(client_config(ca, true));
+    let name = ServerName::try_from(sni.to_string()).expect("name");
+    let t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp))
+        .await
+        .map_err(|_| std::io::Error::other("handshake timed out"))??;
+    let der = t.get_ref().1.peer_certificates().expect("certs")[0].to_vec();
+    Ok((t, der))
+}
+
+/// A reload that changes a listener's certificate: the open connection goes on, new ones get
+/// the new certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_reload_keeps_open_connections() {
+    let ca = Ca::new("ca");
+    let a = http_backend("A").await;
+    let port = free_port();
+    let (one, two) = (ca.leaf(&["a.example.com"]), ca.leaf(&["a.example.com"]));
+    let yaml = |leaf: &Leaf| {
+        let mut y = secret_yaml("cert-a", leaf);
+        y.push_str(&service("svc-a", a));
+        y.push_str(&gateway(&format!(
+            "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert-a}}]}}}}\n"
+        )));
+        y.push_str(&http_route_to("ra", "a", "svc-a"));
+        y
+    };
+    let dp = start(&yaml(&one), port).await;
+    let (mut t, der) = handshake(port, &ca, "a.example.com").await.expect("tls");
+    assert_eq!(der, common::cert(&one.cert_pem).to_vec());
+    t.write_all(b"GET / HTTP/1.1\r\nhost: a.example.com\r\n\r\n")
+        .await
+        .expect("w");
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(IO_TIMEOUT, t.read(&mut buf))
+        .await
+        .expect("t")
+        .expect("r");
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("backend=A"));
+    dp.apply(&compile(&yaml(&two)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    t.write_all(b"GET / HTTP/1.1\r\nhost: a.example.com\r\n\r\n")
+        .await
+        .expect("w");
+    let n = tokio::time::timeout(IO_TIMEOUT, t.read(&mut buf))
+        .await
+        .expect("t")
+        .expect("r");
+    assert!(
+        String::from_utf8_lossy(&buf[..n]).contains("backend=A"),
+        "open connection after reload"
+    );
+    let (_t2, der2) = handshake(port, &ca, "a.example.com").await.expect("tls");
+    assert_eq!(
+        der2,
+        common::cert(&two.cert_pem).to_vec(),
+        "new connection, new certificate"
+    );
+}
+
+/// Clients that connect and stall (nothing, part of a record header, a whole ClientHello then
+/// nothing) are closed by the gateway, and no connection stays counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_tls_clients_are_closed() {
+    let ca = Ca::new("ca");
+    let a = http_backend("A").await;
+    let port = free_port();
+    let mut yaml = secret_yaml("cert-a", &ca.leaf(&["a.example.com"]));
+    yaml.push_str(&service("svc-a", a));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert-a}}]}}}}\n"
+    )));
+    yaml.push_str(&http_route_to("ra", "a", "svc-a"));
+    let dp = start(&yaml, port).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let base = dp.observe().open_connections;
+    let hello = client_hello("a.example.com");
+    let start_t = Instant::now();
+    let mut tasks = Vec::new();
+    for (i, first) in [
+        Vec::new(),
+        vec![0x16, 3],
+        hello.clone(),
+        b"\x16\x03\x01\xff\xff".to_vec(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        tasks.push(tokio::spawn(async move {
+            let mut s = common::connect(port).await.expect("connect");
+            s.write_all(&first).await.expect("write");
+            let mut sink = Vec::new();
+            let r = tokio::time::timeout(Duration::from_secs(40), s.read_to_end(&mut sink)).await;
+            (i, r.is_ok(), start_t.elapsed())
+        }));
+    }
+    for t in tasks {
+        let (i, closed, after) = t.await.expect("task");
+        println!("client {i}: closed={closed} after {after:?}");
+        assert!(
+            closed && after < Duration::from_secs(25),
+            "client {i} still open after {after:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        dp.observe().open_connections,
+        base,
+        "connections still counted"
+    );
+}
+
+/// TLS Terminate + TLSRoute: half-close (close_notify) from the client ends only its own
+/// direction; the backend's answer after it still arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_terminate_half_close() {
+    let ca = Ca::new("ca");
+    let e = Backend::start("E").await;
+    let port = free_port();
+    let mut yaml = secret_yaml("cert-t", &ca.leaf(&["t.example.com"]));
+    yaml.push_str(&service("svc-e", e.addr));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: t, port: {port}, protocol: TLS, hostname: t.example.com, tls: {{mode: Terminate, certificateRefs: [{{name: cert-t}}]}}}}\n"
+    )));
+    yaml.push_str(&tls_route("rt", "t", "t.example.com", "svc-e"));
+    let dp = start(&yaml, port).await;
+    assert!(
+        dp.observe().gateway_errors.is_empty(),
+        "{:?}",
+        dp.observe().gateway_errors
+    );
+    let (mut t, _) = handshake(port, &ca, "t.example.com").await.expect("tls");
+    assert_eq!(read_line(&mut t).await.expect("greeting"), "E");
+    common::echo(&mut t, b"hi\n").await.expect("echo");
+    t.write_all(b"last").await.expect("w");
+    t.shutdown().await.expect("shutdown");
+    let rest = read_all(&mut t).await;
+    assert_eq!(rest, "last");
+}
+
+/// TCP listener whose backend refuses: the client is closed promptly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_route_backend_down() {
+    let mut e = Backend::start("E").await;
+    let addr = e.addr;
+    e.stop().await;
+    drop(e);
+    let port = free_port();
+    let mut yaml = service("svc-e", addr);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: t, port: {port}, protocol: TCP}}\n"
+    )));
+    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TCPRoute\nmetadata: {name: tcp}\nspec:\n  parentRefs: [{name: gw, sectionName: t}]\n  rules: [{backendRefs: [{name: svc-e, port: 80}]}]\n");
+    let dp = start(&yaml, port).await;
+    let t0 = Instant::now();
+    let mut s = common::connect(port).await.expect("c");
+    let got = read_all(&mut s).await;
+    assert!(got.is_empty());
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    // And it comes back.
+    let _e2 = Backend::start_on("E2", addr).await;
+    assert_eq!(common::who(port).await.expect("who"), "E2");
+    drop(dp);
+}
+
+/// A listener with several certificates (one per name, same key type): the client gets the
+/// one for its server name ("each client gets one it can verify", gateway/mod.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_certificates_on_one_listener_are_chosen_by_sni() {
+    let ca = Ca::new("ca");
+    let a = http_backend("A").await;
+    let port = free_port();
+    let (ca_leaf, cb_leaf) = (ca.leaf(&["a.example.com"]), ca.leaf(&["b.example.com"]));
+    let mut yaml = secret_yaml("cert-a", &ca_leaf);
+    yaml.push_str(&secret_yaml("cert-b", &cb_leaf));
+    yaml.push_str(&service("svc-a", a));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: any, port: {port}, protocol: HTTPS, tls: {{certificateRefs: [{{name: cert-a}}, {{name: cert-b}}]}}}}\n"
+    )));
+    yaml.push_str(&http_route_to("ra", "any", "svc-a"));
+    let dp = start(&yaml, port).await;
+    assert!(
+        dp.observe().gateway_errors.is_empty(),
+        "{:?}",
+        dp.observe().gateway_errors
+    );
+    let ok = https_get(port, &ca, "a.example.com", "a.example.com")
+        .await
+        .expect("a");
+    assert!(ok.contains("backend=A"), "{ok}");
+    let b = https_get(port, &ca, "b.example.com", "b.example.com").await;
+    assert!(
+        b.as_ref().is_ok_and(|r| r.contains("backend=A")),
+        "client for b.example.com could not verify the certificate it got: {b:?}"
+    );
+}
+
+/// Plain HTTP with a body sent to a TLS port: the 400 the gateway writes should reach the
+/// client (RFC 9112 §9.6: a server closing with unread input must not reset the answer away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_http_with_a_body_to_a_tls_port_gets_its_400() {
+    let ca = Ca::new("ca");
+    let a = http_backend("A").await;
+    let port = free_port();
+    let mut yaml = secret_yaml("cert-a", &ca.leaf(&["a.example.com"]));
+    yaml.push_str(&service("svc-a", a));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert-a}}]}}}}\n"
+    )));
+    yaml.push_str(&http_route_to("ra", "a", "svc-a"));
+    let _dp = start(&yaml, port).await;
+    let mut failures = Vec::new();
+    for round in 0..5 {
+        let s = common::connect(port).await.expect("connect");
+        let (mut r, mut w) = s.into_split();
+        let body = vec![b'x'; 256 * 1024];
+        let writer = tokio::spawn(async move {
+            let head = format!(
+                "POST / HTTP/1.1\r\nhost: a.example.com\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            );
+            let _ = w.write_all(head.as_bytes()).await;
+            let _ = w.write_all(&body).await;
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut got = Vec::new();
+        let res = tokio::time::timeout(IO_TIMEOUT, r.read_to_end(&mut got)).await;
+        let _ = writer.await;
+        let text = String::from_utf8_lossy(&got);
+        if !text.starts_with("HTTP/1.1 400") {
+            failures.push(format!("round {round}: {res:?} {text:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Terminate: a server name in upper case with a trailing dot (openssl sends it as given)
+/// picks the exact listener's certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminate_sni_case_and_trailing_dot() {
+    let ca = Ca::new("ca");
+    let a = http_backend("A").await;
+    let port = free_port();
+    let mut yaml = secret_yaml("cert-a", &ca.leaf(&["a.example.com"]));
+    yaml.push_str(&secret_yaml("cert-d", &ca.leaf(&["default.example.net"])));
+    yaml.push_str(&service("svc-a", a));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert-a}}]}}}}\n  - {{name: d, port: {port}, protocol: HTTPS, tls: {{certificateRefs: [{{name: cert-d}}]}}}}\n"
+    )));
+    yaml.push_str(&http_route_to("ra", "a", "svc-a"));
+    let _dp = start(&yaml, port).await;
+    for (sni, want) in [
+        ("A.EXAMPLE.COM.", "a.example.com"),
+        ("a.example.com", "a.example.com"),
+        ("x.example.org", "default.example.net"),
+    ] {
+        let out = tokio::task::spawn_blocking(move || {
+            std::process::Command::new("timeout")
+                .args([
+                    "5",
+                    "openssl",
+                    "s_client",
+                    "-connect",
+                    &format!("127.0.0.1:{port}"),
+                    "-servername",
+                    sni,
+                ])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("openssl")
+        })
+        .await
+        .expect("join");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let subject = text
+            .lines()
+            .find(|l| l.starts_with("subject="))
+            .unwrap_or_default()
+            .to_string();
+        println!("{sni}: {subject}");
+        assert!(
+            subject.ends_with(want),
+            "SNI {sni}: {subject:?} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// TCPRoute: the backend half-closes first; the client still sends, then closes; the backend
+/// gets everything and its EOF.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_route_backend_half_closes_first() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _ = s.write_all(b"bye").await;
+                let _ = s.shutdown().await;
+                let mut got = Vec::new();
+                let r = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
+                let _ = tx.send((r.is_ok(), got));
+            });
+        }
+    });
+    let port = free_port();
+    let mut yaml = service("svc-e", addr);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: t, port: {port}, protocol: TCP}}\n"
+    )));
+    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TCPRoute\nmetadata: {name: tcp}\nspec:\n  parentRefs: [{name: gw, sectionName: t}]\n  rules: [{backendRefs: [{name: svc-e, port: 80}]}]\n");
+    let _dp = start(&yaml, port).await;
+    // `start` probes the port with a connection of its own, which took the backend's only
+    // accept: wait for the one-shot backend to be free again is not possible, so retry.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    while rx.try_recv().is_ok() {} // the readiness probe's connection
+    let mut s = common::connect(port).await.expect("c");
+    let first = read_all(&mut s).await;
+    assert_eq!(first, "bye");
+    s.write_all(b"after-eof").await.expect("write after EOF");
+    s.shutdown().await.expect("shutdown");
+    let (eof, got) = tokio::time::timeout(Duration::from_secs(8), rx.recv())
+        .await
+        .expect("t")
+        .expect("backend");
+    assert!(eof, "backend never saw EOF");
+    assert_eq!(got, b"after-eof");
+}
