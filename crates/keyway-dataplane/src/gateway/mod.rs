@@ -712,6 +712,9 @@ async fn serve(
     }
 }
 
+/// From accept to the end of the TLS handshake (or to the ClientHello, for passthrough): one
+/// deadline for all of it, so a client trickling each step cannot hold a connection for the
+/// sum of per-step timeouts.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A connection to an HTTPS/TLS port: read the ClientHello, pick the listener by SNI, then
@@ -722,6 +725,7 @@ async fn serve_tls(
     mut stream: TcpStream,
     peer: SocketAddr,
 ) {
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
     let mut buf = Vec::with_capacity(2048);
     let read_hello = async {
         loop {
@@ -737,7 +741,7 @@ async fn serve_tls(
             }
         }
     };
-    let sni = match tokio::time::timeout(HANDSHAKE_TIMEOUT, read_hello).await {
+    let sni = match tokio::time::timeout_at(deadline, read_hello).await {
         Ok(Some(sni::Hello::Tls(sni))) => sni,
         Ok(Some(sni::Hello::PlainHttp)) => {
             let body = "this port speaks TLS (HTTPS); the request was sent as plain HTTP\n";
@@ -770,7 +774,7 @@ async fn serve_tls(
         rustls::server::Acceptor::default(),
         sni::Prefixed::new(buf, stream),
     );
-    let start = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor).await {
+    let start = match tokio::time::timeout_at(deadline, acceptor).await {
         Ok(Ok(s)) => s,
         _ => return,
     };
@@ -790,8 +794,7 @@ async fn serve_tls(
         tracing::debug!(%peer, ?name, "the listener for this server name has no usable certificate: closing");
         return;
     };
-    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, start.into_stream(server_config)).await
-    {
+    let tls = match tokio::time::timeout_at(deadline, start.into_stream(server_config)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             tracing::debug!(%peer, "TLS handshake failed: {e}");
