@@ -70,12 +70,21 @@ pub enum NetError {
 pub(crate) struct Conn {
     pub id: u64,
     pub peer: String,
-    pub cost: u64,
+    /// The Link's cost; changed in place when the Link's cost is edited (see `apply`).
+    pub cost: AtomicU64,
     /// Present where this site is the HTTP/2 client: streams to the peer are opened here.
     pub sender: Option<h2::client::SendRequest<Bytes>>,
     pub control: mpsc::UnboundedSender<Bytes>,
     pub streams: Arc<AtomicUsize>,
     pub link: Option<String>,
+}
+
+/// A Link in force: its plan, the cost its dials announce (shared with its dial loops, so an
+/// edited cost applies without redialing), and its dial loops.
+struct RunningLink {
+    plan: LinkPlan,
+    cost: Arc<AtomicU64>,
+    _tasks: Vec<AbortOnDrop>,
 }
 
 /// A Link's observed state: connections up (by id, with the remote site) and the last error.
@@ -94,10 +103,14 @@ struct State {
     db: db::Db,
     /// When a peer's advertisement last did not fit in `db` was logged (at most every 10 s).
     db_full_logged: Option<Instant>,
+    /// Other ids seen advertising this site's name, which this site moved past once: one seen
+    /// again ahead of us is a second live site of the same name, not a previous run.
+    superseded: BTreeSet<String>,
+    duplicate_logged: Option<Instant>,
     unreachable_since: HashMap<String, Instant>,
     routes: BTreeMap<String, Route>,
     remote_entries: Vec<(String, String, u64)>,
-    links: BTreeMap<String, (LinkPlan, Vec<AbortOnDrop>)>,
+    links: BTreeMap<String, RunningLink>,
     link_state: BTreeMap<String, LinkState>,
     /// The RouterAccess in force, its accept task, and its bound socket (kept here so that a
     /// changed RouterAccess on the same address takes over the socket instead of binding anew
@@ -167,6 +180,8 @@ impl Network {
                 conns: HashMap::new(),
                 db: db::Db::default(),
                 db_full_logged: None,
+                superseded: BTreeSet::new(),
+                duplicate_logged: None,
                 unreachable_since: HashMap::new(),
                 routes: BTreeMap::new(),
                 remote_entries: Vec::new(),
@@ -204,9 +219,13 @@ impl Network {
         listening.dedup();
         let mut st = lock(&inner.state);
         let mut changed = false;
-        if st.site != plan.site_name {
+        // A new site name: peers know each connection by the name in its hello, so every
+        // connection starts again (the old name's advertisement, unreachable then, ages out).
+        let renamed = st.site != plan.site_name;
+        if renamed {
             let old = std::mem::replace(&mut st.site, plan.site_name.clone());
             st.db.remove(&old);
+            st.superseded.clear();
             changed = true;
         }
         if st.listening != listening {
@@ -215,7 +234,7 @@ impl Network {
         }
         // RouterAccess.
         let same_access = match (&st.access, &plan.router_access) {
-            (Some((running, ..)), Some(wanted)) => running == wanted,
+            (Some((running, ..)), Some(wanted)) => running == wanted && !renamed,
             (None, None) => true,
             _ => false,
         };
@@ -243,8 +262,29 @@ impl Network {
         for link in &plan.links {
             let name = link.id.name.clone();
             match st.links.remove(&name) {
-                Some((running, tasks)) if running == *link => {
-                    next.insert(name, (running, tasks));
+                Some(running) if running.plan == *link && !renamed => {
+                    next.insert(name, running);
+                }
+                // Only the cost changed: the connections stay, and with them every stream
+                // crossing them (SPEC §3.1); both ends take the new cost.
+                Some(mut running)
+                    if !renamed
+                        && LinkPlan {
+                            cost: link.cost,
+                            ..running.plan.clone()
+                        } == *link =>
+                {
+                    running.cost.store(link.cost, Ordering::Relaxed);
+                    let message = Message::Cost { cost: link.cost }.encode();
+                    for c in st.conns.values() {
+                        if c.link.as_deref() == Some(name.as_str()) {
+                            c.cost.store(link.cost, Ordering::Relaxed);
+                            let _ = c.control.send(message.clone());
+                        }
+                    }
+                    running.plan = link.clone();
+                    next.insert(name, running);
+                    changed = true;
                 }
                 _ => {
                     st.link_state.insert(
@@ -254,8 +294,16 @@ impl Network {
                             error: Some("connecting".into()),
                         },
                     );
-                    let tasks = session::start_link(inner, link);
-                    next.insert(name, (link.clone(), tasks));
+                    let cost = Arc::new(AtomicU64::new(link.cost));
+                    let tasks = session::start_link(inner, link, cost.clone());
+                    next.insert(
+                        name,
+                        RunningLink {
+                            plan: link.clone(),
+                            cost,
+                            _tasks: tasks,
+                        },
+                    );
                 }
             }
         }
@@ -364,8 +412,9 @@ impl Inner {
         let mut links: BTreeMap<String, u64> = BTreeMap::new();
         for c in st.conns.values() {
             if c.sender.is_some() {
-                let cost = links.entry(c.peer.clone()).or_insert(c.cost);
-                *cost = (*cost).min(c.cost);
+                let c_cost = c.cost.load(Ordering::Relaxed);
+                let cost = links.entry(c.peer.clone()).or_insert(c_cost);
+                *cost = (*cost).min(c_cost);
             }
         }
         let adv = Advertisement {
@@ -394,10 +443,25 @@ impl Inner {
         }
         let mut st = lock(&self.state);
         if adv.origin == st.site {
-            // An echo of our own, perhaps from a previous run with a higher number: move past it.
-            if adv.id != self.id && adv.seq >= st.seq {
+            if adv.id == self.id || adv.seq < st.seq {
+                return;
+            }
+            // Another id ahead of us under our name. The first time, an echo of a previous
+            // run of this site, still circulating: move past it. Ahead again after that, a
+            // second live site of the same name; moving past each other would flood the
+            // network without end, so say so instead (its advertisements win meanwhile).
+            if st.superseded.insert(adv.id.clone()) {
                 st.seq = adv.seq;
                 self.originate(&mut st);
+            } else {
+                let now = Instant::now();
+                if st
+                    .duplicate_logged
+                    .is_none_or(|t| now.duration_since(t) > Duration::from_secs(10))
+                {
+                    st.duplicate_logged = Some(now);
+                    tracing::error!(site = %st.site, other_id = %adv.id, "another live site in the network has this site's name: site names must be unique; rename one of them");
+                }
             }
             return;
         }
@@ -454,13 +518,24 @@ impl Inner {
         }
     }
 
+    /// The dialing side of connection `id` changed its Link's cost.
+    fn peer_cost(&self, id: u64, cost: u64) {
+        let mut st = lock(&self.state);
+        let Some(c) = st.conns.get(&id) else {
+            return;
+        };
+        if c.link.is_none() && c.cost.swap(cost.max(1), Ordering::Relaxed) != cost.max(1) {
+            self.originate(&mut st);
+        }
+    }
+
     /// Adds a connection whose hellos were exchanged, and sends it what we know.
     fn register(&self, conn: Arc<Conn>) {
         let mut st = lock(&self.state);
         for adv in st.db.values() {
-            let _ = conn
-                .control
-                .send(Message::Advertisement(adv.clone()).encode());
+            if let Some(bytes) = encode_advertisement(adv) {
+                let _ = conn.control.send(bytes);
+            }
         }
         if let Some(link) = &conn.link {
             let ls = st.link_state.entry(link.clone()).or_default();
@@ -529,8 +604,25 @@ impl Inner {
     }
 }
 
-fn flood(st: &State, adv: &Advertisement, except: Option<u64>) {
+/// The advertisement as sent, unless it is larger than any peer accepts: sent, it would make
+/// every peer close the connection, and the link would flap for ever.
+fn encode_advertisement(adv: &Advertisement) -> Option<bytes::Bytes> {
     let bytes = Message::Advertisement(adv.clone()).encode();
+    (bytes.len() <= protocol::MAX_MESSAGE + 1).then_some(bytes)
+}
+
+fn flood(st: &State, adv: &Advertisement, except: Option<u64>) {
+    let Some(bytes) = encode_advertisement(adv) else {
+        tracing::error!(
+            origin = %adv.origin,
+            keys = adv.keys.len(),
+            listening = adv.listening.len(),
+            links = adv.links.len(),
+            "advertisement not sent: it would be larger than the {} MiB a control message may be; other sites keep what they knew",
+            protocol::MAX_MESSAGE >> 20
+        );
+        return;
+    };
     for c in st.conns.values() {
         if Some(c.id) != except {
             let _ = c.control.send(bytes.clone());

@@ -11,8 +11,9 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
-/// Largest control message, newline excluded.
-pub const MAX_MESSAGE: usize = 1024 * 1024;
+/// Largest control message, newline excluded: room for an advertisement of some 60,000
+/// routing keys of the longest kind (or several times more of usual length).
+pub const MAX_MESSAGE: usize = 16 * 1024 * 1024;
 /// Longest site name or routing key accepted from a peer.
 pub const MAX_NAME: usize = 253;
 /// Most keys or links one advertisement may carry.
@@ -32,6 +33,9 @@ pub enum Message {
     },
     /// Sent every second; proves the control loop of the peer is alive.
     Keepalive,
+    /// From the dialing side: the Link's cost was edited; the connection stays and both ends
+    /// use the new cost from now on.
+    Cost { cost: u64 },
     /// A site's link-state advertisement, flooded to every site.
     Advertisement(Advertisement),
 }
@@ -89,6 +93,7 @@ impl Message {
         match self {
             Message::Hello { .. } => "hello",
             Message::Keepalive => "keepalive",
+            Message::Cost { .. } => "cost",
             Message::Advertisement(_) => "advertisement",
         }
     }
@@ -111,7 +116,7 @@ pub fn validate(msg: &Message) -> Result<(), ProtocolError> {
             check_name("site name", site)?;
             check_name("site id", id)
         }
-        Message::Keepalive => Ok(()),
+        Message::Keepalive | Message::Cost { .. } => Ok(()),
         Message::Advertisement(a) => {
             check_name("site name", &a.origin)?;
             check_name("site id", &a.id)?;
@@ -135,10 +140,48 @@ pub fn validate(msg: &Message) -> Result<(), ProtocolError> {
     }
 }
 
+/// A routing key or site name as a stream header value: header values are visible ASCII, names
+/// need not be (`café`), so every other byte, and `%` itself, is written `%XX`.
+pub fn header_encode(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for &b in name.as_bytes() {
+        if b.is_ascii_graphic() && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The name a [`header_encode`]d value stands for; `None` if it is not one.
+pub fn header_decode(value: &str) -> Option<String> {
+    let mut bytes = Vec::with_capacity(value.len());
+    let mut rest = value.as_bytes();
+    while let [b, tail @ ..] = rest {
+        if *b == b'%' {
+            let [h, l, tail @ ..] = tail else {
+                return None;
+            };
+            let hex = std::str::from_utf8(&[*h, *l]).ok()?.to_string();
+            bytes.push(u8::from_str_radix(&hex, 16).ok()?);
+            rest = tail;
+        } else {
+            bytes.push(*b);
+            rest = tail;
+        }
+    }
+    String::from_utf8(bytes).ok()
+}
+
 /// Splits a byte stream into messages and enforces their order.
 #[derive(Default)]
 pub struct Decoder {
     buf: BytesMut,
+    /// How much of `buf` is known to hold no newline: each byte is looked at once, however
+    /// finely the peer splits its messages (a line sent a byte per frame would otherwise cost
+    /// time quadratic in its length).
+    scanned: usize,
     hello_seen: bool,
 }
 
@@ -146,22 +189,29 @@ impl Decoder {
     /// Adds received bytes; fails at once when a line grows past the limit.
     pub fn push(&mut self, data: &[u8]) -> Result<(), ProtocolError> {
         self.buf.extend_from_slice(data);
-        let pending = self
-            .buf
-            .iter()
-            .position(|b| *b == b'\n')
-            .unwrap_or(self.buf.len());
-        if pending > MAX_MESSAGE {
+        if self.newline().is_none() && self.buf.len() > MAX_MESSAGE {
             return Err(ProtocolError::Oversized);
         }
         Ok(())
     }
 
+    /// Where the first newline in `buf` is, scanning only bytes not scanned before.
+    fn newline(&mut self) -> Option<usize> {
+        match self.buf[self.scanned..].iter().position(|b| *b == b'\n') {
+            Some(i) => Some(self.scanned + i),
+            None => {
+                self.scanned = self.buf.len();
+                None
+            }
+        }
+    }
+
     /// The next complete message, if any.
     pub fn next_message(&mut self) -> Result<Option<Message>, ProtocolError> {
-        let Some(end) = self.buf.iter().position(|b| *b == b'\n') else {
+        let Some(end) = self.newline() else {
             return Ok(None);
         };
+        self.scanned = 0;
         let line = self.buf.split_to(end + 1);
         let line = &line[..end];
         if line.len() > MAX_MESSAGE {
@@ -211,6 +261,43 @@ mod tests {
         assert_eq!(d.next_message().unwrap(), Some(Message::Keepalive));
         d.push(&hello().encode()).unwrap();
         assert_eq!(d.next_message(), Err(ProtocolError::SecondHello));
+    }
+
+    /// A peer may send its control stream one byte per HTTP/2 DATA frame (h2 hands each frame
+    /// to `read_some` as one chunk). Each `push` scans the whole pending buffer for a newline,
+    /// so a line of n bytes costs O(n^2): a 1 MiB line (the allowed maximum) sent a byte at a
+    /// time is ~5*10^11 byte comparisons, pinning a runtime thread for minutes. Decoding must
+    /// stay linear in the bytes received.
+    #[test]
+    fn byte_at_a_time_line_is_decoded_in_linear_time() {
+        let line_len = 32 * 1024;
+        let mut d = Decoder::default();
+        d.push(&hello().encode()).unwrap();
+        assert_eq!(d.next_message().unwrap(), Some(hello()));
+        let start = std::time::Instant::now();
+        for _ in 0..line_len {
+            d.push(b" ").unwrap();
+            assert_eq!(d.next_message().unwrap(), None);
+        }
+        let elapsed = start.elapsed();
+        // Linear work on 32 KiB is well under a millisecond per KiB, even unoptimised.
+        assert!(
+            elapsed < std::time::Duration::from_millis(200),
+            "32 KiB sent one byte at a time took {elapsed:?} to buffer (quadratic scan)"
+        );
+    }
+
+    #[test]
+    fn header_values_carry_any_name() {
+        for name in ["plain-key", "café", "a%b", "with space", "ключ/v1"] {
+            let v = header_encode(name);
+            assert!(v.bytes().all(|b| b.is_ascii_graphic()), "{v}");
+            assert_eq!(header_decode(&v).as_deref(), Some(name));
+        }
+        assert_eq!(header_encode("café"), "caf%C3%A9");
+        for bad in ["%", "%4", "%zz", "%FF"] {
+            assert_eq!(header_decode(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! HTTP/2 session on each connection (control stream, PING keepalive), and CONNECT streams.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -189,20 +189,26 @@ pub(crate) fn accepted_role(
 
 /// Dials a Link: one connection where this site is the HTTP/2 client and one where the peer is,
 /// each redialed with backoff.
-pub(crate) fn start_link(inner: &Arc<Inner>, link: &LinkPlan) -> Vec<AbortOnDrop> {
+/// Dials `link` (both HTTP/2 roles), announcing `cost` as it is at each dial.
+pub(crate) fn start_link(
+    inner: &Arc<Inner>,
+    link: &LinkPlan,
+    cost: Arc<AtomicU64>,
+) -> Vec<AbortOnDrop> {
     [true, false]
         .into_iter()
         .map(|client| {
-            AbortOnDrop(
-                inner
-                    .runtime
-                    .spawn(link_loop(inner.clone(), link.clone(), client)),
-            )
+            AbortOnDrop(inner.runtime.spawn(link_loop(
+                inner.clone(),
+                link.clone(),
+                cost.clone(),
+                client,
+            )))
         })
         .collect()
 }
 
-async fn link_loop(inner: Arc<Inner>, link: LinkPlan, client: bool) {
+async fn link_loop(inner: Arc<Inner>, link: LinkPlan, cost: Arc<AtomicU64>, client: bool) {
     let name = link.id.name.clone();
     let alpn = if client { ALPN_FORWARD } else { ALPN_REVERSE };
     let config = match tls::link_client_config(&link.tls, alpn) {
@@ -215,7 +221,7 @@ async fn link_loop(inner: Arc<Inner>, link: LinkPlan, client: bool) {
     let mut backoff = BACKOFF_MIN;
     loop {
         let started = Instant::now();
-        let why = match dial_once(&inner, &link, config.clone(), client).await {
+        let why = match dial_once(&inner, &link, &cost, config.clone(), client).await {
             Ok(()) => "connection closed by the peer".to_string(),
             Err(e) => e.to_string(),
         };
@@ -233,6 +239,7 @@ async fn link_loop(inner: Arc<Inner>, link: LinkPlan, client: bool) {
 async fn dial_once(
     inner: &Arc<Inner>,
     link: &LinkPlan,
+    cost: &AtomicU64,
     config: Arc<rustls::ClientConfig>,
     client: bool,
 ) -> Result<(), NetError> {
@@ -260,7 +267,8 @@ async fn dial_once(
     .map_err(|e| NetError::Tls(format!("TLS handshake failed: {e}")))?;
     let mut tls = tls;
     tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
-    run_session(inner, tls, client, link.cost, Some(link.id.name.clone())).await
+    let cost = cost.load(Ordering::Relaxed);
+    run_session(inner, tls, client, cost, Some(link.id.name.clone())).await
 }
 
 fn h2_client() -> h2::client::Builder {
@@ -406,7 +414,7 @@ where
     let conn = Arc::new(Conn {
         id: inner.next_conn_id(),
         peer: peer.clone(),
-        cost,
+        cost: AtomicU64::new(cost),
         sender,
         control,
         streams: Arc::new(AtomicUsize::new(0)),
@@ -446,6 +454,7 @@ where
                 loop {
                     match decoder.next_message() {
                         Ok(Some(Message::Advertisement(adv))) => inner.receive(conn.id, adv),
+                        Ok(Some(Message::Cost { cost })) => inner.peer_cost(conn.id, cost),
                         Ok(Some(_)) => {}
                         Ok(None) => break,
                         Err(e) => { failed = Some(e); break }
@@ -600,14 +609,14 @@ async fn serve_stream(
     if req.method() != Method::CONNECT {
         return refuse(respond, StatusCode::NOT_FOUND, "only CONNECT streams");
     }
-    let (Some(key), Some(site)) = (header(&req, H_KEY), header(&req, H_SITE)) else {
+    let decoded = |name| header(&req, name).and_then(crate::protocol::header_decode);
+    let (Some(key), Some(site)) = (decoded(H_KEY), decoded(H_SITE)) else {
         return refuse(
             respond,
             StatusCode::BAD_REQUEST,
             "routing key and site required",
         );
     };
-    let (key, site) = (key.to_string(), site.to_string());
     let hops: u8 = header(&req, H_HOPS)
         .and_then(|h| h.parse().ok())
         .unwrap_or(0)
@@ -696,8 +705,8 @@ pub(crate) async fn open_stream(
     let req = Request::builder()
         .method(Method::CONNECT)
         .uri("keyway-link:1")
-        .header(H_KEY, key)
-        .header(H_SITE, site)
+        .header(H_KEY, crate::protocol::header_encode(key))
+        .header(H_SITE, crate::protocol::header_encode(site))
         .header(H_HOPS, hops.to_string())
         .body(())
         .map_err(|e| format!("routing key {key}: {e}"))?;
@@ -835,5 +844,146 @@ mod tests {
         // The peer's window (64 KiB) went to h2; the rest waited with us.
         assert!(backlog.bytes <= (1 << 20) + 10_000);
         assert!(pushed >= 1 << 20);
+    }
+}
+
+/// In-process sites linked over in-memory pipes (no TLS: `run_session` is generic over the
+/// byte stream).
+#[cfg(test)]
+mod linked_in_memory {
+    use super::*;
+    use crate::{Network, lock};
+    use keyway_dataplane::DataPlane;
+
+    fn site(name: &str) -> Network {
+        let metrics = Arc::new(keyway_dataplane::metrics::Metrics::default());
+        let net = Network::new(Arc::new(DataPlane::new(metrics)));
+        lock(&net.inner.state).site = name.into();
+        net
+    }
+
+    /// `a` dials `b`: two connections, one per HTTP/2 direction, as a Link makes.
+    fn link(a: &Network, b: &Network, cost: u64) -> Vec<AbortOnDrop> {
+        let mut tasks = Vec::new();
+        for a_client in [true, false] {
+            let (x, y) = tokio::io::duplex(1 << 20);
+            let (ia, ib) = (a.inner.clone(), b.inner.clone());
+            tasks.push(AbortOnDrop(tokio::spawn(async move {
+                let _ = run_session(&ia, x, a_client, cost, Some("link".into())).await;
+            })));
+            tasks.push(AbortOnDrop(tokio::spawn(async move {
+                let _ = run_session(&ib, y, !a_client, 0, None).await;
+            })));
+        }
+        tasks
+    }
+
+    /// Two sites with the same name (a misconfiguration the hello check cannot see when they
+    /// are not direct neighbours) must not make the network re-advertise without end: each
+    /// treats the other's advertisement as "an echo of our own from a previous run", bumps its
+    /// number past it and floods, and the other does the same, forever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicate_site_names_two_hops_apart_do_not_storm() {
+        let (w1, east, w2) = (site("west"), site("east"), site("west"));
+        // Let the refresh loops' first tick pass, then give each "west" its own key.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        lock(&w1.inner.state).local_keys = vec!["k1".into()];
+        lock(&w2.inner.state).local_keys = vec!["k2".into()];
+        let _l1 = link(&w1, &east, 1);
+        let _l2 = link(&w2, &east, 1);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // What east believes "west" serves flips back and forth between the two sites.
+        let mut flips = 0;
+        let mut prev = None;
+        for _ in 0..200 {
+            let keys = lock(&east.inner.state)
+                .db
+                .get("west")
+                .map(|a| a.keys.clone());
+            if prev.is_some() && keys != prev {
+                flips += 1;
+            }
+            prev = keys;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        eprintln!("east's view of west's keys changed {flips} times in 1 s");
+        let seq = |n: &Network| lock(&n.inner.state).seq;
+        let (s1, s2) = (seq(&w1), seq(&w2));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (d1, d2) = (seq(&w1) - s1, seq(&w2) - s2);
+        // Nothing changes in the network: a handful of originations at most.
+        assert!(
+            d1 < 20 && d2 < 20 && flips < 3,
+            "advertisement storm: west#1 originated {d1} and west#2 {d2} advertisements in 2 s; \
+             east's routing view of west flipped {flips} times in 1 s"
+        );
+    }
+
+    /// A `cost` message from the dialer (its Link's cost was edited) changes the cost both ends
+    /// advertise for the link, on the same connections.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cost_message_changes_both_ends_cost() {
+        let (a, b) = (site("a"), site("b"));
+        let _l = link(&a, &b, 1);
+        let cost_of = |n: &Network, origin: &str, to: &str| {
+            lock(&n.inner.state)
+                .db
+                .get(origin)
+                .and_then(|adv| adv.links.iter().find(|l| l.site == to).map(|l| l.cost))
+        };
+        for _ in 0..100 {
+            if cost_of(&a, "b", "a") == Some(1) && cost_of(&a, "a", "b") == Some(1) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let before: Vec<u64> = lock(&a.inner.state).conns.keys().copied().collect();
+        {
+            let mut st = lock(&a.inner.state);
+            for c in st.conns.values() {
+                c.cost.store(5, Ordering::Relaxed);
+                let _ = c.control.send(Message::Cost { cost: 5 }.encode());
+            }
+            a.inner.originate(&mut st);
+        }
+        for _ in 0..100 {
+            if cost_of(&a, "b", "a") == Some(5) && cost_of(&b, "a", "b") == Some(5) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            cost_of(&a, "b", "a"),
+            Some(5),
+            "b's advertisement as a sees it"
+        );
+        assert_eq!(
+            cost_of(&b, "a", "b"),
+            Some(5),
+            "a's advertisement as b sees it"
+        );
+        let after: Vec<u64> = lock(&a.inner.state).conns.keys().copied().collect();
+        assert_eq!(before, after, "the same connections");
+    }
+
+    /// A site with a few thousand long routing keys (each valid: up to 253 bytes) links and is
+    /// known by its peers: its advertisement (over 1 MiB) fits the control-message bound, and
+    /// one that would not is not sent (peers closed the connection on it, and the Link flapped
+    /// for ever).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_site_with_many_keys_can_still_link() {
+        let (big, peer) = (site("big"), site("peer"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        lock(&big.inner.state).local_keys = (0..4500)
+            .map(|i| format!("{i:05}-{}", "k".repeat(240)))
+            .collect();
+        let _l = link(&big, &peer, 1);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let learned = lock(&peer.inner.state).db.get("big").map(|a| a.keys.len());
+        let conns = lock(&peer.inner.state).conns.len();
+        assert!(
+            learned == Some(4500) && conns == 2,
+            "peer learned {learned:?} of big's 4500 keys; {conns} of 2 link connections up"
+        );
     }
 }

@@ -1,0 +1,300 @@
+//! Edits to a running network (a Link's cost, a Site's name), unusual routing keys, and sites
+//! that stop or die under live connections: real `keyway run` processes on loopback.
+
+mod sites;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use sites::*;
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `a` (Listener `svc` on `listen`) links to `b` (RouterAccess, Connector `svc`).
+fn pair(ca: &Ca, backend: &Backend) -> (SiteProc, SiteProc, u16, u16) {
+    let (b_port, listen) = (free_port(), free_port());
+    let b = start_site(
+        "b",
+        ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    let a = start_site(
+        "a",
+        ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-b")),
+        "linked: {}",
+        a.log()
+    );
+    (a, b, b_port, listen)
+}
+
+/// SPEC §3.1: "No live connection is moved or cut by ... any config reload that keeps its
+/// listener." Editing only a Link's `cost` keeps the Link's connections (the new cost goes to
+/// the peer in a `cost` message), and with them every proxied connection crossing them.
+#[test]
+fn editing_a_link_cost_keeps_live_connections() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (a, _b, _b_port, listen) = pair(&ca, &backend);
+
+    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("greeting");
+    assert_eq!(line, "at-b\n");
+
+    // Same site, same listener, same Secret; only the Link's cost changes (1 -> 2).
+    edit(&a, "  cost: 1\n", "  cost: 2\n");
+    std::thread::sleep(Duration::from_secs(2));
+
+    let echoed = w
+        .write_all(b"still there?\n")
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            let mut echo = String::new();
+            r.read_line(&mut echo).map_err(|e| e.to_string())?;
+            Ok(echo)
+        });
+    assert_eq!(
+        echoed.as_deref(),
+        Ok("still there?\n"),
+        "the live connection was cut by a Link cost edit; a's log:\n{}",
+        a.log()
+    );
+}
+
+/// Renaming a Site (hot reload of its `Site` object) leaves the network consistent: the
+/// renamed site is reachable under its new name and its keys still work from other sites.
+/// (Had its links kept the hello exchanged under the old name, peers would advertise an
+/// adjacency to the old name, and streams would bounce between the two sites until the hop
+/// limit.)
+#[test]
+fn renaming_a_site_keeps_its_keys_reachable() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (a, b, _b_port, listen) = pair(&ca, &backend);
+
+    // Only the Site's name changes (same Secret, RouterAccess and Connector).
+    edit(
+        &b,
+        "kind: Site\nmetadata:\n  name: b\n",
+        "kind: Site\nmetadata:\n  name: b2\n",
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let mut last = Ok(String::new());
+    let ok = eventually(Duration::from_secs(10), || {
+        last = who(listen);
+        last.as_deref() == Ok("at-b")
+    });
+    let status = a.get("/status").unwrap_or_default();
+    assert!(
+        ok && status.contains("\"b2\""),
+        "after renaming b to b2: who = {last:?}; a knows b2: {}; a's log tail:\n{}\nb's log tail:\n{}",
+        status.contains("\"b2\""),
+        tail(&a.log()),
+        tail(&b.log())
+    );
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// As above, for a site that only dials (Link, no RouterAccess).
+#[test]
+fn renaming_a_dialing_site_keeps_its_keys_reachable() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-a");
+    let (b_port, listen) = (free_port(), free_port());
+    let b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-a")),
+        "linked: {}",
+        b.log()
+    );
+    // Only the Site's name changes (same Secret, Link and Connector).
+    edit(
+        &a,
+        "kind: Site\nmetadata:\n  name: a\n",
+        "kind: Site\nmetadata:\n  name: a2\n",
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let mut last = Ok(String::new());
+    let ok = eventually(Duration::from_secs(10), || {
+        last = who(listen);
+        last.as_deref() == Ok("at-a")
+    });
+    let status = b.get("/status").unwrap_or_default();
+    let knows_a2 = status.contains("\"a2\"");
+    assert!(
+        ok && knows_a2,
+        "after renaming a to a2: who via b = {last:?}; b knows a2: {knows_a2}; a's log tail:\n{}\nb's log tail:\n{}",
+        tail(&a.log()),
+        tail(&b.log())
+    );
+}
+
+/// Rewrites one piece of a site's config file in place (the Secret stays byte-identical:
+/// `Ca::secret_yaml` would issue a fresh leaf, which is a certificate change).
+fn edit(site: &SiteProc, from: &str, to: &str) {
+    let path = site.config_dir().join("site.yaml");
+    let text = std::fs::read_to_string(&path).expect("read config");
+    assert!(text.contains(from), "{from:?} not in config");
+    write_file(&site.config_dir(), "site.yaml", &text.replacen(from, to, 1));
+}
+
+/// SPEC §3.2: a silent link is noticed within a few seconds (protocol.md: 2.5 s). A proxied
+/// connection that was crossing it must then end (the client sees EOF or a reset) rather than
+/// hang on a tunnel whose link is gone.
+#[test]
+fn connections_over_a_silent_link_end_when_it_is_dropped() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (a, b, _b_port, listen) = pair(&ca, &backend);
+    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("greeting");
+    assert_eq!(line, "at-b\n");
+    b.signal("-STOP");
+    let start = std::time::Instant::now();
+    let mut rest = String::new();
+    let res = r.read_line(&mut rest);
+    let waited = start.elapsed();
+    b.signal("-CONT");
+    assert!(
+        matches!(res, Ok(0) | Err(_)) && waited < Duration::from_secs(5),
+        "client connection still open {waited:?} after its link went silent ({res:?}); a's log:\n{}",
+        tail(&a.log())
+    );
+}
+
+/// Chain a – b – c, a connection from a's listener to c's backend through b: when c is killed
+/// the client's connection must end promptly (b's relay resets the stream towards a).
+#[test]
+fn connection_through_an_intermediate_ends_when_the_far_site_dies() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let backend = Backend::start("at-c");
+    let mut c = start_site(
+        "c",
+        &ca,
+        &[
+            router_access_yaml(c_port, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    let _b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            link_yaml("to-c", c_port, 1, "link-tls"),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(eventually(Duration::from_secs(10), || who(listen)
+        .as_deref()
+        == Ok("at-c")));
+    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("greeting");
+    c.kill();
+    let start = std::time::Instant::now();
+    let mut rest = String::new();
+    let res = r.read_line(&mut rest);
+    let waited = start.elapsed();
+    assert!(
+        matches!(res, Ok(0) | Err(_)) && waited < Duration::from_secs(2),
+        "client connection still open {waited:?} after the far site died ({res:?}); a's log:\n{}",
+        tail(&a.log())
+    );
+}
+
+/// A routing key with a non-ASCII character (valid: only whitespace and control characters
+/// are refused) works across a link as it does locally: the CONNECT stream's
+/// `keyway-routing-key` header carries it percent-encoded (header values are visible ASCII).
+#[test]
+fn non_ascii_routing_key_works_across_a_link() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (b_port, listen) = (free_port(), free_port());
+    let key = "caf\u{e9}";
+    let _b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc", key, backend.port),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", key, listen),
+        ],
+    );
+    let mut last = Ok(String::new());
+    let ok = eventually(Duration::from_secs(10), || {
+        last = who(listen);
+        last.as_deref() == Ok("at-b")
+    });
+    let listener = a.status_of("Listener", "svc");
+    assert!(
+        ok,
+        "key {key} never worked across the link: {last:?}; a's listener status: {listener:?}; a's log:\n{}",
+        tail(&a.log())
+    );
+}
