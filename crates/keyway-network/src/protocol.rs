@@ -23,8 +23,8 @@ pub const MAX_ITEMS: usize = 65_536;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "camelCase")]
 pub enum Message {
-    /// First message each way: who the site is, and the cost of this link (set by the dialer,
-    /// echoed by the accepting side).
+    /// First message each way: who the site is, and the cost of this link (the dialer's Link
+    /// cost, which the accepting side adopts; the accepting side sends 0).
     Hello {
         version: u32,
         site: String,
