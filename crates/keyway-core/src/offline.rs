@@ -10,7 +10,7 @@ use crate::Time;
 use crate::gateway::{self, GatewayResolution};
 use crate::index::Index;
 use crate::load::{ConfigError, FileLoad};
-use crate::reconcile::{ObjectState, Reconciled, reconcile};
+use crate::reconcile::{ObjectState, Reconciled, hosts_overlap, precedence_of, reconcile};
 use crate::resource::ObjectKey;
 use crate::service_network::{self, Reachability, Resolution};
 
@@ -38,7 +38,57 @@ impl Compiled {
                 all.push(p.clone());
             }
         }
+        all.extend(self.port_clashes());
         all
+    }
+
+    /// Ports two objects want on overlapping addresses, which only one of them can bind:
+    /// RouterAccess first, then Listeners and MultiKeyListeners (among themselves already
+    /// settled when the files were read), then Gateways oldest first (a running site keeps a
+    /// port with the Gateway serving it). Each later claimant gets the error.
+    fn port_clashes(&self) -> Vec<ConfigError> {
+        let plan = &self.resolution.plan;
+        let mut claims: Vec<(Vec<String>, u16, &ObjectKey, &str)> = Vec::new();
+        if let Some(ra) = &plan.router_access {
+            claims.push((vec![ra.bind_host.clone()], ra.port, &ra.id, "spec.port"));
+        }
+        for l in &plan.listeners {
+            claims.push((vec![l.host.clone()], l.port, &l.id, "spec.port"));
+        }
+        let mut gateways: Vec<_> = self
+            .gateway
+            .plan
+            .gateways
+            .iter()
+            .filter_map(|g| Some((precedence_of(self.index.get(&g.gateway)?), g)))
+            .collect();
+        gateways.sort_by(|a, b| a.0.cmp(&b.0));
+        for (_, g) in gateways {
+            let hosts: Vec<String> = if g.addresses.is_empty() {
+                vec!["0.0.0.0".into()]
+            } else {
+                g.addresses.iter().map(ToString::to_string).collect()
+            };
+            for p in &g.ports {
+                claims.push((hosts.clone(), p.port, &g.gateway, "spec.listeners"));
+            }
+        }
+        let mut errors = Vec::new();
+        for (i, (hosts, port, key, path)) in claims.iter().enumerate() {
+            let holder = claims[..i].iter().find(|(h, p, k, _)| {
+                p == port && k != key && h.iter().any(|a| hosts.iter().any(|b| hosts_overlap(a, b)))
+            });
+            if let (Some((_, _, holder, _)), Some(obj)) = (holder, self.index.get(key)) {
+                let e = obj.error_at(
+                    path,
+                    format!("port {port} is also wanted by {holder}: only one of them can bind it"),
+                );
+                if !errors.contains(&e) {
+                    errors.push(e);
+                }
+            }
+        }
+        errors
     }
 }
 

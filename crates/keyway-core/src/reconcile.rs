@@ -332,7 +332,7 @@ fn is_incomplete(incomplete: &HashSet<&str>, file: &str) -> bool {
 
 /// Two listener hosts collide on one port when equal, when either is a wildcard address, or
 /// when both are loopback (`localhost` is 127.0.0.1 and ::1 alike).
-fn hosts_overlap(a: &str, b: &str) -> bool {
+pub(crate) fn hosts_overlap(a: &str, b: &str) -> bool {
     let wildcard = |h: &str| matches!(h, "0.0.0.0" | "::" | "[::]");
     let loopback =
         |h: &str| h.eq_ignore_ascii_case("localhost") || matches!(h, "127.0.0.1" | "::1" | "[::1]");

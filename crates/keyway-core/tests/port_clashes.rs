@@ -1,0 +1,94 @@
+//! Ports that two objects want on overlapping addresses: `keyway validate` says so before a
+//! running site finds out which of them could not bind.
+
+use keyway_core::{ObjectState, Time, jiff, load_file};
+
+fn at(second: i64) -> Time {
+    Time(jiff::Timestamp::from_second(1_700_000_000 + second).unwrap())
+}
+
+fn listener(name: &str, host: &str, port: u16) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: {name}\nspec:\n  routingKey: {name}\n  host: {host}\n  port: {port}\n---\n"
+    )
+}
+
+/// A Gateway created `created` seconds after the epoch of these tests, with HTTP listeners on
+/// `ports` (two hostnames each, so one Gateway sharing a port with itself is covered too).
+fn gateway(name: &str, created: i64, addresses: &[&str], ports: &[u16]) -> String {
+    let stamp = at(created).0;
+    let mut y = format!(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: {name}\n  creationTimestamp: \"{stamp}\"\nspec:\n  gatewayClassName: keyway\n"
+    );
+    if !addresses.is_empty() {
+        y.push_str("  addresses:\n");
+        for a in addresses {
+            y.push_str(&format!("  - {{type: IPAddress, value: \"{a}\"}}\n"));
+        }
+    }
+    y.push_str("  listeners:\n");
+    for p in ports {
+        for h in ["a.example", "b.example"] {
+            y.push_str(&format!(
+                "  - {{name: l{p}-{h}, protocol: HTTP, port: {p}, hostname: {h}}}\n"
+            ));
+        }
+    }
+    y + "---\n"
+}
+
+/// (case, manifests, expected errors as "kind/name path: fragment").
+fn cases() -> Vec<(&'static str, String, Vec<&'static str>)> {
+    vec![
+        (
+            "a Gateway on a Listener's port",
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &[], &[8080]),
+            vec!["Gateway/gw spec.listeners: port 8080 is also wanted by Listener default/l"],
+        ),
+        (
+            "different ports",
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &[], &[8081]),
+            vec![],
+        ),
+        (
+            "a Gateway bound to another address than the Listener",
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &["10.0.0.5"], &[8080]),
+            vec![],
+        ),
+        (
+            "a Gateway on an address a Listener on every address covers",
+            listener("l", "0.0.0.0", 8080) + &gateway("gw", 0, &["10.0.0.5"], &[8080]),
+            vec!["Gateway/gw spec.listeners: port 8080 is also wanted by Listener default/l"],
+        ),
+        (
+            "two Gateways: the newer one is told",
+            gateway("young", 50, &[], &[8080, 9090]) + &gateway("old", 10, &[], &[8080]),
+            vec!["Gateway/young spec.listeners: port 8080 is also wanted by Gateway default/old"],
+        ),
+        (
+            "one Gateway with several listeners on a port",
+            gateway("gw", 0, &[], &[8080]),
+            vec![],
+        ),
+    ]
+}
+
+#[test]
+fn port_clashes_are_errors_of_the_later_claimant() {
+    for (name, yaml, want) in cases() {
+        let mut state = ObjectState::default();
+        let c = keyway_core::offline::compile(&[load_file("a.yaml", &yaml)], &mut state, &at(100));
+        let got: Vec<String> = c
+            .errors()
+            .iter()
+            .map(|e| {
+                let obj = e.object.as_ref().map(|k| format!("{}/{}", k.kind, k.name));
+                format!("{} {}: {}", obj.unwrap_or_default(), e.path, e.message)
+            })
+            .collect();
+        assert_eq!(got.len(), want.len(), "{name}: {got:#?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!(g.starts_with(w), "{name}: {g:?} should start with {w:?}");
+        }
+    }
+}
