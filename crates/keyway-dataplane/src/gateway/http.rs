@@ -37,6 +37,9 @@ struct ConnInfo {
     upstream: Arc<Sticky>,
 }
 
+/// How long an idle connection told to close (HTTP/2 GOAWAY) may take to finish.
+const IDLE_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Serves one client connection until it closes.
 pub async fn serve<I: Io>(
     ctx: Arc<Ctx>,
@@ -76,12 +79,17 @@ pub async fn serve<I: Io>(
     // connection's read buffer shared, so its next read would allocate a fresh buffer.
     builder.http1().writev(false);
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
+    tokio::pin!(connection);
     tokio::select! {
-        ended = connection => if let Err(e) = ended {
+        ended = connection.as_mut() => if let Err(e) = ended {
             tracing::debug!(%peer, "HTTP connection ended: {e}");
         },
         () = activity.idle(idle_limit) => {
             tracing::debug!(%peer, "closing an idle HTTP connection");
+            // HTTP/2 says GOAWAY first (RFC 9113 §6.8): a client whose request crossed the
+            // close then knows it was not processed. Bounded: the connection is idle.
+            connection.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(IDLE_CLOSE_GRACE, connection).await;
         }
     }
     pool.close_sticky(&upstream);
@@ -124,7 +132,9 @@ fn as_grpc(resp: Response<Body>) -> Response<Body> {
         _ => "2",                // UNKNOWN
     };
     let message = status.canonical_reason().unwrap_or("error");
-    let mut r = Response::new(Body::full(String::new()));
+    // No body at all: hyper then ends the stream with these headers (one HEADERS frame with
+    // END_STREAM), which is what gRPC clients read as trailers-only.
+    let mut r = Response::new(Body::Empty);
     let h = r.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
@@ -642,7 +652,7 @@ async fn forward(
         Sent::H1 { conn, body } => {
             Relay::start(conn, body, info.upstream.clone(), ctx.pool.clone())
         }
-        Sent::H2(b) => Body::Incoming(b),
+        Sent::H2(b) => b,
     };
     let body = match deadline {
         Some(at) => body.until(at),
@@ -654,7 +664,7 @@ async fn forward(
 /// What a backend answered with, before it becomes the client's response body.
 enum Sent {
     H1 { conn: H1, body: BodyKind },
-    H2(Incoming),
+    H2(Body),
 }
 
 fn connect_error(e: &ConnectError) -> Response<Body> {
@@ -707,20 +717,42 @@ async fn open_h1(ctx: &Ctx, backend: &Backend) -> Result<H1, Response<Body>> {
 async fn send_h2(
     ctx: &Ctx,
     backend: &Backend,
-    req: Request<Body>,
-) -> Result<Response<Incoming>, Response<Body>> {
-    let mut sender = ctx
-        .pool
-        .h2(&ctx.shared, backend)
-        .await
-        .map_err(|e| match e {
-            H2Error::Connect(c) => connect_error(&c),
-            H2Error::Http(e) => full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")),
-        })?;
-    sender
-        .send_request(req)
-        .await
-        .map_err(|e| full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")))
+    mut req: Request<Body>,
+) -> Result<Response<Body>, Response<Body>> {
+    // A request a connection gives back unsent (its backend is going away: GOAWAY) was not
+    // processed (RFC 9113 §6.8): it goes once more, on another connection.
+    for attempt in 0..2 {
+        let mut lease = ctx
+            .pool
+            .h2(&ctx.shared, backend)
+            .await
+            .map_err(|e| match e {
+                H2Error::Connect(c) => connect_error(&c),
+                H2Error::Http(e) => full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")),
+            })?;
+        match lease.sender.try_send_request(req).await {
+            Ok(resp) => {
+                // The stream holds its place on the connection until its body ends.
+                return Ok(resp.map(|b| Body::Leased(Box::new((Body::Incoming(b), lease.slot)))));
+            }
+            Err(mut e) => match e.take_message() {
+                Some(unsent) if attempt == 0 => {
+                    ctx.pool.forget_h2(&lease);
+                    req = unsent;
+                }
+                _ => {
+                    return Err(full(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("backend: {}", e.error()),
+                    ));
+                }
+            },
+        }
+    }
+    Err(full(
+        StatusCode::BAD_GATEWAY,
+        "backend: connection refused the request",
+    ))
 }
 
 #[cfg(test)]

@@ -54,6 +54,9 @@ pub enum Body {
     Deadline(Box<Deadline>),
     /// An HTTP/2 backend's response body, keeping its client connection active (boxed: rare).
     Held(Box<(Body, InFlight)>),
+    /// An HTTP/2 backend's response body, holding its place on the backend connection until
+    /// it ends (see [`H2Slot`]).
+    Leased(Box<(Body, H2Slot)>),
 }
 
 impl Body {
@@ -74,7 +77,9 @@ impl Body {
                 d.body = std::mem::take(&mut d.body).holding(in_flight);
                 Body::Deadline(d)
             }
-            Body::Incoming(_) | Body::Held(_) => Body::Held(Box::new((self, in_flight))),
+            Body::Incoming(_) | Body::Held(_) | Body::Leased(_) => {
+                Body::Held(Box::new((self, in_flight)))
+            }
             Body::Empty | Body::Full(_) => self,
         }
     }
@@ -129,6 +134,7 @@ impl hyper::body::Body for Body {
                 }
             }
             Body::Held(h) => Pin::new(&mut h.0).poll_frame(cx),
+            Body::Leased(l) => Pin::new(&mut l.0).poll_frame(cx),
         }
     }
 
@@ -140,6 +146,7 @@ impl hyper::body::Body for Body {
             Body::Relay(b) => b.is_end_stream(),
             Body::Deadline(d) => d.body.is_end_stream(),
             Body::Held(h) => h.0.is_end_stream(),
+            Body::Leased(l) => l.0.is_end_stream(),
         }
     }
 
@@ -151,6 +158,7 @@ impl hyper::body::Body for Body {
             Body::Relay(b) => b.size_hint(),
             Body::Deadline(d) => d.body.size_hint(),
             Body::Held(h) => h.0.size_hint(),
+            Body::Leased(l) => l.0.size_hint(),
         }
     }
 }
@@ -704,9 +712,151 @@ impl hyper::body::Body for Relay {
 #[derive(Default)]
 pub struct Pool {
     h1: Mutex<HashMap<String, Vec<H1>>>,
-    h2: Mutex<HashMap<String, http2::SendRequest<Body>>>,
+    h2: Mutex<HashMap<String, Vec<H2Conn>>>,
     failed: Mutex<HashMap<String, Instant>>,
     rotate: AtomicUsize,
+    /// Whose turn it is among a backend's endpoints for the next gRPC call.
+    rotate_h2: AtomicUsize,
+}
+
+/// Requests one HTTP/2 backend connection carries at once; past that, another connection.
+const H2_STREAMS: usize = 100;
+/// Receive window per stream, and per connection room for all of them: a stream whose client
+/// stopped reading holds at most its own window, never window another stream needs (with one
+/// connection window smaller than the streams' sum, three unread 2 MiB streams stalled every
+/// call to the backend).
+const H2_STREAM_WINDOW: u32 = 256 * 1024;
+const H2_CONN_WINDOW: u32 = H2_STREAMS as u32 * H2_STREAM_WINDOW;
+
+/// One HTTP/2 connection to a backend, and how many requests it carries.
+struct H2Conn {
+    sender: http2::SendRequest<Body>,
+    streams: Arc<AtomicUsize>,
+    /// The backend's SETTINGS_MAX_CONCURRENT_STREAMS, once its first SETTINGS frame has been
+    /// read (see [`SettingsSniffer`]): a request past it would wait on this connection until
+    /// another stream ends, for ever behind long-lived streams. hyper does not tell it.
+    peer_limit: Arc<AtomicUsize>,
+}
+
+impl H2Conn {
+    fn lease(&self, key: &str) -> Option<H2Lease> {
+        let limit = H2_STREAMS.min(self.peer_limit.load(Ordering::Relaxed));
+        if self.sender.is_closed()
+            || !self.sender.is_ready()
+            || self.streams.load(Ordering::Relaxed) >= limit
+        {
+            return None;
+        }
+        self.streams.fetch_add(1, Ordering::Relaxed);
+        Some(H2Lease {
+            sender: self.sender.clone(),
+            slot: H2Slot(self.streams.clone()),
+            key: key.to_string(),
+        })
+    }
+}
+
+/// Reads a backend's first HTTP/2 frame (RFC 9113 §3.4: its SETTINGS) on the way to hyper, to
+/// learn SETTINGS_MAX_CONCURRENT_STREAMS; every later read passes through untouched.
+struct SettingsSniffer {
+    io: Box<dyn Io>,
+    /// The first frame so far; `None` once read.
+    first: Option<Vec<u8>>,
+    limit: Arc<AtomicUsize>,
+}
+
+impl SettingsSniffer {
+    fn observe(&mut self, data: &[u8]) {
+        let Some(first) = self.first.as_mut() else {
+            return;
+        };
+        first.extend_from_slice(data);
+        let Some(header) = first.get(..9) else {
+            return;
+        };
+        let len =
+            usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+        let (kind, flags) = (header[3], header[4]);
+        // A SETTINGS frame's payload is 6-byte entries; anything longer than a few dozen is
+        // not one worth waiting for.
+        if kind != 0x4 || flags & 0x1 != 0 || len > 6 * 64 {
+            self.first = None;
+            return;
+        }
+        let Some(payload) = first.get(9..9 + len) else {
+            return;
+        };
+        for entry in payload.chunks_exact(6) {
+            if entry[..2] == [0, 3] {
+                let v = u32::from_be_bytes([entry[2], entry[3], entry[4], entry[5]]);
+                self.limit
+                    .store(usize::try_from(v).unwrap_or(usize::MAX), Ordering::Relaxed);
+            }
+        }
+        self.first = None;
+    }
+}
+
+impl tokio::io::AsyncRead for SettingsSniffer {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut self.io).poll_read(cx, buf))?;
+        if self.first.is_some() {
+            let data = buf.filled()[before..].to_vec();
+            self.observe(&data);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl tokio::io::AsyncWrite for SettingsSniffer {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// A request's place on an HTTP/2 backend connection, given back when dropped.
+pub struct H2Slot(Arc<AtomicUsize>);
+
+impl Drop for H2Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An HTTP/2 backend connection to send one request on.
+pub struct H2Lease {
+    pub sender: http2::SendRequest<Body>,
+    pub slot: H2Slot,
+    key: String,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -953,26 +1103,35 @@ impl Pool {
         H1::new(c)
     }
 
-    /// A multiplexed HTTP/2 (prior knowledge) connection for gRPC backends.
-    pub async fn h2(
-        &self,
-        shared: &Shared,
-        backend: &Backend,
-    ) -> Result<http2::SendRequest<Body>, H2Error> {
-        for key in self.idle_keys(shared, backend) {
-            if let Some(s) = lock(&self.h2).get(&key)
-                && !s.is_closed()
-                && s.is_ready()
-            {
-                return Ok(s.clone());
+    /// An HTTP/2 (prior knowledge) connection for a gRPC call to `backend`. Calls take turns
+    /// among the backend's endpoints: the endpoint whose turn it is lends a connection with room,
+    /// or gets a new one (as `connect` rotates).
+    pub async fn h2(&self, shared: &Shared, backend: &Backend) -> Result<H2Lease, H2Error> {
+        let keys = self.idle_keys(shared, backend);
+        if !keys.is_empty() {
+            let key = &keys[self.rotate_h2.fetch_add(1, Ordering::Relaxed) % keys.len()];
+            let mut pool = lock(&self.h2);
+            if let Some(list) = pool.get_mut(key) {
+                list.retain(|c| !c.sender.is_closed());
+                if let Some(lease) = list.iter().find_map(|c| c.lease(key)) {
+                    return Ok(lease);
+                }
             }
         }
         let c = self
             .connect(shared, backend)
             .await
             .map_err(H2Error::Connect)?;
+        let peer_limit = Arc::new(AtomicUsize::new(usize::MAX));
+        let io = SettingsSniffer {
+            io: c.io,
+            first: Some(Vec::new()),
+            limit: peer_limit.clone(),
+        };
         let (sender, conn) = http2::Builder::new(TokioExecutor::new())
-            .handshake(TokioIo::new(c.io))
+            .initial_stream_window_size(H2_STREAM_WINDOW)
+            .initial_connection_window_size(H2_CONN_WINDOW)
+            .handshake(TokioIo::new(io))
             .await
             .map_err(H2Error::Http)?;
         let guard = c.guard;
@@ -982,8 +1141,28 @@ impl Pool {
                 tracing::debug!("upstream h2 connection ended: {e}");
             }
         });
-        lock(&self.h2).insert(c.key, sender.clone());
-        Ok(sender)
+        let conn = H2Conn {
+            sender,
+            streams: Arc::default(),
+            peer_limit,
+        };
+        // A new connection has room (its peer's SETTINGS may still be on their way).
+        conn.streams.fetch_add(1, Ordering::Relaxed);
+        let lease = H2Lease {
+            sender: conn.sender.clone(),
+            slot: H2Slot(conn.streams.clone()),
+            key: c.key.clone(),
+        };
+        lock(&self.h2).entry(c.key).or_default().push(conn);
+        Ok(lease)
+    }
+
+    /// Drops the connection `lease` came from: it refused a request it never sent (the
+    /// backend is going away).
+    pub fn forget_h2(&self, lease: &H2Lease) {
+        if let Some(list) = lock(&self.h2).get_mut(&lease.key) {
+            list.retain(|c| !Arc::ptr_eq(&c.streams, &lease.slot.0));
+        }
     }
 }
 
