@@ -282,7 +282,12 @@ pub fn compile_grpc(m: &GrpcRouteRulesMatches) -> Result<Match, String> {
                 }
                 _ => match (s, me) {
                     (Some(s), Some(me)) => PathMatch::Exact(format!("/{s}/{me}")),
-                    (Some(s), None) => PathMatch::prefix(&format!("/{s}")),
+                    // `/service/method`: one method segment, not the service's path prefix
+                    // (which `/demo.Echo` and `/demo.Echo/a/b` would also pass).
+                    (Some(s), None) => PathMatch::Regex(
+                        anchored(&format!("/{}/[^/]+", regex::escape(s)))
+                            .map_err(|e| bad_regex("service", e))?,
+                    ),
                     (None, Some(me)) => PathMatch::Regex(
                         anchored(&format!("/[^/]+/{}", regex::escape(me)))
                             .map_err(|e| bad_regex("method", e))?,
@@ -437,6 +442,32 @@ mod tests {
         let both = grpc(Some("demo.Echo"), Some("Hi"));
         assert!(service_only > method_only);
         assert!(both > service_only);
+    }
+
+    /// A service-only match takes `/service/method` with one method segment.
+    #[test]
+    fn grpc_service_only_matches_one_method_segment() {
+        use gateway_api::apis::standard::grpcroutes::GrpcRouteRulesMatchesMethod;
+        let m = compile_grpc(&GrpcRouteRulesMatches {
+            headers: None,
+            method: Some(GrpcRouteRulesMatchesMethod {
+                method: None,
+                service: Some("demo.Echo".into()),
+                r#type: None,
+            }),
+        })
+        .expect("compile");
+        let (post, h) = (Method::POST, HeaderMap::new());
+        for (path, want) in [
+            ("/demo.Echo/Hi", true),
+            ("/demo.Echo", false),
+            ("/demo.Echo/", false),
+            ("/demo.Echo/a/b", false),
+            ("/demo.EchoX/Hi", false),
+            ("/demoXEcho/Hi", false),
+        ] {
+            assert_eq!(m.matches(&req(&post, path, None, &h)), want, "{path}");
+        }
     }
 
     /// An alternation in a gRPC service or method expression stays within its part.
