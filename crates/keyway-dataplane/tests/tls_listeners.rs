@@ -71,6 +71,19 @@ async fn https_get(port: u16, ca: &Ca, sni: &str, host: &str) -> std::io::Result
     Ok(read_all(&mut t).await)
 }
 
+/// One HTTPS listener for `a.example.com` on `port` (certificate from `ca`), routing to a
+/// backend that answers `backend=A`.
+async fn https_a(ca: &Ca, port: u16) -> String {
+    let a = http_backend("A").await;
+    let mut yaml = secret_yaml("cert-a", &ca.leaf(&["a.example.com"]));
+    yaml.push_str(&service("svc-a", a));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert-a}}]}}}}\n"
+    )));
+    yaml.push_str(&http_route_to("ra", "a", "svc-a"));
+    yaml
+}
+
 /// A backend that answers any HTTP request with `backend=<name>`.
 async fn http_backend(name: &'static str) -> std::net::SocketAddr {
     use http_body_util::Full;
@@ -278,14 +291,8 @@ async fn certificate_reload_keeps_open_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_tls_clients_are_closed() {
     let ca = Ca::new("ca");
-    let a = http_backend("A").await;
     let port = free_port();
-    let mut yaml = secret_yaml("cert-a", &ca.leaf(&["a.example.com"]));
-    yaml.push_str(&service("svc-a", a));
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert-a}}]}}}}\n"
-    )));
-    yaml.push_str(&http_route_to("ra", "a", "svc-a"));
+    let yaml = https_a(&ca, port).await;
     let dp = start(&yaml, port).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let base = dp.observe().open_connections;
@@ -423,14 +430,8 @@ async fn several_certificates_on_one_listener_are_chosen_by_sni() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_http_with_a_body_to_a_tls_port_gets_its_400() {
     let ca = Ca::new("ca");
-    let a = http_backend("A").await;
     let port = free_port();
-    let mut yaml = secret_yaml("cert-a", &ca.leaf(&["a.example.com"]));
-    yaml.push_str(&service("svc-a", a));
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert-a}}]}}}}\n"
-    )));
-    yaml.push_str(&http_route_to("ra", "a", "svc-a"));
+    let yaml = https_a(&ca, port).await;
     let _dp = start(&yaml, port).await;
     let mut failures = Vec::new();
     for round in 0..5 {

@@ -91,32 +91,9 @@ fn settle(
 #[test]
 fn listener_reaches_connector_two_hops_away() {
     let ca = Ca::new("net");
-    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let listen = free_port();
     let backend = Backend::start("at-c");
-    let c = start_site(
-        "c",
-        &ca,
-        &[
-            router_access_yaml(c_port, "link-tls"),
-            connector_yaml("svc", "svc", backend.port),
-        ],
-    );
-    let b = start_site(
-        "b",
-        &ca,
-        &[
-            router_access_yaml(b_port, "link-tls"),
-            link_yaml("to-c", c_port, 1, "link-tls"),
-        ],
-    );
-    let a = start_site(
-        "a",
-        &ca,
-        &[
-            link_yaml("to-b", b_port, 1, "link-tls"),
-            listener_yaml("svc", "svc", listen),
-        ],
-    );
+    let (a, b, c) = start_chain(&ca, backend.port, listen);
     let started = Instant::now();
     assert!(
         eventually(Duration::from_secs(10), || who(listen).as_deref()

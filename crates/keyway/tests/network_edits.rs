@@ -214,32 +214,9 @@ fn connections_over_a_silent_link_end_when_it_is_dropped() {
 fn connection_through_an_intermediate_ends_when_the_far_site_dies() {
     let _serial = serial();
     let ca = Ca::new("net");
-    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let listen = free_port();
     let backend = Backend::start("at-c");
-    let mut c = start_site(
-        "c",
-        &ca,
-        &[
-            router_access_yaml(c_port, "link-tls"),
-            connector_yaml("svc", "svc", backend.port),
-        ],
-    );
-    let _b = start_site(
-        "b",
-        &ca,
-        &[
-            router_access_yaml(b_port, "link-tls"),
-            link_yaml("to-c", c_port, 1, "link-tls"),
-        ],
-    );
-    let a = start_site(
-        "a",
-        &ca,
-        &[
-            link_yaml("to-b", b_port, 1, "link-tls"),
-            listener_yaml("svc", "svc", listen),
-        ],
-    );
+    let (a, _b, mut c) = start_chain(&ca, backend.port, listen);
     assert!(eventually(Duration::from_secs(10), || who(listen)
         .as_deref()
         == Ok("at-c")));

@@ -102,6 +102,37 @@ pub fn start_site(name: &str, ca: &Ca, docs: &[String]) -> SiteProc {
     SiteProc::start(name, &all)
 }
 
+/// A chain a → b → c: a Listener `svc` at `a` on port `listen`, a Connector `svc` at `c` to
+/// `backend_port`, `b` in between. Returns (a, b, c).
+pub fn start_chain(ca: &Ca, backend_port: u16, listen: u16) -> (SiteProc, SiteProc, SiteProc) {
+    let (b_port, c_port) = (free_port(), free_port());
+    let c = start_site(
+        "c",
+        ca,
+        &[
+            router_access_yaml(c_port, "link-tls"),
+            connector_yaml("svc", "svc", backend_port),
+        ],
+    );
+    let b = start_site(
+        "b",
+        ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            link_yaml("to-c", c_port, 1, "link-tls"),
+        ],
+    );
+    let a = start_site(
+        "a",
+        ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    (a, b, c)
+}
+
 pub fn site_yaml(name: &str) -> String {
     format!("apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: {name}\n")
 }
