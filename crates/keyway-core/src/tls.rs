@@ -141,6 +141,22 @@ pub fn secret_value(secret: &Secret, key: &str) -> Option<Vec<u8>> {
         })
 }
 
+/// Whether `key` can sign and belongs to the first certificate of `chain`, as rustls will
+/// check when it serves them (same provider as the data plane: ring).
+pub fn check_key_pair(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<(), String> {
+    let provider = rustls::crypto::ring::default_provider();
+    match rustls::sign::CertifiedKey::from_der(chain, key, &provider) {
+        Ok(_) => Ok(()),
+        Err(rustls::Error::InconsistentKeys(_)) => {
+            Err("the private key does not belong to the certificate in tls.crt".into())
+        }
+        Err(e) => Err(format!("the private key cannot be used: {e}")),
+    }
+}
+
 /// Extracts TLS material. `need_key` asks for `tls.crt` + `tls.key` (a serving or client identity);
 /// without it, a Secret holding only `ca.crt` is enough (verifying peers).
 pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMaterial, String> {

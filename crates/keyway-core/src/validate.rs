@@ -440,10 +440,20 @@ fn check_secret(p: &mut Problems, s: &k8s_openapi::api::core::v1::Secret) {
             p.add(field(key), e.to_string());
         }
     }
-    if let Some(bytes) = get("tls.key")
-        && let Err(e) = crate::tls::parse_private_key(&bytes)
-    {
-        p.add(field("tls.key"), e.to_string());
+    if let Some(bytes) = get("tls.key") {
+        match crate::tls::parse_private_key(&bytes) {
+            Err(e) => p.add(field("tls.key"), e.to_string()),
+            // A key that parses but does not belong to the certificate (or that no signer
+            // can use) would take down every listener serving it: rejected like bad PEM, so
+            // the last valid version of the Secret stays in force.
+            Ok(key) => {
+                if let Some(Ok(chain)) = get("tls.crt").map(|c| crate::tls::parse_certificates(&c))
+                    && let Err(e) = crate::tls::check_key_pair(chain, key)
+                {
+                    p.add(field("tls.key"), e);
+                }
+            }
+        }
     }
 }
 

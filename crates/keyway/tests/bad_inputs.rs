@@ -42,6 +42,15 @@ NH1zP30CIQD3sxwTdDmOk2dqmvJDAwUdhmK1PKfsxApdWOyXqJHEhQ==
 -----END CERTIFICATE-----
 ";
 
+/// A P-256 private key that is not `CERT`'s.
+const OTHER_KEY: &str = "\
+-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgxHmCaklh6U0ZCbV1
++Y+DIYTuNkKsmdoug1cGF5GoALehRANCAATnVNz+l91ITwGoG6l9SBMPAqCQc8l4
+HWwUTYY6jmbmI1sMb4PhAqF711a5eW/Iqppm4igOfZWzOo7j3+0vWpm7
+-----END PRIVATE KEY-----
+";
+
 struct Case {
     name: &'static str,
     /// File name of the bad file inside the config directory.
@@ -531,6 +540,17 @@ fn cases() -> Vec<Case> {
             7,
             "stringData.tls.crt",
             "no PEM certificate found",
+        ),
+        case(
+            "secret-tls-key-of-another-certificate",
+            format!(
+                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
+                indent(CERT, 4),
+                indent(OTHER_KEY, 4)
+            ),
+            19,
+            "stringData.tls.key",
+            "the private key does not belong to the certificate in tls.crt",
         ),
         case(
             "secret-tls-key-garbage",
