@@ -394,6 +394,9 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         load.warnings
             .push(object.error_at(&path, "unknown field; ignored"));
     }
+    for (path, why) in validate::ignored_settings(&object.resource) {
+        load.warnings.push(object.error_at(path, why));
+    }
     let problems = validate::validate(&object.resource);
     if let Some(first) = problems.first() {
         let mut e = object.error_at(&first.path, first.message.clone());

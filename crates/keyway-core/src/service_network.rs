@@ -129,15 +129,25 @@ pub fn resolve(index: &Index) -> Resolution {
                 let tls = match c.spec.tls_credentials.as_deref() {
                     None => Ok(None),
                     Some(name) => {
-                        secret_material(index, obj, name, c.spec.use_client_cert, &mut res).map(
-                            |material| {
-                                Some(ClientTls {
+                        secret_material(index, obj, name, c.spec.use_client_cert, &mut res)
+                            .and_then(|material| {
+                                // Without a CA there is nothing to verify a name against: the
+                                // workload would be accepted whatever certificate it shows.
+                                if c.spec.verify_hostname && material.ca.is_empty() {
+                                    let e = obj.error_at(
+                                        "spec.verifyHostname",
+                                        format!("verifyHostname needs a ca.crt in Secret {}/{name} to verify the workload's certificate against", obj.key.namespace),
+                                    );
+                                    res.not_configured.insert(obj.key.clone(), e.message.clone());
+                                    res.problems.push(e);
+                                    return Err(());
+                                }
+                                Ok(Some(ClientTls {
                                     material,
                                     use_client_cert: c.spec.use_client_cert,
                                     verify_hostname: c.spec.verify_hostname,
-                                })
-                            },
-                        )
+                                }))
+                            })
                     }
                 };
                 let health = match health_of(&c.spec.settings) {

@@ -81,6 +81,12 @@ pub fn validate(resource: &Resource) -> Vec<Problem> {
                 "spec.tlsCredentials",
                 c.spec.tls_credentials.as_deref(),
             );
+            if c.spec.use_client_cert && c.spec.tls_credentials.is_none() {
+                p.add("spec.useClientCert", "useClientCert needs tlsCredentials");
+            }
+            if c.spec.verify_hostname && c.spec.tls_credentials.is_none() {
+                p.add("spec.verifyHostname", "verifyHostname needs tlsCredentials");
+            }
             match (&c.spec.host, &c.spec.selector) {
                 (Some(h), _) => check_host(&mut p, "spec.host", h),
                 (None, Some(_)) => p.add(
@@ -455,6 +461,42 @@ fn check_secret(p: &mut Problems, s: &k8s_openapi::api::core::v1::Secret) {
             }
         }
     }
+}
+
+/// Upstream fields an object may set that keyway reads but does not act on, with why: said as
+/// warnings, so a setting that does nothing here is not taken for one that works.
+pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)> {
+    const NO_PODS: &str = "ignored: a standalone site has no pods";
+    let mut out = Vec::new();
+    match resource {
+        Resource::Connector(c) => {
+            if c.spec.host.is_some() && c.spec.selector.is_some() {
+                out.push((
+                    "spec.selector",
+                    "ignored: spec.host is used (a standalone site has no pods)",
+                ));
+            }
+            if c.spec.include_not_ready_pods {
+                out.push(("spec.includeNotReadyPods", NO_PODS));
+            }
+            if c.spec.expose_pods_by_name {
+                out.push(("spec.exposePodsByName", NO_PODS));
+            }
+        }
+        Resource::Listener(l) => {
+            if l.spec.expose_pods_by_name {
+                out.push(("spec.exposePodsByName", NO_PODS));
+            }
+            if l.spec.observer.is_some() {
+                out.push((
+                    "spec.observer",
+                    "ignored: keyway observes no application protocol",
+                ));
+            }
+        }
+        _ => {}
+    }
+    out
 }
 
 /// Listener rules shared by Gateway and ListenerSet: limits, patterns and the CEL rules.

@@ -478,3 +478,32 @@ fn site_and_link_status() {
     assert_eq!(site["sitesInNetwork"], 2);
     assert_eq!(site["network"][0]["links"][0]["remoteSiteName"], "east");
 }
+
+/// `verifyHostname` with a Secret that has no `ca.crt` cannot verify anything: the Connector is
+/// not Configured and says why (never a connection accepting any certificate).
+#[test]
+fn verify_hostname_without_a_ca_is_not_configured() {
+    let no_ca = LINK_SECRET[..LINK_SECRET.find("  ca.crt:").unwrap()].to_string();
+    let yaml = format!(
+        "{no_ca}---\n{}",
+        connector(
+            "c",
+            "k",
+            9000,
+            "  tlsCredentials: link-tls\n  verifyHostname: true\n"
+        )
+    );
+    let index = index_of(&yaml);
+    let res = service_network::resolve(&index);
+    assert!(res.plan.connectors.is_empty(), "{:?}", res.plan.connectors);
+    assert!(
+        res.problems
+            .iter()
+            .any(|p| p.path == "spec.verifyHostname" && p.message.contains("needs a ca.crt")),
+        "{:?}",
+        res.problems
+    );
+    let (_, st) = statuses(&index, None);
+    let c = status_of(&st, Kind::Connector, "c");
+    assert_eq!(cond(c, "Configured")["status"], "False", "{c}");
+}

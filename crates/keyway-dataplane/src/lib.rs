@@ -217,21 +217,22 @@ impl DataPlane {
                 }
             }
         };
-        // Connectors whose TLS cannot be set up are left out rather than sent in the clear.
+        // Connectors whose TLS cannot be set up are never sent in the clear: a running one
+        // keeps its last good configuration (bad material loses nothing already running,
+        // SPEC §7), a new one is left out.
         let connectors: Vec<_> = plan
             .connectors
             .iter()
-            .filter(|c| match &c.tls {
+            .filter_map(|c| match &c.tls {
                 Some(tls) => match tls::client_config(tls, &c.host) {
-                    Ok(_) => true,
+                    Ok(_) => Some(c.clone()),
                     Err(e) => {
                         tls_errors.insert(c.id.clone(), e.to_string());
-                        false
+                        self.shared.registry.running_plan(&c.id)
                     }
                 },
-                None => true,
+                None => Some(c.clone()),
             })
-            .cloned()
             .collect();
         let swapping = self
             .shared

@@ -396,20 +396,30 @@ async fn connect_target(
         None => Ok(Upstream::Plain(stream)),
         Some(tls) => {
             let connector = TlsConnector::from(tls.config.clone());
-            match connector.connect(tls.server_name.clone(), stream).await {
-                Ok(s) => Ok(Upstream::Tls(Box::new(s))),
-                Err(e) => {
-                    tracing::warn!(target = %target.address(), "TLS to target failed: {e}");
-                    // A failed connection like any other (SPEC §3.1): the next ones go
-                    // elsewhere until the health check finds the target again.
-                    let why = format!("TLS to {} failed: {e}", target.address());
-                    shared.registry.connect_failed(target, &why);
-                    Err(why)
-                }
-            }
+            // A workload that accepts but never answers the handshake (a hung process, a
+            // plaintext service behind a TLS Connector) fails like a connect that times out.
+            let handshake = tokio::time::timeout(
+                TARGET_HANDSHAKE_TIMEOUT,
+                connector.connect(tls.server_name.clone(), stream),
+            );
+            let why = match handshake.await {
+                Ok(Ok(s)) => return Ok(Upstream::Tls(Box::new(s))),
+                Ok(Err(e)) => format!("TLS to {} failed: {e}", target.address()),
+                Err(_) => format!(
+                    "TLS to {} timed out: no handshake within {TARGET_HANDSHAKE_TIMEOUT:?}",
+                    target.address()
+                ),
+            };
+            tracing::warn!(target = %target.address(), "{why}");
+            // A failed connection like any other (SPEC §3.1): the next ones go elsewhere.
+            shared.registry.tls_failed(target, &why);
+            Err(why)
         }
     }
 }
+
+/// How long a connector target's TLS handshake may take.
+const TARGET_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A connection made by [`connect`].
 pub(crate) struct Connected {

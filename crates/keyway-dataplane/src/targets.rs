@@ -50,6 +50,10 @@ pub struct Target {
     /// and still load the same workload.
     open: Arc<AtomicUsize>,
     last_error: Mutex<Option<String>>,
+    /// A connection to it failed in TLS: its health checks complete a handshake until one
+    /// succeeds, so a workload that accepts TCP but fails TLS is not found healthy again by a
+    /// bare connect (and reported Ready over a path where every connection fails).
+    tls_suspect: AtomicBool,
     retired: AtomicBool,
 }
 
@@ -70,6 +74,7 @@ impl Target {
             failures: AtomicU32::new(0),
             open: Arc::new(AtomicUsize::new(0)),
             last_error: Mutex::new(None),
+            tls_suspect: AtomicBool::new(false),
             retired: AtomicBool::new(false),
         }
     }
@@ -196,6 +201,15 @@ impl Registry {
 
     /// Replaces the set of local targets. Unchanged connectors keep their health state and
     /// checker; removed ones stop taking new connections (open ones run on).
+    /// The plan a running connector was last applied with.
+    pub fn running_plan(&self, id: &ObjectKey) -> Option<ConnectorPlan> {
+        let checkers = match self.checkers.lock() {
+            Ok(c) => c,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        checkers.get(id).map(|(target, _)| target.plan.clone())
+    }
+
     pub fn apply(
         self: &Arc<Self>,
         connectors: &[ConnectorPlan],
@@ -385,6 +399,13 @@ impl Registry {
         self.set_health(target, Health::Unhealthy, Some(error.to_string()));
     }
 
+    /// A connection to `target` failed in TLS (or its handshake timed out): a failed connect,
+    /// and its health checks now check TLS too (see `Target::tls_suspect`).
+    pub fn tls_failed(&self, target: &Target, error: &str) {
+        target.tls_suspect.store(true, Ordering::Release);
+        self.connect_failed(target, error);
+    }
+
     fn set_health(&self, target: &Target, health: Health, error: Option<String>) {
         if let Ok(mut e) = target.last_error.lock() {
             *e = error;
@@ -420,6 +441,25 @@ impl Drop for Registry {
 
 /// Probes a target with a TCP connect every interval. A success makes it healthy at once; it
 /// turns unhealthy after `failures` consecutive failures (or at once when its state is unknown).
+/// One health check: a TCP connect, and a TLS handshake too while the target is suspect.
+async fn probe(target: &Target) -> Result<(), String> {
+    let stream = TcpStream::connect((target.host.as_str(), target.port))
+        .await
+        .map_err(|e| format!("connect to {} failed: {e}", target.address()))?;
+    if let Some(tls) = &target.tls
+        && target.tls_suspect.load(Ordering::Acquire)
+    {
+        let connector = tokio_rustls::TlsConnector::from(tls.config.clone());
+        let mut s = connector
+            .connect(tls.server_name.clone(), stream)
+            .await
+            .map_err(|e| format!("TLS to {} failed: {e}", target.address()))?;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut s).await;
+        target.tls_suspect.store(false, Ordering::Release);
+    }
+    Ok(())
+}
+
 async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
     let hc = target.health_check.clone();
     if !hc.enabled {
@@ -431,25 +471,19 @@ async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
     let interval = Duration::from_millis(hc.interval_ms.max(10));
     let timeout = Duration::from_millis(hc.timeout_ms.max(10));
     loop {
-        let result = tokio::time::timeout(
-            timeout,
-            TcpStream::connect((target.host.as_str(), target.port)),
-        )
-        .await;
+        let result = tokio::time::timeout(timeout, probe(&target)).await;
         let Some(registry) = registry.upgrade() else {
             return;
         };
         match result {
-            Ok(Ok(_stream)) => {
+            Ok(Ok(())) => {
                 target.failures.store(0, Ordering::Release);
                 registry.set_health(&target, Health::Healthy, None);
             }
             other => {
                 let why = match other {
-                    Ok(Err(e)) => {
-                        format!("health check: connect to {} failed: {e}", target.address())
-                    }
-                    _ => format!("health check: connect to {} timed out", target.address()),
+                    Ok(Err(e)) => format!("health check: {e}"),
+                    _ => format!("health check: {} timed out", target.address()),
                 };
                 let n = target.failures.fetch_add(1, Ordering::AcqRel) + 1;
                 if n >= hc.failures || target.health() == Health::Unknown {

@@ -168,7 +168,8 @@ fn valid_for(key: &CertifiedKey, name: &rustls::pki_types::ServerName<'_>) -> bo
 
 /// A client config for a connector target. With `ca.crt` the workload's chain is verified (and its
 /// name too with `verifyHostname`); without one, any certificate is accepted, as upstream Skupper
-/// does when no CA is given — the link is encrypted, not authenticated.
+/// does when no CA is given — the link is encrypted, not authenticated — unless `verifyHostname`
+/// asks for a verification that cannot be made: an error.
 pub fn client_config(tls: &ClientTls, host: &str) -> Result<ClientTlsConfig, TlsError> {
     let m = &tls.material;
     let err = |source| TlsError::Rustls {
@@ -178,6 +179,13 @@ pub fn client_config(tls: &ClientTls, host: &str) -> Result<ClientTlsConfig, Tls
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(err)?;
+    if m.ca.is_empty() && tls.verify_hostname {
+        return Err(TlsError::Material {
+            secret: m.secret.clone(),
+            message: "verifyHostname needs a ca.crt to verify the workload's certificate against"
+                .into(),
+        });
+    }
     let builder = if m.ca.is_empty() {
         builder
             .dangerous()

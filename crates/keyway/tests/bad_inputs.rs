@@ -278,6 +278,16 @@ fn cases() -> Vec<Case> {
             "host is required",
         ),
         case(
+            "connector-client-cert-without-credentials",
+            skupper(
+                "Connector",
+                "  routingKey: a\n  host: 127.0.0.1\n  port: 9\n  useClientCert: true\n",
+            ),
+            9,
+            "spec.useClientCert",
+            "useClientCert needs tlsCredentials",
+        ),
+        case(
             "link-missing-endpoints",
             skupper("Link", "  cost: 1\n"),
             6,
@@ -921,6 +931,31 @@ fn unknown_kind_is_a_warning_and_exit_0() {
     assert_eq!(out.status.code(), Some(0));
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(list["items"].as_array().map(Vec::len), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Upstream fields keyway reads but does not act on (pods, protocol observers) are warnings
+/// that say so; the objects are valid.
+#[test]
+fn settings_without_effect_here_are_warnings() {
+    let dir = temp_dir("no-effect");
+    std::fs::write(
+        dir.join("a.yaml"),
+        skupper(
+            "Connector",
+            "  routingKey: a\n  host: 127.0.0.1\n  selector: app=db\n  port: 9\n  includeNotReadyPods: true\n",
+        ),
+    )
+    .unwrap();
+    let out = keyway(&["validate"], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
+    for want in [
+        "spec.selector: ignored: spec.host is used",
+        "spec.includeNotReadyPods: ignored: a standalone site has no pods",
+    ] {
+        assert!(stderr.contains(want), "stderr {stderr:?} lacks {want:?}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
