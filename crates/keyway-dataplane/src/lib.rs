@@ -334,9 +334,23 @@ impl DataPlane {
         obs
     }
 
-    /// Graceful shutdown: stop accepting everywhere, then wait up to `drain` for open
+    /// Counts a connection this data plane does not accept itself (a stream from another
+    /// site) as open until the returned guard drops: a graceful shutdown waits for it too.
+    pub fn track_connection(&self) -> ConnectionTracker {
+        self.shared.tracker.track()
+    }
+
+    /// Whether a graceful shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        self.shared.registry.is_draining()
+    }
+
+    /// Graceful shutdown: stop accepting everywhere (streams from other sites too, and local
+    /// keys are no longer advertised, so other sites fail over at once), tell open HTTP
+    /// connections to close after their current request, then wait up to `drain` for open
     /// connections to finish. Returns how many were still open when it gave up.
     pub async fn shutdown(&self, drain: Duration) -> usize {
+        self.shared.registry.drain();
         if let Ok(mut listeners) = self.listeners.lock() {
             listeners.clear();
         }

@@ -173,6 +173,8 @@ pub struct Registry {
     version: watch::Sender<u64>,
     counter: AtomicU64,
     metrics: Arc<Metrics>,
+    /// See [`Registry::drain`].
+    draining: AtomicBool,
 }
 
 impl Registry {
@@ -185,6 +187,7 @@ impl Registry {
             version: watch::channel(0).0,
             counter: AtomicU64::new(0),
             metrics,
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -199,8 +202,6 @@ impl Registry {
         self.version.send_replace(n);
     }
 
-    /// Replaces the set of local targets. Unchanged connectors keep their health state and
-    /// checker; removed ones stop taking new connections (open ones run on).
     /// The plan a running connector was last applied with.
     pub fn running_plan(&self, id: &ObjectKey) -> Option<ConnectorPlan> {
         let checkers = match self.checkers.lock() {
@@ -210,6 +211,19 @@ impl Registry {
         checkers.get(id).map(|(target, _)| target.plan.clone())
     }
 
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// The site is shutting down: its local targets take no new connections and are no longer
+    /// advertised (other sites fail over at once); open connections run on.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+        self.bump();
+    }
+
+    /// Replaces the set of local targets. Unchanged connectors keep their health state and
+    /// checker; removed ones stop taking new connections (open ones run on).
     pub fn apply(
         self: &Arc<Self>,
         connectors: &[ConnectorPlan],
@@ -328,6 +342,9 @@ impl Registry {
     /// Usable targets of a key at this site only, best first (what a stream arriving from
     /// another site may use: never sent back into the network, so no loops).
     pub fn local_candidates(&self, key: &str) -> Vec<Arc<Target>> {
+        if self.draining.load(Ordering::Acquire) {
+            return Vec::new();
+        }
         let mut c = self.candidates(key);
         c.retain(|t| t.remote.is_none());
         c
@@ -335,6 +352,9 @@ impl Registry {
 
     /// Keys with a usable target at this site (what the site advertises to the network).
     pub fn local_reachable_keys(&self) -> Vec<String> {
+        if self.draining.load(Ordering::Acquire) {
+            return Vec::new();
+        }
         let map = self.by_key.load();
         let mut keys: Vec<String> = map
             .iter()

@@ -609,6 +609,16 @@ async fn serve_stream(
     if req.method() != Method::CONNECT {
         return refuse(respond, StatusCode::NOT_FOUND, "only CONNECT streams");
     }
+    // A site shutting down takes no new streams (the origin tries its next choice) and waits
+    // for the ones it carries, as for its own listeners' connections.
+    if inner.dataplane.is_draining() {
+        return refuse(
+            respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "site shutting down",
+        );
+    }
+    let _tracked = inner.dataplane.track_connection();
     let decoded = |name| header(&req, name).and_then(crate::protocol::header_decode);
     let (Some(key), Some(site)) = (decoded(H_KEY), decoded(H_SITE)) else {
         return refuse(

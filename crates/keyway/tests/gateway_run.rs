@@ -666,3 +666,55 @@ fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
     }
     check()
 }
+
+/// SIGTERM with an idle keep-alive HTTP connection open: the connection is closed (as HTTP
+/// lets a server close an idle one; a request in progress would finish first, its response
+/// saying `Connection: close`), so the site exits without waiting out its 10 s drain timeout
+/// for a client that would have kept the connection open.
+#[test]
+fn a_shutdown_closes_idle_keep_alive_connections() {
+    let dir = temp_dir("drain-keepalive");
+    let port = free_port();
+    let backend = HttpBackend::start("A");
+    std::fs::write(
+        dir.join("gw.yaml"),
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners: [{{name: web, port: {port}, protocol: HTTP}}]\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules: [{{backendRefs: [{{name: svc, port: 80}}]}}]\n{}",
+            service("svc", backend.port)
+        ),
+    )
+    .expect("write");
+    let mut site = Site::start(&dir, true);
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nhost: a.example\r\n\r\n")
+        .expect("request");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("backend=A\n") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let first = String::from_utf8_lossy(&got).into_owned();
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+
+    let started = Instant::now();
+    let _ = Command::new("kill")
+        .args(["-TERM", &site.child.id().to_string()])
+        .status();
+    assert!(
+        matches!(s.read(&mut buf), Ok(0)),
+        "the idle connection is closed"
+    );
+    let exited = (0..50).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        matches!(site.child.try_wait(), Ok(Some(_)))
+    });
+    assert!(
+        exited,
+        "the site exits well before its drain timeout ({:?})",
+        started.elapsed()
+    );
+}

@@ -275,3 +275,77 @@ fn non_ascii_routing_key_works_across_a_link() {
         tail(&a.log())
     );
 }
+
+/// SIGTERM at a site whose only open connections arrived over a link: they drain as its own
+/// listeners' connections do (they keep working), while the site takes no new streams and
+/// withdraws its keys, so a MultiKeyListener elsewhere fails over at once; the site exits
+/// when they are done.
+#[test]
+fn a_site_shutting_down_drains_connections_from_links_and_withdraws_its_keys() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (at_b, at_a) = (Backend::start("at-b"), Backend::start("at-a"));
+    let (b_port, listen) = (free_port(), free_port());
+    let mut b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("kb", "kb", at_b.port),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            connector_yaml("ka", "ka", at_a.port),
+            priority_yaml("front", &["kb", "ka"], listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-b")),
+        "{}",
+        a.log()
+    );
+    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("greeting");
+    assert_eq!(line, "at-b\n");
+
+    b.signal("-TERM");
+    assert!(
+        eventually(Duration::from_secs(3), || who(listen).as_deref()
+            == Ok("at-a")),
+        "new connections fail over while b drains: {:?}",
+        who(listen)
+    );
+    let echoed = w
+        .write_all(b"still there?\n")
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            let mut echo = String::new();
+            r.read_line(&mut echo).map_err(|e| e.to_string())?;
+            Ok(echo)
+        });
+    assert_eq!(
+        echoed.as_deref(),
+        Ok("still there?\n"),
+        "the connection over the link was cut by b's shutdown; b's log:\n{}",
+        b.log()
+    );
+    assert!(
+        !b.exits_within(Duration::from_millis(500)),
+        "b waits for it"
+    );
+    drop((w, r));
+    assert!(
+        b.exits_within(Duration::from_secs(5)),
+        "b exits once it is done; log:\n{}",
+        b.log()
+    );
+}

@@ -51,6 +51,7 @@ pub async fn serve<I: Io>(
     let upstream = Arc::new(Sticky::default());
     let pool = ctx.pool.clone();
     let idle_limit = ctx.http_idle_timeout;
+    let ctx_closing = ctx.closing.clone();
     let activity = Arc::new(Activity::default());
     let io = Watched {
         io,
@@ -78,12 +79,26 @@ pub async fn serve<I: Io>(
     // queued as their own buffers for `writev`: a queued body chunk would keep the backend
     // connection's read buffer shared, so its next read would allocate a fresh buffer.
     builder.http1().writev(false);
+    let mut closing = ctx_closing.subscribe();
+    let closing = async move {
+        while !*closing.borrow_and_update() {
+            if closing.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
     let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
     tokio::pin!(connection);
     tokio::select! {
         ended = connection.as_mut() => if let Err(e) = ended {
             tracing::debug!(%peer, "HTTP connection ended: {e}");
         },
+        () = closing => {
+            // Shutting down: the request in progress finishes (its response says `Connection:
+            // close`; HTTP/2 gets GOAWAY), then the connection ends.
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
         () = activity.idle(idle_limit) => {
             tracing::debug!(%peer, "closing an idle HTTP connection");
             // HTTP/2 says GOAWAY first (RFC 9113 §6.8): a client whose request crossed the

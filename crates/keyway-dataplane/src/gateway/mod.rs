@@ -273,6 +273,9 @@ pub struct Ctx {
     workers: Option<Arc<Workers>>,
     /// See [`idle`].
     pub http_idle_timeout: Duration,
+    /// Set when the gateway stops (a graceful shutdown): open HTTP connections close after
+    /// their current request (`Connection: close`, HTTP/2 GOAWAY).
+    pub closing: watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -334,6 +337,7 @@ impl Gateways {
                 pool,
                 workers,
                 http_idle_timeout,
+                closing: watch::channel(false).0,
             }),
             metrics,
             ports: Mutex::new(BTreeMap::new()),
@@ -443,6 +447,7 @@ impl Gateways {
     /// Stops accepting on every port (shutdown).
     pub fn stop(&self) {
         lock(&self.ports).clear();
+        self.ctx.closing.send_replace(true);
     }
 
     fn start(

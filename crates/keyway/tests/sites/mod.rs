@@ -243,6 +243,14 @@ impl SiteProc {
         }
     }
 
+    /// Whether the process exits within `limit`.
+    pub fn exits_within(&mut self, limit: Duration) -> bool {
+        let Some(c) = self.child.as_mut() else {
+            return true;
+        };
+        eventually(limit, || matches!(c.try_wait(), Ok(Some(_))))
+    }
+
     pub fn signal(&self, sig: &str) {
         let _ = Command::new("kill")
             .args([sig, &self.pid().to_string()])
