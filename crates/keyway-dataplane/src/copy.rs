@@ -113,8 +113,9 @@ mod tcp {
     pub(super) const BULK_MAX: usize = 1024 * 1024;
 
     /// A buffer larger than this is given back after a read that drains the socket: the wait
-    /// for the next bytes may be long, and an idle connection should not hold a bulk buffer.
-    const KEEP: usize = 64 * 1024;
+    /// for the next bytes may be long, and an idle connection should not hold a bulk buffer
+    /// (with 64 KiB here, an idle connection that had once moved 100 KB each way kept 128 KiB).
+    const KEEP: usize = INITIAL;
 
     pub(super) async fn copy(
         src: &TcpStream,

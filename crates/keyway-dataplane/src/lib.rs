@@ -48,6 +48,43 @@ pub trait RemoteDialer: Send + Sync {
     fn dial<'a>(&'a self, site: &'a str, key: &'a str) -> DialFuture<'a>;
 }
 
+/// Whether `e` says this process (or host) ran out of something — descriptors, buffers, memory —
+/// rather than anything about the peer: such a failure must not mark a healthy target unhealthy
+/// (and close the ports and withdraw the keys that depend on it).
+pub fn local_exhaustion(e: &std::io::Error) -> bool {
+    use rustix::io::Errno;
+    Errno::from_io_error(e).is_some_and(|n| {
+        matches!(
+            n,
+            Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM
+        )
+    })
+}
+
+/// Logs a failure that repeats (an accept loop out of descriptors retries every 50 ms) at most
+/// every 10 s, saying how many went unlogged, instead of every time.
+#[derive(Default)]
+pub struct Throttle {
+    last: Option<std::time::Instant>,
+    quiet: u64,
+}
+
+impl Throttle {
+    /// `Some(n)` when this one should be logged, `n` being how many were not since the last.
+    pub fn allow(&mut self) -> Option<u64> {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(10))
+        {
+            self.quiet += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.quiet))
+    }
+}
+
 /// State every connection task shares.
 pub struct Shared {
     pub registry: Arc<Registry>,

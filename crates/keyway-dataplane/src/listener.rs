@@ -172,6 +172,7 @@ async fn accept_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut changes = shared.registry.subscribe();
+    let mut throttle = crate::Throttle::default();
     let mut socket: Option<Sockets> = None;
     let mut bind_failures = 0u32;
     loop {
@@ -265,7 +266,9 @@ async fn accept_loop(
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(listener = %rt.label, "accept failed: {e}");
+                    if let Some(unlogged) = throttle.allow() {
+                        tracing::warn!(listener = %rt.label, unlogged, "accept failed: {e}");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
@@ -382,6 +385,11 @@ async fn connect_target(
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             let why = format!("connect to {} failed: {e}", target.address());
+            if crate::local_exhaustion(&e) {
+                // Ours, not the target's: this client fails, the target stays as it was.
+                tracing::warn!(target = %target.address(), "{why}");
+                return Err(why);
+            }
             shared.registry.connect_failed(target, &why);
             return Err(why);
         }

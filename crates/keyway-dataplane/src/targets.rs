@@ -461,11 +461,26 @@ impl Drop for Registry {
 
 /// Probes a target with a TCP connect every interval. A success makes it healthy at once; it
 /// turns unhealthy after `failures` consecutive failures (or at once when its state is unknown).
+/// What a health check found wrong.
+enum ProbeError {
+    /// The target failed.
+    Target(String),
+    /// This process could not even try (out of descriptors): nothing learned of the target.
+    Local(String),
+}
+
 /// One health check: a TCP connect, and a TLS handshake too while the target is suspect.
-async fn probe(target: &Target) -> Result<(), String> {
+async fn probe(target: &Target) -> Result<(), ProbeError> {
     let stream = TcpStream::connect((target.host.as_str(), target.port))
         .await
-        .map_err(|e| format!("connect to {} failed: {e}", target.address()))?;
+        .map_err(|e| {
+            let why = format!("connect to {} failed: {e}", target.address());
+            if crate::local_exhaustion(&e) {
+                ProbeError::Local(why)
+            } else {
+                ProbeError::Target(why)
+            }
+        })?;
     if let Some(tls) = &target.tls
         && target.tls_suspect.load(Ordering::Acquire)
     {
@@ -473,7 +488,7 @@ async fn probe(target: &Target) -> Result<(), String> {
         let mut s = connector
             .connect(tls.server_name.clone(), stream)
             .await
-            .map_err(|e| format!("TLS to {} failed: {e}", target.address()))?;
+            .map_err(|e| ProbeError::Target(format!("TLS to {} failed: {e}", target.address())))?;
         let _ = tokio::io::AsyncWriteExt::shutdown(&mut s).await;
         target.tls_suspect.store(false, Ordering::Release);
     }
@@ -500,9 +515,14 @@ async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
                 target.failures.store(0, Ordering::Release);
                 registry.set_health(&target, Health::Healthy, None);
             }
+            Ok(Err(ProbeError::Local(why))) => {
+                tracing::debug!("health check skipped: {why}");
+            }
             other => {
                 let why = match other {
-                    Ok(Err(e)) => format!("health check: {e}"),
+                    Ok(Err(ProbeError::Target(e) | ProbeError::Local(e))) => {
+                        format!("health check: {e}")
+                    }
                     _ => format!("health check: {} timed out", target.address()),
                 };
                 let n = target.failures.fetch_add(1, Ordering::AcqRel) + 1;

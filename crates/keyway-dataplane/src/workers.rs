@@ -268,6 +268,7 @@ async fn accept<F, Fut>(
             return;
         }
     };
+    let mut throttle = crate::Throttle::default();
     loop {
         let next = tokio::select! {
             r = listener.accept() => r,
@@ -280,7 +281,9 @@ async fn accept<F, Fut>(
             }
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(%what, "accept failed: {e}");
+                if let Some(unlogged) = throttle.allow() {
+                    tracing::warn!(%what, unlogged, "accept failed: {e}");
+                }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                     _ = close.wait_for(|c| *c) => break,

@@ -100,12 +100,15 @@ pub(crate) fn start_access(
         // Accepted sessions belong to this task: when the RouterAccess goes away or changes
         // (a rotated CA revoking a site), aborting it drops the set and ends them too.
         let mut sessions = tokio::task::JoinSet::new();
+        let mut throttle = keyway_dataplane::Throttle::default();
         loop {
             while sessions.try_join_next().is_some() {}
             let (tcp, peer) = match listener.accept().await {
                 Ok(x) => x,
                 Err(e) => {
-                    tracing::warn!("inter-router accept failed: {e}");
+                    if let Some(unlogged) = throttle.allow() {
+                        tracing::warn!(unlogged, "inter-router accept failed: {e}");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }

@@ -50,12 +50,15 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
                     }
                 };
                 let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+                let mut throttle = keyway_dataplane::Throttle::default();
                 loop {
                     let stream = match listener.accept().await {
                         Ok((stream, _)) => stream,
                         Err(e) => {
                             // Out of descriptors, say: wait rather than spin.
-                            tracing::warn!("admin endpoint accept failed: {e}");
+                            if let Some(unlogged) = throttle.allow() {
+                                tracing::warn!(unlogged, "admin endpoint accept failed: {e}");
+                            }
                             tokio::time::sleep(Duration::from_millis(50)).await;
                             continue;
                         }

@@ -77,7 +77,9 @@ pub fn run(
         let watcher =
             watch::watch(&config, tx.clone()).context("cannot watch the config directory")?;
         let mut root = dir_identity(&config);
-        site.reload();
+        if !site.reload() {
+            let _ = tx.send(());
+        }
         let admin = admin::start(admin_listener, site.clone())?;
         tracing::info!(config = %config.display(), admin = %admin, "site running");
 
@@ -115,7 +117,16 @@ pub fn run(
                     // Coalesce whatever else arrived while we were busy.
                     while rx.try_recv().is_ok() {}
                     let site = site.clone();
-                    let _ = tokio::task::spawn_blocking(move || site.reload()).await;
+                    let applied = tokio::task::spawn_blocking(move || site.reload()).await;
+                    if !matches!(applied, Ok(true)) {
+                        // The directory could not be read (out of descriptors, say): no file
+                        // event may come again, so try again shortly.
+                        let tx = tx.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(RELOAD_RETRY).await;
+                            let _ = tx.send(());
+                        });
+                    }
                 }
             })
         };
@@ -257,6 +268,8 @@ fn check_state_outside_config(config: &std::path::Path, state: &std::path::Path)
 
 /// How often `keyway run` checks that its config directory is still the one it watches.
 const ROOT_CHECK: Duration = Duration::from_secs(1);
+/// How soon a reload that could not read the config directory is tried again.
+const RELOAD_RETRY: Duration = Duration::from_millis(500);
 
 /// Which directory `path` is (device and inode), or `None` while there is none.
 fn dir_identity(path: &std::path::Path) -> Option<(u64, u64)> {

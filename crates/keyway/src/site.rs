@@ -100,14 +100,16 @@ impl Site {
 
     /// Reads the directory, reconciles, resolves and applies. A directory that cannot be read
     /// changes nothing.
-    pub fn reload(&self) {
+    /// Returns false when the directory could not be read at all (say the process is out of
+    /// descriptors): nothing changed, and the caller should try again.
+    pub fn reload(&self) -> bool {
         let metrics = self.dataplane.metrics();
         let files = match source::load_dir(&self.config) {
             Ok(files) => files,
             Err(e) => {
-                tracing::error!("reload skipped, keeping the running config: {e:#}");
+                tracing::error!("reload skipped, keeping the running config (trying again): {e:#}");
                 metrics.reload_failures.inc();
-                return;
+                return false;
             }
         };
         let mut current = lock(&self.current);
@@ -150,6 +152,7 @@ impl Site {
         );
         self.redeem_tokens(&current);
         self.applied.store(true, Ordering::Release);
+        true
     }
 
     /// Redeems every AccessToken of the config dir that has no Link of its name yet (as Skupper

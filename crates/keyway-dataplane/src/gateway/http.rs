@@ -79,6 +79,9 @@ pub async fn serve<I: Io>(
     // queued as their own buffers for `writev`: a queued body chunk would keep the backend
     // connection's read buffer shared, so its next read would allocate a fresh buffer.
     builder.http1().writev(false);
+    // That write buffer (and the read buffer) stay below ~64 KiB plus one body piece
+    // (`MAX_CHUNK`): what an idle keep-alive connection holds. Request heads up to 64 KiB.
+    builder.http1().max_buf_size(64 * 1024);
     let mut closing = ctx_closing.subscribe();
     let closing = async move {
         while !*closing.borrow_and_update() {

@@ -673,6 +673,7 @@ async fn accept_loop(
             return;
         }
     };
+    let mut throttle = crate::Throttle::default();
     loop {
         tokio::select! {
             accepted = socket.accept() => match accepted {
@@ -681,7 +682,9 @@ async fn accept_loop(
                     tokio::spawn(serve(ctx.clone(), config.clone(), stream, peer, guard));
                 }
                 Err(e) => {
-                    tracing::warn!(%addr, "accept failed: {e}");
+                    if let Some(unlogged) = throttle.allow() {
+                        tracing::warn!(%addr, unlogged, "accept failed: {e}");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
