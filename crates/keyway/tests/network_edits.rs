@@ -15,6 +15,26 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A connection to `port` that got its greeting: (writer, reader, greeting); reads time out
+/// after `timeout`.
+fn greeted(port: u16, timeout: Duration) -> (TcpStream, BufReader<TcpStream>, String) {
+    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(timeout)).unwrap();
+    let w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("greeting");
+    (w, r, line)
+}
+
+/// Writes a line and reads its echo.
+fn echo(w: &mut TcpStream, r: &mut BufReader<TcpStream>, text: &str) -> Result<String, String> {
+    w.write_all(text.as_bytes()).map_err(|e| e.to_string())?;
+    let mut echo = String::new();
+    r.read_line(&mut echo).map_err(|e| e.to_string())?;
+    Ok(echo)
+}
+
 /// `a` (Listener `svc` on `listen`) links to `b` (RouterAccess, Connector `svc`).
 fn pair(ca: &Ca, backend: &Backend) -> (SiteProc, SiteProc, u16, u16) {
     let (b_port, listen) = (free_port(), free_port());
@@ -53,26 +73,14 @@ fn editing_a_link_cost_keeps_live_connections() {
     let backend = Backend::start("at-b");
     let (a, _b, _b_port, listen) = pair(&ca, &backend);
 
-    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let mut w = s.try_clone().unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).expect("greeting");
+    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
 
     // Same site, same listener, same Secret; only the Link's cost changes (1 -> 2).
     edit(&a, "  cost: 1\n", "  cost: 2\n");
     std::thread::sleep(Duration::from_secs(2));
 
-    let echoed = w
-        .write_all(b"still there?\n")
-        .map_err(|e| e.to_string())
-        .and_then(|()| {
-            let mut echo = String::new();
-            r.read_line(&mut echo).map_err(|e| e.to_string())?;
-            Ok(echo)
-        });
+    let echoed = echo(&mut w, &mut r, "still there?\n");
     assert_eq!(
         echoed.as_deref(),
         Ok("still there?\n"),
@@ -189,11 +197,7 @@ fn connections_over_a_silent_link_end_when_it_is_dropped() {
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
     let (a, b, _b_port, listen) = pair(&ca, &backend);
-    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).expect("greeting");
+    let (_w, mut r, line) = greeted(listen, Duration::from_secs(8));
     assert_eq!(line, "at-b\n");
     b.signal("-STOP");
     let start = std::time::Instant::now();
@@ -220,11 +224,7 @@ fn connection_through_an_intermediate_ends_when_the_far_site_dies() {
     assert!(eventually(Duration::from_secs(10), || who(listen)
         .as_deref()
         == Ok("at-c")));
-    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).expect("greeting");
+    let (_w, mut r, _) = greeted(listen, Duration::from_secs(5));
     c.kill();
     let start = std::time::Instant::now();
     let mut rest = String::new();
@@ -309,12 +309,7 @@ fn a_site_shutting_down_drains_connections_from_links_and_withdraws_its_keys() {
         "{}",
         a.log()
     );
-    let s = TcpStream::connect(("127.0.0.1", listen)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let mut w = s.try_clone().unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).expect("greeting");
+    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
 
     b.signal("-TERM");
@@ -324,14 +319,7 @@ fn a_site_shutting_down_drains_connections_from_links_and_withdraws_its_keys() {
         "new connections fail over while b drains: {:?}",
         who(listen)
     );
-    let echoed = w
-        .write_all(b"still there?\n")
-        .map_err(|e| e.to_string())
-        .and_then(|()| {
-            let mut echo = String::new();
-            r.read_line(&mut echo).map_err(|e| e.to_string())?;
-            Ok(echo)
-        });
+    let echoed = echo(&mut w, &mut r, "still there?\n");
     assert_eq!(
         echoed.as_deref(),
         Ok("still there?\n"),
