@@ -325,6 +325,31 @@ async fn grpc_calls_are_balanced_across_endpoints() {
     );
 }
 
+/// A Service with a dead endpoint: calls whose turn it is go to the live endpoint's connection,
+/// not each on a new connection to it (which had made one connection per two calls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_endpoint_does_not_multiply_connections_to_the_live_one() {
+    let (a, seen_a) = grpc_backend("a").await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    }; // closed again: connections to it are refused
+    let (_dp, port) = gateway_for(&[a, dead]).await;
+    let mut c = h2_client(port, 1 << 20).await;
+    for _ in 0..20 {
+        let r = unary_within(&mut c, "/demo.Echo/Unary", Duration::from_secs(3))
+            .await
+            .expect("unary");
+        assert_eq!(grpc_status(&r).as_deref(), Some("0"));
+    }
+    assert_eq!(seen_a.requests.load(Ordering::SeqCst), 20);
+    let conns = seen_a.conns.load(Ordering::SeqCst);
+    assert!(
+        conns <= 2,
+        "{conns} connections to the live endpoint for 20 calls"
+    );
+}
+
 /// A backend that gracefully closes its connection (GOAWAY, as gRPC servers with a maximum
 /// connection age do, or any server shutting down) while a stream is still open on it. A
 /// later call was never sent to that connection and goes on a new one, not answered

@@ -929,6 +929,20 @@ impl Pool {
             });
             !list.is_empty()
         });
+        drop(idle);
+        // HTTP/2: closed connections go, and of an endpoint's connections without a call in
+        // flight one stays; the others were opened for a burst (or while another endpoint was
+        // down) and are not needed now.
+        lock(&self.h2).retain(|_, list| {
+            let mut idle_kept = false;
+            list.retain(|c| {
+                if c.sender.is_closed() {
+                    return false;
+                }
+                c.streams.load(Ordering::Relaxed) > 0 || !std::mem::replace(&mut idle_kept, true)
+            });
+            !list.is_empty()
+        });
     }
 
     /// Connects to `backend`, trying every choice before giving up.
@@ -1136,6 +1150,18 @@ impl Pool {
                 if let Some(lease) = list.iter().find_map(|c| c.lease(key)) {
                     return Ok(lease);
                 }
+            }
+            // Its endpoint failed a moment ago: the turn goes to another endpoint's connection
+            // rather than to a new connection per call (`connect` would skip it too).
+            let penalized = lock(&self.failed)
+                .get(key)
+                .is_some_and(|t| t.elapsed() < PENALTY);
+            if penalized
+                && let Some(lease) = keys
+                    .iter()
+                    .find_map(|k| pool.get(k)?.iter().find_map(|c| c.lease(k)))
+            {
+                return Ok(lease);
             }
         }
         let c = self
