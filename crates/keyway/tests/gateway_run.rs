@@ -137,6 +137,17 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// `curl -k https://HOST:PORT/` (HOST resolved to 127.0.0.1), printing `--write-out` `what`.
+fn curl_https(host: &str, port: u16, what: &str) -> String {
+    let out = Command::new("curl")
+        .args(["-s", "-k", "--max-time", "5", "-o", "/dev/null", "-w", what])
+        .args(["--resolve", &format!("{host}:{port}:127.0.0.1")])
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 fn service(name: &str, port: u16) -> String {
     format!(
         "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"127.0.0.1\"]}}]\nports: [{{port: {port}}}]\n"
@@ -449,24 +460,7 @@ fn a_hostname_whose_certificate_is_missing_is_not_served_by_a_wildcard() {
     );
     std::fs::write(dir.join("gw.yaml"), &yaml).expect("write");
     let _site = Site::start(&dir, false);
-    let curl = |host: &str| -> String {
-        let out = Command::new("curl")
-            .args([
-                "-s",
-                "-k",
-                "--max-time",
-                "5",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code} %{redirect_url}",
-            ])
-            .args(["--resolve", &format!("{host}:{port}:127.0.0.1")])
-            .arg(format!("https://{host}:{port}/"))
-            .output()
-            .expect("run curl");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
+    let curl = |host: &str| curl_https(host, port, "%{http_code} %{redirect_url}");
     assert!(
         eventually(Duration::from_secs(5), || curl("b.foo.com")
             .starts_with("302 https://team-b.example")),
@@ -507,24 +501,7 @@ fn a_key_that_does_not_match_its_certificate_keeps_the_last_valid_secret() {
             "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {{name: https, port: {port}, protocol: HTTPS, hostname: a.example, tls: {{certificateRefs: [{{name: tls}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: served.example, statusCode: 302}}}}]\n{secret}"
         )
     };
-    let curl = || -> String {
-        let out = Command::new("curl")
-            .args([
-                "-s",
-                "-k",
-                "--max-time",
-                "5",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code}",
-            ])
-            .args(["--resolve", &format!("a.example:{port}:127.0.0.1")])
-            .arg(format!("https://a.example:{port}/"))
-            .output()
-            .expect("run curl");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
+    let curl = || curl_https("a.example", port, "%{http_code}");
     std::fs::write(dir.join("gw.yaml"), manifest(&one)).expect("write");
     let site = Site::start(&dir, false);
     assert!(
