@@ -41,6 +41,12 @@ pub fn intersect(listener: Option<&str>, route: &[String]) -> Option<Vec<String>
     }
 }
 
+/// Whether two attachments' hostnames (as [`intersect`] returns them; empty: any host) can
+/// match one request host.
+pub fn overlap(a: &[String], b: &[String]) -> bool {
+    a.is_empty() || b.is_empty() || a.iter().any(|x| b.iter().any(|y| pair(x, y).is_some()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,6 +80,25 @@ mod tests {
         for (listener, route, want) in cases {
             let got = intersect(*listener, &v(route));
             assert_eq!(got, want.map(v), "{listener:?} ∩ {route:?}");
+        }
+    }
+
+    #[test]
+    fn overlap_table() {
+        let cases: &[(&[&str], &[&str], bool)] = &[
+            (&[], &[], true),
+            (&[], &["a.com"], true),
+            (&["a.com"], &[], true),
+            (&["a.com"], &["a.com"], true),
+            (&["a.com"], &["b.com"], false),
+            (&["*.a.com"], &["x.a.com"], true),
+            (&["x.a.com"], &["*.a.com"], true),
+            (&["*.a.com"], &["a.com"], false),
+            (&["*.a.com"], &["*.x.a.com"], true),
+            (&["b.com", "c.com"], &["d.com", "C.com"], true),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(overlap(&v(a), &v(b)), *want, "{a:?} ∩ {b:?}");
         }
     }
 }

@@ -146,6 +146,12 @@ pub struct GatewayResolver {
     plan_pos: Vec<Vec<(u16, usize)>>,
     /// Per Gateway of ours: the object its merge was built for, and the merge.
     merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
+    /// GRPCRoutes with a result: the listeners they attached to are the only ones where an
+    /// HTTPRoute and a GRPCRoute can conflict.
+    grpc_routes: HashSet<ObjectKey>,
+    /// Per route: the listeners (owner slot, listener) where it lost an HTTPRoute/GRPCRoute
+    /// hostname conflict, in slot order.
+    conflicted: HashMap<ObjectKey, Vec<(usize, usize)>>,
     out: GatewayResolution,
 }
 
@@ -166,6 +172,11 @@ struct RouteResult {
     /// (owner slot, listener, hostnames). Slots are safe to keep here: when an owner goes, its
     /// routes are revisited in that same run, before its slot can be reused.
     attaches: Vec<(usize, usize, Vec<String>)>,
+    /// The status of each parentRef as attachment decided it, before HTTPRoute/GRPCRoute
+    /// conflicts (see [`GatewayResolver::settle_kind_conflicts`]) are applied.
+    parents: Vec<ParentStatus>,
+    /// Per parentRef: the serving listeners it attached to, as (owner slot, listener).
+    live: Vec<Vec<(usize, usize)>>,
 }
 
 /// What a Gateway or ListenerSet contributed last time.
@@ -488,6 +499,7 @@ impl GatewayResolver {
             self.route_objs.clear();
             self.by_target.clear();
             self.merges.clear();
+            self.grpc_routes.clear();
         }
         // Slots of Gateways and ListenerSets; the keys of those gone.
         let mut gone_owners: Vec<ObjectKey> = Vec::new();
@@ -758,6 +770,8 @@ impl GatewayResolver {
         changed_owners.extend(&gone_owners);
         // Routes to revisit besides the changed ones (deduplicated below).
         let changed_routes = visit.len();
+        // Routes whose attachment was recomputed: their status is put after conflicts settle.
+        let mut rendered: Vec<ObjectKey> = Vec::new();
         for r in &stale_routes {
             if let Some(obj) = index.get(r) {
                 visit.push(obj);
@@ -777,6 +791,7 @@ impl GatewayResolver {
         for key in gone {
             self.route_inputs.remove(&key);
             self.route_problems.remove(&key);
+            self.grpc_routes.remove(&key);
             if let Some(rr) = self.route_results.remove(&key) {
                 for (owner, _, _) in &rr.attaches {
                     dirty_slots.push(*owner);
@@ -861,6 +876,7 @@ impl GatewayResolver {
             };
             let mut attaches: Vec<(usize, usize, Vec<String>)> = Vec::new();
             let mut parents = Vec::with_capacity(rin.parents.len());
+            let mut live_of_parents = Vec::with_capacity(rin.parents.len());
             for (parent, target) in rin.parents.iter().zip(&rin.targets) {
                 let at = target.as_ref().and_then(owner_at);
                 let view = at.map(|i| OwnerView {
@@ -868,13 +884,17 @@ impl GatewayResolver {
                     accepted: owners[i].admitted(),
                     listeners: &owners[i].listeners,
                 });
+                let mut serving = Vec::new();
                 let accepted = match (routes::attach(&world, ns, &rin, parent, view.as_ref()), at) {
                     (Err((reason, message)), _) => C::new("Accepted", false, reason, message),
                     (Ok(list), Some(i)) => {
                         let owner = &owners[i];
-                        let live = list
+                        serving = list
                             .iter()
-                            .any(|a| owner.standing(a.listener) == Some(Standing::Accepted));
+                            .filter(|a| owner.standing(a.listener) == Some(Standing::Accepted))
+                            .map(|a| (owner.slot, a.listener))
+                            .collect();
+                        let live = !serving.is_empty();
                         for a in list {
                             let dup = attaches
                                 .iter()
@@ -906,12 +926,14 @@ impl GatewayResolver {
                     parent: parent.clone(),
                     conditions,
                 });
+                live_of_parents.push(serving);
             }
-            let model = Model::Route {
-                generation: rin.generation,
-                parents,
-            };
-            self.out.statuses.put(&obj.key, model, now);
+            rendered.push(obj.key.clone());
+            if rin.kind == Kind::GRPCRoute {
+                self.grpc_routes.insert(obj.key.clone());
+            } else {
+                self.grpc_routes.remove(&obj.key);
+            }
             for (s, _, _) in &attaches {
                 dirty_slots.push(*s);
             }
@@ -923,6 +945,8 @@ impl GatewayResolver {
                     rin: Arc::clone(&rin),
                     parent_fps: fps,
                     attaches,
+                    parents,
+                    live: live_of_parents,
                 },
             );
             if let Some(old) = &old {
@@ -941,6 +965,7 @@ impl GatewayResolver {
         if !self.one_shot {
             self.route_objs = route_objs.iter().map(|o| Arc::clone(o)).collect();
         }
+        self.settle_kind_conflicts(rendered, &mut dirty_slots, now);
         problems.extend(self.route_problems.values().flatten().cloned());
 
         let mut relayout = false;
@@ -983,8 +1008,11 @@ impl GatewayResolver {
                 let Some(rr) = self.route_results.get(rkey) else {
                     continue;
                 };
+                let lost = self.conflicted.get(rkey);
                 for (owner, listener, hostnames) in &rr.attaches {
-                    if *owner != owners[i].slot {
+                    if *owner != owners[i].slot
+                        || lost.is_some_and(|l| l.contains(&(*owner, *listener)))
+                    {
                         continue;
                     }
                     *counts.entry((i, *listener)).or_default() += 1;
@@ -1147,6 +1175,119 @@ impl GatewayResolver {
         problems.dedup();
         self.out.problems = problems;
         &self.out
+    }
+
+    /// HTTPRoutes and GRPCRoutes on one listener whose hostnames overlap: the older route (then
+    /// the first by namespace/name) wins, the other is not served there, and a parentRef that
+    /// lost on every serving listener it matched is `Accepted=False/Conflicted` (GRPCRoute
+    /// spec, `hostnames`). A losing route never blocks another. Puts the status of every route
+    /// in `rendered` and of every route whose losses changed; dirties the slots involved.
+    fn settle_kind_conflicts(
+        &mut self,
+        mut rendered: Vec<ObjectKey>,
+        dirty_slots: &mut Vec<usize>,
+        now: &Time,
+    ) {
+        let mut contested: Vec<(usize, usize)> = self
+            .grpc_routes
+            .iter()
+            .filter_map(|k| self.route_results.get(k))
+            .flat_map(|rr| rr.attaches.iter().map(|(s, l, _)| (*s, *l)))
+            .collect();
+        contested.sort_unstable();
+        contested.dedup();
+        let mut lost: HashMap<ObjectKey, Vec<(usize, usize)>> = HashMap::default();
+        for &(slot, listener) in &contested {
+            let Some(owner) = self.slots.get(slot).and_then(Option::as_ref) else {
+                continue;
+            };
+            let mut here: Vec<(&RouteResult, &[String])> = self
+                .by_target
+                .get(&owner.key)
+                .into_iter()
+                .flatten()
+                .filter_map(|k| self.route_results.get(k))
+                .filter(|rr| matches!(rr.rin.kind, Kind::HTTPRoute | Kind::GRPCRoute))
+                .filter_map(|rr| {
+                    rr.attaches
+                        .iter()
+                        .find(|(s, l, _)| (*s, *l) == (slot, listener))
+                        .map(|(_, _, h)| (rr, h.as_slice()))
+                })
+                .collect();
+            here.sort_by(|a, b| {
+                precedence_ref(&a.0.obj)
+                    .cmp(&precedence_ref(&b.0.obj))
+                    .then_with(|| a.0.obj.key.cmp(&b.0.obj.key))
+            });
+            let mut winners: Vec<(Kind, &[String])> = Vec::new();
+            for (rr, hosts) in here {
+                let beaten = winners
+                    .iter()
+                    .any(|(k, h)| *k != rr.rin.kind && hostname::overlap(h, hosts));
+                if beaten {
+                    lost.entry(rr.obj.key.clone())
+                        .or_default()
+                        .push((slot, listener));
+                } else {
+                    winners.push((rr.rin.kind, hosts));
+                }
+            }
+        }
+        for (k, v) in &lost {
+            let old = self.conflicted.get(k);
+            if old != Some(v) {
+                dirty_slots.extend(v.iter().chain(old.into_iter().flatten()).map(|p| p.0));
+                rendered.push(k.clone());
+            }
+        }
+        for (k, v) in &self.conflicted {
+            if !lost.contains_key(k) {
+                dirty_slots.extend(v.iter().map(|p| p.0));
+                rendered.push(k.clone());
+            }
+        }
+        rendered.sort_unstable();
+        rendered.dedup();
+        for key in rendered {
+            let Some(rr) = self.route_results.get(&key) else {
+                continue;
+            };
+            let losses = lost.get(&key);
+            let parents = rr
+                .parents
+                .iter()
+                .zip(&rr.live)
+                .map(|(p, live)| {
+                    let beaten = !live.is_empty()
+                        && losses.is_some_and(|l| live.iter().all(|x| l.contains(x)));
+                    let mut p = p.clone();
+                    if beaten && let Some(c) = p.conditions.first_mut() {
+                        let other = if rr.rin.kind == Kind::GRPCRoute {
+                            "an HTTPRoute"
+                        } else {
+                            "a GRPCRoute"
+                        };
+                        *c = C::new(
+                            "Accepted",
+                            false,
+                            "Conflicted",
+                            format!(
+                                "{other} with overlapping hostnames takes precedence on the \
+                                 listeners this parentRef matches (the older route wins)"
+                            ),
+                        );
+                    }
+                    p
+                })
+                .collect();
+            let model = Model::Route {
+                generation: rr.rin.generation,
+                parents,
+            };
+            self.out.statuses.put(&key, model, now);
+        }
+        self.conflicted = lost;
     }
 
     /// Puts the binds of owner `i` where its binds were in the plan. False when they cannot be

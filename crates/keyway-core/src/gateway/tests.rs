@@ -1813,3 +1813,89 @@ fn incremental_route_parent_ref_change() {
         two_sets("from: All", &a, &b),
     ]);
 }
+
+/// An HTTPRoute or GRPCRoute in `infra` on Gateway `gw`, created `created` seconds past
+/// 00:00 (2024-01-01), with the `app` Service as its backend.
+fn dated_route(kind: &str, name: &str, created: u32, hostnames: &str) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: {kind}\nmetadata: {{name: {name}, namespace: infra, creationTimestamp: \"2024-01-01T00:00:{created:02}Z\"}}\nspec:\n  parentRefs: [{{name: gw}}]\n  hostnames: {hostnames}\n  rules:\n  - backendRefs: [{{name: app, port: 80}}]\n"
+    )
+}
+
+/// (status, reason) of the first parent's condition `t` of a route of any kind.
+fn route_cond(r: &GatewayResolution, kind: Kind, name: &str, t: &str) -> (String, String) {
+    cond(
+        &status(r, kind, "infra", name)["parents"][0]["conditions"],
+        t,
+    )
+}
+
+/// Route names bound to the Gateway's only listener in the plan.
+fn bound_routes(r: &GatewayResolution) -> Vec<String> {
+    let mut names: Vec<String> = r.plan.gateways[0]
+        .ports
+        .iter()
+        .flat_map(|p| p.listeners.iter())
+        .flat_map(|l| l.routes.iter().map(|a| a.route.name.clone()))
+        .collect();
+    names.sort();
+    names
+}
+
+/// GRPCRoute spec (`hostnames`): an HTTPRoute and a GRPCRoute with overlapping hostnames on one
+/// listener: exactly one is accepted, the older (then the first by namespace/name); a losing
+/// route never blocks another; deleting the winner promotes the loser.
+#[test]
+fn http_and_grpc_routes_with_overlapping_hostnames_accept_the_older() {
+    let base = vec![
+        gateway("infra", "gw", "from: None", &l("web", 80, "HTTP", None)),
+        svc("infra", "app"),
+    ];
+    let h1 = dated_route("HTTPRoute", "h1", 10, "[a.example.com]");
+    let g1 = dated_route("GRPCRoute", "g1", 20, "[\"*.example.com\"]");
+    // Older than g2 on g2's hostname: g2 loses to it.
+    let h0 = dated_route("HTTPRoute", "h0", 5, "[grpc.other.com]");
+    let g2 = dated_route("GRPCRoute", "g2", 30, "[grpc.other.com, rpc.third.com]");
+    // Same kind as h1 and overlapping: no conflict between routes of one kind.
+    let h2 = dated_route("HTTPRoute", "h2", 40, "[\"*.example.com\"]");
+    // Its hostnames overlap only g1's, which lost: a loser never blocks.
+    let h3 = dated_route("HTTPRoute", "h3", 50, "[b.example.com]");
+    let all = [
+        base.clone(),
+        vec![
+            h1.clone(),
+            g1.clone(),
+            h0.clone(),
+            g2.clone(),
+            h2.clone(),
+            h3.clone(),
+        ],
+    ]
+    .concat();
+    let without_h1 = [
+        base.clone(),
+        vec![g1.clone(), h0.clone(), g2.clone(), h2.clone(), h3.clone()],
+    ]
+    .concat();
+    let r = assert_incremental(&[all.clone(), without_h1.clone(), all.clone()]);
+    let accepted = |r: &GatewayResolution, kind, name| route_cond(r, kind, name, "Accepted");
+    assert_eq!(accepted(&r, Kind::HTTPRoute, "h1"), yes("Accepted"));
+    assert_eq!(accepted(&r, Kind::GRPCRoute, "g1"), no("Conflicted"));
+    assert_eq!(accepted(&r, Kind::HTTPRoute, "h0"), yes("Accepted"));
+    assert_eq!(accepted(&r, Kind::GRPCRoute, "g2"), no("Conflicted"));
+    assert_eq!(accepted(&r, Kind::HTTPRoute, "h2"), yes("Accepted"));
+    assert_eq!(accepted(&r, Kind::HTTPRoute, "h3"), yes("Accepted"));
+    assert_eq!(bound_routes(&r), ["h0", "h1", "h2", "h3"]);
+    assert_eq!(
+        listener(&r, Kind::Gateway, "infra", "gw", "web")["attachedRoutes"],
+        4
+    );
+
+    // Without h1, g1 is the oldest route on *.example.com: it wins, and h2 and h3 (younger,
+    // overlapping it) lose.
+    let r = assert_incremental(&[all, without_h1]);
+    assert_eq!(accepted(&r, Kind::GRPCRoute, "g1"), yes("Accepted"));
+    assert_eq!(accepted(&r, Kind::HTTPRoute, "h2"), no("Conflicted"));
+    assert_eq!(accepted(&r, Kind::HTTPRoute, "h3"), no("Conflicted"));
+    assert_eq!(bound_routes(&r), ["g1", "h0"]);
+}
