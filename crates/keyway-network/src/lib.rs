@@ -16,7 +16,7 @@ mod session;
 pub mod stream;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -75,8 +75,23 @@ pub(crate) struct Conn {
     /// Present where this site is the HTTP/2 client: streams to the peer are opened here.
     pub sender: Option<h2::client::SendRequest<Bytes>>,
     pub control: mpsc::UnboundedSender<Bytes>,
+    /// Streams on this connection: opened here where this site is the HTTP/2 client, accepted
+    /// from the peer where it is the server.
     pub streams: Arc<AtomicUsize>,
     pub link: Option<String>,
+    /// Which start of its Link dialed it (see [`RunningLink::generation`]); 0 if accepted.
+    pub link_generation: u64,
+    /// Being replaced: no new streams go here while another connection to the peer exists.
+    pub retiring: AtomicBool,
+}
+
+impl Conn {
+    /// Stops new streams here, at both ends (the peer is told with a `retire` message).
+    fn retire(&self) {
+        if !self.retiring.swap(true, Ordering::Relaxed) {
+            let _ = self.control.send(Message::Retire.encode());
+        }
+    }
 }
 
 /// A Link in force: its plan, the cost its dials announce (shared with its dial loops, so an
@@ -84,8 +99,28 @@ pub(crate) struct Conn {
 struct RunningLink {
     plan: LinkPlan,
     cost: Arc<AtomicU64>,
+    /// Tells this start's connections from those of a later one (after a certificate rotation
+    /// both are up for a while).
+    generation: u64,
+    /// Set when a later start replaced this one: its dial loops stop redialing.
+    retired: Arc<AtomicBool>,
     _tasks: Vec<AbortOnDrop>,
 }
+
+/// A RouterAccess in force: its plan, accept task, bound socket and accepted connections.
+struct RunningAccess {
+    plan: RouterAccessPlan,
+    _task: AbortOnDrop,
+    socket: Arc<std::net::TcpListener>,
+    sessions: session::Sessions,
+}
+
+/// How long connections of a Link whose certificate was rotated may carry the streams they had
+/// before they are closed anyway.
+const RETIRE_MAX: Duration = Duration::from_secs(600);
+/// How long an idle retired connection waits for its replacement to come up (until then it
+/// still carries new streams, so the Link has no gap).
+const RETIRE_UNREPLACED: Duration = Duration::from_secs(10);
 
 /// A Link's observed state: connections up (by id, with the remote site) and the last error.
 #[derive(Default)]
@@ -111,11 +146,15 @@ struct State {
     routes: BTreeMap<String, Route>,
     remote_entries: Vec<(String, String, u64)>,
     links: BTreeMap<String, RunningLink>,
+    /// Generations of Links replaced make-before-break whose connections are still closing:
+    /// a connection of one of them that comes up late is retired at once.
+    retired_generations: BTreeSet<u64>,
+    next_link_generation: u64,
     link_state: BTreeMap<String, LinkState>,
     /// The RouterAccess in force, its accept task, and its bound socket (kept here so that a
     /// changed RouterAccess on the same address takes over the socket instead of binding anew
     /// while the old task, aborted, may still hold it).
-    access: Option<(RouterAccessPlan, AbortOnDrop, Arc<std::net::TcpListener>)>,
+    access: Option<RunningAccess>,
     access_error: Option<(ObjectKey, String)>,
 }
 
@@ -186,6 +225,8 @@ impl Network {
                 routes: BTreeMap::new(),
                 remote_entries: Vec::new(),
                 links: BTreeMap::new(),
+                retired_generations: BTreeSet::new(),
+                next_link_generation: 1,
                 link_state: BTreeMap::new(),
                 access: None,
                 access_error: None,
@@ -234,7 +275,7 @@ impl Network {
         }
         // RouterAccess.
         let same_access = match (&st.access, &plan.router_access) {
-            (Some((running, ..)), Some(wanted)) => running == wanted && !renamed,
+            (Some(running), Some(wanted)) => running.plan == *wanted && !renamed,
             (None, None) => true,
             _ => false,
         };
@@ -244,12 +285,28 @@ impl Network {
             if let Some(ra) = &plan.router_access {
                 let bound = old
                     .as_ref()
-                    .filter(|(o, ..)| o.bind_host == ra.bind_host && o.port == ra.port)
-                    .map(|(.., socket)| socket.clone());
-                // Aborting the old task ends the links accepted on it (a rotated CA revokes).
+                    .filter(|o| o.plan.bind_host == ra.bind_host && o.plan.port == ra.port)
+                    .map(|o| o.socket.clone());
+                // Links accepted under the same CA stay (only the serving certificate or the
+                // address changed); a new CA, or a rename, ends them: a rotated CA revokes.
+                let kept = old
+                    .as_ref()
+                    .filter(|o| !renamed && o.plan.tls.ca == ra.tls.ca)
+                    .map(|o| o.sessions.clone());
+                if kept.is_some() {
+                    tracing::info!(router_access = %ra.id.name, "RouterAccess certificate replaced; links accepted under the old one stay");
+                }
+                let sessions = kept.unwrap_or_default();
                 drop(old);
-                match session::start_access(inner, ra, bound) {
-                    Ok((task, socket)) => st.access = Some((ra.clone(), task, socket)),
+                match session::start_access(inner, ra, bound, sessions.clone()) {
+                    Ok((task, socket)) => {
+                        st.access = Some(RunningAccess {
+                            plan: ra.clone(),
+                            _task: task,
+                            socket,
+                            sessions,
+                        })
+                    }
                     Err(e) => {
                         tracing::error!(router_access = %ra.id.name, "{e}");
                         st.access_error = Some((ra.id.clone(), e.to_string()));
@@ -286,21 +343,37 @@ impl Network {
                     next.insert(name, running);
                     changed = true;
                 }
-                _ => {
-                    st.link_state.insert(
-                        name.clone(),
-                        LinkState {
-                            up: BTreeMap::new(),
-                            error: Some("connecting".into()),
-                        },
-                    );
+                old => {
+                    // Only the certificate changed (same peer, same CA): the new connections
+                    // come up beside the old ones, which close when their streams are done.
+                    let rotated = old.filter(|o| {
+                        !renamed
+                            && o.plan.host == link.host
+                            && o.plan.port == link.port
+                            && o.plan.tls.ca == link.tls.ca
+                    });
+                    let replaced = rotated.is_some();
+                    if let Some(old) = rotated {
+                        inner.retire_link(&mut st, old);
+                    }
+                    let ls = st.link_state.entry(name.clone()).or_default();
+                    if !replaced {
+                        ls.up.clear();
+                        ls.error = Some("connecting".into());
+                    }
                     let cost = Arc::new(AtomicU64::new(link.cost));
-                    let tasks = session::start_link(inner, link, cost.clone());
+                    let generation = st.next_link_generation;
+                    st.next_link_generation += 1;
+                    let retired = Arc::new(AtomicBool::new(false));
+                    let tasks =
+                        session::start_link(inner, link, cost.clone(), generation, retired.clone());
                     next.insert(
                         name,
                         RunningLink {
                             plan: link.clone(),
                             cost,
+                            generation,
+                            retired,
                             _tasks: tasks,
                         },
                     );
@@ -529,9 +602,63 @@ impl Inner {
         }
     }
 
+    /// Replaces `old` make-before-break: its connections take no new streams once another
+    /// connection to the peer is up (the peer is told too), and are closed when their streams
+    /// are done, or after [`RETIRE_MAX`].
+    fn retire_link(self: &Arc<Self>, st: &mut State, old: RunningLink) {
+        old.retired.store(true, Ordering::Relaxed);
+        st.retired_generations.insert(old.generation);
+        for c in st.conns.values() {
+            if c.link_generation == old.generation {
+                c.retire();
+            }
+        }
+        tracing::info!(link = %old.plan.id.name, "link certificate changed: new connections come up beside the old ones");
+        let inner = Arc::downgrade(self);
+        self.runtime.spawn(async move {
+            let started = Instant::now();
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let Some(inner) = inner.upgrade() else { return };
+                let mut st = lock(&inner.state);
+                let mine = |c: &&Arc<Conn>| c.link_generation == old.generation;
+                let busy = st
+                    .conns
+                    .values()
+                    .filter(mine)
+                    .any(|c| c.streams.load(Ordering::Relaxed) > 0);
+                let replaced = st.conns.values().any(|c| {
+                    c.link.as_deref() == Some(old.plan.id.name.as_str())
+                        && c.link_generation != old.generation
+                        && c.sender.is_some()
+                });
+                let waited = started.elapsed();
+                if (!busy && (replaced || waited > RETIRE_UNREPLACED)) || waited > RETIRE_MAX {
+                    st.retired_generations.remove(&old.generation);
+                    let closing = st.conns.values().filter(mine).count();
+                    drop(st);
+                    tracing::info!(link = %old.plan.id.name, closing, busy, "retired link connections closed");
+                    // Aborts the old dial loops; their connections deregister.
+                    drop(old);
+                    return;
+                }
+            }
+        });
+    }
+
+    /// The peer is replacing connection `id`: no new streams go there.
+    fn peer_retiring(&self, id: u64) {
+        if let Some(c) = lock(&self.state).conns.get(&id) {
+            c.retiring.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// Adds a connection whose hellos were exchanged, and sends it what we know.
     fn register(&self, conn: Arc<Conn>) {
         let mut st = lock(&self.state);
+        if st.retired_generations.contains(&conn.link_generation) {
+            conn.retire();
+        }
         for adv in st.db.values() {
             if let Some(bytes) = encode_advertisement(adv) {
                 let _ = conn.control.send(bytes);
@@ -594,7 +721,12 @@ impl Inner {
         st.conns
             .values()
             .filter(|c| c.peer == route.next_hop && c.sender.is_some())
-            .min_by_key(|c| c.streams.load(Ordering::Relaxed))
+            .min_by_key(|c| {
+                (
+                    c.retiring.load(Ordering::Relaxed),
+                    c.streams.load(Ordering::Relaxed),
+                )
+            })
             .cloned()
             .ok_or_else(|| format!("no connection to site {}", route.next_hop))
     }

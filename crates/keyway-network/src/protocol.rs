@@ -36,6 +36,9 @@ pub enum Message {
     /// From the dialing side: the Link's cost was edited; the connection stays and both ends
     /// use the new cost from now on.
     Cost { cost: u64 },
+    /// This connection is being replaced (its Link's certificate was rotated): open no new
+    /// streams on it. The streams it carries go on; the dialer closes it when they are done.
+    Retire,
     /// A site's link-state advertisement, flooded to every site.
     Advertisement(Advertisement),
 }
@@ -94,6 +97,7 @@ impl Message {
             Message::Hello { .. } => "hello",
             Message::Keepalive => "keepalive",
             Message::Cost { .. } => "cost",
+            Message::Retire => "retire",
             Message::Advertisement(_) => "advertisement",
         }
     }
@@ -116,7 +120,7 @@ pub fn validate(msg: &Message) -> Result<(), ProtocolError> {
             check_name("site name", site)?;
             check_name("site id", id)
         }
-        Message::Keepalive | Message::Cost { .. } => Ok(()),
+        Message::Keepalive | Message::Cost { .. } | Message::Retire => Ok(()),
         Message::Advertisement(a) => {
             check_name("site name", &a.origin)?;
             check_name("site id", &a.id)?;
@@ -253,12 +257,17 @@ mod tests {
         let mut d = Decoder::default();
         let mut wire = hello().encode().to_vec();
         wire.extend_from_slice(&Message::Keepalive.encode());
+        wire.extend_from_slice(&Message::Cost { cost: 3 }.encode());
+        wire.extend_from_slice(&Message::Retire.encode());
         // Split mid-message: the decoder waits for the newline.
         d.push(&wire[..5]).unwrap();
         assert_eq!(d.next_message().unwrap(), None);
         d.push(&wire[5..]).unwrap();
         assert_eq!(d.next_message().unwrap(), Some(hello()));
         assert_eq!(d.next_message().unwrap(), Some(Message::Keepalive));
+        assert_eq!(d.next_message().unwrap(), Some(Message::Cost { cost: 3 }));
+        assert_eq!(d.next_message().unwrap(), Some(Message::Retire));
+        assert_eq!(&Message::Retire.encode()[..], b"{\"type\":\"retire\"}\n");
         d.push(&hello().encode()).unwrap();
         assert_eq!(d.next_message(), Err(ProtocolError::SecondHello));
     }

@@ -1,8 +1,8 @@
 //! Link connections: dialing Links with backoff, accepting on the RouterAccess port, the
 //! HTTP/2 session on each connection (control stream, PING keepalive), and CONNECT streams.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -24,7 +24,7 @@ use crate::protocol::{Decoder, Message, VERSION};
 use crate::stream::H2Stream;
 use crate::{
     ALPN_FORWARD, ALPN_REVERSE, AbortOnDrop, CONTROL_PATH, Conn, H_ERROR, H_HOPS, H_KEY, H_SITE,
-    Inner, NetError, StreamCount, boxed,
+    Inner, NetError, StreamCount, boxed, lock,
 };
 
 /// HTTP/2 flow control for tunnels: 4 MiB per stream, 64 MiB per connection. Unequal on
@@ -57,10 +57,15 @@ const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// Binds the RouterAccess port now (so a bad port is reported) and accepts links on it.
+/// The connections a RouterAccess accepted. They outlive its accept task when only its
+/// certificate changes (same CA), and are all ended when the last holder drops the set.
+pub(crate) type Sessions = Arc<Mutex<tokio::task::JoinSet<()>>>;
+
 pub(crate) fn start_access(
     inner: &Arc<Inner>,
     ra: &RouterAccessPlan,
     bound: Option<Arc<std::net::TcpListener>>,
+    sessions: Sessions,
 ) -> Result<(AbortOnDrop, Arc<std::net::TcpListener>), NetError> {
     // A client certificate is optional at the TLS layer only so that a site without credentials
     // can redeem a token (ALPN keyway-grant/1); `accepted_role` refuses every link protocol on a
@@ -97,12 +102,11 @@ pub(crate) fn start_access(
             }
         };
         tracing::info!(addr = ?listener.local_addr().ok(), "accepting links");
-        // Accepted sessions belong to this task: when the RouterAccess goes away or changes
-        // (a rotated CA revoking a site), aborting it drops the set and ends them too.
-        let mut sessions = tokio::task::JoinSet::new();
+        // Accepted sessions go to the shared set: when the RouterAccess goes away or its CA
+        // changes (a rotated CA revoking a site), the set is dropped and they end too.
         let mut throttle = keyway_dataplane::Throttle::default();
         loop {
-            while sessions.try_join_next().is_some() {}
+            while lock(&sessions).try_join_next().is_some() {}
             let (tcp, peer) = match listener.accept().await {
                 Ok(x) => x,
                 Err(e) => {
@@ -115,7 +119,7 @@ pub(crate) fn start_access(
             };
             let inner = inner.clone();
             let acceptor = acceptor.clone();
-            sessions.spawn(async move {
+            lock(&sessions).spawn(async move {
                 let _ = tcp.set_nodelay(true);
                 // Nothing but the TLS handshake happens before the peer proves its identity.
                 let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
@@ -193,25 +197,43 @@ pub(crate) fn accepted_role(
 /// Dials a Link: one connection where this site is the HTTP/2 client and one where the peer is,
 /// each redialed with backoff.
 /// Dials `link` (both HTTP/2 roles), announcing `cost` as it is at each dial.
+/// `generation` marks its connections; once `retired` is set the loops stop redialing.
 pub(crate) fn start_link(
     inner: &Arc<Inner>,
     link: &LinkPlan,
     cost: Arc<AtomicU64>,
+    generation: u64,
+    retired: Arc<AtomicBool>,
 ) -> Vec<AbortOnDrop> {
     [true, false]
         .into_iter()
         .map(|client| {
-            AbortOnDrop(inner.runtime.spawn(link_loop(
-                inner.clone(),
-                link.clone(),
-                cost.clone(),
+            let dial = Dial {
+                link: link.clone(),
+                cost: cost.clone(),
+                generation,
                 client,
-            )))
+            };
+            AbortOnDrop(
+                inner
+                    .runtime
+                    .spawn(link_loop(inner.clone(), dial, retired.clone())),
+            )
         })
         .collect()
 }
 
-async fn link_loop(inner: Arc<Inner>, link: LinkPlan, cost: Arc<AtomicU64>, client: bool) {
+/// One of a Link's two dial loops: where to, the cost to announce, and which HTTP/2 role.
+struct Dial {
+    link: LinkPlan,
+    cost: Arc<AtomicU64>,
+    generation: u64,
+    client: bool,
+}
+
+async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
+    let Dial { link, client, .. } = &dial;
+    let client = *client;
     let name = link.id.name.clone();
     let alpn = if client { ALPN_FORWARD } else { ALPN_REVERSE };
     let config = match tls::link_client_config(&link.tls, alpn) {
@@ -224,10 +246,14 @@ async fn link_loop(inner: Arc<Inner>, link: LinkPlan, cost: Arc<AtomicU64>, clie
     let mut backoff = BACKOFF_MIN;
     loop {
         let started = Instant::now();
-        let why = match dial_once(&inner, &link, &cost, config.clone(), client).await {
+        let why = match dial_once(&inner, &dial, config.clone()).await {
             Ok(()) => "connection closed by the peer".to_string(),
             Err(e) => e.to_string(),
         };
+        if retired.load(Ordering::Relaxed) {
+            // Replaced by a later start of the Link, which reports its own state.
+            return;
+        }
         tracing::warn!(link = %name, endpoint = %format!("{}:{}", link.host, link.port), "link down: {why}");
         inner.link_failed(&name, why);
         if started.elapsed() > Duration::from_secs(10) {
@@ -241,11 +267,10 @@ async fn link_loop(inner: Arc<Inner>, link: LinkPlan, cost: Arc<AtomicU64>, clie
 
 async fn dial_once(
     inner: &Arc<Inner>,
-    link: &LinkPlan,
-    cost: &AtomicU64,
+    dial: &Dial,
     config: Arc<rustls::ClientConfig>,
-    client: bool,
 ) -> Result<(), NetError> {
+    let link = &dial.link;
     let tcp = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
         TcpStream::connect((link.host.as_str(), link.port)),
@@ -270,8 +295,9 @@ async fn dial_once(
     .map_err(|e| NetError::Tls(format!("TLS handshake failed: {e}")))?;
     let mut tls = tls;
     tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
-    let cost = cost.load(Ordering::Relaxed);
-    run_session(inner, tls, client, cost, Some(link.id.name.clone())).await
+    let cost = dial.cost.load(Ordering::Relaxed);
+    let dialed = Some((link.id.name.clone(), dial.generation));
+    run_session(inner, tls, dial.client, cost, dialed).await
 }
 
 fn h2_client() -> h2::client::Builder {
@@ -311,18 +337,24 @@ impl Drop for Registration {
 }
 
 /// One link connection, either HTTP/2 role. `cost` is the Link's cost when this site dialed;
-/// the accepting side takes the cost from the dialer's hello.
+/// the accepting side takes the cost from the dialer's hello. `dialed`: the Link and its
+/// generation, where this site dialed.
 async fn run_session<S>(
     inner: &Arc<Inner>,
     io: S,
     client: bool,
     cost: u64,
-    link: Option<String>,
+    dialed: Option<(String, u64)>,
 ) -> Result<(), NetError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let ready = Arc::new(AtomicBool::new(false));
+    let streams = Arc::new(AtomicUsize::new(0));
+    let (link, link_generation) = match dialed {
+        Some((name, generation)) => (Some(name), generation),
+        None => (None, 0),
+    };
     // Set up HTTP/2 and the control stream; the connection is driven by its own task.
     let (sender, mut ping, driver, mut ctl_send, mut ctl_recv) = if client {
         let (sender, mut conn) = tokio::time::timeout(HANDSHAKE_TIMEOUT, h2_client().handshake(io))
@@ -377,6 +409,7 @@ where
             inner.clone(),
             conn,
             ready.clone(),
+            streams.clone(),
         )));
         (None, ping, driver, send, req.into_body())
     };
@@ -420,8 +453,10 @@ where
         cost: AtomicU64::new(cost),
         sender,
         control,
-        streams: Arc::new(AtomicUsize::new(0)),
+        streams,
         link,
+        link_generation,
+        retiring: AtomicBool::new(false),
     });
     let mut registration = Registration {
         inner: inner.clone(),
@@ -458,6 +493,7 @@ where
                     match decoder.next_message() {
                         Ok(Some(Message::Advertisement(adv))) => inner.receive(conn.id, adv),
                         Ok(Some(Message::Cost { cost })) => inner.peer_cost(conn.id, cost),
+                        Ok(Some(Message::Retire)) => inner.peer_retiring(conn.id),
                         Ok(Some(_)) => {}
                         Ok(None) => break,
                         Err(e) => { failed = Some(e); break }
@@ -570,6 +606,7 @@ async fn serve_connection<S>(
     inner: Arc<Inner>,
     mut conn: h2::server::Connection<S, Bytes>,
     ready: Arc<AtomicBool>,
+    streams: Arc<AtomicUsize>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -585,7 +622,12 @@ async fn serve_connection<S>(
             refuse(respond, StatusCode::SERVICE_UNAVAILABLE, "hello not done");
             continue;
         }
-        tokio::spawn(serve_stream(inner.clone(), req, respond));
+        let count = StreamCount::new(&streams);
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let _count = count;
+            serve_stream(inner, req, respond).await
+        });
     }
 }
 
@@ -882,7 +924,7 @@ mod linked_in_memory {
             let (x, y) = tokio::io::duplex(1 << 20);
             let (ia, ib) = (a.inner.clone(), b.inner.clone());
             tasks.push(AbortOnDrop(tokio::spawn(async move {
-                let _ = run_session(&ia, x, a_client, cost, Some("link".into())).await;
+                let _ = run_session(&ia, x, a_client, cost, Some(("link".into(), 1))).await;
             })));
             tasks.push(AbortOnDrop(tokio::spawn(async move {
                 let _ = run_session(&ib, y, !a_client, 0, None).await;

@@ -179,6 +179,108 @@ fn renaming_a_dialing_site_keeps_its_keys_reachable() {
     );
 }
 
+/// Replaces a site's link Secret `link-tls` by a fresh leaf certificate and key from the same
+/// CA (a certificate rotation, as cert-manager does it).
+fn rotate_link_secret(site: &SiteProc, ca: &Ca) {
+    let path = site.config_dir().join("site.yaml");
+    let text = std::fs::read_to_string(&path).expect("read config");
+    let docs: Vec<String> = text
+        .split("---\n")
+        .map(|d| {
+            if d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n") {
+                ca.secret_yaml("link-tls")
+            } else {
+                d.to_string()
+            }
+        })
+        .collect();
+    let rotated = docs.join("---\n");
+    assert_ne!(rotated, text, "no link-tls Secret in the config");
+    write_file(&site.config_dir(), "site.yaml", &rotated);
+}
+
+fn connections_up(site: &SiteProc) -> usize {
+    site.log().matches("link connection up").count()
+}
+
+/// A rotated link certificate (same CA) replaces the Link's connections make-before-break: a
+/// proxied connection crossing the old ones keeps working, new connections work, the Link is
+/// redialed with the new certificate, and the old connections close once their streams end.
+#[test]
+fn rotating_a_link_certificate_keeps_live_connections() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (a, _b, _b_port, listen) = pair(&ca, &backend);
+    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    assert_eq!(line, "at-b\n");
+    let before = connections_up(&a);
+
+    rotate_link_secret(&a, &ca);
+    assert!(
+        eventually(Duration::from_secs(10), || connections_up(&a) >= before + 2),
+        "the Link was not redialed with the new certificate; a's log:\n{}",
+        a.log()
+    );
+    // Give the old connections time to close, were they going to close under a live stream.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        echo(&mut w, &mut r, "still there?\n").as_deref(),
+        Ok("still there?\n"),
+        "the live connection was cut by a certificate rotation; a's log:\n{}",
+        a.log()
+    );
+    assert_eq!(who(listen).as_deref(), Ok("at-b"));
+    // Once the last stream on them ends, the old connections close.
+    drop((w, r));
+    assert!(
+        eventually(Duration::from_secs(10), || a
+            .log()
+            .contains("retired link connections closed")),
+        "old connections not closed; a's log:\n{}",
+        a.log()
+    );
+    assert_eq!(who(listen).as_deref(), Ok("at-b"));
+}
+
+/// The accepting side: a rotated RouterAccess certificate (same CA) is served to new links;
+/// links accepted under the old one, and the connections crossing them, stay.
+#[test]
+fn rotating_a_router_access_certificate_keeps_live_connections() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (a, b, b_port, listen) = pair(&ca, &backend);
+    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    assert_eq!(line, "at-b\n");
+
+    rotate_link_secret(&b, &ca);
+    // The new certificate is served at once (the CA is the same, so a's check passes).
+    let served = |port: u16| {
+        std::process::Command::new("openssl")
+            .args(["s_client", "-connect", &format!("127.0.0.1:{port}")])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default()
+    };
+    let first = served(b_port);
+    assert!(
+        eventually(Duration::from_secs(5), || served(b_port) != first
+            || b.log().contains("RouterAccess certificate replaced")),
+        "b's log:\n{}",
+        b.log()
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        echo(&mut w, &mut r, "still there?\n").as_deref(),
+        Ok("still there?\n"),
+        "the live connection was cut by a RouterAccess certificate rotation; b's log:\n{}",
+        b.log()
+    );
+    assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
+}
+
 /// Rewrites one piece of a site's config file in place (the Secret stays byte-identical:
 /// `Ca::secret_yaml` would issue a fresh leaf, which is a certificate change).
 fn edit(site: &SiteProc, from: &str, to: &str) {
