@@ -355,6 +355,33 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         );
         map.insert("kind".into(), Value::String(kind.name().into()));
         map.remove("status");
+        if kind == Kind::Secret
+            && let Some(Value::Object(data)) = map.get_mut("data")
+        {
+            // The API server decodes `data` with Go's base64, which skips line breaks: values
+            // wrapped over lines (`base64` without -w0, in a `|` block) are valid there.
+            for v in data.values_mut() {
+                if let Value::String(text) = v
+                    && text.contains(['\n', '\r'])
+                {
+                    text.retain(|c| c != '\n' && c != '\r');
+                }
+            }
+            // `keyway status -o yaml` prints Secret values as `<redacted, N bytes>`: say so
+            // rather than "invalid base64".
+            let redacted = data
+                .iter()
+                .find(|(_, v)| v.as_str().is_some_and(|t| t.starts_with("<redacted")));
+            if let Some((field, _)) = redacted {
+                load.outcomes.push(DocOutcome::Rejected(err(
+                    &format!("data.{field}"),
+                    "this value was redacted by `keyway status`; put the Secret's real value back"
+                        .into(),
+                    Some(key),
+                )));
+                return;
+            }
+        }
         if kind.is_skupper() || kind.api_version().starts_with("gateway.") {
             map.entry("spec")
                 .or_insert_with(|| Value::Object(Default::default()));

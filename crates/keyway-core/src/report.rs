@@ -93,9 +93,9 @@ fn redact_copies(meta: &mut serde_json::Map<String, Value>) {
     {
         annotations.insert(LAST_APPLIED.into(), json!("<redacted>"));
     }
-    if meta.contains_key("managedFields") {
-        meta.insert("managedFields".into(), json!("<redacted>"));
-    }
+    // A list upstream: a string in its place would make this output fail to load again
+    // (`invalid type: string, expected a list`). Dropped, as `kubectl neat` does.
+    meta.remove("managedFields");
 }
 
 fn redact_secret(map: &mut serde_json::Map<String, Value>) {

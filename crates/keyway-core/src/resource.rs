@@ -212,7 +212,7 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>
     let mut ignored = Vec::new();
     let mut track = serde_path_to_error::Track::new();
     let de = serde_path_to_error::Deserializer::new(value, &mut track);
-    let result = serde_ignored::deserialize(de, |path| ignored.push(path.to_string()));
+    let result = serde_ignored::deserialize(de, |path| ignored.push(path_text(&path)));
     match result {
         Ok(obj) => Ok((obj, ignored)),
         Err(err) => {
@@ -233,6 +233,27 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>
             }
             Err(PathError { path, message })
         }
+    }
+}
+
+/// An ignored field's path written as every error path is (`spec.rules[2].retry`): serde_ignored
+/// writes `spec.rules.?.2.retry`, which names no field and whose line cannot be found.
+fn path_text(path: &serde_ignored::Path) -> String {
+    use serde_ignored::Path;
+    match path {
+        Path::Root => String::new(),
+        Path::Seq { parent, index } => format!("{}[{index}]", path_text(parent)),
+        Path::Map { parent, key } => {
+            let parent = path_text(parent);
+            if parent.is_empty() {
+                key.clone()
+            } else {
+                format!("{parent}.{key}")
+            }
+        }
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => path_text(parent),
     }
 }
 

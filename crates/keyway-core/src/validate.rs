@@ -483,6 +483,44 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)
                 out.push(("spec.exposePodsByName", NO_PODS));
             }
         }
+        Resource::Site(site) => {
+            if site
+                .spec
+                .link_access
+                .as_deref()
+                .is_some_and(|a| !a.is_empty() && a != "none")
+            {
+                out.push((
+                    "spec.linkAccess",
+                    "ignored: keyway creates no RouterAccess for it; add a RouterAccess with the \
+                     inter-router role so other sites can link to this one",
+                ));
+            }
+            if site.spec.edge {
+                out.push((
+                    "spec.edge",
+                    "ignored: a keyway site is always interior and accepts links",
+                ));
+            }
+            if site.spec.ha {
+                out.push(("spec.ha", "ignored: a keyway site is one process"));
+            }
+        }
+        Resource::RouterAccess(r) => {
+            if r.spec.generate_tls_credentials {
+                out.push((
+                    "spec.generateTlsCredentials",
+                    "ignored: keyway generates no credentials; put tls.crt, tls.key and ca.crt \
+                     in the Secret named by tlsCredentials",
+                ));
+            }
+            if r.spec.access_type.as_deref().is_some_and(|t| t != "local") {
+                out.push((
+                    "spec.accessType",
+                    "ignored: a standalone site binds bindHost and the role's port itself",
+                ));
+            }
+        }
         Resource::Listener(l) => {
             if l.spec.expose_pods_by_name {
                 out.push(("spec.exposePodsByName", NO_PODS));

@@ -87,7 +87,7 @@ fn round_trip(yaml: &str, kind: Kind) -> Resource {
 #[test]
 fn site() {
     round_trip(
-        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n  namespace: ns1\nspec:\n  linkAccess: default\n  settings:\n    name: west\n",
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n  namespace: ns1\nspec:\n  linkAccess: none\n  settings:\n    name: west\n",
         Kind::Site,
     );
 }

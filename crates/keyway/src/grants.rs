@@ -411,7 +411,10 @@ pub fn grant_status(
     let facts = GrantFacts::of(key, grant);
     let processed = match &facts {
         Some(_) => Cond::ready("Processed"),
-        None => Cond::error("Processed", "spec.code is empty: nothing to redeem"),
+        None => Cond::error(
+            "Processed",
+            "spec.code is empty: nothing to redeem (keyway does not generate codes; set spec.code, or let `keyway token issue` write the grant)",
+        ),
     };
     let mut url = None;
     let mut ca = None;

@@ -146,6 +146,9 @@ pub struct GatewayResolver {
     plan_pos: Vec<Vec<(u16, usize)>>,
     /// Per Gateway of ours: the object its merge was built for, and the merge.
     merges: HashMap<ObjectKey, (Arc<LoadedObject>, Merge)>,
+    /// Gateways and ListenerSets that appeared this run, and those gone that were never ours:
+    /// routes naming them change between "no such parent" and "another controller's".
+    appeared: Vec<ObjectKey>,
     /// GRPCRoutes with a result: the listeners they attached to are the only ones where an
     /// HTTPRoute and a GRPCRoute can conflict.
     grpc_routes: HashSet<ObjectKey>,
@@ -267,6 +270,9 @@ impl Owner<'_> {
     }
 }
 
+/// [`RouteResult::parent_fps`] of a parent that exists but is not ours.
+const FOREIGN_PARENT: u64 = u64::MAX;
+
 /// [`crate::reconcile::precedence_of`] without copying: (creation time, namespace, name).
 fn precedence_ref(obj: &LoadedObject) -> (Option<&Time>, &str, &str) {
     (
@@ -379,6 +385,7 @@ impl GatewayResolver {
                         result: None,
                     });
                     self.slot_of.insert(obj.key.clone(), s);
+                    self.appeared.push(obj.key.clone());
                     s
                 }
             };
@@ -390,6 +397,9 @@ impl GatewayResolver {
                 self.slot_of.remove(&slot.key);
                 if slot.result.is_some() {
                     gone.push(slot.key);
+                } else {
+                    // Never ours (another class's): routes naming it had no status for it.
+                    self.appeared.push(slot.key);
                 }
             }
             self.pending_free.push(s);
@@ -767,7 +777,9 @@ impl GatewayResolver {
             })
             .map(|o| &o.obj.key)
             .collect();
+        let appeared = std::mem::take(&mut self.appeared);
         changed_owners.extend(&gone_owners);
+        changed_owners.extend(&appeared);
         // Routes to revisit besides the changed ones (deduplicated below).
         let changed_routes = visit.len();
         // Routes whose attachment was recomputed: their status is put after conflicts settle.
@@ -818,7 +830,14 @@ impl GatewayResolver {
             let Some((version, rin)) = rin else {
                 continue;
             };
-            let fp_of = |t: &Option<ObjectKey>| t.as_ref().and_then(owner_at).map(|i| owners[i].fp);
+            // An owner's fingerprint; for an object that is not ours, a mark of its existence
+            // (its route has no status for it, unlike for a missing parent).
+            let fp_of = |t: &Option<ObjectKey>| {
+                t.as_ref().and_then(|t| match owner_at(t) {
+                    Some(i) => Some(owners[i].fp),
+                    None => index.get(t).map(|_| FOREIGN_PARENT),
+                })
+            };
             if let Some(rr) = self.route_results.get_mut(&obj.key)
                 && rr.version == version
                 && rr.parent_fps.len() == rin.targets.len()
@@ -830,11 +849,19 @@ impl GatewayResolver {
             {
                 continue;
             }
+            // A parentRef to a Gateway or ListenerSet that exists but is not ours (another
+            // class's) is that controller's business: no status entry, and a route with only
+            // such parents has no status and no errors here.
+            let foreign = |t: &Option<ObjectKey>| {
+                t.as_ref()
+                    .is_some_and(|t| owner_at(t).is_none() && index.get(t).is_some())
+            };
+            let ours = rin.targets.iter().any(|t| !foreign(t));
             let mut problems: Vec<ConfigError> = Vec::new();
-            if let Some((path, e)) = &rin.backend_error {
+            if let Some((path, e)) = rin.backend_error.as_ref().filter(|_| ours) {
                 problems.push(obj.error_at(path, e.to_string()));
             }
-            for (_, (path, message)) in &rin.invalid_rules {
+            for (_, (path, message)) in rin.invalid_rules.iter().filter(|_| ours) {
                 problems.push(obj.error_at(path, message.clone()));
             }
             if problems.is_empty() {
@@ -878,6 +905,9 @@ impl GatewayResolver {
             let mut parents = Vec::with_capacity(rin.parents.len());
             let mut live_of_parents = Vec::with_capacity(rin.parents.len());
             for (parent, target) in rin.parents.iter().zip(&rin.targets) {
+                if foreign(target) {
+                    continue;
+                }
                 let at = target.as_ref().and_then(owner_at);
                 let view = at.map(|i| OwnerView {
                     namespace: &owners[i].obj.key.namespace,
@@ -1281,6 +1311,10 @@ impl GatewayResolver {
                     p
                 })
                 .collect();
+            if rr.parents.is_empty() {
+                self.out.statuses.remove(&key);
+                continue;
+            }
             let model = Model::Route {
                 generation: rr.rin.generation,
                 parents,
@@ -1470,6 +1504,16 @@ fn unsupported_spec(gw: &Gateway) -> Option<(&'static str, String)> {
                 "spec.infrastructure.parametersRef: keyway takes no parameters ({}/{} {})",
                 r.group, r.kind, r.name
             ),
+        ));
+    }
+    // Client certificate validation (GEP-91) is not implemented: serving the listeners without
+    // it would let in clients the Gateway's owner meant to keep out, so fail closed and say so.
+    if gw.spec.tls.as_ref().is_some_and(|t| t.frontend.is_some()) {
+        return Some((
+            "Invalid",
+            "spec.tls.frontend: client certificate validation is not supported by keyway; \
+             the Gateway is not served rather than served without it"
+                .to_string(),
         ));
     }
     unsupported_address(gw).map(|m| ("UnsupportedAddress", m))

@@ -1899,3 +1899,52 @@ fn http_and_grpc_routes_with_overlapping_hostnames_accept_the_older() {
     assert_eq!(accepted(&r, Kind::HTTPRoute, "h3"), no("Conflicted"));
     assert_eq!(bound_routes(&r), ["g1", "h0"]);
 }
+
+/// A route whose parent is another class's Gateway gets no status from keyway (nor errors for
+/// its backends); one whose parent does not exist is `NoMatchingParent`. Each change between the
+/// two, and to and from a Gateway of ours, updates the route incrementally as a fresh resolve.
+#[test]
+fn routes_of_another_class_get_no_status() {
+    let gw = |class: &str| {
+        gateway("infra", "gw", "from: None", &l("web", 80, "HTTP", None)).replace(
+            "gatewayClassName: keyway",
+            &format!("gatewayClassName: {class}"),
+        )
+    };
+    let route = dated_route("HTTPRoute", "r", 1, "[]").replace("name: app", "name: missing");
+    let foreign_class = "---\napiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: acme}\nspec: {controllerName: acme.io/gateway}\n".to_string();
+    let missing = vec![route.clone(), foreign_class.clone()];
+    let foreign = vec![route.clone(), foreign_class.clone(), gw("acme")];
+    let ours = vec![route.clone(), foreign_class.clone(), gw("keyway")];
+    let r = assert_incremental(&[
+        missing.clone(),
+        foreign.clone(),
+        ours.clone(),
+        foreign.clone(),
+        missing.clone(),
+        foreign.clone(),
+    ]);
+    assert!(
+        r.statuses
+            .get(&key(Kind::HTTPRoute, "infra", "r"))
+            .is_none(),
+        "{:?}",
+        r.statuses.get(&key(Kind::HTTPRoute, "infra", "r"))
+    );
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    let r = assert_incremental(&[foreign.clone(), missing]);
+    assert_eq!(
+        route_cond(&r, Kind::HTTPRoute, "r", "Accepted"),
+        no("NoMatchingParent")
+    );
+    assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+    let r = assert_incremental(&[foreign, ours]);
+    assert_eq!(
+        route_cond(&r, Kind::HTTPRoute, "r", "Accepted"),
+        yes("Accepted")
+    );
+    assert_eq!(
+        route_cond(&r, Kind::HTTPRoute, "r", "ResolvedRefs"),
+        no("BackendNotFound")
+    );
+}

@@ -1,0 +1,303 @@
+//! Real upstream YAML, as users migrating from Skupper v2 and Gateway API v1.5 bring it: every
+//! field keyway claims to read is read with upstream semantics; a field it does not act on is a
+//! warning (never silence); `status -o yaml` output loads back. Each test names its upstream
+//! source.
+
+use keyway_core::load::DocOutcome;
+use keyway_core::report::{self, Filter};
+use keyway_core::{Kind, ObjectKey, ObjectState, Time, jiff, load_file, offline};
+use serde_json::Value;
+
+fn now() -> Time {
+    Time(jiff::Timestamp::from_second(1_700_000_000).unwrap())
+}
+
+fn compile(yaml: &str) -> offline::Compiled {
+    let mut state = ObjectState::default();
+    offline::compile(&[load_file("t.yaml", yaml)], &mut state, &now())
+}
+
+fn cond<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+}
+
+/// `kubernetes-sigs/gateway-api` `examples/standard/frontend-cert-validation.yaml` (Gateway API
+/// v1.5, `spec.tls.frontend`, GEP-91): the Gateway asks for client certificates signed by a CA.
+/// keyway does not implement it; serving the listeners anyway (Accepted/Programmed=True, no
+/// warning) lets clients without a certificate in. It must fail closed, visibly.
+#[test]
+fn gateway_frontend_client_cert_validation_is_not_served_without_it() {
+    let yaml = r#"
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata:
+  name: client-validation-basic
+spec:
+  gatewayClassName: keyway
+  tls:
+    frontend:
+      default:
+        validation:
+          caCertificateRefs:
+          - kind: ConfigMap
+            group: ""
+            name: foo-example-com-ca-cert
+  listeners:
+  - name: http
+    protocol: HTTP
+    port: 8080
+"#;
+    let c = compile(yaml);
+    let key = ObjectKey::new(Kind::Gateway, "default", "client-validation-basic");
+    let status = &c.statuses[&key];
+    let accepted = cond(status, "Accepted").expect("Accepted condition");
+    assert_eq!(
+        accepted["status"], "False",
+        "a Gateway whose client-certificate validation keyway ignores must not be accepted: {status:#}"
+    );
+    assert!(
+        accepted["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("spec.tls.frontend"),
+        "{accepted:#}"
+    );
+    assert!(
+        c.gateway.plan.gateways.iter().all(|g| g.gateway != key),
+        "the Gateway must not be served"
+    );
+}
+
+/// An unknown field deep in a route (`retry`, experimental-only in Gateway API v1.5,
+/// `examples/experimental/http-retries.yaml`) is a warning that must name the field as every
+/// error does (`spec.rules[2].retry`) and its line, not serde_ignored's `spec.rules.?.2.retry`
+/// pointing at the first rule.
+#[test]
+fn unknown_field_warnings_name_the_field_path_and_its_line() {
+    let yaml = "\
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: r
+spec:
+  parentRefs:
+  - name: gw
+  rules:
+  - backendRefs:
+    - name: a
+      port: 80
+  - backendRefs:
+    - name: a
+      port: 80
+  - backendRefs:
+    - name: a
+      port: 80
+    retry:
+      attempts: 2
+";
+    let load = load_file("r.yaml", yaml);
+    let w: Vec<String> = load.warnings.iter().map(ToString::to_string).collect();
+    // Line 18 is `retry:`, 19 its first line (where errors about a mapping value point).
+    assert!(
+        w == ["r.yaml:18: spec.rules[2].retry: unknown field; ignored"]
+            || w == ["r.yaml:19: spec.rules[2].retry: unknown field; ignored"],
+        "{w:?}"
+    );
+}
+
+/// A Secret whose `data` value is base64 wrapped over lines (GNU `base64` wraps at 76 columns; a
+/// literal block keeps the newlines). The Kubernetes API server accepts it (Go's base64 decoder
+/// ignores `\r` and `\n`), so keyway must not reject it.
+#[test]
+fn secret_data_base64_wrapped_over_lines_is_accepted() {
+    // "hello, world\n" * 8, base64 wrapped at 76 columns.
+    let text = "hello, world\n".repeat(8);
+    let b64 = {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(&text)
+    };
+    let wrapped: String = b64
+        .as_bytes()
+        .chunks(76)
+        .map(|c| format!("    {}\n", std::str::from_utf8(c).unwrap()))
+        .collect();
+    let yaml = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: Opaque\ndata:\n  note: |\n{wrapped}"
+    );
+    let load = load_file("s.yaml", &yaml);
+    match &load.outcomes[..] {
+        [DocOutcome::Object(obj)] => {
+            let v = obj.resource.to_value();
+            let got = v["data"]["note"].as_str().unwrap_or_default().to_string();
+            assert_eq!(got, b64, "decoded value differs");
+        }
+        other => panic!("rejected: {other:#?}"),
+    }
+}
+
+/// `kubectl get accessgrant -o yaml` output carries `managedFields` (a list). `keyway status -o
+/// yaml` replaces it with the string `<redacted>`, so its own output no longer loads (SPEC §5:
+/// `-o yaml` prints complete objects as `kubectl get -o yaml` would).
+#[test]
+fn status_yaml_output_loads_back_with_managed_fields() {
+    let yaml = r#"
+apiVersion: skupper.io/v2alpha1
+kind: AccessGrant
+metadata:
+  name: g
+  managedFields:
+  - apiVersion: skupper.io/v2alpha1
+    fieldsType: FieldsV1
+    fieldsV1:
+      f:spec:
+        f:redemptionsAllowed: {}
+    manager: kubectl-client-side-apply
+    operation: Update
+    time: "2025-01-10T10:00:00Z"
+spec:
+  redemptionsAllowed: 10
+  expirationWindow: 1h
+"#;
+    let c = compile(yaml);
+    let items = report::objects(&c.index, &c.statuses, &Filter::default());
+    let mut out = String::new();
+    for item in &items {
+        out.push_str("---\n");
+        out.push_str(&serde_saphyr::to_string(item).unwrap());
+    }
+    let again = load_file("again.yaml", &out);
+    for o in &again.outcomes {
+        assert!(
+            matches!(o, DocOutcome::Object(_)),
+            "status -o yaml output does not load back: {o:#?}\n{out}"
+        );
+    }
+}
+
+/// Skupper `Site.spec.linkAccess` (`config/crd/bases/skupper_site_crd.yaml`): "When set, implies a
+/// RouterAccess resource". keyway opens no port for it, and the Site reports Ready, where upstream
+/// requires `Resolved` for such a Site. At least a warning must say it does nothing here.
+#[test]
+fn site_link_access_is_not_silently_ignored() {
+    let yaml = "\
+apiVersion: skupper.io/v2alpha1
+kind: Site
+metadata:
+  name: west
+spec:
+  linkAccess: default
+";
+    let load = load_file("site.yaml", yaml);
+    assert!(
+        load.warnings.iter().any(|w| w.path == "spec.linkAccess"),
+        "no warning for spec.linkAccess: {:?}",
+        load.warnings
+    );
+}
+
+/// Skupper `Site.spec.edge: true` ("Edge sites cannot accept links") is silently ignored: a
+/// keyway site is always interior. A warning must say so.
+#[test]
+fn site_edge_is_not_silently_ignored() {
+    let yaml = "\
+apiVersion: skupper.io/v2alpha1
+kind: Site
+metadata:
+  name: west
+spec:
+  edge: true
+";
+    let load = load_file("site.yaml", yaml);
+    assert!(
+        load.warnings.iter().any(|w| w.path == "spec.edge"),
+        "no warning for spec.edge: {:?}",
+        load.warnings
+    );
+}
+
+/// Skupper `RouterAccess.spec.generateTlsCredentials: true` asks for the Secret to be generated;
+/// keyway never generates it, so the RouterAccess fails with "Secret not found" and nothing says
+/// the field was ignored.
+#[test]
+fn router_access_generate_tls_credentials_is_not_silently_ignored() {
+    let yaml = "\
+apiVersion: skupper.io/v2alpha1
+kind: RouterAccess
+metadata:
+  name: ra
+spec:
+  generateTlsCredentials: true
+  roles:
+  - name: inter-router
+  tlsCredentials: skupper-site-server
+";
+    let load = load_file("ra.yaml", yaml);
+    assert!(
+        load.warnings
+            .iter()
+            .any(|w| w.path == "spec.generateTlsCredentials"),
+        "no warning for spec.generateTlsCredentials: {:?}",
+        load.warnings
+    );
+}
+
+/// `kubernetes-sigs/gateway-api` `examples/standard/basic-http.yaml` as is: its Gateway has
+/// class `example` (not keyway's), so keyway leaves it alone — but it still reports the route's
+/// missing backends as errors (`keyway validate` exits 1) and writes route status for a parent
+/// it does not own. Gateway API: an implementation only sets status for parentRefs of its own.
+#[test]
+fn routes_of_a_foreign_gateway_get_no_errors_and_no_status() {
+    let yaml = r#"
+apiVersion: gateway.networking.k8s.io/v1
+kind: GatewayClass
+metadata:
+  name: example
+spec:
+  controllerName: acme.io/gateway-controller
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata:
+  name: my-gateway
+spec:
+  gatewayClassName: example
+  listeners:
+  - name: http
+    protocol: HTTP
+    port: 80
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: http-app-1
+spec:
+  parentRefs:
+  - name: my-gateway
+  hostnames:
+  - "foo.com"
+  rules:
+  - matches:
+    - path:
+        type: PathPrefix
+        value: /bar
+    backendRefs:
+    - name: my-service1
+      port: 8080
+"#;
+    let c = compile(yaml);
+    let errors: Vec<String> = c.errors().iter().map(ToString::to_string).collect();
+    assert!(errors.is_empty(), "{errors:#?}");
+    let route = ObjectKey::new(Kind::HTTPRoute, "default", "http-app-1");
+    let parents = c
+        .statuses
+        .get(&route)
+        .and_then(|s| s["parents"].as_array().cloned())
+        .unwrap_or_default();
+    assert!(
+        parents.is_empty(),
+        "status written for a parent keyway does not own: {parents:#?}"
+    );
+}
