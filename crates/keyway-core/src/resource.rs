@@ -125,7 +125,7 @@ kinds! {
     HTTPRoute => HTTPRoute, "HTTPRoute", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1beta1"], true;
     GRPCRoute => GRPCRoute, "GRPCRoute", "gateway.networking.k8s.io/v1", [], true;
     TLSRoute => TLSRoute, "TLSRoute", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1alpha2", "gateway.networking.k8s.io/v1alpha3"], true;
-    TCPRoute => TCPRoute, "TCPRoute", "gateway.networking.k8s.io/v1alpha2", [], true;
+    TCPRoute => TCPRoute, "TCPRoute", "gateway.networking.k8s.io/v1alpha2", ["gateway.networking.k8s.io/v1"], true;
     ReferenceGrant => ReferenceGrant, "ReferenceGrant", "gateway.networking.k8s.io/v1beta1", ["gateway.networking.k8s.io/v1"], true;
     Namespace => Namespace, "Namespace", "v1", [], false;
     Secret => Secret, "Secret", "v1", [], true;

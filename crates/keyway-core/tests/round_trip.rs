@@ -266,6 +266,11 @@ fn routes() {
         "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TCPRoute\nmetadata:\n  name: tcp\nspec:\n  parentRefs:\n  - name: shared\n    port: 9000\n  rules:\n  - backendRefs:\n    - name: raw\n      port: 9000\n",
         Kind::TCPRoute,
     );
+    // Upstream main serves TCPRoute as v1 (examples/standard/tcp-routing): the same schema.
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: TCPRoute\nmetadata:\n  name: tcp\nspec:\n  parentRefs:\n  - name: shared\n    port: 9000\n  rules:\n  - backendRefs:\n    - name: raw\n      port: 9000\n",
+        Kind::TCPRoute,
+    );
 }
 
 #[test]
