@@ -847,6 +847,28 @@ async fn idle_limit_spares_silent_streams_not_stalled_readers() {
     })
     .await;
     assert_eq!(drained, Ok(true), "a stalled reader kept its connection");
+
+    // A slow reader that keeps reading keeps its connection well past the limit.
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = vec![0u8; 16 * 1024];
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(3000) {
+        let n = tokio::time::timeout(IO_TIMEOUT, s.read(&mut buf))
+            .await
+            .expect("data in time")
+            .expect("read");
+        assert!(
+            n > 0,
+            "a slow but steady reader was cut after {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// One raw request on a fresh connection; the response's status code.

@@ -54,6 +54,8 @@ pub enum Error {
     RequestBody(hyper::Error),
     #[error("request body does not match its Content-Length")]
     BodyLength,
+    #[error("request body: nothing received within the idle timeout")]
+    BodyStalled,
     #[error("backend I/O: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -61,7 +63,10 @@ pub enum Error {
 impl Error {
     /// The client's request body failed (not the backend).
     pub fn is_request_body(&self) -> bool {
-        matches!(self, Error::RequestBody(_) | Error::BodyLength)
+        matches!(
+            self,
+            Error::RequestBody(_) | Error::BodyLength | Error::BodyStalled
+        )
     }
 }
 

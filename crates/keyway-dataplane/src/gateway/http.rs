@@ -210,6 +210,15 @@ fn plain_host(raw: &str) -> Option<&str> {
     (host_ok && port_ok).then_some(host)
 }
 
+/// Whether an authority (a Host value, `:authority`, an absolute-form target's) names a host:
+/// empty (RFC 9112 §3.2 allows it), a name or IPv4 address with an optional port, or an IP
+/// literal in brackets.
+fn valid_authority(raw: &str) -> bool {
+    raw.is_empty()
+        || plain_host(raw).is_some()
+        || (raw.starts_with('[') && !raw.contains('@') && raw.parse::<Authority>().is_ok())
+}
+
 fn trim_host(host: &str) -> &str {
     host.trim_start_matches('[')
         .trim_end_matches(']')
@@ -254,11 +263,35 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     if userinfo {
         return full(StatusCode::BAD_REQUEST, "userinfo in the host");
     }
+    // RFC 9112 §3.2: a Host that is not `uri-host [":" port]` is a 400. Routing compares the
+    // host by suffix, so `evil.com/.example.com` would pass `*.example.com` and reach the
+    // backend as its Host (links and cache keys built from it).
+    let bad_host = req
+        .uri()
+        .authority()
+        .is_some_and(|a| !valid_authority(a.as_str()))
+        || req
+            .headers()
+            .get(header::HOST)
+            .is_some_and(|h| !h.to_str().is_ok_and(valid_authority));
+    if bad_host {
+        return full(StatusCode::BAD_REQUEST, "invalid host");
+    }
     // CONNECT asks a proxy for a tunnel (RFC 9110 §9.3.6); a gateway routes requests. Passed
     // on, a backend's 2xx would turn its connection into a tunnel (RFC 9112 §6.3) that must
     // never carry another client's request.
     if req.method() == Method::CONNECT {
         return full(StatusCode::NOT_IMPLEMENTED, "CONNECT is not served");
+    }
+    // RFC 9112 §3.2.3: the authority-form target (`GET host:port`) is for CONNECT only.
+    if req.version() < Version::HTTP_2
+        && req.uri().scheme().is_none()
+        && req.uri().authority().is_some()
+    {
+        return full(
+            StatusCode::BAD_REQUEST,
+            "authority-form target outside CONNECT",
+        );
     }
     // RFC 9112 §6.1: a transfer coding the gateway does not understand is a 501. Only a lone
     // `chunked` (which hyper decodes) is; passed on, the backend would read a coded body as
@@ -560,6 +593,10 @@ async fn forward(
     );
 
     let (mut parts, body) = req.into_parts();
+    // RFC 9113 §8.2.3: an HTTP/2 client's cookie crumbs go to HTTP/1.1 as one field.
+    if parts.version == Version::HTTP_2 && !rule.grpc {
+        join_cookies(&mut parts.headers);
+    }
     let path_and_query = match rewritten {
         Some(p) => PathAndQuery::try_from(p).ok(),
         None => Some(
@@ -618,7 +655,7 @@ async fn forward(
                 .await
                 .map(|r| r.map(Sent::H2))
         } else {
-            let out = Outbound::new(&parts, body);
+            let out = Outbound::new(&parts, body, ctx.http_idle_timeout);
             send_h1(ctx, info, &wb.backend, out).await.map(|(head, c)| {
                 head.response.map(|()| Sent::H1 {
                     conn: c,
@@ -679,6 +716,22 @@ async fn forward(
     Response::from_parts(parts, body)
 }
 
+/// Joins several Cookie fields into one, separated by "; " (RFC 9113 §8.2.3).
+fn join_cookies(h: &mut HeaderMap) {
+    let mut all = h.get_all(header::COOKIE).iter();
+    let (Some(first), Some(_)) = (all.next(), all.next()) else {
+        return;
+    };
+    let mut joined = first.as_bytes().to_vec();
+    for v in h.get_all(header::COOKIE).iter().skip(1) {
+        joined.extend_from_slice(b"; ");
+        joined.extend_from_slice(v.as_bytes());
+    }
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        h.insert(header::COOKIE, v);
+    }
+}
+
 /// What a backend answered with, before it becomes the client's response body.
 enum Sent {
     H1 { conn: H1, body: BodyKind },
@@ -707,19 +760,29 @@ async fn send_h1(
         match c.send(req).await {
             Ok(head) => return Ok((head, c)),
             Err(SendError::Retry(r)) => req = r,
-            Err(SendError::Failed(e)) => return Err(bad_gateway(&e)),
+            Err(SendError::Failed(e)) => return Err(send_failed(&e)),
         }
     }
     let mut c = Box::pin(open_h1(ctx, backend)).await?;
     match c.send(req).await {
         Ok(head) => Ok((head, c)),
         Err(SendError::Retry(_)) => Err(bad_gateway(&h1::Error::Closed)),
-        Err(SendError::Failed(e)) => Err(bad_gateway(&e)),
+        Err(SendError::Failed(e)) => Err(send_failed(&e)),
     }
 }
 
 fn bad_gateway(e: &h1::Error) -> Response<Body> {
     full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))
+}
+
+/// A failed exchange: the client's request body (malformed, cut, silent) is the client's
+/// error (RFC 9110 §15.5.1, §15.5.9), anything else the backend's.
+fn send_failed(e: &h1::Error) -> Response<Body> {
+    match e {
+        h1::Error::BodyStalled => full(StatusCode::REQUEST_TIMEOUT, &e.to_string()),
+        e if e.is_request_body() => full(StatusCode::BAD_REQUEST, &e.to_string()),
+        e => bad_gateway(e),
+    }
 }
 
 /// A fresh HTTP/1.1 connection to `backend`.

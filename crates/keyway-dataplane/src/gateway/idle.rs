@@ -30,6 +30,10 @@ pub struct Activity {
     /// activity.
     events: AtomicU64,
     in_flight: AtomicUsize,
+    /// Requests whose response body handed data out and has not been asked for more since:
+    /// they wait on the client (a full socket, or an HTTP/2 stream without flow-control
+    /// window), so they do not keep the connection.
+    waiting_on_client: AtomicUsize,
     /// The last write to the client found its socket full: a response in flight then does not
     /// keep the connection, since it is the client that stopped reading.
     write_blocked: AtomicBool,
@@ -40,7 +44,10 @@ impl Activity {
     pub fn request(self: &Arc<Self>) -> InFlight {
         self.events.fetch_add(1, Ordering::Relaxed);
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(self.clone())
+        InFlight {
+            activity: self.clone(),
+            waiting: false,
+        }
     }
 
     /// Resolves once the connection has been idle for `limit` (see the module documentation).
@@ -51,7 +58,8 @@ impl Activity {
         loop {
             tokio::time::sleep(tick).await;
             let now = self.events.load(Ordering::Relaxed);
-            let serving = self.in_flight.load(Ordering::Relaxed) > 0
+            let serving = self.in_flight.load(Ordering::Relaxed)
+                > self.waiting_on_client.load(Ordering::Relaxed)
                 && !self.write_blocked.load(Ordering::Relaxed);
             if now != seen || serving {
                 seen = now;
@@ -67,13 +75,37 @@ impl Activity {
 }
 
 /// A request being handled; see [`Activity::request`].
-pub struct InFlight(Arc<Activity>);
+pub struct InFlight {
+    activity: Arc<Activity>,
+    waiting: bool,
+}
+
+impl InFlight {
+    /// Marks the response as waiting for the client to take what it was handed (`true`), or
+    /// as asked for more (`false`).
+    pub fn waiting_on_client(&mut self, waiting: bool) {
+        if self.waiting == waiting {
+            return;
+        }
+        self.waiting = waiting;
+        if waiting {
+            self.activity
+                .waiting_on_client
+                .fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.activity
+                .waiting_on_client
+                .fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.waiting_on_client(false);
         // The quiet period starts when the last response ends.
-        self.0.events.fetch_add(1, Ordering::Relaxed);
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.activity.events.fetch_add(1, Ordering::Relaxed);
+        self.activity.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -209,7 +209,7 @@ const MAX_READ_SIZE: usize = 256 * 1024;
 /// connection without being encoded again.
 pub struct Outbound {
     head: BytesMut,
-    body: Option<(Incoming, Framing)>,
+    body: Option<(ClientBody, Framing)>,
     head_request: bool,
     /// Idempotent and without a body: it may be sent again when a reused connection closes
     /// without answering (the backend's idle timeout raced it; RFC 9110 §9.2.2).
@@ -217,11 +217,20 @@ pub struct Outbound {
 }
 
 impl Outbound {
-    pub fn new(parts: &request::Parts, body: Incoming) -> Outbound {
+    /// `stall`: how long the client's body may send nothing while the backend waits for it.
+    pub fn new(parts: &request::Parts, body: Incoming, stall: Duration) -> Outbound {
         let mut head = BytesMut::new();
         let empty = body.is_end_stream();
         let framing = h1::encode_head(parts, empty, body.size_hint().exact(), &mut head);
-        let body = (!empty || framing != Framing::Length(0)).then_some((body, framing));
+        let body = (!empty || framing != Framing::Length(0)).then(|| {
+            let body = ClientBody {
+                inner: body,
+                stall,
+                timer: None,
+                armed: false,
+            };
+            (body, framing)
+        });
         let retry_safe = body.is_none()
             && matches!(
                 parts.method,
@@ -237,6 +246,52 @@ impl Outbound {
             body,
             head_request: h1::is_head(&parts.method),
             retry_safe,
+        }
+    }
+}
+
+/// A client's request body on its way to a backend, failing with
+/// [`h1::Error::BodyStalled`] when the client sends nothing of it for `stall` while the
+/// backend waits: a body that never comes must not hold the client connection and a backend
+/// connection for ever (the idle timeout counts a request in progress as activity).
+pub struct ClientBody {
+    inner: Incoming,
+    stall: Duration,
+    /// Allocated at the first wait and reset for each later one.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The timer runs: the body was waited for and nothing came since.
+    armed: bool,
+}
+
+impl ClientBody {
+    fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h1::Error>>> {
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(f) => {
+                self.armed = false;
+                Poll::Ready(f.map(|r| r.map_err(h1::Error::RequestBody)))
+            }
+            Poll::Pending => {
+                let deadline = tokio::time::Instant::now() + self.stall;
+                let timer = match &mut self.timer {
+                    Some(t) => {
+                        if !self.armed {
+                            t.as_mut().reset(deadline);
+                        }
+                        t
+                    }
+                    None => self
+                        .timer
+                        .insert(Box::pin(tokio::time::sleep_until(deadline))),
+                };
+                self.armed = true;
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(h1::Error::BodyStalled))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 }
@@ -269,7 +324,7 @@ pub struct H1 {
     /// Some of the current request was written.
     wrote: bool,
     /// The request body still to send, and how it is framed.
-    body: Option<(Incoming, Framing)>,
+    body: Option<(ClientBody, Framing)>,
     /// Counts the connection on its connector target while it is open.
     guard: Option<OpenGuard>,
     /// A response came over it before: a failure before the next one may be the backend
@@ -357,7 +412,7 @@ impl H1 {
             };
             self.wbuf.clear();
             self.wpos = 0;
-            match ready!(Pin::new(body).poll_frame(cx)) {
+            match ready!(body.poll_frame(cx)) {
                 None => {
                     h1::encode_end(*framing, &mut self.wbuf).ok_or(h1::Error::BodyLength)?;
                     self.body = None;
@@ -369,7 +424,7 @@ impl H1 {
                             .ok_or(h1::Error::BodyLength)?;
                     }
                 }
-                Some(Err(e)) => return Poll::Ready(Err(h1::Error::RequestBody(e))),
+                Some(Err(e)) => return Poll::Ready(Err(e)),
             }
         }
     }
@@ -690,11 +745,21 @@ impl hyper::body::Body for Relay {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        // Asked for more: not waiting on the client (see `idle`).
+        if let Some(f) = this.in_flight.as_mut() {
+            f.waiting_on_client(false);
+        }
         let Some(up) = this.up.as_mut() else {
             return Poll::Ready(None);
         };
         match ready!(Self::step(up, &mut this.decoder, cx)) {
-            Ok(Step::Data(d)) => Poll::Ready(Some(Ok(Frame::data(d)))),
+            Ok(Step::Data(d)) => {
+                // Until the client's connection asks again, the body waits on the client.
+                if let Some(f) = this.in_flight.as_mut() {
+                    f.waiting_on_client(true);
+                }
+                Poll::Ready(Some(Ok(Frame::data(d))))
+            }
             Ok(Step::Last(d)) => {
                 this.finish();
                 Poll::Ready(Some(Ok(Frame::data(d))))
