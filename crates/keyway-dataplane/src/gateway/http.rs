@@ -240,40 +240,27 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     // RFC 9112 §3.2: several Host lines, or an HTTP/1.1 request without a host, are a 400;
     // a backend might read another Host than the one routed on.
     let mut hosts = req.headers().get_all(header::HOST).iter();
-    if hosts.next().is_some() && hosts.next().is_some() {
+    let host_header = hosts.next();
+    if host_header.is_some() && hosts.next().is_some() {
         return full(StatusCode::BAD_REQUEST, "more than one Host header");
     }
-    if req.version() == Version::HTTP_11
-        && req.uri().authority().is_none()
-        && !req.headers().contains_key(header::HOST)
-    {
+    let authority = req.uri().authority();
+    if req.version() == Version::HTTP_11 && authority.is_none() && host_header.is_none() {
         return full(StatusCode::BAD_REQUEST, "no Host header");
     }
     // RFC 9110 §4.2.4: userinfo in an http(s) URI is an error; in a Host header it is not even
     // valid syntax (RFC 9112 §3.2). Either would let the host routed on differ from the one a
     // backend reads.
-    let userinfo = req
-        .uri()
-        .authority()
-        .is_some_and(|a| a.as_str().contains('@'))
-        || req
-            .headers()
-            .get(header::HOST)
-            .is_some_and(|h| h.as_bytes().contains(&b'@'));
+    let userinfo = authority.is_some_and(|a| a.as_str().contains('@'))
+        || host_header.is_some_and(|h| h.as_bytes().contains(&b'@'));
     if userinfo {
         return full(StatusCode::BAD_REQUEST, "userinfo in the host");
     }
     // RFC 9112 §3.2: a Host that is not `uri-host [":" port]` is a 400. Routing compares the
     // host by suffix, so `evil.com/.example.com` would pass `*.example.com` and reach the
     // backend as its Host (links and cache keys built from it).
-    let bad_host = req
-        .uri()
-        .authority()
-        .is_some_and(|a| !valid_authority(a.as_str()))
-        || req
-            .headers()
-            .get(header::HOST)
-            .is_some_and(|h| !h.to_str().is_ok_and(valid_authority));
+    let bad_host = authority.is_some_and(|a| !valid_authority(a.as_str()))
+        || host_header.is_some_and(|h| !h.to_str().is_ok_and(valid_authority));
     if bad_host {
         return full(StatusCode::BAD_REQUEST, "invalid host");
     }
