@@ -118,6 +118,8 @@ struct RunningAccess {
 /// How long connections of a Link whose certificate was rotated may carry the streams they had
 /// before they are closed anyway.
 const RETIRE_MAX: Duration = Duration::from_secs(600);
+/// How long both replacement connections must have been up before idle retired ones close.
+const RETIRE_GRACE: Duration = Duration::from_secs(1);
 /// How long an idle retired connection waits for its replacement to come up (until then it
 /// still carries new streams, so the Link has no gap).
 const RETIRE_UNREPLACED: Duration = Duration::from_secs(10);
@@ -146,9 +148,11 @@ struct State {
     routes: BTreeMap<String, Route>,
     remote_entries: Vec<(String, String, u64)>,
     links: BTreeMap<String, RunningLink>,
-    /// Generations of Links replaced make-before-break whose connections are still closing:
-    /// a connection of one of them that comes up late is retired at once.
-    retired_generations: BTreeSet<u64>,
+    /// Starts of Links replaced make-before-break whose connections are still closing, by
+    /// generation: a connection of one of them that comes up late is retired at once. Held
+    /// here (not by the reaper) so that deleting the Link, changing its CA or endpoint, or
+    /// renaming the site ends them at once too.
+    retired: BTreeMap<u64, RunningLink>,
     next_link_generation: u64,
     link_state: BTreeMap<String, LinkState>,
     /// The RouterAccess in force, its accept task, and its bound socket (kept here so that a
@@ -225,7 +229,7 @@ impl Network {
                 routes: BTreeMap::new(),
                 remote_entries: Vec::new(),
                 links: BTreeMap::new(),
-                retired_generations: BTreeSet::new(),
+                retired: BTreeMap::new(),
                 next_link_generation: 1,
                 link_state: BTreeMap::new(),
                 access: None,
@@ -356,6 +360,11 @@ impl Network {
                     if let Some(old) = rotated {
                         inner.retire_link(&mut st, old);
                     }
+                    if !replaced {
+                        // Not a rotation: earlier starts still retiring go now too (a changed
+                        // CA revokes; a changed endpoint is another peer).
+                        st.retired.retain(|_, r| r.plan.id.name != name);
+                    }
                     let ls = st.link_state.entry(name.clone()).or_default();
                     if !replaced {
                         ls.up.clear();
@@ -383,6 +392,8 @@ impl Network {
         let removed = std::mem::replace(&mut st.links, next);
         for name in removed.keys() {
             st.link_state.remove(name);
+            // A deleted Link's retiring connections end with it.
+            st.retired.retain(|_, r| r.plan.id.name != *name);
         }
         if changed {
             inner.originate(&mut st);
@@ -607,37 +618,54 @@ impl Inner {
     /// are done, or after [`RETIRE_MAX`].
     fn retire_link(self: &Arc<Self>, st: &mut State, old: RunningLink) {
         old.retired.store(true, Ordering::Relaxed);
-        st.retired_generations.insert(old.generation);
         for c in st.conns.values() {
             if c.link_generation == old.generation {
                 c.retire();
             }
         }
         tracing::info!(link = %old.plan.id.name, "link certificate changed: new connections come up beside the old ones");
+        let (generation, name) = (old.generation, old.plan.id.name.clone());
+        st.retired.insert(generation, old);
         let inner = Arc::downgrade(self);
         self.runtime.spawn(async move {
             let started = Instant::now();
+            let mut replaced_at: Option<Instant> = None;
             loop {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 let Some(inner) = inner.upgrade() else { return };
                 let mut st = lock(&inner.state);
-                let mine = |c: &&Arc<Conn>| c.link_generation == old.generation;
+                if !st.retired.contains_key(&generation) {
+                    // Ended by a later edit (Link deleted, CA or endpoint changed, rename).
+                    return;
+                }
+                let mine = |c: &&Arc<Conn>| c.link_generation == generation;
                 let busy = st
                     .conns
                     .values()
                     .filter(mine)
                     .any(|c| c.streams.load(Ordering::Relaxed) > 0);
-                let replaced = st.conns.values().any(|c| {
-                    c.link.as_deref() == Some(old.plan.id.name.as_str())
-                        && c.link_generation != old.generation
-                        && c.sender.is_some()
-                });
+                // Replaced: a later start has both connections up (streams each way).
+                let newer = |client: bool| {
+                    st.conns.values().any(|c| {
+                        c.link.as_deref() == Some(name.as_str())
+                            && c.link_generation > generation
+                            && c.sender.is_some() == client
+                    })
+                };
+                // Held for a moment first: the peer registers the new connections when it has
+                // processed their hellos, which may be just after this site did.
+                if newer(true) && newer(false) {
+                    replaced_at.get_or_insert_with(Instant::now);
+                } else {
+                    replaced_at = None;
+                }
+                let replaced = replaced_at.is_some_and(|t| t.elapsed() >= RETIRE_GRACE);
                 let waited = started.elapsed();
                 if (!busy && (replaced || waited > RETIRE_UNREPLACED)) || waited > RETIRE_MAX {
-                    st.retired_generations.remove(&old.generation);
+                    let old = st.retired.remove(&generation);
                     let closing = st.conns.values().filter(mine).count();
                     drop(st);
-                    tracing::info!(link = %old.plan.id.name, closing, busy, "retired link connections closed");
+                    tracing::info!(link = %name, closing, busy, "retired link connections closed");
                     // Aborts the old dial loops; their connections deregister.
                     drop(old);
                     return;
@@ -656,7 +684,7 @@ impl Inner {
     /// Adds a connection whose hellos were exchanged, and sends it what we know.
     fn register(&self, conn: Arc<Conn>) {
         let mut st = lock(&self.state);
-        if st.retired_generations.contains(&conn.link_generation) {
+        if st.retired.contains_key(&conn.link_generation) {
             conn.retire();
         }
         for adv in st.db.values() {

@@ -349,7 +349,9 @@ async fn run_session<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let ready = Arc::new(AtomicBool::new(false));
+    // Set once the peer's hello is processed and the connection registered. The peer may open
+    // streams as soon as it has our hello, a moment before that: they wait for it.
+    let (ready, ready_rx) = tokio::sync::watch::channel(false);
     let streams = Arc::new(AtomicUsize::new(0));
     let (link, link_generation) = match dialed {
         Some((name, generation)) => (Some(name), generation),
@@ -408,7 +410,7 @@ where
         let driver = AbortOnDrop(tokio::spawn(serve_connection(
             inner.clone(),
             conn,
-            ready.clone(),
+            ready_rx,
             streams.clone(),
         )));
         (None, ping, driver, send, req.into_body())
@@ -465,7 +467,7 @@ where
     };
     tracing::info!(peer = %peer, cost, client, "link connection up");
     inner.register(conn.clone());
-    ready.store(true, Ordering::Release);
+    let _ = ready.send(true);
 
     let mut keepalive = tokio::time::interval(KEEPALIVE_EVERY);
     let mut backlog = Backlog::default();
@@ -605,7 +607,7 @@ async fn read_some(recv: &mut RecvStream, decoder: &mut Decoder) -> Result<(), N
 async fn serve_connection<S>(
     inner: Arc<Inner>,
     mut conn: h2::server::Connection<S, Bytes>,
-    ready: Arc<AtomicBool>,
+    ready: tokio::sync::watch::Receiver<bool>,
     streams: Arc<AtomicUsize>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -618,14 +620,19 @@ async fn serve_connection<S>(
                 return;
             }
         };
-        if !ready.load(Ordering::Acquire) {
-            refuse(respond, StatusCode::SERVICE_UNAVAILABLE, "hello not done");
-            continue;
-        }
         let count = StreamCount::new(&streams);
         let inner = inner.clone();
+        let mut ready = ready.clone();
         tokio::spawn(async move {
             let _count = count;
+            let hello = matches!(
+                tokio::time::timeout(HANDSHAKE_TIMEOUT, ready.wait_for(|r| *r)).await,
+                Ok(Ok(_))
+            );
+            if !hello {
+                return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, "hello not done");
+            }
+            drop(ready);
             serve_stream(inner, req, respond).await
         });
     }

@@ -179,24 +179,28 @@ fn renaming_a_dialing_site_keeps_its_keys_reachable() {
     );
 }
 
-/// Replaces a site's link Secret `link-tls` by a fresh leaf certificate and key from the same
-/// CA (a certificate rotation, as cert-manager does it).
-fn rotate_link_secret(site: &SiteProc, ca: &Ca) {
+/// Rewrites a site's config file: each document for which `f` returns Some is replaced by it
+/// (an empty string drops it). Documents are split on a `---` line (PEM lines hold `-----`).
+fn rewrite(site: &SiteProc, f: impl Fn(&str) -> Option<String>) {
     let path = site.config_dir().join("site.yaml");
     let text = std::fs::read_to_string(&path).expect("read config");
     let docs: Vec<String> = text
-        .split("---\n")
-        .map(|d| {
-            if d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n") {
-                ca.secret_yaml("link-tls")
-            } else {
-                d.to_string()
-            }
-        })
+        .split("\n---\n")
+        .map(|d| f(d).unwrap_or_else(|| d.to_string()))
+        .filter(|d| !d.is_empty())
         .collect();
-    let rotated = docs.join("---\n");
-    assert_ne!(rotated, text, "no link-tls Secret in the config");
-    write_file(&site.config_dir(), "site.yaml", &rotated);
+    let new = docs.join("\n---\n");
+    assert_ne!(new, text, "nothing rewritten");
+    write_file(&site.config_dir(), "site.yaml", &new);
+}
+
+/// Replaces a site's link Secret `link-tls` by a fresh leaf certificate and key from `ca`: the
+/// same CA is a rotation (as cert-manager does it), another one a CA change.
+fn rotate_link_secret(site: &SiteProc, ca: &Ca) {
+    rewrite(site, |d| {
+        d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
+            .then(|| ca.secret_yaml("link-tls"))
+    });
 }
 
 fn connections_up(site: &SiteProc) -> usize {
@@ -279,6 +283,178 @@ fn rotating_a_router_access_certificate_keeps_live_connections() {
         b.log()
     );
     assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
+}
+
+/// A rotation while a stream keeps the old connections busy, then the Link is deleted: the
+/// retiring connections go with it and carry no new connection.
+#[test]
+fn a_link_deleted_during_a_rotation_carries_nothing() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (a, _b, _b_port, listen) = pair(&ca, &backend);
+    let (_w, _r, line) = greeted(listen, Duration::from_secs(3));
+    assert_eq!(line, "at-b\n");
+    let before = connections_up(&a);
+    rotate_link_secret(&a, &ca);
+    assert!(eventually(Duration::from_secs(10), || connections_up(&a) >= before + 2));
+    rewrite(&a, |d| d.contains("kind: Link\n").then(String::new));
+    std::thread::sleep(Duration::from_secs(3));
+    let after = who(listen);
+    assert!(
+        after.is_err(),
+        "3 s after the Link was deleted a new connection still crossed it: {after:?}; a's log:\n{}",
+        tail(&a.log())
+    );
+}
+
+/// A rotation while a stream keeps the old connections busy, then the Link's CA changes to one
+/// the peer does not use: the old connections end (a changed CA revokes), so nothing crosses.
+#[test]
+fn a_ca_change_during_a_rotation_ends_the_old_connections() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let other = Ca::new("other");
+    let backend = Backend::start("at-b");
+    let (a, _b, _b_port, listen) = pair(&ca, &backend);
+    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    assert_eq!(line, "at-b\n");
+    let before = connections_up(&a);
+    rotate_link_secret(&a, &ca);
+    assert!(eventually(Duration::from_secs(10), || connections_up(&a) >= before + 2));
+    rotate_link_secret(&a, &other);
+    std::thread::sleep(Duration::from_secs(3));
+    let after = who(listen);
+    let long = echo(&mut w, &mut r, "x\n");
+    assert!(
+        after.is_err() && long.as_deref() != Ok("x\n"),
+        "3 s after the Link's CA changed: new connection {after:?}, old one {long:?}; a's log:\n{}",
+        tail(&a.log())
+    );
+}
+
+/// RouterAccess: a certificate rotation keeps the links it accepted; a later CA change still
+/// revokes them (the peer's certificate is from the old CA).
+#[test]
+fn a_router_access_ca_change_after_a_rotation_revokes() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let other = Ca::new("other");
+    let backend = Backend::start("at-b");
+    let (_a, b, _b_port, listen) = pair(&ca, &backend);
+    let (mut w, mut r, _) = greeted(listen, Duration::from_secs(3));
+    rotate_link_secret(&b, &ca);
+    assert!(eventually(Duration::from_secs(5), || b
+        .log()
+        .contains("RouterAccess certificate replaced")));
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(echo(&mut w, &mut r, "kept\n").as_deref(), Ok("kept\n"));
+    rotate_link_secret(&b, &other);
+    std::thread::sleep(Duration::from_secs(3));
+    let after = who(listen);
+    let long = echo(&mut w, &mut r, "x\n");
+    assert!(
+        after.is_err() && long.as_deref() != Ok("x\n"),
+        "b's CA changed, a's certificate is from the old one: new connection {after:?}, old one {long:?}; b's log:\n{}",
+        tail(&b.log())
+    );
+}
+
+/// Short connections in a loop, both ways across the Link, while its certificate is rotated
+/// again and again (twice within 150 ms once): none fails. The accepting site's streams wait
+/// for the hello of a new connection instead of being refused, and old connections close only
+/// once both new ones are up.
+#[test]
+fn no_connection_fails_while_a_link_certificate_rotates() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (at_a, at_b) = (Backend::start("at-a"), Backend::start("at-b"));
+    let (b_port, to_b, to_a) = (free_port(), free_port(), free_port());
+    let b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc-b", "svc-b", at_b.port),
+            listener_yaml("svc-a", "svc-a", to_a),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            connector_yaml("svc-a", "svc-a", at_a.port),
+            listener_yaml("svc-b", "svc-b", to_b),
+        ],
+    );
+    assert!(eventually(Duration::from_secs(10), || who(to_b).as_deref()
+        == Ok("at-b")
+        && who(to_a).as_deref() == Ok("at-a")));
+    let probes = [Prober::start(to_b, "at-b"), Prober::start(to_a, "at-a")];
+    for round in 0..5 {
+        std::thread::sleep(Duration::from_millis(600));
+        rotate_link_secret(&a, &ca);
+        if round == 2 {
+            std::thread::sleep(Duration::from_millis(150));
+            rotate_link_secret(&a, &ca);
+        }
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    for p in probes {
+        let (port, n, failures) = p.finish();
+        assert!(
+            failures.is_empty(),
+            "{} of {n} connections to {port} failed during rotations: {:?}\na's log:\n{}\nb's log:\n{}",
+            failures.len(),
+            &failures[..failures.len().min(5)],
+            tail(&a.log()),
+            tail(&b.log())
+        );
+    }
+    assert!(
+        eventually(Duration::from_secs(15), || a
+            .log()
+            .matches("retired link connections closed")
+            .count()
+            >= 5),
+        "retired connections not all closed; a's log:\n{}",
+        tail(&a.log())
+    );
+}
+
+/// Short connections to `port` in a loop until finished: (port, attempts, failures).
+struct Prober {
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: std::thread::JoinHandle<(usize, Vec<String>)>,
+}
+
+impl Prober {
+    fn start(port: u16, want: &'static str) -> Prober {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let (mut n, mut failures) = (0, Vec::new());
+            while !s.load(Ordering::Relaxed) {
+                n += 1;
+                match who(port) {
+                    Ok(name) if name == want => {}
+                    other => failures.push(format!("{other:?}")),
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (n, failures)
+        });
+        Prober { port, stop, handle }
+    }
+
+    fn finish(self) -> (u16, usize, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (n, failures) = self.handle.join().unwrap_or_default();
+        (self.port, n, failures)
+    }
 }
 
 /// Rewrites one piece of a site's config file in place (the Secret stays byte-identical:

@@ -42,9 +42,82 @@ pub fn intersect(listener: Option<&str>, route: &[String]) -> Option<Vec<String>
 }
 
 /// Whether two attachments' hostnames (as [`intersect`] returns them; empty: any host) can
-/// match one request host.
+/// match one request host. (The resolver uses [`Taken`]; this is its reference.)
+#[cfg(test)]
 pub fn overlap(a: &[String], b: &[String]) -> bool {
     a.is_empty() || b.is_empty() || a.iter().any(|x| b.iter().any(|y| pair(x, y).is_some()))
+}
+
+/// Hostnames already taken on one listener (as [`intersect`] returns them: lowercase; empty:
+/// any host), indexed so that [`Taken::overlaps`] costs a few hash lookups per hostname instead
+/// of a scan of everything taken (which made settling a listener quadratic in its routes).
+#[derive(Default)]
+pub struct Taken {
+    any: bool,
+    /// Exact hostnames.
+    exact: std::collections::HashSet<String>,
+    /// Wildcards, by their suffix (`.example.com` for `*.example.com`).
+    wild: std::collections::HashSet<String>,
+    /// Every proper `.`-suffix of an exact hostname (`.b.com`, `.com` for `a.b.com`).
+    exact_parents: std::collections::HashSet<String>,
+    /// Every proper `.`-suffix of a wildcard's suffix.
+    wild_parents: std::collections::HashSet<String>,
+}
+
+/// The proper suffixes of `s` that start at a `.` (not counting one at position 0).
+fn dot_suffixes(s: &str) -> impl Iterator<Item = &str> {
+    s.char_indices()
+        .filter(|&(i, c)| c == '.' && i > 0)
+        .map(move |(i, _)| &s[i..])
+}
+
+impl Taken {
+    pub fn insert(&mut self, hosts: &[String]) {
+        if hosts.is_empty() {
+            self.any = true;
+        }
+        for h in hosts {
+            match h.strip_prefix('*') {
+                Some("") => self.any = true,
+                Some(suffix) => {
+                    self.wild_parents
+                        .extend(dot_suffixes(suffix).map(str::to_string));
+                    self.wild.insert(suffix.to_string());
+                }
+                None => {
+                    self.exact_parents
+                        .extend(dot_suffixes(h).map(str::to_string));
+                    self.exact.insert(h.clone());
+                }
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        !self.any && self.exact.is_empty() && self.wild.is_empty()
+    }
+
+    /// Whether `hosts` overlaps anything taken: [`overlap`] against each entry.
+    pub fn overlaps(&self, hosts: &[String]) -> bool {
+        if self.any {
+            return !self.is_empty();
+        }
+        if hosts.is_empty() {
+            return !self.is_empty();
+        }
+        hosts.iter().any(|h| match h.strip_prefix('*') {
+            Some("") => !self.is_empty(),
+            Some(suffix) => {
+                self.wild.contains(suffix)
+                    || self.wild_parents.contains(suffix)
+                    || self.exact_parents.contains(suffix)
+                    || dot_suffixes(suffix).any(|p| self.wild.contains(p))
+            }
+            None => {
+                self.exact.contains(h.as_str()) || dot_suffixes(h).any(|p| self.wild.contains(p))
+            }
+        })
+    }
 }
 
 #[cfg(test)]
@@ -99,6 +172,27 @@ mod tests {
         ];
         for (a, b, want) in cases {
             assert_eq!(overlap(&v(a), &v(b)), *want, "{a:?} ∩ {b:?}");
+        }
+        // The index agrees with `overlap` on lowercase input, both ways round.
+        let hosts = [
+            "a.com",
+            "x.a.com",
+            "*.a.com",
+            "*.x.a.com",
+            "b.com",
+            "*.com",
+            "y.x.a.com",
+        ];
+        let sets: Vec<Vec<String>> = std::iter::once(Vec::new())
+            .chain(hosts.iter().map(|h| vec![h.to_string()]))
+            .chain([vec!["b.com".to_string(), "*.x.a.com".to_string()]])
+            .collect();
+        for a in &sets {
+            for b in &sets {
+                let mut t = Taken::default();
+                t.insert(a);
+                assert_eq!(t.overlaps(b), overlap(a, b), "{a:?} ∩ {b:?}");
+            }
         }
     }
 }

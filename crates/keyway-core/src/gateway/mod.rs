@@ -14,6 +14,8 @@
 
 mod fxhash;
 mod hostname;
+#[cfg(test)]
+mod kind_props;
 mod listeners;
 mod merge;
 pub mod plan;
@@ -1218,49 +1220,58 @@ impl GatewayResolver {
         dirty_slots: &mut Vec<usize>,
         now: &Time,
     ) {
-        let mut contested: Vec<(usize, usize)> = self
+        let contested: HashSet<(usize, usize)> = self
             .grpc_routes
             .iter()
             .filter_map(|k| self.route_results.get(k))
             .flat_map(|rr| rr.attaches.iter().map(|(s, l, _)| (*s, *l)))
             .collect();
-        contested.sort_unstable();
-        contested.dedup();
-        let mut lost: HashMap<ObjectKey, Vec<(usize, usize)>> = HashMap::default();
-        for &(slot, listener) in &contested {
+        // Routes per contested listener, gathered in one pass over each owner's routes (not one
+        // pass per listener).
+        let mut owners: Vec<usize> = contested.iter().map(|p| p.0).collect();
+        owners.sort_unstable();
+        owners.dedup();
+        let mut here: BTreeMap<(usize, usize), Vec<(&RouteResult, &[String])>> = BTreeMap::new();
+        for slot in owners {
             let Some(owner) = self.slots.get(slot).and_then(Option::as_ref) else {
                 continue;
             };
-            let mut here: Vec<(&RouteResult, &[String])> = self
+            for rr in self
                 .by_target
                 .get(&owner.key)
                 .into_iter()
                 .flatten()
                 .filter_map(|k| self.route_results.get(k))
                 .filter(|rr| matches!(rr.rin.kind, Kind::HTTPRoute | Kind::GRPCRoute))
-                .filter_map(|rr| {
-                    rr.attaches
-                        .iter()
-                        .find(|(s, l, _)| (*s, *l) == (slot, listener))
-                        .map(|(_, _, h)| (rr, h.as_slice()))
-                })
-                .collect();
-            here.sort_by(|a, b| {
+            {
+                for (s, l, h) in &rr.attaches {
+                    if *s == slot && contested.contains(&(*s, *l)) {
+                        here.entry((*s, *l)).or_default().push((rr, h.as_slice()));
+                    }
+                }
+            }
+        }
+        let mut lost: HashMap<ObjectKey, Vec<(usize, usize)>> = HashMap::default();
+        for ((slot, listener), mut routes) in here {
+            routes.sort_by(|a, b| {
                 precedence_ref(&a.0.obj)
                     .cmp(&precedence_ref(&b.0.obj))
                     .then_with(|| a.0.obj.key.cmp(&b.0.obj.key))
             });
-            let mut winners: Vec<(Kind, &[String])> = Vec::new();
-            for (rr, hosts) in here {
-                let beaten = winners
-                    .iter()
-                    .any(|(k, h)| *k != rr.rin.kind && hostname::overlap(h, hosts));
-                if beaten {
+            // Hostnames taken by the winners so far: HTTPRoutes', GRPCRoutes'.
+            let (mut http, mut grpc) = (hostname::Taken::default(), hostname::Taken::default());
+            for (rr, hosts) in routes {
+                let (mine, other) = if rr.rin.kind == Kind::GRPCRoute {
+                    (&mut grpc, &http)
+                } else {
+                    (&mut http, &grpc)
+                };
+                if other.overlaps(hosts) {
                     lost.entry(rr.obj.key.clone())
                         .or_default()
                         .push((slot, listener));
                 } else {
-                    winners.push((rr.rin.kind, hosts));
+                    mine.insert(hosts);
                 }
             }
         }
