@@ -272,6 +272,9 @@ impl Owner<'_> {
     }
 }
 
+/// A route on a contested listener, with the hostnames it attached there.
+type Contender<'a> = (&'a RouteResult, &'a [String]);
+
 /// [`RouteResult::parent_fps`] of a parent that exists but is not ours.
 const FOREIGN_PARENT: u64 = u64::MAX;
 
@@ -1231,7 +1234,7 @@ impl GatewayResolver {
         let mut owners: Vec<usize> = contested.iter().map(|p| p.0).collect();
         owners.sort_unstable();
         owners.dedup();
-        let mut here: BTreeMap<(usize, usize), Vec<(&RouteResult, &[String])>> = BTreeMap::new();
+        let mut here: BTreeMap<(usize, usize), Vec<Contender<'_>>> = BTreeMap::new();
         for slot in owners {
             let Some(owner) = self.slots.get(slot).and_then(Option::as_ref) else {
                 continue;
