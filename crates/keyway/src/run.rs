@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -27,6 +28,8 @@ pub fn run(
     raise_open_file_limit();
     crate::cli::check_config_dir(&config, "create it or pass --config DIR")?;
     check_state_outside_config(&config, &state)?;
+    // Held until `run` returns.
+    let _state_lock = crate::state::lock(&state)?;
     let admin_listener = admin::bind(admin_addr)?;
     let threads: Option<usize> = std::env::var("KEYWAY_WORKER_THREADS")
         .ok()
@@ -73,9 +76,15 @@ pub fn run(
             .set_grant_handler(Arc::new(SiteGrants(Arc::downgrade(&site))));
         // Watch before the first load, so a file written while the site starts is not missed
         // (a change during the first load just triggers one more reload).
+        // SIGHUP reloads the config directory (as `systemctl reload` expects); without a
+        // handler its default action kills the site at once, with no drain.
+        let mut hangup =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .context("cannot handle SIGHUP")?;
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let watcher =
-            watch::watch(&config, tx.clone()).context("cannot watch the config directory")?;
+        let root_gone = Arc::new(AtomicBool::new(false));
+        let watcher = watch::watch(&config, tx.clone(), root_gone.clone())
+            .context("cannot watch the config directory")?;
         let mut root = dir_identity(&config);
         if !site.reload() {
             let _ = tx.send(());
@@ -93,17 +102,22 @@ pub fn run(
                 loop {
                     tokio::select! {
                         got = rx.recv() => if got.is_none() { return },
+                        _ = hangup.recv() => {
+                            tracing::info!("SIGHUP: reloading the config directory");
+                        }
                         _ = check.tick() => {
                             // The directory itself replaced (renamed over, or removed and made
                             // again): the watch still follows the old one, so watch the new.
                             let now = dir_identity(&config);
-                            if now == root {
+                            // The watched root itself was removed (its watch is dead), even if
+                            // a new directory now has the same identity.
+                            if now == root && !root_gone.swap(false, Ordering::AcqRel) {
                                 continue;
                             }
                             root = now;
                             _watcher = None;
                             if root.is_some() {
-                                match watch::watch(&config, tx.clone()) {
+                                match watch::watch(&config, tx.clone(), root_gone.clone()) {
                                     Ok(w) => _watcher = Some(w),
                                     Err(e) => {
                                         tracing::warn!("cannot watch the config directory again: {e:#}");
@@ -142,6 +156,7 @@ pub fn run(
             std::process::exit(130);
         });
         reloader.abort();
+        site.start_draining();
         // Drain first: connections to keys at other sites still need the links.
         let left = site.dataplane.shutdown(drain).await;
         site.network.shutdown();
@@ -209,6 +224,10 @@ fn init_tracing() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(ansi)
+        // A log that cannot be written (its reader gone: EPIPE) is dropped. Reporting that
+        // with `eprintln!`, the default, panics on the same broken stderr, killing whatever
+        // thread logged: the reloader, a connection, or main at SIGTERM, skipping the drain.
+        .log_internal_errors(false)
         .try_init();
 }
 
@@ -272,10 +291,12 @@ const ROOT_CHECK: Duration = Duration::from_secs(1);
 const RELOAD_RETRY: Duration = Duration::from_millis(500);
 
 /// Which directory `path` is (device and inode), or `None` while there is none.
-fn dir_identity(path: &std::path::Path) -> Option<(u64, u64)> {
+/// The birth time is part of it: a directory removed and made again (`rm -rf d && mkdir d`)
+/// usually gets the inode just freed, and the watch died with the old one.
+fn dir_identity(path: &std::path::Path) -> Option<(u64, u64, Option<std::time::SystemTime>)> {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path)
         .ok()
         .filter(|m| m.is_dir())
-        .map(|m| (m.dev(), m.ino()))
+        .map(|m| (m.dev(), m.ino(), m.created().ok()))
 }

@@ -62,6 +62,8 @@ pub struct Site {
     pub network: Network,
     current: Mutex<Current>,
     applied: AtomicBool,
+    /// Set on SIGINT/SIGTERM: listeners are closing, so the site is no longer ready.
+    draining: AtomicBool,
     /// AccessGrant redemption counts (persisted in the state directory).
     grants: GrantBook,
     /// AccessTokens of the config dir being redeemed by this site.
@@ -93,6 +95,7 @@ impl Site {
                 ..Current::default()
             }),
             applied: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             grants,
             tokens: Arc::default(),
         })
@@ -395,8 +398,17 @@ impl Site {
         serde_json::to_value(&lock(&self.current).resolution.plan).unwrap_or(Value::Null)
     }
 
-    /// Ready once the first config is applied and every listener that should listen does.
+    /// Marks the site as shutting down: `/readyz` answers 503 from now on.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    /// Ready once the first config is applied and every listener that should listen does;
+    /// never while draining.
     pub fn ready(&self) -> Result<(), String> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err("shutting down: draining open connections".into());
+        }
         if !self.applied.load(Ordering::Acquire) {
             return Err("config not applied yet".into());
         }

@@ -15,6 +15,16 @@ pub struct Listing {
     /// Subdirectories that could not be read, with why. Objects from files under them are kept
     /// (see [`load_dir`]): an unreadable directory is not an empty one.
     pub unreadable: Vec<(PathBuf, String)>,
+    /// Each Kubernetes volume's `..data` symlink met on the walk, with where it pointed.
+    pub volumes: Vec<(PathBuf, PathBuf)>,
+}
+
+/// Records `dir/..data` (a ConfigMap or Secret volume) and where it points now.
+fn note_volume(dir: &Path, listing: &mut Listing) {
+    let link = dir.join("..data");
+    if let Ok(target) = std::fs::read_link(&link) {
+        listing.volumes.push((link, target));
+    }
 }
 
 /// Every manifest file under `dir`. Only `dir` itself being unreadable is an error.
@@ -24,6 +34,7 @@ pub fn manifest_files(dir: &Path) -> Result<Listing> {
     let entries = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read config directory {}", dir.display()))?;
     mark_seen(dir, &mut seen);
+    note_volume(dir, &mut listing);
     walk(entries, &mut listing, &mut seen);
     listing.files.sort();
     Ok(listing)
@@ -64,7 +75,10 @@ fn walk(entries: std::fs::ReadDir, listing: &mut Listing, seen: &mut HashSet<(u6
                 continue;
             }
             match std::fs::read_dir(&path) {
-                Ok(sub) => walk(sub, listing, seen),
+                Ok(sub) => {
+                    note_volume(&path, listing);
+                    walk(sub, listing, seen);
+                }
                 Err(e) => listing
                     .unreadable
                     .push((path, format!("cannot read directory: {e}"))),
@@ -78,23 +92,56 @@ fn walk(entries: std::fs::ReadDir, listing: &mut Listing, seen: &mut HashSet<(u6
 /// Loads every manifest of `dir`. A file that cannot be read becomes a load error for that file;
 /// a subdirectory that cannot be read, a load error whose objects (all those from files under
 /// it) keep their last valid versions.
+///
+/// A Kubernetes volume replaces its files at once by renaming `..data` over; a read that
+/// straddles such a swap would mix two versions (an object moved between files would vanish).
+/// So the read is repeated while any `..data` moved during it.
 pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
-    let listing = manifest_files(dir)?;
-    let mut loads: Vec<FileLoad> = listing.files.iter().map(|path| load_path(path)).collect();
-    for (path, why) in &listing.unreadable {
-        loads.push(FileLoad::unreadable_directory(
-            &path.display().to_string(),
-            why,
-        ));
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let listing = manifest_files(dir)?;
+        let mut loads: Vec<FileLoad> = listing.files.iter().map(|path| load_path(path)).collect();
+        for (path, why) in &listing.unreadable {
+            loads.push(FileLoad::unreadable_directory(
+                &path.display().to_string(),
+                why,
+            ));
+        }
+        let moved = listing
+            .volumes
+            .iter()
+            .any(|(link, target)| std::fs::read_link(link).ok().as_ref() != Some(target));
+        if !moved || attempt >= 5 {
+            return Ok(loads);
+        }
+        tracing::debug!("a ..data link moved while reading: reading again");
     }
-    Ok(loads)
 }
 
-/// Loads one file; unreadable or non-UTF-8 files are reported like a syntax error.
+/// The largest manifest file read. The API server refuses a request body over 3 MiB and etcd an
+/// object over 1.5 MiB; a file far past that is a mistake (a dump, a log), and reading and
+/// parsing it whole at every reload would stall every change and take gigabytes.
+pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
+/// Loads one file; unreadable, oversized or non-UTF-8 files are reported like a syntax error
+/// (so the objects they held keep their last valid versions).
 pub fn load_path(path: &Path) -> FileLoad {
+    use std::io::Read;
     let name = path.display().to_string();
-    match std::fs::read(path) {
-        Ok(bytes) => match String::from_utf8(bytes) {
+    let mut bytes = Vec::new();
+    // Read at most one byte past the limit: a file that grows while it is read is caught too.
+    let read =
+        std::fs::File::open(path).and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes));
+    match read {
+        Ok(_) if bytes.len() as u64 > MAX_FILE_BYTES => FileLoad::unreadable(
+            &name,
+            &format!(
+                "file is larger than {} MiB; split it into several files, or move it out of the config directory",
+                MAX_FILE_BYTES >> 20
+            ),
+        ),
+        Ok(_) => match String::from_utf8(bytes) {
             Ok(text) => load_file(&name, &text),
             Err(_) => FileLoad::unreadable(&name, "file is not valid UTF-8"),
         },

@@ -23,6 +23,39 @@ pub fn load(dir: &Path) -> Result<ObjectState> {
     }
 }
 
+/// Takes the state directory for this process: a second `keyway run` on the same directory
+/// would overwrite this one's state (both write through one temporary file). The lock is held
+/// as long as the returned file is open, and released by the kernel if the process dies. A
+/// directory that cannot hold the lock file (read-only, say) is not locked: saving the state
+/// fails later with a warning, as before.
+pub fn lock(dir: &Path) -> Result<Option<std::fs::File>> {
+    let path = dir.join(".lock");
+    let file = match std::fs::create_dir_all(dir).and_then(|()| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+    }) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!("cannot lock state directory {}: {e}", dir.display());
+            return Ok(None);
+        }
+    };
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
+            "state directory {} is in use by another `keyway run`; give each site its own --state (or stop the other one)",
+            dir.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            tracing::warn!("cannot lock state directory {}: {e}", dir.display());
+            Ok(None)
+        }
+    }
+}
+
 /// Writes the state atomically (write a temporary file, then rename).
 pub fn save(dir: &Path, state: &ObjectState) -> Result<()> {
     write_durably(dir, FILE, &serde_json::to_vec_pretty(state)?)

@@ -2,6 +2,8 @@
 //! not single files, is watched) and debounces bursts of events into one reload.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use notify::{EventKind, RecursiveMode};
@@ -13,7 +15,12 @@ use tokio::sync::mpsc;
 const DEBOUNCE: Duration = Duration::from_millis(150);
 
 /// Starts watching; every debounced burst sends one `()`. The returned guard stops the watch.
-pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl Drop + use<>> {
+/// `root_gone` is set when the watched directory itself is removed: its watch is dead.
+pub fn watch(
+    dir: &Path,
+    tx: mpsc::UnboundedSender<()>,
+    root_gone: Arc<AtomicBool>,
+) -> anyhow::Result<impl Drop + use<>> {
     // Events come with absolute paths: a relative root would never be their prefix.
     let root = std::path::absolute(dir)?;
     let watched = root.clone();
@@ -23,6 +30,12 @@ pub fn watch(dir: &Path, tx: mpsc::UnboundedSender<()>) -> anyhow::Result<impl D
             None,
             move |result: DebounceEventResult| match result {
                 Ok(events) => {
+                    if events
+                        .iter()
+                        .any(|e| matches!(e.kind, EventKind::Remove(_)) && e.paths.contains(&root))
+                    {
+                        root_gone.store(true, Ordering::Release);
+                    }
                     // Dot-files are skipped by the loader, and our own state directory lives under the
                     // config dir as `.keyway-state`: neither may trigger a reload.
                     // Reading the directory or a file reports Access events (open/close): the
