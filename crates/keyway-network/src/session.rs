@@ -56,11 +56,12 @@ const PING_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
-/// Binds the RouterAccess port now (so a bad port is reported) and accepts links on it.
 /// The connections a RouterAccess accepted. They outlive its accept task when only its
 /// certificate changes (same CA), and are all ended when the last holder drops the set.
 pub(crate) type Sessions = Arc<Mutex<tokio::task::JoinSet<()>>>;
 
+/// Binds the RouterAccess port now (so a bad port is reported) and accepts links on it; the
+/// connections accepted go to `sessions`.
 pub(crate) fn start_access(
     inner: &Arc<Inner>,
     ra: &RouterAccessPlan,
