@@ -21,6 +21,54 @@ pub struct ConnMetrics {
     pub bytes_out: Counter,
 }
 
+impl ConnMetrics {
+    /// Counts a connection opened and open until the returned guard drops (also when the task
+    /// serving it is cancelled).
+    pub fn track(self: &Arc<Self>) -> ActiveGuard {
+        self.opened.inc();
+        self.active.inc();
+        ActiveGuard(self.clone())
+    }
+}
+
+/// Handles for the links to one peer site (all connections to it, both HTTP/2 roles).
+pub struct LinkMetrics {
+    pub connections: Gauge,
+    pub streams: Counter,
+    pub streams_active: Gauge,
+    /// Tunnel bytes received from the peer.
+    pub bytes_in: Counter,
+    /// Tunnel bytes sent to the peer.
+    pub bytes_out: Counter,
+}
+
+impl LinkMetrics {
+    /// Counts a tunnel stream carried by a link, open until the returned guard drops.
+    pub fn track_stream(self: &Arc<Self>) -> StreamGuard {
+        self.streams.inc();
+        self.streams_active.inc();
+        StreamGuard(self.clone())
+    }
+}
+
+/// Decrements the open-stream gauge of a link on drop.
+pub struct StreamGuard(Arc<LinkMetrics>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.streams_active.dec();
+    }
+}
+
+/// Decrements the open-connection gauge on drop.
+pub struct ActiveGuard(Arc<ConnMetrics>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.dec();
+    }
+}
+
 pub struct Metrics {
     registry: Mutex<Registry>,
     pub connections_opened: Family<Labels, Counter>,
@@ -32,6 +80,12 @@ pub struct Metrics {
     pub config_errors: Gauge,
     pub reloads: Counter,
     pub reload_failures: Counter,
+    pub link_connections: Family<Labels, Gauge>,
+    pub link_streams: Family<Labels, Counter>,
+    pub link_streams_active: Family<Labels, Gauge>,
+    pub link_bytes: Family<Labels, Counter>,
+    /// Link handles by peer site, so a stream's path does no label building.
+    links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
 }
 
 impl Default for Metrics {
@@ -48,6 +102,11 @@ impl Default for Metrics {
             config_errors: Gauge::default(),
             reloads: Counter::default(),
             reload_failures: Counter::default(),
+            link_connections: Family::default(),
+            link_streams: Family::default(),
+            link_streams_active: Family::default(),
+            link_bytes: Family::default(),
+            links: Mutex::default(),
         };
         registry.register(
             "connections_opened",
@@ -89,6 +148,26 @@ impl Default for Metrics {
             "config_reload_failures",
             "Configuration reloads that could not be applied",
             m.reload_failures.clone(),
+        );
+        registry.register(
+            "link_connections",
+            "Link connections up to a peer site (two per Link: one per HTTP/2 direction)",
+            m.link_connections.clone(),
+        );
+        registry.register(
+            "link_streams",
+            "Tunnel streams carried over links to a peer site (opened here or by the peer, relayed ones too)",
+            m.link_streams.clone(),
+        );
+        registry.register(
+            "link_streams_active",
+            "Tunnel streams open now over links to a peer site",
+            m.link_streams_active.clone(),
+        );
+        registry.register(
+            "link_bytes",
+            "Tunnel bytes over links to a peer site, by direction (in = received from the peer)",
+            m.link_bytes.clone(),
         );
         if let Ok(mut r) = m.registry.lock() {
             *r = registry;
@@ -151,6 +230,38 @@ impl Metrics {
         m
     }
 
+    /// The metric handles of the links to peer site `peer`, created once.
+    pub fn link(&self, peer: &str) -> Arc<LinkMetrics> {
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = links.get(peer) {
+            return m.clone();
+        }
+        let labels: Labels = vec![("peer", peer.to_string())];
+        let with_direction = |d: &str| {
+            let mut l = labels.clone();
+            l.push(("direction", d.to_string()));
+            l
+        };
+        // One statement per family lookup (see `connection`).
+        let connections = self.link_connections.get_or_create(&labels).clone();
+        let streams = self.link_streams.get_or_create(&labels).clone();
+        let streams_active = self.link_streams_active.get_or_create(&labels).clone();
+        let bytes_in = self.link_bytes.get_or_create(&with_direction("in")).clone();
+        let bytes_out = self
+            .link_bytes
+            .get_or_create(&with_direction("out"))
+            .clone();
+        let m = Arc::new(LinkMetrics {
+            connections,
+            streams,
+            streams_active,
+            bytes_in,
+            bytes_out,
+        });
+        links.insert(peer.to_string(), m.clone());
+        m
+    }
+
     pub fn connection_labels(listener: &str, key: &str, target: &Target) -> Labels {
         vec![
             ("listener", listener.to_string()),
@@ -182,5 +293,28 @@ impl Metrics {
 
     pub fn forget_target(&self, target: &Target) {
         self.target_healthy.remove(&Self::target_labels(target));
+    }
+
+    /// Removes the connection and byte series of a target leaving the configuration, for every
+    /// listener that used it, so deleted targets do not stay on /metrics forever. Connections
+    /// still open on it count on (the handles they hold) but are no longer exported.
+    pub fn forget_connections(&self, target: &Target) {
+        let listeners: Vec<String> = target
+            .metrics_cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(l, _)| l)
+            .collect();
+        for listener in listeners {
+            let labels = Self::connection_labels(&listener, &target.routing_key, target);
+            self.connections_opened.remove(&labels);
+            self.connections_active.remove(&labels);
+            for d in ["in", "out"] {
+                let mut l = labels.clone();
+                l.push(("direction", d.to_string()));
+                self.bytes.remove(&l);
+            }
+        }
     }
 }

@@ -249,6 +249,12 @@ impl Registry {
                         handle.abort();
                         // The new target re-creates its series on its first health result.
                         self.metrics.forget_target(&old);
+                        // Same address and key: the same series carry on.
+                        if old.address() != target.address()
+                            || old.routing_key != target.routing_key
+                        {
+                            self.metrics.forget_connections(&old);
+                        }
                         target = target.sharing_count_of(&old);
                         retired.push(old);
                     }
@@ -261,6 +267,7 @@ impl Registry {
         for (_, (target, handle)) in std::mem::take(&mut *checkers) {
             handle.abort();
             self.metrics.forget_target(&target);
+            self.metrics.forget_connections(&target);
             retired.push(target);
         }
         *checkers = next;

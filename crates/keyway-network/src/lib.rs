@@ -83,6 +83,8 @@ pub(crate) struct Conn {
     pub link_generation: u64,
     /// Being replaced: no new streams go here while another connection to the peer exists.
     pub retiring: AtomicBool,
+    /// The metrics of the links to `peer`.
+    pub metrics: Arc<keyway_dataplane::metrics::LinkMetrics>,
 }
 
 impl Conn {
@@ -687,6 +689,7 @@ impl Inner {
         if st.retired.contains_key(&conn.link_generation) {
             conn.retire();
         }
+        conn.metrics.connections.inc();
         for adv in st.db.values() {
             if let Some(bytes) = encode_advertisement(adv) {
                 let _ = conn.control.send(bytes);
@@ -710,6 +713,7 @@ impl Inner {
         let Some(conn) = st.conns.remove(&id) else {
             return;
         };
+        conn.metrics.connections.dec();
         if let Some(link) = &conn.link
             && let Some(ls) = st.link_state.get_mut(link)
         {

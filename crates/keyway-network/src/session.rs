@@ -10,7 +10,7 @@ use h2::{RecvStream, SendStream};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use keyway_core::plan::{LinkPlan, RouterAccessPlan};
 use keyway_dataplane::listener::Upstream;
-use keyway_dataplane::metrics::Metrics;
+use keyway_dataplane::metrics::LinkMetrics;
 use keyway_dataplane::tls;
 use keyway_dataplane::tunnel::{self, BoxTunnel};
 use rustls::pki_types::ServerName;
@@ -352,7 +352,8 @@ where
 {
     // Set once the peer's hello is processed and the connection registered. The peer may open
     // streams as soon as it has our hello, a moment before that: they wait for it.
-    let (ready, ready_rx) = tokio::sync::watch::channel(false);
+    // It carries the link metrics of the peer, known from its hello.
+    let (ready, ready_rx) = tokio::sync::watch::channel(None::<Arc<LinkMetrics>>);
     let streams = Arc::new(AtomicUsize::new(0));
     let (link, link_generation) = match dialed {
         Some((name, generation)) => (Some(name), generation),
@@ -460,6 +461,7 @@ where
         link,
         link_generation,
         retiring: AtomicBool::new(false),
+        metrics: inner.dataplane.metrics().link(&peer),
     });
     let mut registration = Registration {
         inner: inner.clone(),
@@ -468,7 +470,7 @@ where
     };
     tracing::info!(peer = %peer, cost, client, "link connection up");
     inner.register(conn.clone());
-    let _ = ready.send(true);
+    let _ = ready.send(Some(conn.metrics.clone()));
 
     let mut keepalive = tokio::time::interval(KEEPALIVE_EVERY);
     let mut backlog = Backlog::default();
@@ -608,7 +610,7 @@ async fn read_some(recv: &mut RecvStream, decoder: &mut Decoder) -> Result<(), N
 async fn serve_connection<S>(
     inner: Arc<Inner>,
     mut conn: h2::server::Connection<S, Bytes>,
-    ready: tokio::sync::watch::Receiver<bool>,
+    ready: tokio::sync::watch::Receiver<Option<Arc<LinkMetrics>>>,
     streams: Arc<AtomicUsize>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -626,15 +628,20 @@ async fn serve_connection<S>(
         let mut ready = ready.clone();
         tokio::spawn(async move {
             let _count = count;
-            let hello = matches!(
-                tokio::time::timeout(HANDSHAKE_TIMEOUT, ready.wait_for(|r| *r)).await,
-                Ok(Ok(_))
-            );
-            if !hello {
+            let link = match tokio::time::timeout(
+                HANDSHAKE_TIMEOUT,
+                ready.wait_for(Option::is_some),
+            )
+            .await
+            {
+                Ok(Ok(link)) => link.clone(),
+                _ => None,
+            };
+            let Some(link) = link else {
                 return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, "hello not done");
-            }
+            };
             drop(ready);
-            serve_stream(inner, req, respond).await
+            serve_stream(inner, req, respond, link).await
         });
     }
 }
@@ -658,6 +665,7 @@ async fn serve_stream(
     inner: Arc<Inner>,
     req: Request<RecvStream>,
     mut respond: h2::server::SendResponse<Bytes>,
+    link: Arc<LinkMetrics>,
 ) {
     if req.method() != Method::CONNECT {
         return refuse(respond, StatusCode::NOT_FOUND, "only CONNECT streams");
@@ -701,26 +709,23 @@ async fn serve_stream(
                     Ok(s) => s,
                     Err(_) => return,
                 };
-                let stream: BoxTunnel = Box::new(H2Stream::new(send, req.into_body(), None));
-                let metrics = inner.dataplane.metrics();
-                let labels = Metrics::connection_labels("network", &key, &target);
-                let mut in_l = labels.clone();
-                in_l.push(("direction", "in".into()));
-                let mut out_l = labels;
-                out_l.push(("direction", "out".into()));
-                let bytes_in = metrics.bytes.get_or_create(&in_l).clone();
-                let bytes_out = metrics.bytes.get_or_create(&out_l).clone();
+                let stream: BoxTunnel = Box::new(H2Stream::new(send, req.into_body(), None, link));
+                // The same series as a local Listener's connections, under listener "network":
+                // connections opened and open now, bytes each way.
+                let m = inner.dataplane.metrics().connection("network", &target);
+                let _active = m.track();
+                let (bytes_in, bytes_out) = (&m.bytes_in, &m.bytes_out);
                 // Bytes from the tunnel go out to the target ("in" to the workload).
                 let r = match local.upstream {
                     Upstream::Plain(mut u) => {
                         let (r, w) = u.split();
-                        tunnel::bidirectional(r, w, stream, &bytes_out, &bytes_in).await
+                        tunnel::bidirectional(r, w, stream, bytes_out, bytes_in).await
                     }
                     Upstream::Tls(u) => {
                         let (r, w) = tokio::io::split(u);
-                        tunnel::bidirectional(r, w, stream, &bytes_out, &bytes_in).await
+                        tunnel::bidirectional(r, w, stream, bytes_out, bytes_in).await
                     }
-                    Upstream::Remote(u) => tunnel::relay(stream, u, &bytes_in, &bytes_out).await,
+                    Upstream::Remote(u) => tunnel::relay(stream, u, bytes_in, bytes_out).await,
                 };
                 if let Err(e) = r {
                     tracing::debug!(routing_key = %key, "tunnel ended: {e}");
@@ -742,7 +747,8 @@ async fn serve_stream(
         Ok(s) => s,
         Err(_) => return,
     };
-    let stream: BoxTunnel = Box::new(H2Stream::new(send, req.into_body(), None));
+    // Relayed: both links count the bytes (each H2Stream does); no listener or target here.
+    let stream: BoxTunnel = Box::new(H2Stream::new(send, req.into_body(), None, link));
     let counter = Default::default();
     if let Upstream::Remote(u) = upstream {
         let _ = tunnel::relay(stream, u, &counter, &counter).await;
@@ -800,6 +806,7 @@ pub(crate) async fn open_stream(
         send,
         resp.into_body(),
         Some(Box::new(count)),
+        conn.metrics.clone(),
     )))
 }
 

@@ -11,6 +11,7 @@ use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
+use keyway_dataplane::metrics::{LinkMetrics, StreamGuard};
 use keyway_dataplane::tunnel::{ChunkSink, ChunkSource, Tunnel};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -27,13 +28,18 @@ pub struct H2Stream {
     out: BytesMut,
     /// Held so the owning connection's stream count stays right while the stream lives.
     _guard: Option<Box<dyn Send + Sync>>,
+    /// The link's metrics: bytes each way, and this stream counted open while it lives.
+    link: Arc<LinkMetrics>,
+    _open: StreamGuard,
 }
 
 impl H2Stream {
+    /// A stream over a link to the peer site whose metrics are `link`.
     pub fn new(
         send: SendStream<Bytes>,
         recv: RecvStream,
         guard: Option<Box<dyn Send + Sync>>,
+        link: Arc<LinkMetrics>,
     ) -> Self {
         H2Stream {
             send,
@@ -41,6 +47,8 @@ impl H2Stream {
             buf: Bytes::new(),
             out: BytesMut::new(),
             _guard: guard,
+            _open: link.track_stream(),
+            link,
         }
     }
 }
@@ -70,7 +78,10 @@ impl AsyncRead for H2Stream {
                 return Poll::Ready(Ok(()));
             }
             match ready!(this.recv.poll_data(cx)) {
-                Some(Ok(data)) => this.buf = data,
+                Some(Ok(data)) => {
+                    this.link.bytes_in.inc_by(data.len() as u64);
+                    this.buf = data
+                }
                 Some(Err(e)) if e.reason() == Some(h2::Reason::NO_ERROR) => {
                     return Poll::Ready(Ok(()));
                 }
@@ -108,6 +119,7 @@ impl AsyncWrite for H2Stream {
             }
         };
         if let Some(n) = sent {
+            this.link.bytes_out.inc_by(n as u64);
             return Poll::Ready(Ok(n));
         }
         // The stream is gone; report why.
@@ -139,30 +151,35 @@ impl Tunnel for H2Stream {
             recv,
             buf,
             _guard,
+            link,
+            _open,
             ..
         } = *self;
-        let guard = Arc::new(_guard);
+        let guard = Arc::new((_guard, _open));
         (
             Box::new(H2Source {
                 recv,
                 pending: buf,
+                link: link.clone(),
                 _guard: guard.clone(),
             }),
             Box::new(H2Sink {
                 send,
+                link,
                 _guard: guard,
             }),
         )
     }
 }
 
-type Guard = Arc<Option<Box<dyn Send + Sync>>>;
+type Guard = Arc<(Option<Box<dyn Send + Sync>>, StreamGuard)>;
 
 /// The receiving half: DATA frames as they arrived.
 struct H2Source {
     recv: RecvStream,
     /// What a byte-stream read left over before the split.
     pending: Bytes,
+    link: Arc<LinkMetrics>,
     _guard: Guard,
 }
 
@@ -174,7 +191,10 @@ impl ChunkSource for H2Source {
         loop {
             return match ready!(self.recv.poll_data(cx)) {
                 Some(Ok(data)) if data.is_empty() => continue,
-                Some(Ok(data)) => Poll::Ready(Ok(Some(data))),
+                Some(Ok(data)) => {
+                    self.link.bytes_in.inc_by(data.len() as u64);
+                    Poll::Ready(Ok(Some(data)))
+                }
                 Some(Err(e)) if e.reason() == Some(h2::Reason::NO_ERROR) => Poll::Ready(Ok(None)),
                 Some(Err(e)) => Poll::Ready(Err(to_io(e))),
                 None => Poll::Ready(Ok(None)),
@@ -190,6 +210,7 @@ impl ChunkSource for H2Source {
 /// The sending half: chunks become DATA frames without a copy.
 struct H2Sink {
     send: SendStream<Bytes>,
+    link: Arc<LinkMetrics>,
     _guard: Guard,
 }
 
@@ -213,7 +234,10 @@ impl ChunkSink for H2Sink {
     }
 
     fn send(&mut self, chunk: Bytes) -> io::Result<()> {
-        self.send.send_data(chunk, false).map_err(to_io)
+        let n = chunk.len() as u64;
+        self.send.send_data(chunk, false).map_err(to_io)?;
+        self.link.bytes_out.inc_by(n);
+        Ok(())
     }
 
     fn finish(&mut self) -> io::Result<()> {

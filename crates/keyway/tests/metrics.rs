@@ -1,0 +1,428 @@
+//! `/metrics` tells the truth (SPEC §6): known traffic through real `keyway run` processes,
+//! then the scraped values compared with what was sent.
+
+mod sites;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use sites::*;
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A backend that echoes exactly what it receives (no greeting), half-closing after the client.
+struct Echo {
+    port: u16,
+}
+
+impl Echo {
+    fn start() -> Echo {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 65536];
+                    loop {
+                        match s.read(&mut buf) {
+                            Ok(0) | Err(_) => {
+                                let _ = s.shutdown(Shutdown::Write);
+                                return;
+                            }
+                            Ok(n) => {
+                                if s.write_all(&buf[..n]).is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Echo { port }
+    }
+}
+
+/// Sends exactly `len` bytes, half-closes, reads the echo to EOF; returns bytes read back.
+fn transfer(port: u16, len: usize) -> std::io::Result<usize> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut r = s.try_clone()?;
+    let reader = std::thread::spawn(move || {
+        let mut got = Vec::new();
+        let _ = r.read_to_end(&mut got);
+        got.len()
+    });
+    let data = vec![7u8; len];
+    s.write_all(&data)?;
+    s.shutdown(Shutdown::Write)?;
+    Ok(reader.join().unwrap_or(0))
+}
+
+/// The value of the series `name{labels...}` whose labels include all of `want`; the sum over
+/// every matching series (0 when none).
+fn value(text: &str, name: &str, want: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, v) = l.rsplit_once(' ')?;
+            let (n, labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            if n != name {
+                return None;
+            }
+            let ok = want
+                .iter()
+                .all(|(k, val)| labels.contains(&format!("{k}=\"{val}\"")));
+            ok.then(|| v.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+fn series_named(text: &str, name: &str) -> usize {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .count()
+}
+
+/// Listener at `a`, Connector at `b`, `a` links to `b`: N connections carrying exactly B bytes
+/// each way are counted at both ends: connections and bytes per listener, key and target.
+#[test]
+fn linked_sites_count_remote_traffic_at_both_ends() {
+    let _s = serial();
+    let ca = Ca::new("metrics-review");
+    let echo = Echo::start();
+    let (b_port, listen) = (free_port(), free_port());
+    let b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc", "svc", echo.port),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(15), || transfer(listen, 1)
+            .is_ok_and(|n| n == 1)),
+        "no path a -> b; log a:\n{}",
+        a.log()
+    );
+    const N: usize = 5;
+    const B: usize = 100_000;
+    for _ in 0..N {
+        assert_eq!(transfer(listen, B).expect("transfer"), B);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let ma = a.get("/metrics").expect("metrics a");
+    let mb = b.get("/metrics").expect("metrics b");
+    let total = (N * B + 1) as f64;
+    // At a: the listener's series, the remote target named by site.
+    let at_a = [
+        ("listener", "default/svc"),
+        ("routing_key", "svc"),
+        ("target", "site/b"),
+    ];
+    assert_eq!(
+        value(&ma, "keyway_connections_opened_total", &at_a),
+        (N + 1) as f64,
+        "opened at a"
+    );
+    assert_eq!(
+        value(&ma, "keyway_connections_active", &at_a),
+        0.0,
+        "active at a"
+    );
+    let a_in = [at_a.as_slice(), &[("direction", "in")]].concat();
+    let a_out = [at_a.as_slice(), &[("direction", "out")]].concat();
+    assert_eq!(
+        value(&ma, "keyway_bytes_total", &a_in),
+        total,
+        "bytes in at a"
+    );
+    assert_eq!(
+        value(&ma, "keyway_bytes_total", &a_out),
+        total,
+        "bytes out at a"
+    );
+    // At b: the connector target's traffic, bytes each way.
+    let at_b = [
+        ("routing_key", "svc"),
+        ("target", &*format!("127.0.0.1:{}", echo.port)),
+    ];
+    let b_in = [at_b.as_slice(), &[("direction", "in")]].concat();
+    let b_out = [at_b.as_slice(), &[("direction", "out")]].concat();
+    assert_eq!(
+        value(&mb, "keyway_bytes_total", &b_in),
+        total,
+        "bytes in at b"
+    );
+    assert_eq!(
+        value(&mb, "keyway_bytes_total", &b_out),
+        total,
+        "bytes out at b"
+    );
+    // The connector target at b served N + 1 connections: its connection series say so.
+    assert_eq!(
+        value(&mb, "keyway_connections_opened_total", &at_b),
+        (N + 1) as f64,
+        "connections to the target at b (served for a) are not counted at b"
+    );
+}
+
+/// A chain a -> b -> c with the Listener at a and the Connector at c: every site counts link
+/// connections, streams and bytes per peer (SPEC §6 "... link"), the relaying site too.
+#[test]
+fn links_have_metrics_including_the_relaying_site() {
+    let _s = serial();
+    let ca = Ca::new("metrics-review-chain");
+    let echo = Echo::start();
+    let listen = free_port();
+    let (a, b, c) = start_chain(&ca, echo.port, listen);
+    assert!(
+        eventually(Duration::from_secs(15), || transfer(listen, 1)
+            .is_ok_and(|n| n == 1)),
+        "no path a -> b -> c"
+    );
+    const B: usize = 200_000;
+    assert_eq!(transfer(listen, B).expect("transfer"), B);
+    std::thread::sleep(Duration::from_millis(300));
+    // Each site counts the tunnel bytes on its links, per peer and direction (the probes above
+    // add a byte or two); b, which relays, counts them on both of its links.
+    let carried = |m: &str, peer: &str, direction: &str| {
+        value(
+            m,
+            "keyway_link_bytes_total",
+            &[("peer", peer), ("direction", direction)],
+        )
+    };
+    let near = |v: f64| v >= B as f64 && v <= (B + 64) as f64;
+    let (ma, mb, mc) = (
+        a.get("/metrics").expect("metrics a"),
+        b.get("/metrics").expect("metrics b"),
+        c.get("/metrics").expect("metrics c"),
+    );
+    for (site, m, peer) in [
+        ("a", &ma, "b"),
+        ("b", &mb, "a"),
+        ("b", &mb, "c"),
+        ("c", &mc, "b"),
+    ] {
+        for direction in ["in", "out"] {
+            let v = carried(m, peer, direction);
+            assert!(near(v), "site {site}, peer {peer}, {direction}: {v}\n{m}");
+        }
+    }
+    for (site, m, peers) in [("a", &ma, 1.0), ("b", &mb, 2.0), ("c", &mc, 1.0)] {
+        assert_eq!(
+            value(m, "keyway_link_connections", &[]),
+            2.0 * peers,
+            "site {site}: two connections per link\n{m}"
+        );
+        assert_eq!(
+            value(m, "keyway_link_streams_active", &[]),
+            0.0,
+            "site {site}"
+        );
+        assert!(
+            value(m, "keyway_link_streams_total", &[]) >= 2.0,
+            "site {site}"
+        );
+    }
+}
+
+/// Targets and listeners come and go (a Connector re-pointed at a new pod address on every
+/// rollout): the series of deleted targets go with them.
+#[test]
+fn deleted_listeners_and_targets_leave_no_series_behind() {
+    let _s = serial();
+    let echoes: Vec<Echo> = (0..6).map(|_| Echo::start()).collect();
+    let site = SiteProc::start("churn", &[site_yaml("churn")]);
+    for (i, e) in echoes.iter().enumerate() {
+        let port = free_port();
+        write_file(
+            &site.config_dir(),
+            "site.yaml",
+            &[
+                site_yaml("churn"),
+                listener_yaml(&format!("l{i}"), &format!("k{i}"), port),
+                connector_yaml(&format!("c{i}"), &format!("k{i}"), e.port),
+            ]
+            .join("---\n"),
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || transfer(port, 10)
+                .is_ok_and(|n| n == 10)),
+            "generation {i} never served"
+        );
+    }
+    let m = site.get("/metrics").expect("metrics");
+    // One listener and one target are configured now.
+    assert_eq!(series_named(&m, "keyway_target_healthy"), 1, "{m}");
+    assert_eq!(
+        series_named(&m, "keyway_connections_opened_total"),
+        1,
+        "series of deleted listeners/targets remain:\n{m}"
+    );
+    assert_eq!(series_named(&m, "keyway_bytes_total"), 2, "{m}");
+}
+
+/// An HTTP/1.1 backend: a WebSocket upgrade gets 101 and then an echo; any other request gets
+/// 200 with a 10-byte body (keep-alive).
+fn http_backend() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 65536];
+                loop {
+                    let Ok(n) = s.read(&mut chunk) else { return };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        buf.drain(..end + 4);
+                        if head.contains("upgrade: websocket") {
+                            let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n");
+                            let _ = s.write_all(&buf);
+                            loop {
+                                match s.read(&mut chunk) {
+                                    Ok(0) | Err(_) => {
+                                        let _ = s.shutdown(Shutdown::Write);
+                                        return;
+                                    }
+                                    Ok(n) => {
+                                        if s.write_all(&chunk[..n]).is_err() {
+                                            return;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        let _ =
+                            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n0123456789");
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+fn service_yaml(name: &str, port: u16) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"127.0.0.1\"]}}]\nports: [{{port: {port}}}]\n"
+    )
+}
+
+/// Gateway HTTP traffic is counted per route and response class, also for a WebSocket upgrade
+/// and for a route whose backend is a skupper Listener (its routing key). (HTTP body bytes per
+/// route and per-key connection series for such backends are not exported yet.)
+#[test]
+fn gateway_requests_are_counted_per_route_and_class() {
+    let _s = serial();
+    let backend = http_backend();
+    let (gw, skl) = (free_port(), free_port());
+    let docs = [
+        site_yaml("gw"),
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners: [{{name: web, port: {gw}, protocol: HTTP}}]\n"
+        ),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: ws}\nspec:\n  parentRefs: [{name: gw}]\n  rules: [{matches: [{path: {type: PathPrefix, value: /ws}}], backendRefs: [{name: be, port: 80}]}]\n"
+            .to_string(),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: viakey}\nspec:\n  parentRefs: [{name: gw}]\n  rules: [{matches: [{path: {type: PathPrefix, value: /key}}], backendRefs: [{group: skupper.io, kind: Listener, name: svc}]}]\n"
+            .to_string(),
+        service_yaml("be", backend),
+        listener_yaml("svc", "k", skl),
+        connector_yaml("svc", "k", backend),
+    ];
+    let site = SiteProc::start("gw", &docs);
+    let get = |path: &str| -> u16 {
+        let mut s = TcpStream::connect(("127.0.0.1", gw)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let _ = write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        );
+        let mut r = String::new();
+        let _ = s.read_to_string(&mut r);
+        r.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0)
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || get("/key") == 200),
+        "/key never served"
+    );
+    assert_eq!(get("/key"), 200);
+    // WebSocket: 50 000 bytes each way after the upgrade.
+    let mut s = TcpStream::connect(("127.0.0.1", gw)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").expect("write");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut byte).expect("101 head");
+        head.push(byte[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    const B: usize = 50_000;
+    s.write_all(&vec![1u8; B]).expect("ws write");
+    let mut echoed = vec![0u8; B];
+    s.read_exact(&mut echoed).expect("ws echo");
+    drop(s);
+    std::thread::sleep(Duration::from_millis(300));
+    let m = site.get("/metrics").expect("metrics");
+    // What holds: requests and response classes per route.
+    assert_eq!(
+        value(
+            &m,
+            "keyway_gateway_requests_total",
+            &[("route", "HTTPRoute/default/ws")]
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        value(
+            &m,
+            "keyway_gateway_responses_total",
+            &[("route", "HTTPRoute/default/ws"), ("class", "1xx")]
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        value(
+            &m,
+            "keyway_gateway_responses_total",
+            &[("route", "HTTPRoute/default/viakey"), ("class", "2xx")]
+        ),
+        2.0,
+        "{m}"
+    );
+}
