@@ -336,8 +336,9 @@ fn service_yaml(name: &str, port: u16) -> String {
 }
 
 /// Gateway HTTP traffic is counted per route and response class, also for a WebSocket upgrade
-/// and for a route whose backend is a skupper Listener (its routing key). (HTTP body bytes per
-/// route and per-key connection series for such backends are not exported yet.)
+/// and for a route whose backend is a skupper Listener (its routing key); bytes per route cover
+/// response bodies and an upgraded connection's bytes each way. (Per-key connection series for
+/// skupper-backed routes are not exported yet.)
 #[test]
 fn gateway_requests_are_counted_per_route_and_class() {
     let _s = serial();
@@ -423,6 +424,20 @@ fn gateway_requests_are_counted_per_route_and_class() {
             &[("route", "HTTPRoute/default/viakey"), ("class", "2xx")]
         ),
         2.0,
+        "{m}"
+    );
+    // Bytes per route (SPEC §6): the WebSocket's bytes each way, and /key's two 10-byte bodies.
+    let route_bytes = |route: &str, direction: &str| {
+        value(
+            &m,
+            "keyway_gateway_stream_bytes_total",
+            &[("route", route), ("direction", direction)],
+        )
+    };
+    assert_eq!(route_bytes("HTTPRoute/default/ws", "in"), B as f64, "{m}");
+    assert_eq!(route_bytes("HTTPRoute/default/ws", "out"), B as f64, "{m}");
+    assert!(
+        route_bytes("HTTPRoute/default/viakey", "out") >= 20.0,
         "{m}"
     );
 }

@@ -637,12 +637,13 @@ async fn forward(
     // hyper's dispatcher whole).
     let send = async {
         if rule.grpc {
-            let req = Request::from_parts(parts, Body::Incoming(body));
+            let body = Body::Incoming(body).counting(&rule.metrics.bytes_in);
+            let req = Request::from_parts(parts, body);
             Box::pin(send_h2(ctx, &wb.backend, req))
                 .await
                 .map(|r| r.map(Sent::H2))
         } else {
-            let out = Outbound::new(&parts, body, ctx.http_idle_timeout);
+            let out = Outbound::new(&parts, body, ctx.http_idle_timeout, &rule.metrics.bytes_in);
             send_h1(ctx, info, &wb.backend, out).await.map(|(head, c)| {
                 head.response.map(|()| Sent::H1 {
                     conn: c,
@@ -674,11 +675,18 @@ async fn forward(
             );
         };
         let mut backend = conn.into_upgraded();
+        let metrics = rule.metrics.clone();
         tokio::spawn(async move {
             match client.await {
                 Ok(c) => {
                     let mut c = TokioIo::new(c);
-                    let _ = tokio::io::copy_bidirectional(&mut c, &mut backend).await;
+                    // Counted when the upgraded connection ends.
+                    if let Ok((up, down)) =
+                        tokio::io::copy_bidirectional(&mut c, &mut backend).await
+                    {
+                        metrics.bytes_in.inc_by(up);
+                        metrics.bytes_out.inc_by(down);
+                    }
                 }
                 Err(e) => tracing::debug!("upgrade failed: {e}"),
             }
@@ -695,7 +703,8 @@ async fn forward(
             Relay::start(conn, body, info.upstream.clone(), ctx.pool.clone())
         }
         Sent::H2(b) => b,
-    };
+    }
+    .counting(&rule.metrics.bytes_out);
     let body = match deadline {
         Some(at) => body.until(at),
         None => body,

@@ -67,7 +67,7 @@ impl GatewayMetrics {
         );
         m.register(
             "gateway_stream_bytes",
-            "Bytes forwarded by TLS passthrough and TCP routes, by route and direction (in = from client)",
+            "Bytes forwarded, by route and direction (in = from client): HTTP request and response bodies (an upgraded connection's bytes when it ends), TLS passthrough and TCP streams",
             g.bytes.clone(),
         );
         g

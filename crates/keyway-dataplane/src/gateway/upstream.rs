@@ -25,6 +25,7 @@ use hyper::client::conn::http2;
 use hyper::http::request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use keyway_core::gateway::plan::Backend;
+use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
@@ -57,6 +58,9 @@ pub enum Body {
     /// An HTTP/2 backend's response body, holding its place on the backend connection until
     /// it ends (see [`H2Slot`]).
     Leased(Box<(Body, H2Slot)>),
+    /// A body whose data bytes are counted for its route (boxed: HTTP/2 backends only; an
+    /// HTTP/1.1 backend's `Relay` counts by itself).
+    Counted(Box<(Body, Counter)>),
 }
 
 impl Body {
@@ -77,8 +81,27 @@ impl Body {
                 d.body = std::mem::take(&mut d.body).holding(in_flight);
                 Body::Deadline(d)
             }
-            Body::Incoming(_) | Body::Held(_) | Body::Leased(_) => {
+            Body::Incoming(_) | Body::Held(_) | Body::Leased(_) | Body::Counted(_) => {
                 Body::Held(Box::new((self, in_flight)))
+            }
+            Body::Empty | Body::Full(_) => self,
+        }
+    }
+
+    /// This body, its data bytes counted on `bytes` (a route's bytes out, or in for a request
+    /// body) as they pass. Local answers (`Full`) are not forwarded traffic and are not counted.
+    pub fn counting(self, bytes: &Counter) -> Body {
+        match self {
+            Body::Relay(mut r) => {
+                r.bytes = Some(bytes.clone());
+                Body::Relay(r)
+            }
+            Body::Deadline(mut d) => {
+                d.body = std::mem::take(&mut d.body).counting(bytes);
+                Body::Deadline(d)
+            }
+            Body::Incoming(_) | Body::Held(_) | Body::Leased(_) | Body::Counted(_) => {
+                Body::Counted(Box::new((self, bytes.clone())))
             }
             Body::Empty | Body::Full(_) => self,
         }
@@ -135,6 +158,13 @@ impl hyper::body::Body for Body {
             }
             Body::Held(h) => Pin::new(&mut h.0).poll_frame(cx),
             Body::Leased(l) => Pin::new(&mut l.0).poll_frame(cx),
+            Body::Counted(c) => {
+                let f = ready!(Pin::new(&mut c.0).poll_frame(cx));
+                if let Some(Ok(data)) = f.as_ref().map(|r| r.as_ref().map(Frame::data_ref)) {
+                    c.1.inc_by(data.map_or(0, |d| d.len() as u64));
+                }
+                Poll::Ready(f)
+            }
         }
     }
 
@@ -147,6 +177,7 @@ impl hyper::body::Body for Body {
             Body::Deadline(d) => d.body.is_end_stream(),
             Body::Held(h) => h.0.is_end_stream(),
             Body::Leased(l) => l.0.is_end_stream(),
+            Body::Counted(c) => c.0.is_end_stream(),
         }
     }
 
@@ -159,6 +190,7 @@ impl hyper::body::Body for Body {
             Body::Deadline(d) => d.body.size_hint(),
             Body::Held(h) => h.0.size_hint(),
             Body::Leased(l) => l.0.size_hint(),
+            Body::Counted(c) => c.0.size_hint(),
         }
     }
 }
@@ -218,7 +250,13 @@ pub struct Outbound {
 
 impl Outbound {
     /// `stall`: how long the client's body may send nothing while the backend waits for it.
-    pub fn new(parts: &request::Parts, body: Incoming, stall: Duration) -> Outbound {
+    /// `bytes`: the route's bytes in, counted as the body passes.
+    pub fn new(
+        parts: &request::Parts,
+        body: Incoming,
+        stall: Duration,
+        bytes: &Counter,
+    ) -> Outbound {
         let mut head = BytesMut::new();
         let empty = body.is_end_stream();
         let framing = h1::encode_head(parts, empty, body.size_hint().exact(), &mut head);
@@ -228,6 +266,7 @@ impl Outbound {
                 stall,
                 timer: None,
                 armed: false,
+                bytes: bytes.clone(),
             };
             (body, framing)
         });
@@ -261,6 +300,7 @@ pub struct ClientBody {
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// The timer runs: the body was waited for and nothing came since.
     armed: bool,
+    bytes: Counter,
 }
 
 impl ClientBody {
@@ -271,6 +311,9 @@ impl ClientBody {
         match Pin::new(&mut self.inner).poll_frame(cx) {
             Poll::Ready(f) => {
                 self.armed = false;
+                if let Some(Ok(data)) = f.as_ref().map(|r| r.as_ref().map(Frame::data_ref)) {
+                    self.bytes.inc_by(data.map_or(0, |d| d.len() as u64));
+                }
                 Poll::Ready(f.map(|r| r.map_err(h1::Error::RequestBody)))
             }
             Poll::Pending => {
@@ -629,6 +672,8 @@ pub struct Relay {
     pool: Arc<Pool>,
     /// Counts the client connection as active while the body is being relayed.
     in_flight: Option<InFlight>,
+    /// The route's bytes out, counted as the body passes.
+    bytes: Option<Counter>,
 }
 
 enum Decoder {
@@ -668,6 +713,7 @@ impl Relay {
             home,
             pool,
             in_flight: None,
+            bytes: None,
         })
     }
 
@@ -752,7 +798,11 @@ impl hyper::body::Body for Relay {
         let Some(up) = this.up.as_mut() else {
             return Poll::Ready(None);
         };
-        match ready!(Self::step(up, &mut this.decoder, cx)) {
+        let step = ready!(Self::step(up, &mut this.decoder, cx));
+        if let (Ok(Step::Data(d) | Step::Last(d)), Some(bytes)) = (&step, &this.bytes) {
+            bytes.inc_by(d.len() as u64);
+        }
+        match step {
             Ok(Step::Data(d)) => {
                 // Until the client's connection asks again, the body waits on the client.
                 if let Some(f) = this.in_flight.as_mut() {
