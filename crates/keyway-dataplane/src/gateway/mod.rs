@@ -18,8 +18,9 @@ pub mod tcp;
 pub mod upstream;
 
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -300,10 +301,18 @@ impl Drop for PortHandle {
 }
 
 /// Every gateway port of the site.
+/// A port's configuration as its accept loop and every connection it accepted read it.
+type SharedConfig = ArcSwap<PortConfig>;
+
 pub struct Gateways {
     ctx: Arc<Ctx>,
     metrics: GatewayMetrics,
     ports: Mutex<BTreeMap<SocketAddr, PortHandle>>,
+    /// Every port config still held by an open connection, by Gateway and port. A port bound
+    /// again (its addresses edited, or its Gateway or listener gone for a while) reuses it, so
+    /// connections accepted before keep following the config; one whose Gateway no longer has
+    /// the port serves nothing (404) instead of the routes it had then.
+    configs: Mutex<HashMap<(ObjectKey, u16), Weak<SharedConfig>>>,
     /// Listeners left out by the last apply (port held by another Gateway, bad TLS material).
     rejected: Mutex<Vec<ListenerError>>,
 }
@@ -341,6 +350,7 @@ impl Gateways {
             }),
             metrics,
             ports: Mutex::new(BTreeMap::new()),
+            configs: Mutex::new(HashMap::new()),
             rejected: Mutex::new(Vec::new()),
         }
     }
@@ -400,9 +410,11 @@ impl Gateways {
             }
         }
         let mut ports = lock(&self.ports);
+        let mut configs = lock(&self.configs);
         let mut next = BTreeMap::new();
         for (addr, (owner, pb)) in wanted {
-            let config = self.compile(pb, &mut rejected);
+            let config = Arc::new(self.compile(pb, &mut rejected));
+            let key = (owner.clone(), pb.port);
             let listeners = pb
                 .listeners
                 .iter()
@@ -410,16 +422,46 @@ impl Gateways {
                 .collect();
             match ports.remove(&addr) {
                 Some(mut h) => {
-                    h.config.store(Arc::new(config));
+                    h.config.store(config);
                     h.listeners = listeners;
                     h.owner = owner.clone();
+                    configs.insert(key, Arc::downgrade(&h.config));
                     next.insert(addr, h);
                 }
                 None => {
-                    next.insert(addr, self.start(addr, owner.clone(), config, listeners));
+                    let swap = match configs.get(&key).and_then(Weak::upgrade) {
+                        Some(swap) => {
+                            swap.store(config);
+                            swap
+                        }
+                        None => Arc::new(ArcSwap::new(config)),
+                    };
+                    configs.insert(key, Arc::downgrade(&swap));
+                    next.insert(addr, self.start(addr, owner.clone(), swap, listeners));
                 }
             }
         }
+        // Connections of ports no longer served stop serving their old routes.
+        configs.retain(|_, weak| {
+            let Some(swap) = weak.upgrade() else {
+                return false;
+            };
+            if !next
+                .values()
+                .any(|h: &PortHandle| Arc::ptr_eq(&h.config, &swap))
+            {
+                let old = swap.load();
+                if !old.listeners.is_empty() {
+                    swap.store(Arc::new(PortConfig {
+                        port: old.port,
+                        family: old.family,
+                        listeners: Vec::new(),
+                    }));
+                }
+            }
+            true
+        });
+        drop(configs);
         // Dropping the rest stops their accept loops.
         *ports = next;
         drop(ports);
@@ -454,10 +496,9 @@ impl Gateways {
         &self,
         addr: SocketAddr,
         owner: ObjectKey,
-        config: PortConfig,
+        config: Arc<ArcSwap<PortConfig>>,
         listeners: Vec<(ObjectKey, String)>,
     ) -> PortHandle {
-        let config = Arc::new(ArcSwap::from_pointee(config));
         let state = Arc::new(PortState::default());
         let (stop, stop_rx) = watch::channel(false);
         tokio::spawn(accept_loop(
