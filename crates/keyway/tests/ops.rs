@@ -2,59 +2,17 @@
 //! or swapped as Kubernetes does, odd files in it, the state directory. Each test drives a real
 //! `keyway run` child process.
 
-mod admin;
+mod sites;
 
-use admin::free_port;
+use sites::{Backend, admin, free_port};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
-
-/// Greets with its name, then echoes.
-struct Backend {
-    port: u16,
-    stop: Arc<AtomicBool>,
-}
-
-impl Backend {
-    fn start(name: &'static str) -> Backend {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        listener.set_nonblocking(true).expect("nonblocking");
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        thread::spawn(move || {
-            while !flag.load(Ordering::Acquire) {
-                match listener.accept() {
-                    Ok((mut s, _)) => {
-                        let _ = s.set_nonblocking(false);
-                        thread::spawn(move || {
-                            let _ = writeln!(s, "{name}");
-                            let mut buf = [0u8; 4096];
-                            while let Ok(n) = s.read(&mut buf) {
-                                if n == 0 || s.write_all(&buf[..n]).is_err() {
-                                    break;
-                                }
-                            }
-                        });
-                    }
-                    Err(_) => thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        });
-        Backend { port, stop }
-    }
-}
-
-impl Drop for Backend {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-    }
-}
 
 struct Site {
     child: Child,

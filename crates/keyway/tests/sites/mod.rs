@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 #[path = "../admin/mod.rs"]
-mod admin;
+pub mod admin;
 
 pub use admin::free_port;
 use std::io::{BufRead, BufReader, Read, Write};
