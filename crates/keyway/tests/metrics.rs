@@ -441,3 +441,46 @@ fn gateway_requests_are_counted_per_route_and_class() {
         "{m}"
     );
 }
+
+/// A deleted route takes its series with it (requests, response classes, bytes): routes come
+/// and go with every deployment, and their series must not pile up on /metrics.
+#[test]
+fn deleted_routes_leave_no_series_behind() {
+    let _s = serial();
+    let backend = http_backend();
+    let gw = free_port();
+    let route = |name: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: {name}}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules: [{{backendRefs: [{{name: be, port: 80}}]}}]\n"
+        )
+    };
+    let docs = |name: &str| {
+        [
+            site_yaml("gw"),
+            format!(
+                "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners: [{{name: web, port: {gw}, protocol: HTTP}}]\n"
+            ),
+            route(name),
+            service_yaml("be", backend),
+        ]
+    };
+    let site = SiteProc::start("routes", &docs("first"));
+    let series = |name: &str| {
+        let m = site.get("/metrics").unwrap_or_default();
+        m.lines()
+            .filter(|l| l.contains(&format!("route=\"HTTPRoute/default/{name}\"")))
+            .count()
+    };
+    assert!(eventually(Duration::from_secs(10), || series("first") > 0));
+    write_file(
+        &site.config_dir(),
+        "site.yaml",
+        &docs("second").join("---\n"),
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || series("second") > 0
+            && series("first") == 0),
+        "series of the deleted route stay: {}",
+        site.get("/metrics").unwrap_or_default()
+    );
+}

@@ -47,6 +47,12 @@ pub struct GatewayMetrics {
     requests: Family<Labels, Counter>,
     responses: Family<Labels, Counter>,
     bytes: Family<Labels, Counter>,
+    /// Routes given series, and those compiled by the apply in progress: a route no longer in
+    /// the plan has its series removed (so deleted routes do not stay on /metrics for ever).
+    routes: Mutex<(
+        std::collections::HashSet<String>,
+        std::collections::HashSet<String>,
+    )>,
 }
 
 impl GatewayMetrics {
@@ -55,6 +61,7 @@ impl GatewayMetrics {
             requests: Family::default(),
             responses: Family::default(),
             bytes: Family::default(),
+            routes: Mutex::default(),
         };
         m.register(
             "gateway_requests",
@@ -75,6 +82,11 @@ impl GatewayMetrics {
     }
 
     fn route(&self, route: &str) -> Arc<RouteMetrics> {
+        {
+            let mut routes = lock(&self.routes);
+            routes.0.insert(route.to_string());
+            routes.1.insert(route.to_string());
+        }
         let l = |extra: Option<(&'static str, &str)>| -> Labels {
             let mut v = vec![("route", route.to_string())];
             if let Some((k, x)) = extra {
@@ -102,6 +114,29 @@ impl GatewayMetrics {
             bytes_in,
             bytes_out,
         })
+    }
+}
+
+impl GatewayMetrics {
+    /// Removes the series of every route with series that the apply just done did not compile.
+    fn forget_unused_routes(&self) {
+        let mut routes = lock(&self.routes);
+        let compiled = std::mem::take(&mut routes.1);
+        for gone in routes.0.difference(&compiled) {
+            let l = |extra: Option<(&'static str, &str)>| -> Labels {
+                let mut v = vec![("route", gone.clone())];
+                v.extend(extra.map(|(k, x)| (k, x.to_string())));
+                v
+            };
+            self.requests.remove(&l(None));
+            for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
+                self.responses.remove(&l(Some(("class", c))));
+            }
+            for d in ["in", "out"] {
+                self.bytes.remove(&l(Some(("direction", d))));
+            }
+        }
+        routes.0 = compiled;
     }
 }
 
@@ -462,6 +497,7 @@ impl Gateways {
             true
         });
         drop(configs);
+        self.metrics.forget_unused_routes();
         // Dropping the rest stops their accept loops.
         *ports = next;
         drop(ports);
