@@ -13,6 +13,13 @@ use crate::targets::Target;
 
 type Labels = Vec<(&'static str, String)>;
 
+/// `labels` plus a `direction` (`in` or `out`).
+fn with_direction(labels: &Labels, direction: &str) -> Labels {
+    let mut l = labels.clone();
+    l.push(("direction", direction.to_string()));
+    l
+}
+
 /// Handles for one listener's connections to one target.
 pub struct ConnMetrics {
     pub opened: Counter,
@@ -209,11 +216,7 @@ impl Metrics {
             return m.clone();
         }
         let labels = Self::connection_labels(listener, &target.routing_key, target);
-        let with_direction = |d: &str| {
-            let mut l = labels.clone();
-            l.push(("direction", d.to_string()));
-            l
-        };
+        let with_direction = |d| with_direction(&labels, d);
         // One statement per family lookup: `get_or_create` returns a read guard, and a second
         // insert into the same family while it is alive would deadlock.
         let opened = self.connections_opened.get_or_create(&labels).clone();
@@ -237,11 +240,7 @@ impl Metrics {
             return m.clone();
         }
         let labels: Labels = vec![("peer", peer.to_string())];
-        let with_direction = |d: &str| {
-            let mut l = labels.clone();
-            l.push(("direction", d.to_string()));
-            l
-        };
+        let with_direction = |d| with_direction(&labels, d);
         // One statement per family lookup (see `connection`).
         let connections = self.link_connections.get_or_create(&labels).clone();
         let streams = self.link_streams.get_or_create(&labels).clone();
@@ -311,9 +310,7 @@ impl Metrics {
             self.connections_opened.remove(&labels);
             self.connections_active.remove(&labels);
             for d in ["in", "out"] {
-                let mut l = labels.clone();
-                l.push(("direction", d.to_string()));
-                self.bytes.remove(&l);
+                self.bytes.remove(&with_direction(&labels, d));
             }
         }
     }

@@ -87,13 +87,7 @@ impl GatewayMetrics {
             routes.0.insert(route.to_string());
             routes.1.insert(route.to_string());
         }
-        let l = |extra: Option<(&'static str, &str)>| -> Labels {
-            let mut v = vec![("route", route.to_string())];
-            if let Some((k, x)) = extra {
-                v.push((k, x.to_string()));
-            }
-            v
-        };
+        let l = |extra| route_labels(route, extra);
         // One family lookup per statement: the guard of `get_or_create` must not outlive it.
         let requests = self.requests.get_or_create(&l(None)).clone();
         let mut classes = Vec::with_capacity(5);
@@ -123,11 +117,7 @@ impl GatewayMetrics {
         let mut routes = lock(&self.routes);
         let compiled = std::mem::take(&mut routes.1);
         for gone in routes.0.difference(&compiled) {
-            let l = |extra: Option<(&'static str, &str)>| -> Labels {
-                let mut v = vec![("route", gone.clone())];
-                v.extend(extra.map(|(k, x)| (k, x.to_string())));
-                v
-            };
+            let l = |extra| route_labels(gone, extra);
             self.requests.remove(&l(None));
             for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
                 self.responses.remove(&l(Some(("class", c))));
@@ -138,6 +128,13 @@ impl GatewayMetrics {
         }
         routes.0 = compiled;
     }
+}
+
+/// A route's labels, with one more (class or direction) if given.
+fn route_labels(route: &str, extra: Option<(&'static str, &str)>) -> Labels {
+    let mut v = vec![("route", route.to_string())];
+    v.extend(extra.map(|(k, x)| (k, x.to_string())));
+    v
 }
 
 /// Handles of one route's series, created at compile time so requests do no label work.
