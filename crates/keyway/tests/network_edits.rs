@@ -323,14 +323,7 @@ fn a_ca_change_during_a_rotation_ends_the_old_connections() {
     rotate_link_secret(&a, &ca);
     assert!(eventually(Duration::from_secs(10), || connections_up(&a) >= before + 2));
     rotate_link_secret(&a, &other);
-    std::thread::sleep(Duration::from_secs(3));
-    let after = who(listen);
-    let long = echo(&mut w, &mut r, "x\n");
-    assert!(
-        after.is_err() && long.as_deref() != Ok("x\n"),
-        "3 s after the Link's CA changed: new connection {after:?}, old one {long:?}; a's log:\n{}",
-        tail(&a.log())
-    );
+    assert_revoked(&a, listen, &mut w, &mut r);
 }
 
 /// RouterAccess: a certificate rotation keeps the links it accepted; a later CA change still
@@ -350,13 +343,20 @@ fn a_router_access_ca_change_after_a_rotation_revokes() {
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(echo(&mut w, &mut r, "kept\n").as_deref(), Ok("kept\n"));
     rotate_link_secret(&b, &other);
+    assert_revoked(&b, listen, &mut w, &mut r);
+}
+
+/// 3 s after `site`'s CA changed, neither a new connection to `listen` nor the live one
+/// (`w`, `r`) gets through: a changed CA revokes.
+fn assert_revoked(site: &SiteProc, listen: u16, w: &mut TcpStream, r: &mut BufReader<TcpStream>) {
     std::thread::sleep(Duration::from_secs(3));
     let after = who(listen);
-    let long = echo(&mut w, &mut r, "x\n");
+    let long = echo(w, r, "x\n");
     assert!(
         after.is_err() && long.as_deref() != Ok("x\n"),
-        "b's CA changed, a's certificate is from the old one: new connection {after:?}, old one {long:?}; b's log:\n{}",
-        tail(&b.log())
+        "3 s after {}'s CA changed: new connection {after:?}, old one {long:?}; its log:\n{}",
+        site.name,
+        tail(&site.log())
     );
 }
 
