@@ -1138,3 +1138,129 @@ async fn header_filters_cannot_change_framing() {
         assert_eq!(o.body(), b"ok", "{o:?}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Balancing among a Service's endpoints
+
+/// A backend answering every request with `name` as its body; a request for `/hang` gets no
+/// answer (its arrival is sent on `hung`) until the gateway closes the connection.
+async fn named(name: &'static str, hung: Option<mpsc::Sender<&'static str>>) -> Raw {
+    raw(move |mut c| {
+        let hung = hung.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                if req.path == "/hang" {
+                    if let Some(h) = &hung {
+                        let _ = h.send(name).await;
+                    }
+                    while c.fill().await {}
+                    return;
+                }
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{name}",
+                    name.len()
+                );
+                c.send(answer.as_bytes()).await;
+            }
+        }
+    })
+    .await
+}
+
+/// A gateway on `port` whose one route goes to Service `svc` with an endpoint per backend.
+fn balanced_yaml(backends: &[&Raw], port: u16) -> String {
+    let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+    let mut yaml = common::service_of("svc", &addrs);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    yaml
+}
+
+/// Which backend answered each of `n` requests on the keep-alive connection `c`.
+async fn tally(c: &mut SendRequest<Empty<Bytes>>, n: usize) -> HashMap<String, usize> {
+    let mut seen = HashMap::new();
+    for _ in 0..n {
+        let o = exchange(c, get("/")).await;
+        assert_eq!(o.status(), Some(200), "{o:?}");
+        *seen
+            .entry(String::from_utf8_lossy(o.body()).into_owned())
+            .or_insert(0) += 1;
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keep_alive_client_is_balanced_per_request_and_reuses_backend_connections() {
+    let (a, b, c) = (
+        named("a", None).await,
+        named("b", None).await,
+        named("c", None).await,
+    );
+    let port = free_port();
+    let _dp = start(&balanced_yaml(&[&a, &b, &c], port), port).await;
+    let mut client = client(port).await;
+    let seen = tally(&mut client, 30).await;
+    // Idle endpoints take turns.
+    for name in ["a", "b", "c"] {
+        assert_eq!(seen.get(name), Some(&10), "{seen:?}");
+    }
+    // Each endpoint's connection is kept and used again, not opened per request.
+    assert_eq!(
+        [a.accepted(), b.accepted(), c.accepted()],
+        [1, 1, 1],
+        "{seen:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_scaled_out_reaches_its_new_endpoints_from_open_connections() {
+    let (a, b, c) = (
+        named("a", None).await,
+        named("b", None).await,
+        named("c", None).await,
+    );
+    let port = free_port();
+    let dp = start(&balanced_yaml(&[&a], port), port).await;
+    let mut client = client(port).await;
+    assert_eq!(tally(&mut client, 5).await.get("a"), Some(&5));
+    common::start_on(&dp, &balanced_yaml(&[&a, &b, &c], port), port).await;
+    let seen = tally(&mut client, 30).await;
+    for name in ["a", "b", "c"] {
+        assert!(seen.get(name).is_some_and(|n| *n >= 8), "{seen:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_go_to_the_endpoint_with_fewer_in_flight() {
+    let (hung_tx, mut hung) = mpsc::channel(1);
+    let (a, b) = (
+        named("a", Some(hung_tx.clone())).await,
+        named("b", Some(hung_tx)).await,
+    );
+    let port = free_port();
+    let _dp = start(&balanced_yaml(&[&a, &b], port), port).await;
+    // One request that the backend it reached does not answer.
+    let mut slow = client(port).await;
+    let pending = tokio::spawn(async move { exchange(&mut slow, get("/hang")).await });
+    let busy = tokio::time::timeout(IO_TIMEOUT, hung.recv())
+        .await
+        .expect("the hanging request never reached a backend")
+        .expect("backends gone");
+    // Every request on other connections goes to the other, idle, endpoint.
+    let mut one = client(port).await;
+    let mut two = client(port).await;
+    let mut seen = tally(&mut one, 5).await;
+    for (name, n) in tally(&mut two, 5).await {
+        *seen.entry(name).or_insert(0) += n;
+    }
+    let idle = if busy == "a" { "b" } else { "a" };
+    assert_eq!(seen.get(idle), Some(&10), "{busy} was busy: {seen:?}");
+    pending.abort();
+}

@@ -752,14 +752,20 @@ async fn send_h1(
     backend: &Backend,
     mut req: Outbound,
 ) -> Result<(h1::Head, H1), Response<Body>> {
-    while let Some(mut c) = ctx.pool.take_h1(&ctx.shared, backend, &info.upstream) {
+    // Each request picks its endpoint: a keep-alive client is balanced like many clients.
+    let endpoint = ctx.pool.choose(backend);
+    let endpoint = endpoint.as_deref();
+    while let Some(mut c) = ctx
+        .pool
+        .take_h1(&ctx.shared, backend, &info.upstream, endpoint)
+    {
         match c.send(req).await {
             Ok(head) => return Ok((head, c)),
             Err(SendError::Retry(r)) => req = r,
             Err(SendError::Failed(e)) => return Err(send_failed(&e)),
         }
     }
-    let mut c = Box::pin(open_h1(ctx, backend)).await?;
+    let mut c = Box::pin(open_h1(ctx, backend, endpoint)).await?;
     match c.send(req).await {
         Ok(head) => Ok((head, c)),
         Err(SendError::Retry(_)) => Err(bad_gateway(&h1::Error::Closed)),
@@ -781,11 +787,15 @@ fn send_failed(e: &h1::Error) -> Response<Body> {
     }
 }
 
-/// A fresh HTTP/1.1 connection to `backend`.
-async fn open_h1(ctx: &Ctx, backend: &Backend) -> Result<H1, Response<Body>> {
+/// A fresh HTTP/1.1 connection to `backend` (its `endpoint` first).
+async fn open_h1(
+    ctx: &Ctx,
+    backend: &Backend,
+    endpoint: Option<&str>,
+) -> Result<H1, Response<Body>> {
     let c = ctx
         .pool
-        .connect(&ctx.shared, backend)
+        .connect(&ctx.shared, backend, endpoint)
         .await
         .map_err(|e| connect_error(&e))?;
     Ok(ctx.pool.open_h1(c))

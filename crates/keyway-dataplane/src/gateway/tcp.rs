@@ -34,7 +34,7 @@ pub async fn forward<S: Io>(ctx: &Ctx, route: &StreamRoute, prefix: Vec<u8>, cli
         tracing::debug!("route has no backend with weight: closing");
         return;
     };
-    let c = match ctx.pool.connect(&ctx.shared, &wb.backend).await {
+    let c = match ctx.pool.connect(&ctx.shared, &wb.backend, None).await {
         Ok(c) => c,
         Err(e) => {
             tracing::debug!("{e}: closing");

@@ -370,6 +370,8 @@ pub struct H1 {
     body: Option<(ClientBody, Framing)>,
     /// Counts the connection on its connector target while it is open.
     guard: Option<OpenGuard>,
+    /// Counts its request as in flight on its endpoint until the response ends.
+    load: Load,
     /// A response came over it before: a failure before the next one may be the backend
     /// having closed it while idle.
     reused: bool,
@@ -393,6 +395,7 @@ impl H1 {
             wrote: false,
             body: None,
             guard: c.guard,
+            load: Load::default(),
             reused: false,
             reusable: true,
             pooled_at: None,
@@ -517,6 +520,7 @@ impl H1 {
             head_request,
             retry_safe,
         } = req;
+        self.load.begin();
         self.wbuf = head;
         self.wpos = 0;
         self.wrote = false;
@@ -602,6 +606,7 @@ impl H1 {
             io: self.io.into_inner().unwrap_or_else(|p| p.into_inner()),
             read: self.rbuf,
             _guard: self.guard,
+            _load: self.load,
         }
     }
 }
@@ -612,6 +617,42 @@ pub struct Upgraded {
     io: Box<dyn Io>,
     read: BytesMut,
     _guard: Option<OpenGuard>,
+    /// An upgraded connection stays a request in flight on its endpoint until it closes.
+    _load: Load,
+}
+
+/// A request in flight on an endpoint, counted there while it lasts (from the request's
+/// head until its response ends or its connection is dropped) for [`Pool::choose`].
+#[derive(Default)]
+struct Load {
+    counter: Option<Arc<AtomicUsize>>,
+    busy: bool,
+}
+
+impl Load {
+    fn begin(&mut self) {
+        if !self.busy {
+            if let Some(c) = &self.counter {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+            self.busy = true;
+        }
+    }
+
+    fn end(&mut self) {
+        if self.busy {
+            if let Some(c) = &self.counter {
+                c.fetch_sub(1, Ordering::Relaxed);
+            }
+            self.busy = false;
+        }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 impl AsyncRead for Upgraded {
@@ -846,6 +887,8 @@ pub struct Pool {
     h2: Mutex<HashMap<String, Vec<H2Conn>>>,
     failed: Mutex<HashMap<String, Instant>>,
     rotate: AtomicUsize,
+    /// Requests in flight per Service endpoint (by endpoint key), for [`Pool::choose`].
+    load: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     /// Whose turn it is among a backend's endpoints for the next gRPC call.
     rotate_h2: AtomicUsize,
 }
@@ -1045,6 +1088,8 @@ impl Pool {
             !list.is_empty()
         });
         drop(idle);
+        // Endpoints no connection counts on any more (gone, or all their connections closed).
+        lock(&self.load).retain(|_, c| Arc::strong_count(c) > 1);
         // HTTP/2: closed connections go, and of an endpoint's connections without a call in
         // flight one stays; the others were opened for a burst (or while another endpoint was
         // down) and are not needed now.
@@ -1060,11 +1105,13 @@ impl Pool {
         });
     }
 
-    /// Connects to `backend`, trying every choice before giving up.
+    /// Connects to `backend`, trying every choice before giving up: a Service's endpoints
+    /// from `preferred` on (see [`Pool::choose`]), else in rotation.
     pub async fn connect(
         &self,
         shared: &Shared,
         backend: &Backend,
+        preferred: Option<&str>,
     ) -> Result<Connected, ConnectError> {
         match backend {
             Backend::Unresolved { reason } => Err(ConnectError::Unresolved(reason.clone())),
@@ -1073,12 +1120,24 @@ impl Pool {
                 if n == 0 {
                     return Err(ConnectError::Unreachable(service.clone()));
                 }
-                let start = self.rotate.fetch_add(1, Ordering::Relaxed) % n;
                 let now = Instant::now();
-                let order: Vec<String> = (0..n)
-                    .map(|i| &endpoints[(start + i) % n])
-                    .map(|e| endpoint_key(&e.address, e.port))
-                    .collect();
+                let order: Vec<String> = match preferred {
+                    Some(first) => std::iter::once(first.to_string())
+                        .chain(
+                            endpoints
+                                .iter()
+                                .map(|e| endpoint_key(&e.address, e.port))
+                                .filter(|k| k != first),
+                        )
+                        .collect(),
+                    None => {
+                        let start = self.rotate.fetch_add(1, Ordering::Relaxed) % n;
+                        (0..n)
+                            .map(|i| &endpoints[(start + i) % n])
+                            .map(|e| endpoint_key(&e.address, e.port))
+                            .collect()
+                    }
+                };
                 // Recently failed endpoints go last rather than out: if all failed, try anyway.
                 let (mut fresh, stale): (Vec<String>, Vec<String>) = {
                     let failed = lock(&self.failed);
@@ -1181,21 +1240,80 @@ impl Pool {
         }
     }
 
-    /// An idle HTTP/1.1 connection for `backend`: the client connection's own if it suits,
-    /// else one from the pool. Connections found closed are dropped.
-    pub fn take_h1(&self, shared: &Shared, backend: &Backend, sticky: &Sticky) -> Option<H1> {
+    /// The endpoint of a Service backend with more than one that takes the next request,
+    /// least requests first: of two endpoints (the next in rotation and one at random), the
+    /// one with fewer requests in flight, the first on a tie, so that an idle Service takes
+    /// turns and a slow endpoint gets less. An endpoint whose connect failed recently is passed
+    /// over while another remains. `None`: one endpoint, or not a Service.
+    pub fn choose(&self, backend: &Backend) -> Option<String> {
+        let Backend::Service { endpoints, .. } = backend else {
+            return None;
+        };
+        let n = endpoints.len();
+        if n < 2 {
+            return None;
+        }
+        let key = |i: usize| endpoint_key(&endpoints[i].address, endpoints[i].port);
+        let first = self.rotate.fetch_add(1, Ordering::Relaxed) % n;
+        let second = (first + 1 + fastrand::usize(..n - 1)) % n;
+        let (a, b) = (key(first), key(second));
+        let failed = lock(&self.failed);
+        if !failed.is_empty() {
+            let now = Instant::now();
+            let usable = |k: &String| {
+                failed
+                    .get(k)
+                    .is_none_or(|t| now.duration_since(*t) > PENALTY)
+            };
+            match (usable(&a), usable(&b)) {
+                (true, true) => {}
+                (true, false) => return Some(a),
+                (false, true) => return Some(b),
+                (false, false) => {
+                    return (0..n).map(key).find(|k| usable(k)).or(Some(a));
+                }
+            }
+        }
+        drop(failed);
+        let load = lock(&self.load);
+        let in_flight = |k: &String| load.get(k).map_or(0, |c| c.load(Ordering::Relaxed));
+        if in_flight(&b) < in_flight(&a) {
+            Some(b)
+        } else {
+            Some(a)
+        }
+    }
+
+    /// An idle HTTP/1.1 connection for `backend` (to the `preferred` endpoint if one is
+    /// given): the client connection's own if it suits, else one from the pool. Connections
+    /// found closed are dropped.
+    pub fn take_h1(
+        &self,
+        shared: &Shared,
+        backend: &Backend,
+        sticky: &Sticky,
+        preferred: Option<&str>,
+    ) -> Option<H1> {
         let own = lock(&sticky.slot).conn.take();
         if let Some(mut c) = own {
-            if self.accepts(shared, backend, &c.key) {
+            let suits = match preferred {
+                Some(p) => c.key == p,
+                None => self.accepts(shared, backend, &c.key),
+            };
+            if suits {
                 if c.check_idle() {
                     return Some(c);
                 }
             } else {
-                // Another backend now (a reload, weighted backends): keep it for others.
+                // Another endpoint or backend now (balancing, a reload, weighted backends):
+                // keep it for others.
                 self.put_h1(c);
             }
         }
-        let keys = self.idle_keys(shared, backend);
+        let keys = match preferred {
+            Some(p) => vec![p.to_string()],
+            None => self.idle_keys(shared, backend),
+        };
         let mut idle = lock(&self.h1);
         for key in keys {
             let Some(list) = idle.get_mut(&key) else {
@@ -1214,6 +1332,7 @@ impl Pool {
     /// connection unless that one has ended or already keeps another.
     fn release(&self, sticky: &Sticky, mut c: H1) {
         c.shed();
+        c.load.end();
         let mut slot = lock(&sticky.slot);
         if !slot.closed && slot.conn.is_none() {
             slot.conn = Some(c);
@@ -1239,6 +1358,7 @@ impl Pool {
         if !c.is_clean() {
             return;
         }
+        c.load.end();
         c.pooled_at = Some(Instant::now());
         let mut idle = lock(&self.h1);
         let list = idle.entry(c.key.clone()).or_default();
@@ -1249,7 +1369,9 @@ impl Pool {
 
     /// An HTTP/1.1 connection over a fresh backend connection.
     pub fn open_h1(&self, c: Connected) -> H1 {
-        H1::new(c)
+        let mut h = H1::new(c);
+        h.load.counter = Some(lock(&self.load).entry(h.key.clone()).or_default().clone());
+        h
     }
 
     /// An HTTP/2 (prior knowledge) connection for a gRPC call to `backend`. Calls take turns
@@ -1257,8 +1379,9 @@ impl Pool {
     /// or gets a new one (as `connect` rotates).
     pub async fn h2(&self, shared: &Shared, backend: &Backend) -> Result<H2Lease, H2Error> {
         let keys = self.idle_keys(shared, backend);
-        if !keys.is_empty() {
-            let key = &keys[self.rotate_h2.fetch_add(1, Ordering::Relaxed) % keys.len()];
+        let turn = (!keys.is_empty())
+            .then(|| &keys[self.rotate_h2.fetch_add(1, Ordering::Relaxed) % keys.len()]);
+        if let Some(key) = turn {
             let mut pool = lock(&self.h2);
             if let Some(list) = pool.get_mut(key) {
                 list.retain(|c| !c.sender.is_closed());
@@ -1279,8 +1402,9 @@ impl Pool {
                 return Ok(lease);
             }
         }
+        // A new connection goes to the endpoint whose turn it is.
         let c = self
-            .connect(shared, backend)
+            .connect(shared, backend, turn.map(String::as_str))
             .await
             .map_err(H2Error::Connect)?;
         let peer_limit = Arc::new(AtomicUsize::new(usize::MAX));

@@ -237,11 +237,24 @@ pub fn compile(yaml: &str) -> Plan {
 
 /// A Service `name` whose EndpointSlice points at `addr`.
 pub fn service(name: &str, addr: SocketAddr) -> String {
-    format!(
-        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"{}\"]}}]\nports: [{{port: {}}}]\n",
-        addr.ip(),
-        addr.port()
-    )
+    service_of(name, &[addr])
+}
+
+/// A Service `name` with an endpoint at each of `addrs` (an EndpointSlice each, as their
+/// ports may differ).
+pub fn service_of(name: &str, addrs: &[SocketAddr]) -> String {
+    let mut yaml = format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80}}]}}\n"
+    );
+    for (i, addr) in addrs.iter().enumerate() {
+        yaml.push_str(&format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-{}, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [\"{}\"]}}]\nports: [{{port: {}}}]\n",
+            i + 1,
+            addr.ip(),
+            addr.port()
+        ));
+    }
+    yaml
 }
 
 pub fn gateway(listeners: &str) -> String {
