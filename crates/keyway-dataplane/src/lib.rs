@@ -321,7 +321,15 @@ impl DataPlane {
                 }
             }
         }
-        // Listeners no longer in the plan stop accepting; their connections run on.
+        // Listeners no longer in the plan stop accepting; their connections run on, and their
+        // series leave /metrics.
+        if !listeners.is_empty() {
+            let targets = self.shared.registry.all();
+            for gone in listeners.keys() {
+                let label = format!("{}/{}", gone.namespace, gone.name);
+                self.shared.metrics.forget_listener(&label, &targets);
+            }
+        }
         listeners.clear();
         *listeners = next;
         drop(listeners);

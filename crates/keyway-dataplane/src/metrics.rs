@@ -294,6 +294,34 @@ impl Metrics {
         self.target_healthy.remove(&Self::target_labels(target));
     }
 
+    /// Removes the series of a listener leaving the configuration: refused connections,
+    /// failovers, and its connection and byte series on each of `targets`.
+    pub fn forget_listener(&self, listener: &str, targets: &[Arc<Target>]) {
+        let labels = Self::listener_labels(listener);
+        self.refused.remove(&labels);
+        self.failovers.remove(&labels);
+        for target in targets {
+            let cached = target
+                .metrics_cache
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(listener);
+            if cached.is_some() {
+                self.forget_pair(listener, target);
+            }
+        }
+    }
+
+    /// Removes the connection and byte series of one (listener, target) pair.
+    fn forget_pair(&self, listener: &str, target: &Target) {
+        let labels = Self::connection_labels(listener, &target.routing_key, target);
+        self.connections_opened.remove(&labels);
+        self.connections_active.remove(&labels);
+        for d in ["in", "out"] {
+            self.bytes.remove(&with_direction(&labels, d));
+        }
+    }
+
     /// Removes the connection and byte series of a target leaving the configuration, for every
     /// listener that used it, so deleted targets do not stay on /metrics forever. Connections
     /// still open on it count on (the handles they hold) but are no longer exported.
@@ -306,12 +334,7 @@ impl Metrics {
             .map(|(l, _)| l)
             .collect();
         for listener in listeners {
-            let labels = Self::connection_labels(&listener, &target.routing_key, target);
-            self.connections_opened.remove(&labels);
-            self.connections_active.remove(&labels);
-            for d in ["in", "out"] {
-                self.bytes.remove(&with_direction(&labels, d));
-            }
+            self.forget_pair(&listener, target);
         }
     }
 }

@@ -726,3 +726,59 @@ async fn changed_connector_address_replaces_the_target() {
         .collect();
     assert!(stale.is_empty(), "stale health series: {stale:?}");
 }
+
+/// Refused connections and failovers are counted per listener, and a deleted listener's
+/// series (those two, and its connection series on targets that stay) leave /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failovers_and_refusals_are_counted_per_listener_and_leave_with_it() {
+    let a = Backend::start("A").await;
+    let nothing = |name: &str, key: &str| {
+        // An address nothing listens on, never health-checked: usable until a connect fails.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut c = connector(name, key, l.local_addr().expect("addr"));
+        c.health = no_hc();
+        c
+    };
+    let (p_lonely, p_failover, p_kept) = (free_port(), free_port(), free_port());
+    let metrics = Arc::new(keyway_dataplane::metrics::Metrics::default());
+    let dp = Arc::new(keyway_dataplane::DataPlane::new(metrics.clone()));
+    let connectors = vec![
+        connector("ca", "a", a.addr),
+        nothing("dead1", "dead1"),
+        nothing("dead2", "dead2"),
+    ];
+    let kept = listener("kept", p_kept, "a");
+    dp.apply(&plan(
+        vec![
+            listener("lonely", p_lonely, "dead1"),
+            priority("failover", p_failover, &["dead2", "a"]),
+            kept.clone(),
+        ],
+        connectors.clone(),
+    ));
+    for id in [
+        listener_id("lonely"),
+        mkl_id("failover"),
+        listener_id("kept"),
+    ] {
+        wait_listening(&dp, &id).await;
+    }
+    assert!(who(p_lonely).await.is_err(), "nothing to reach");
+    assert_eq!(who(p_failover).await.expect("failover"), "A");
+    assert_eq!(who(p_kept).await.expect("kept"), "A");
+    let m = metrics.encode();
+    for want in [
+        "keyway_connections_refused_total{listener=\"default/lonely\"} 1",
+        "keyway_failovers_total{listener=\"default/failover\"} 1",
+        "keyway_connections_opened_total{listener=\"default/failover\"",
+    ] {
+        assert!(m.contains(want), "no {want}:\n{m}");
+    }
+
+    dp.apply(&plan(vec![kept], connectors));
+    let m = metrics.encode();
+    for gone in ["default/lonely", "default/failover"] {
+        assert!(!m.contains(gone), "{gone} left series behind:\n{m}");
+    }
+    assert!(m.contains("listener=\"default/kept\""), "{m}");
+}
