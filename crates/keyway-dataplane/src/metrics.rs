@@ -91,6 +91,8 @@ pub struct Metrics {
     pub link_streams: Family<Labels, Counter>,
     pub link_streams_active: Family<Labels, Gauge>,
     pub link_bytes: Family<Labels, Counter>,
+    /// Gateway requests no route took, by why (see [`Unrouted`]).
+    pub gateway_unrouted: Family<Labels, Counter>,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
 }
@@ -113,6 +115,7 @@ impl Default for Metrics {
             link_streams: Family::default(),
             link_streams_active: Family::default(),
             link_bytes: Family::default(),
+            gateway_unrouted: Family::default(),
             links: Mutex::default(),
         };
         registry.register(
@@ -176,10 +179,50 @@ impl Default for Metrics {
             "Tunnel bytes over links to a peer site, by direction (in = received from the peer)",
             m.link_bytes.clone(),
         );
+        registry.register(
+            "gateway_unrouted_requests",
+            "Gateway HTTP requests answered without a route, by reason: invalid (400, 501), no_listener (404: no listener for the Host), misdirected (421), no_route (404: the listener's routes do not match)",
+            m.gateway_unrouted.clone(),
+        );
+        // Every reason from the start, so a rate over them starts from 0.
+        for why in Unrouted::ALL {
+            m.unrouted_counter(why);
+        }
         if let Ok(mut r) = m.registry.lock() {
             *r = registry;
         }
         m
+    }
+}
+
+/// Why the Gateway answered a request itself without a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unrouted {
+    /// Not a request to route: bad Host, CONNECT, unsupported transfer coding, bad path.
+    Invalid,
+    /// No listener on the port for its Host.
+    NoListener,
+    /// Its Host belongs to another listener than the connection's (421).
+    Misdirected,
+    /// The listener's routes do not match it.
+    NoRoute,
+}
+
+impl Unrouted {
+    const ALL: [Unrouted; 4] = [
+        Unrouted::Invalid,
+        Unrouted::NoListener,
+        Unrouted::Misdirected,
+        Unrouted::NoRoute,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Unrouted::Invalid => "invalid",
+            Unrouted::NoListener => "no_listener",
+            Unrouted::Misdirected => "misdirected",
+            Unrouted::NoRoute => "no_route",
+        }
     }
 }
 
@@ -203,6 +246,17 @@ impl Metrics {
         if let Ok(mut r) = self.registry.lock() {
             r.register(name, help, metric);
         }
+    }
+
+    /// Counts a Gateway request answered without a route.
+    pub fn unrouted(&self, why: Unrouted) {
+        self.unrouted_counter(why).inc();
+    }
+
+    fn unrouted_counter(&self, why: Unrouted) -> Counter {
+        self.gateway_unrouted
+            .get_or_create(&vec![("reason", why.label().to_string())])
+            .clone()
     }
 
     /// The metric handles of one (listener, target) pair, created once and cached on the target

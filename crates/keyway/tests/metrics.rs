@@ -358,23 +358,28 @@ fn gateway_requests_are_counted_per_route_and_class() {
         connector_yaml("svc", "k", backend),
     ];
     let site = SiteProc::start("gw", &docs);
-    let get = |path: &str| -> u16 {
+    let get_from = |host: &str, path: &str| -> u16 {
         let mut s = TcpStream::connect(("127.0.0.1", gw)).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(5)))
             .expect("timeout");
         let _ = write!(
             s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
         );
         let mut r = String::new();
         let _ = s.read_to_string(&mut r);
         r.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0)
     };
+    let get = |path: &str| get_from("x", path);
     assert!(
         eventually(Duration::from_secs(10), || get("/key") == 200),
         "/key never served"
     );
     assert_eq!(get("/key"), 200);
+    // Requests no route takes: counted by why, on no route's series.
+    assert_eq!(get("/nowhere"), 404);
+    assert_eq!(get("/nowhere"), 404);
+    assert_eq!(get_from("a@b", "/key"), 400);
     // WebSocket: 50 000 bytes each way after the upgrade.
     let mut s = TcpStream::connect(("127.0.0.1", gw)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(5)))
@@ -439,6 +444,22 @@ fn gateway_requests_are_counted_per_route_and_class() {
     assert!(
         route_bytes("HTTPRoute/default/viakey", "out") >= 20.0,
         "{m}"
+    );
+    let unrouted = |reason: &str| {
+        value(
+            &m,
+            "keyway_gateway_unrouted_requests_total",
+            &[("reason", reason)],
+        )
+    };
+    assert_eq!(unrouted("no_route"), 2.0, "{m}");
+    assert_eq!(unrouted("invalid"), 1.0, "{m}");
+    assert_eq!(unrouted("no_listener"), 0.0, "{m}");
+    assert_eq!(unrouted("misdirected"), 0.0, "{m}");
+    assert_eq!(
+        series_named(&m, "keyway_gateway_unrouted_requests_total"),
+        4,
+        "every reason has a series from the start:\n{m}"
     );
 }
 

@@ -22,6 +22,7 @@ use super::idle::{Activity, Watched};
 use super::route_match::{self, PathMatch};
 use super::upstream::{Body, ConnectError, H1, H2Error, Io, Outbound, Relay, SendError, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
+use crate::metrics::Unrouted;
 
 /// What a request needs to know about its connection; one `Arc` per connection, so a request
 /// clones one pointer, not one per field.
@@ -230,11 +231,21 @@ async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
         .headers()
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
-    let resp = route(info, req).await;
+    let resp = match route(info, req).await {
+        Ok(resp) => resp,
+        Err((why, resp)) => {
+            info.ctx.shared.metrics.unrouted(why);
+            resp
+        }
+    };
     if grpc { as_grpc(resp) } else { resp }
 }
 
-async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
+/// Routes and forwards `req`; a request no route takes comes back as `Err`, with why.
+async fn route(
+    info: &ConnInfo,
+    mut req: Request<Incoming>,
+) -> Result<Response<Body>, (Unrouted, Response<Body>)> {
     let ctx = &*info.ctx;
     let cfg = info.config.load_full();
     // RFC 9112 §3.2: several Host lines, or an HTTP/1.1 request without a host, are a 400;
@@ -242,11 +253,17 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     let mut hosts = req.headers().get_all(header::HOST).iter();
     let host_header = hosts.next();
     if host_header.is_some() && hosts.next().is_some() {
-        return full(StatusCode::BAD_REQUEST, "more than one Host header");
+        return Err((
+            Unrouted::Invalid,
+            full(StatusCode::BAD_REQUEST, "more than one Host header"),
+        ));
     }
     let authority = req.uri().authority();
     if req.version() == Version::HTTP_11 && authority.is_none() && host_header.is_none() {
-        return full(StatusCode::BAD_REQUEST, "no Host header");
+        return Err((
+            Unrouted::Invalid,
+            full(StatusCode::BAD_REQUEST, "no Host header"),
+        ));
     }
     // RFC 9110 §4.2.4: userinfo in an http(s) URI is an error; in a Host header it is not even
     // valid syntax (RFC 9112 §3.2). Either would let the host routed on differ from the one a
@@ -254,7 +271,10 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     let userinfo = authority.is_some_and(|a| a.as_str().contains('@'))
         || host_header.is_some_and(|h| h.as_bytes().contains(&b'@'));
     if userinfo {
-        return full(StatusCode::BAD_REQUEST, "userinfo in the host");
+        return Err((
+            Unrouted::Invalid,
+            full(StatusCode::BAD_REQUEST, "userinfo in the host"),
+        ));
     }
     // RFC 9112 §3.2: a Host that is not `uri-host [":" port]` is a 400. Routing compares the
     // host by suffix, so `evil.com/.example.com` would pass `*.example.com` and reach the
@@ -262,29 +282,41 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     let bad_host = authority.is_some_and(|a| !valid_authority(a.as_str()))
         || host_header.is_some_and(|h| !h.to_str().is_ok_and(valid_authority));
     if bad_host {
-        return full(StatusCode::BAD_REQUEST, "invalid host");
+        return Err((
+            Unrouted::Invalid,
+            full(StatusCode::BAD_REQUEST, "invalid host"),
+        ));
     }
     // CONNECT asks a proxy for a tunnel (RFC 9110 §9.3.6); a gateway routes requests. Passed
     // on, a backend's 2xx would turn its connection into a tunnel (RFC 9112 §6.3) that must
     // never carry another client's request.
     if req.method() == Method::CONNECT {
-        return full(StatusCode::NOT_IMPLEMENTED, "CONNECT is not served");
+        return Err((
+            Unrouted::Invalid,
+            full(StatusCode::NOT_IMPLEMENTED, "CONNECT is not served"),
+        ));
     }
     // RFC 9112 §3.2.3: the authority-form target (`GET host:port`) is for CONNECT only.
     if req.version() < Version::HTTP_2
         && req.uri().scheme().is_none()
         && req.uri().authority().is_some()
     {
-        return full(
-            StatusCode::BAD_REQUEST,
-            "authority-form target outside CONNECT",
-        );
+        return Err((
+            Unrouted::Invalid,
+            full(
+                StatusCode::BAD_REQUEST,
+                "authority-form target outside CONNECT",
+            ),
+        ));
     }
     // RFC 9112 §6.1: a transfer coding the gateway does not understand is a 501. Only a lone
     // `chunked` (which hyper decodes) is; passed on, the backend would read a coded body as
     // the body itself.
     if !chunked_at_most(req.headers()) {
-        return full(StatusCode::NOT_IMPLEMENTED, "unsupported transfer coding");
+        return Err((
+            Unrouted::Invalid,
+            full(StatusCode::NOT_IMPLEMENTED, "unsupported transfer coding"),
+        ));
     }
     // Routes match, and the backend gets, the normalised path (see `path`): a raw `..` or `//`
     // could pass a route for a more specific path and reach a broader one.
@@ -295,12 +327,20 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
         };
         let mut parts = req.uri().clone().into_parts();
         let Ok(pq) = target.parse() else {
-            return full(StatusCode::BAD_REQUEST, "invalid path");
+            return Err((
+                Unrouted::Invalid,
+                full(StatusCode::BAD_REQUEST, "invalid path"),
+            ));
         };
         parts.path_and_query = Some(pq);
         match Uri::from_parts(parts) {
             Ok(uri) => *req.uri_mut() = uri,
-            Err(_) => return full(StatusCode::BAD_REQUEST, "invalid path"),
+            Err(_) => {
+                return Err((
+                    Unrouted::Invalid,
+                    full(StatusCode::BAD_REQUEST, "invalid path"),
+                ));
+            }
         }
     }
     let host = request_host(&req);
@@ -313,13 +353,19 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     // speaks. A Host that a TLS listener on this port holds is not for an HTTPS wildcard's
     // routes (domain fronting: SNI for the wildcard, Host for the TLS listener): 421.
     let Some(listener) = cfg.select(Some(&host), |_| true) else {
-        return full(StatusCode::NOT_FOUND, "no listener for this host");
+        return Err((
+            Unrouted::NoListener,
+            full(StatusCode::NOT_FOUND, "no listener for this host"),
+        ));
     };
     if listener.protocol != want {
-        return full(
-            StatusCode::MISDIRECTED_REQUEST,
-            "the Host belongs to a listener that does not serve HTTP requests",
-        );
+        return Err((
+            Unrouted::Misdirected,
+            full(
+                StatusCode::MISDIRECTED_REQUEST,
+                "the Host belongs to a listener that does not serve HTTP requests",
+            ),
+        ));
     }
     // The listener must also be the one whose certificate the connection got (as the
     // handshake chose it): that of the server name, or without one (a client that sent none,
@@ -332,10 +378,13 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
             l.tls_mode != Some(keyway_core::gateway::plan::TlsMode::Passthrough)
         });
         if !by_sni.is_some_and(|l| std::ptr::eq(l, listener)) {
-            return full(
-                StatusCode::MISDIRECTED_REQUEST,
-                "the Host is served by another listener than the TLS server name",
-            );
+            return Err((
+                Unrouted::Misdirected,
+                full(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "the Host is served by another listener than the TLS server name",
+                ),
+            ));
         }
     }
     let view = route_match::Request {
@@ -345,10 +394,16 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
         headers: req.headers(),
     };
     let Some(entry) = listener.http.table.find(&host, &view) else {
-        return full(StatusCode::NOT_FOUND, "no route matches");
+        return Err((
+            Unrouted::NoRoute,
+            full(StatusCode::NOT_FOUND, "no route matches"),
+        ));
     };
     let Some(rule) = listener.http.rule(entry) else {
-        return full(StatusCode::NOT_FOUND, "no route matches");
+        return Err((
+            Unrouted::NoRoute,
+            full(StatusCode::NOT_FOUND, "no route matches"),
+        ));
     };
     let prefix = match &entry.m.path {
         PathMatch::Prefix(p) => Some(p.as_str()),
@@ -357,7 +412,7 @@ async fn route(info: &ConnInfo, mut req: Request<Incoming>) -> Response<Body> {
     rule.metrics.requests.inc();
     let resp = forward(ctx, &cfg, listener, rule, prefix, info, req).await;
     rule.metrics.response(resp.status().as_u16());
-    resp
+    Ok(resp)
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
