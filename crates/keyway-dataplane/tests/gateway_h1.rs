@@ -1264,3 +1264,451 @@ async fn requests_go_to_the_endpoint_with_fewer_in_flight() {
     assert_eq!(seen.get(idle), Some(&10), "{busy} was busy: {seen:?}");
     pending.abort();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Review: balancing among a Service's endpoints
+
+/// A backend named `name` for every way a request can end: `/` answers its name, `/head` (a
+/// HEAD), `/204`, `/304`, `/1xx` (a 100 first), `/chunked`; `/cut` sends part of a body and
+/// closes; `/stall` sends part of a body and waits for the gateway to close; `/slow` never
+/// answers; `/close-after` answers and closes; `/race` on a used connection closes unanswered;
+/// `/post` reads its body before answering; `/ws` switches to an echo.
+async fn ending(name: &'static str) -> Raw {
+    raw(move |mut c| async move {
+        let ok = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{name}",
+            name.len()
+        );
+        let mut served = 0;
+        while let Some(req) = c.request().await {
+            match req.path.as_str() {
+                "/head" => c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n").await,
+                "/204" => c.send(b"HTTP/1.1 204 No Content\r\n\r\n").await,
+                "/304" => {
+                    c.send(b"HTTP/1.1 304 Not Modified\r\ncontent-length: 5\r\n\r\n")
+                        .await
+                }
+                "/1xx" => {
+                    c.send(b"HTTP/1.1 100 Continue\r\n\r\n").await;
+                    c.send(ok.as_bytes()).await;
+                }
+                "/chunked" => {
+                    c.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+                        .await
+                }
+                "/cut" => {
+                    c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nhello")
+                        .await;
+                    return;
+                }
+                "/stall" => {
+                    c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nhello")
+                        .await;
+                    while c.fill().await {}
+                    return;
+                }
+                "/slow" => {
+                    while c.fill().await {}
+                    return;
+                }
+                "/close-after" => {
+                    c.send(ok.as_bytes()).await;
+                    return;
+                }
+                "/race" if served > 0 => return,
+                "/post" => {
+                    let n = req
+                        .headers
+                        .get("content-length")
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or(0);
+                    if c.body(n).await.len() < n {
+                        return;
+                    }
+                    c.send(ok.as_bytes()).await;
+                }
+                "/ws" => {
+                    c.send(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n")
+                        .await;
+                    let mut rest = std::mem::take(&mut c.buf);
+                    loop {
+                        if !rest.is_empty() {
+                            c.send(&rest).await;
+                            rest.clear();
+                        }
+                        if !c.fill().await {
+                            return;
+                        }
+                        rest = std::mem::take(&mut c.buf);
+                    }
+                }
+                _ => c.send(ok.as_bytes()).await,
+            }
+            served += 1;
+        }
+    })
+    .await
+}
+
+/// A gateway on `port` whose one route (timeout 500 ms) goes to Service `svc`, an endpoint
+/// per backend.
+fn ending_yaml(backends: &[&Raw], port: u16) -> String {
+    let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+    let mut yaml = common::service_of("svc", &addrs);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - timeouts: {request: 500ms}\n    backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    yaml
+}
+
+/// Every way a request can end on endpoint `a` (the Service's only endpoint at first) leaves
+/// no request counted in flight there: once the Service has a second endpoint, idle requests
+/// alternate between the two, as they would if `a` had never been used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_way_a_request_ends_leaves_no_request_in_flight() {
+    let (a, b) = (ending("a").await, ending("b").await);
+    let port = free_port();
+    let dp = start(&ending_yaml(&[&a], port), port).await;
+    for _ in 0..3 {
+        let mut c = client(port).await;
+        assert_eq!(exchange(&mut c, get("/")).await.body(), b"a");
+        assert_eq!(
+            exchange(&mut c, req("HEAD", "/head")).await.status(),
+            Some(200)
+        );
+        assert_eq!(exchange(&mut c, get("/204")).await.status(), Some(204));
+        assert_eq!(exchange(&mut c, get("/304")).await.status(), Some(304));
+        assert_eq!(exchange(&mut c, get("/1xx")).await.body(), b"a");
+        assert_eq!(exchange(&mut c, get("/chunked")).await.body(), b"ok");
+        // A reused connection closing on the request: sent again on a fresh one.
+        assert_eq!(exchange(&mut c, get("/race")).await.body(), b"a");
+        // Found closed before the next request.
+        assert_eq!(exchange(&mut c, get("/close-after")).await.body(), b"a");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(exchange(&mut c, get("/")).await.body(), b"a");
+        // The backend closes mid-body.
+        let o = exchange(&mut c, get("/cut")).await;
+        assert!(matches!(o, Outcome::Aborted(_)), "{o:?}");
+        // Route timeout: 504 without a head.
+        let mut c = client(port).await;
+        assert_eq!(exchange(&mut c, get("/slow")).await.status(), Some(504));
+        // The client goes away mid-body.
+        let (s, head) = common::send_raw(port, b"GET /stall HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head:?}");
+        drop(s);
+        // The client's request body is cut.
+        let mut s = common::connect(port).await.expect("connect");
+        s.write_all(b"POST /post HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+            .await
+            .expect("write");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(s);
+        // An upgraded connection, closed by the client.
+        let (mut s, head) = common::upgrade_echo(port).await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head:?}");
+        s.write_all(b"ping\n").await.expect("write");
+        assert_eq!(line(&mut s).await, "ping");
+        drop(s);
+    }
+    // A connection to `a` stays (with this client): `a`'s counter with it.
+    let mut keep = client(port).await;
+    assert_eq!(exchange(&mut keep, get("/")).await.body(), b"a");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    common::start_on(&dp, &ending_yaml(&[&a, &b], port), port).await;
+    let mut c = client(port).await;
+    let seen = tally(&mut c, 10).await;
+    assert_eq!(
+        (seen.get("a"), seen.get("b")),
+        (Some(&5), Some(&5)),
+        "idle endpoints should alternate: {seen:?}"
+    );
+}
+
+/// Two Services of two endpoints each, one keep-alive client alternating between their routes:
+/// each Service's idle endpoints still take turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_service_takes_turns_when_requests_alternate_between_services() {
+    let (a1, a2, b1, b2) = (
+        named("a1", None).await,
+        named("a2", None).await,
+        named("b1", None).await,
+        named("b2", None).await,
+    );
+    let port = free_port();
+    let mut yaml = common::service_of("one", &[a1.addr, a2.addr]);
+    yaml.push_str(&common::service_of("two", &[b1.addr, b2.addr]));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - matches: [{path: {type: PathPrefix, value: /one}}]\n    backendRefs: [{name: one, port: 80}]\n  - matches: [{path: {type: PathPrefix, value: /two}}]\n    backendRefs: [{name: two, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let mut c = client(port).await;
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for _ in 0..10 {
+        for path in ["/one", "/two"] {
+            let o = exchange(&mut c, get(path)).await;
+            assert_eq!(o.status(), Some(200), "{o:?}");
+            *seen
+                .entry(String::from_utf8_lossy(o.body()).into_owned())
+                .or_insert(0) += 1;
+        }
+    }
+    for name in ["a1", "a2", "b1", "b2"] {
+        assert_eq!(seen.get(name), Some(&5), "{seen:?}");
+    }
+}
+
+/// An endpoint that refuses connections makes no keep-alive client open new connections to
+/// the others: after its connect fails (again once its 2 s penalty is over), the request goes
+/// on an idle connection to another endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_endpoint_does_not_make_clients_open_new_connections_to_the_others() {
+    let live = named("live", None).await;
+    // A port nothing listens on.
+    let dead = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let dead_addr = dead.local_addr().expect("addr");
+    drop(dead);
+    let port = free_port();
+    let mut yaml = common::service_of("svc", &[dead_addr, live.addr]);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let mut c = client(port).await;
+    // 5.5 s of requests, 100 ms apart: the penalty runs out twice.
+    for _ in 0..55 {
+        let o = exchange(&mut c, get("/")).await;
+        assert_eq!(o.body(), b"live", "{o:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        live.accepted(),
+        1,
+        "new backend connections while one was idle"
+    );
+}
+
+/// Many keep-alive clients on a Service of three endpoints: backend connections are reused
+/// (about one per client and endpoint at most), not opened per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_clients_reuse_backend_connections_across_endpoints() {
+    let (a, b, c) = (
+        named("a", None).await,
+        named("b", None).await,
+        named("c", None).await,
+    );
+    let port = free_port();
+    let _dp = start(&balanced_yaml(&[&a, &b, &c], port), port).await;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        tasks.push(tokio::spawn(async move {
+            let mut cl = client(port).await;
+            tally(&mut cl, 60).await
+        }));
+    }
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for t in tasks {
+        for (k, v) in t.await.expect("client") {
+            *seen.entry(k).or_insert(0) += v;
+        }
+    }
+    let opened = a.accepted() + b.accepted() + c.accepted();
+    assert!(
+        opened <= 24,
+        "{opened} backend connections for 8 clients: {seen:?}"
+    );
+}
+
+/// An endpoint whose connects hang (a node gone, its packets dropped: here a listener whose
+/// accept queue is full) does not stall a keep-alive client that has a working backend
+/// connection: at most its first request waits for a connect to time out (2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_endpoint_does_not_stall_keep_alive_clients() {
+    let live = named("live", None).await;
+    let hole = tokio::net::TcpSocket::new_v4().expect("socket");
+    hole.bind("127.0.0.1:0".parse().expect("addr"))
+        .expect("bind");
+    let hole_addr = hole.local_addr().expect("addr");
+    let _hole = hole.listen(0).expect("listen");
+    // Fills its accept queue: later SYNs are dropped.
+    let _filler = TcpStream::connect(hole_addr).await.expect("filler");
+    let port = free_port();
+    let mut yaml = common::service_of("svc", &[hole_addr, live.addr]);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let mut c = client(port).await;
+    let mut slow = Vec::new();
+    let begin = std::time::Instant::now();
+    while begin.elapsed() < Duration::from_secs(9) {
+        let t = std::time::Instant::now();
+        let o = exchange(&mut c, get("/")).await;
+        assert_eq!(o.body(), b"live", "{o:?}");
+        if t.elapsed() > Duration::from_secs(1) {
+            slow.push(format!(
+                "{:.1}s at {:.1}s",
+                t.elapsed().as_secs_f32(),
+                begin.elapsed().as_secs_f32()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        slow.len() <= 1,
+        "requests that waited on the silent endpoint: {slow:?}"
+    );
+}
+
+/// On two worker threads, many clients at once, their requests ending every way: afterwards
+/// no request is counted in flight (idle endpoints alternate), and the counts were shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_worker_threads_concurrent_requests_leave_no_request_in_flight() {
+    let (a, b) = (ending("a").await, ending("b").await);
+    let port = free_port();
+    let workers = keyway_dataplane::workers::Workers::start(2).expect("workers");
+    let dp = Arc::new(DataPlane::with_workers(
+        Arc::new(keyway_dataplane::metrics::Metrics::default()),
+        Some(workers),
+    ));
+    common::start_on(&dp, &ending_yaml(&[&a], port), port).await;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..10 {
+                let mut c = client(port).await;
+                assert_eq!(exchange(&mut c, get("/")).await.body(), b"a");
+                let o = exchange(&mut c, get("/cut")).await;
+                assert!(matches!(o, Outcome::Aborted(_)), "{o:?}");
+                let mut c = client(port).await;
+                assert_eq!(exchange(&mut c, get("/chunked")).await.body(), b"ok");
+                if i % 2 == 0 {
+                    let (s, _) =
+                        common::send_raw(port, b"GET /stall HTTP/1.1\r\nHost: x\r\n\r\n").await;
+                    drop(s);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let mut keep = client(port).await;
+    assert_eq!(exchange(&mut keep, get("/")).await.body(), b"a");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    common::start_on(&dp, &ending_yaml(&[&a, &b], port), port).await;
+    let mut c = client(port).await;
+    let seen = tally(&mut c, 10).await;
+    assert_eq!(
+        (seen.get("a"), seen.get("b")),
+        (Some(&5), Some(&5)),
+        "idle endpoints should alternate: {seen:?}"
+    );
+}
+
+/// Endpoints removed and added by reloads while clients send: every request is answered,
+/// and afterwards requests reach only the endpoints of the Service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloads_mid_traffic_answer_every_request() {
+    let (a, b, c) = (
+        named("a", None).await,
+        named("b", None).await,
+        named("c", None).await,
+    );
+    let port = free_port();
+    let dp = start(&balanced_yaml(&[&a, &b, &c], port), port).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut cl = client(port).await;
+            let mut n = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let o = exchange(&mut cl, get("/")).await;
+                assert_eq!(o.status(), Some(200), "{o:?}");
+                n += 1;
+            }
+            n
+        }));
+    }
+    for plan in [&[&a][..], &[&b, &c], &[&a, &b, &c], &[&c]] {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        dp.apply(&common::compile(&balanced_yaml(plan, port)));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        assert!(t.await.expect("client") > 0);
+    }
+    let mut cl = client(port).await;
+    assert_eq!(tally(&mut cl, 5).await.get("c"), Some(&5));
+}
+
+/// An endpoint that refused connections and comes back takes requests again once its penalty
+/// is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_endpoint_takes_requests_again() {
+    let live = named("live", None).await;
+    let dead = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let back_addr = dead.local_addr().expect("addr");
+    drop(dead);
+    let port = free_port();
+    let mut yaml = common::service_of("svc", &[back_addr, live.addr]);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let mut c = client(port).await;
+    let seen = tally(&mut c, 6).await;
+    assert_eq!(seen.get("live"), Some(&6), "{seen:?}");
+    // It comes back.
+    let l = TcpListener::bind(back_addr).await.expect("rebind");
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut c = Conn {
+                    s,
+                    buf: Vec::new(),
+                    n: 0,
+                };
+                while c.request().await.is_some() {
+                    c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nback")
+                        .await;
+                }
+            });
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let seen = tally(&mut c, 20).await;
+    assert!(seen.get("back").is_some_and(|n| *n >= 8), "{seen:?}");
+}

@@ -612,3 +612,58 @@ async fn h2_client_body_through_httproute_to_h1_backend() {
     assert!(got.is_ok(), "body incomplete after 5 s: {n} bytes");
     assert_eq!(n, 16 * 64 * 1024);
 }
+
+/// A refusing endpoint over several penalty periods (2 s each): calls keep going on the live
+/// endpoint's one connection; its connect failing again does not open another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_endpoint_past_its_penalty_does_not_multiply_connections() {
+    let (a, seen_a) = grpc_backend("a").await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let (_dp, port) = gateway_for(&[a, dead]).await;
+    let mut c = h2_client(port, 1 << 20).await;
+    for _ in 0..55 {
+        let r = unary_within(&mut c, "/demo.Echo/Unary", Duration::from_secs(3))
+            .await
+            .expect("unary");
+        assert_eq!(grpc_status(&r).as_deref(), Some("0"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let conns = seen_a.conns.load(Ordering::SeqCst);
+    assert!(conns <= 1, "{conns} connections to the live endpoint");
+}
+
+/// Two gRPC Services of two endpoints each, calls alternating between them: each Service's
+/// calls are spread over both of its endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_alternating_between_services_reach_every_endpoint() {
+    let (a1, s_a1) = grpc_backend("a1").await;
+    let (a2, s_a2) = grpc_backend("a2").await;
+    let (b1, s_b1) = grpc_backend("b1").await;
+    let (b2, s_b2) = grpc_backend("b2").await;
+    let port = free_port();
+    let mut yaml = service_of("one", &[a1, a2]);
+    yaml.push_str(&service_of("two", &[b1, b2]));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str("---\napiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata: {name: g}\nspec:\n  parentRefs: [{name: gw}]\n  rules:\n  - matches: [{method: {service: demo.One}}]\n    backendRefs: [{name: one, port: 80}]\n  - matches: [{method: {service: demo.Two}}]\n    backendRefs: [{name: two, port: 80}]\n");
+    let _dp = start(&yaml, port).await;
+    let mut c = h2_client(port, 1 << 20).await;
+    for _ in 0..10 {
+        for path in ["/demo.One/Unary", "/demo.Two/Unary"] {
+            let r = unary_within(&mut c, path, Duration::from_secs(3))
+                .await
+                .expect("unary");
+            assert_eq!(grpc_status(&r).as_deref(), Some("0"));
+        }
+    }
+    let n = |s: &Seen| s.requests.load(Ordering::SeqCst);
+    let got = [n(&s_a1), n(&s_a2), n(&s_b1), n(&s_b2)];
+    assert!(
+        got.iter().all(|n| *n > 0),
+        "calls per endpoint (a1 a2 b1 b2): {got:?}"
+    );
+}

@@ -808,19 +808,33 @@ async fn send_h1(
     mut req: Outbound,
 ) -> Result<(h1::Head, H1), Response<Body>> {
     // Each request picks its endpoint: a keep-alive client is balanced like many clients.
-    let endpoint = ctx.pool.choose(backend);
-    let endpoint = endpoint.as_deref();
-    while let Some(mut c) = ctx
-        .pool
-        .take_h1(&ctx.shared, backend, &info.upstream, endpoint)
-    {
-        match c.send(req).await {
-            Ok(head) => return Ok((head, c)),
-            Err(SendError::Retry(r)) => req = r,
-            Err(SendError::Failed(e)) => return Err(send_failed(&e)),
+    let chosen = ctx.pool.choose(backend);
+    let mut endpoint = chosen.as_deref();
+    let mut c = loop {
+        while let Some(mut c) = ctx
+            .pool
+            .take_h1(&ctx.shared, backend, &info.upstream, endpoint)
+        {
+            match c.send(req).await {
+                Ok(head) => return Ok((head, c)),
+                Err(SendError::Retry(r)) => req = r,
+                Err(SendError::Failed(e)) => return Err(send_failed(&e)),
+            }
         }
-    }
-    let mut c = Box::pin(open_h1(ctx, backend, endpoint)).await?;
+        match endpoint.take() {
+            // A new connection to the chosen endpoint (unless it failed before: then it is
+            // probed in the background). If it cannot be reached, an idle connection to
+            // another endpoint comes before a new one.
+            Some(p) => {
+                if !ctx.pool.probe(p)
+                    && let Some(c) = Box::pin(ctx.pool.connect_endpoint(p)).await
+                {
+                    break ctx.pool.open_h1(c);
+                }
+            }
+            None => break Box::pin(open_h1(ctx, backend, None)).await?,
+        }
+    };
     match c.send(req).await {
         Ok(head) => Ok((head, c)),
         Err(SendError::Retry(_)) => Err(bad_gateway(&h1::Error::Closed)),

@@ -886,11 +886,12 @@ pub struct Pool {
     h1: Mutex<HashMap<String, Vec<H1>>>,
     h2: Mutex<HashMap<String, Vec<H2Conn>>>,
     failed: Mutex<HashMap<String, Instant>>,
-    rotate: AtomicUsize,
+    /// Whose turn it is among each backend's endpoints (by Service or listener name), and when
+    /// it was last asked: each backend takes turns of its own, so that requests alternating
+    /// between two backends do not always land on the same endpoint of each.
+    turns: Mutex<HashMap<String, (usize, Instant)>>,
     /// Requests in flight per Service endpoint (by endpoint key), for [`Pool::choose`].
     load: Mutex<HashMap<String, Arc<AtomicUsize>>>,
-    /// Whose turn it is among a backend's endpoints for the next gRPC call.
-    rotate_h2: AtomicUsize,
 }
 
 /// Requests one HTTP/2 backend connection carries at once; past that, another connection.
@@ -1090,6 +1091,8 @@ impl Pool {
         drop(idle);
         // Endpoints no connection counts on any more (gone, or all their connections closed).
         lock(&self.load).retain(|_, c| Arc::strong_count(c) > 1);
+        // Backends no request asked for a while (gone from the configuration, likely).
+        lock(&self.turns).retain(|_, (_, used)| used.elapsed() < POOL_IDLE_TIMEOUT);
         // HTTP/2: closed connections go, and of an endpoint's connections without a call in
         // flight one stays; the others were opened for a burst (or while another endpoint was
         // down) and are not needed now.
@@ -1131,7 +1134,7 @@ impl Pool {
                         )
                         .collect(),
                     None => {
-                        let start = self.rotate.fetch_add(1, Ordering::Relaxed) % n;
+                        let start = self.turn(service) % n;
                         (0..n)
                             .map(|i| &endpoints[(start + i) % n])
                             .map(|e| endpoint_key(&e.address, e.port))
@@ -1149,29 +1152,8 @@ impl Pool {
                 };
                 fresh.extend(stale);
                 for key in fresh {
-                    match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(key.as_str()))
-                        .await
-                    {
-                        Ok(Ok(s)) => {
-                            let _ = s.set_nodelay(true);
-                            lock(&self.failed).remove(&key);
-                            return Ok(Connected {
-                                io: Box::new(s),
-                                guard: None,
-                                key,
-                            });
-                        }
-                        Ok(Err(e)) => {
-                            tracing::debug!(endpoint = %key, "connect failed: {e}");
-                            // Out of descriptors is ours, not the endpoint's: no penalty.
-                            if !crate::local_exhaustion(&e) {
-                                lock(&self.failed).insert(key, Instant::now());
-                            }
-                        }
-                        Err(_) => {
-                            tracing::debug!(endpoint = %key, "connect timed out");
-                            lock(&self.failed).insert(key, Instant::now());
-                        }
+                    if let Some(c) = self.connect_endpoint(&key).await {
+                        return Ok(c);
                     }
                 }
                 Err(ConnectError::Unreachable(service.clone()))
@@ -1201,6 +1183,54 @@ impl Pool {
                 })
             }
         }
+    }
+
+    /// Connects to the Service endpoint `key` (an [`endpoint_key`]); a failure is remembered
+    /// for [`PENALTY`].
+    pub async fn connect_endpoint(&self, key: &str) -> Option<Connected> {
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(key)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                lock(&self.failed).remove(key);
+                return Some(Connected {
+                    io: Box::new(s),
+                    guard: None,
+                    key: key.to_string(),
+                });
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(endpoint = %key, "connect failed: {e}");
+                // Out of descriptors is ours, not the endpoint's: no penalty.
+                if !crate::local_exhaustion(&e) {
+                    lock(&self.failed).insert(key.to_string(), Instant::now());
+                }
+            }
+            Err(_) => {
+                tracing::debug!(endpoint = %key, "connect timed out");
+                lock(&self.failed).insert(key.to_string(), Instant::now());
+            }
+        }
+        None
+    }
+
+    /// Probes the endpoint `key` in the background if a connect to it failed before (its
+    /// penalty has run out): it stays passed over meanwhile, and a connection it gets goes to
+    /// the pool. Thus a connect that hangs (a node gone) holds no request. False if it has not
+    /// failed.
+    pub fn probe(self: &Arc<Pool>, key: &str) -> bool {
+        match lock(&self.failed).get_mut(key) {
+            Some(t) => *t = Instant::now(),
+            None => return false,
+        }
+        let pool = self.clone();
+        let key = key.to_string();
+        tokio::spawn(async move {
+            if let Some(c) = pool.connect_endpoint(&key).await {
+                let c = pool.open_h1(c);
+                pool.put_h1(c);
+            }
+        });
+        true
     }
 
     /// Pool keys an idle connection for `backend` may have, best first. For a skupper backend
@@ -1246,7 +1276,7 @@ impl Pool {
     /// turns and a slow endpoint gets less. An endpoint whose connect failed recently is passed
     /// over while another remains. `None`: one endpoint, or not a Service.
     pub fn choose(&self, backend: &Backend) -> Option<String> {
-        let Backend::Service { endpoints, .. } = backend else {
+        let Backend::Service { service, endpoints } = backend else {
             return None;
         };
         let n = endpoints.len();
@@ -1254,7 +1284,7 @@ impl Pool {
             return None;
         }
         let key = |i: usize| endpoint_key(&endpoints[i].address, endpoints[i].port);
-        let first = self.rotate.fetch_add(1, Ordering::Relaxed) % n;
+        let first = self.turn(service) % n;
         let second = (first + 1 + fastrand::usize(..n - 1)) % n;
         let (a, b) = (key(first), key(second));
         let failed = lock(&self.failed);
@@ -1281,6 +1311,23 @@ impl Pool {
             Some(b)
         } else {
             Some(a)
+        }
+    }
+
+    /// The next turn among the choices of the backend `name` (see `turns`).
+    fn turn(&self, name: &str) -> usize {
+        let now = Instant::now();
+        let mut turns = lock(&self.turns);
+        match turns.get_mut(name) {
+            Some((next, used)) => {
+                *used = now;
+                *next = next.wrapping_add(1);
+                *next
+            }
+            None => {
+                turns.insert(name.to_string(), (0, now));
+                0
+            }
         }
     }
 
@@ -1379,8 +1426,12 @@ impl Pool {
     /// or gets a new one (as `connect` rotates).
     pub async fn h2(&self, shared: &Shared, backend: &Backend) -> Result<H2Lease, H2Error> {
         let keys = self.idle_keys(shared, backend);
-        let turn = (!keys.is_empty())
-            .then(|| &keys[self.rotate_h2.fetch_add(1, Ordering::Relaxed) % keys.len()]);
+        let name = match backend {
+            Backend::Service { service, .. } => service.as_str(),
+            Backend::Skupper { listener, .. } => listener.as_str(),
+            Backend::Unresolved { .. } => "",
+        };
+        let turn = (!keys.is_empty()).then(|| &keys[self.turn(name) % keys.len()]);
         if let Some(key) = turn {
             let mut pool = lock(&self.h2);
             if let Some(list) = pool.get_mut(key) {
@@ -1402,11 +1453,28 @@ impl Pool {
                 return Ok(lease);
             }
         }
-        // A new connection goes to the endpoint whose turn it is.
-        let c = self
-            .connect(shared, backend, turn.map(String::as_str))
-            .await
-            .map_err(H2Error::Connect)?;
+        // A new connection goes to the Service endpoint whose turn it is. If it cannot be
+        // reached, another endpoint's connection with room comes before a new one.
+        let mut turned = None;
+        if let (Some(key), Backend::Service { .. }) = (turn, backend) {
+            turned = self.connect_endpoint(key).await;
+            if turned.is_none() {
+                let pool = lock(&self.h2);
+                if let Some(lease) = keys
+                    .iter()
+                    .find_map(|k| pool.get(k)?.iter().find_map(|c| c.lease(k)))
+                {
+                    return Ok(lease);
+                }
+            }
+        }
+        let c = match turned {
+            Some(c) => c,
+            None => self
+                .connect(shared, backend, None)
+                .await
+                .map_err(H2Error::Connect)?,
+        };
         let peer_limit = Arc::new(AtomicUsize::new(usize::MAX));
         let io = SettingsSniffer {
             io: c.io,
