@@ -324,8 +324,15 @@ fn list(v: &Value) -> String {
         .unwrap_or_default()
 }
 
+/// `host:port`, an IPv6 address in brackets (`[::1]:80`) so the port stays apart.
 fn host_port(v: &Value) -> String {
-    format!("{}:{}", s(&v["spec"]["host"]), s(&v["spec"]["port"]))
+    let host = s(&v["spec"]["host"]);
+    let port = s(&v["spec"]["port"]);
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 /// The one strategy of a MultiKeyListener spec or status: (kind, body).
@@ -700,6 +707,22 @@ mod table_tests {
         assert!(
             text.contains("\"team\":\"web\""),
             "other annotations stay: {text}"
+        );
+    }
+
+    #[test]
+    fn an_ipv6_host_is_shown_in_brackets() {
+        let listener = serde_json::json!({
+            "kind": "Listener",
+            "metadata": {"name": "l", "namespace": "default"},
+            "spec": {"routingKey": "k", "host": "::1", "port": 8080},
+        });
+        let out = tables(&[listener]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            field(lines[1], lines[2], "HOST:PORT"),
+            "[::1]:8080",
+            "{out}"
         );
     }
 
