@@ -451,3 +451,48 @@ fn reissued_router_access_certificates_keep_the_port() {
         );
     }
 }
+
+/// Sites link over IPv6 (RouterAccess `bindHost: "::1"`, Link endpoint host `::1`) and carry
+/// traffic between a Listener and a Connector that are IPv6 too.
+#[test]
+fn sites_link_over_ipv6() {
+    let _s = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (access, listen) = (free_port(), free_port());
+    let v6 = |yaml: String| yaml.replace("127.0.0.1", "\"::1\"");
+    let b = start_site(
+        "b",
+        &ca,
+        &[
+            v6(router_access_yaml(access, "link-tls")),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            v6(link_yaml("to-b", access, 1, "link-tls")),
+            v6(listener_yaml("svc", "svc", listen)),
+        ],
+    );
+    let who6 = || -> Result<String, String> {
+        let mut s = std::net::TcpStream::connect(("::1", listen)).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(3)))
+            .map_err(|e| e.to_string())?;
+        let mut name = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(&mut s), &mut name)
+            .map_err(|e| e.to_string())?;
+        Ok(name.trim().to_string())
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || who6().as_deref() == Ok("at-b")),
+        "a never reached b over IPv6: {:?}\n{}\n{}",
+        who6(),
+        a.log(),
+        b.log()
+    );
+    let link = a.status_of("Link", "to-b").expect("link status");
+    assert_eq!(link["remoteSiteName"], "b", "{link}");
+}

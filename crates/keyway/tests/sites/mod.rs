@@ -49,10 +49,10 @@ impl Ca {
         Ca(CertifiedIssuer::self_signed(params, KeyPair::generate().expect("key")).expect("ca"))
     }
 
-    /// A Secret named `name` with a leaf for 127.0.0.1/localhost, its key and this CA.
+    /// A Secret named `name` with a leaf for 127.0.0.1/::1/localhost, its key and this CA.
     pub fn secret_yaml(&self, name: &str) -> String {
-        let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
-            .expect("params");
+        let names = ["localhost", "127.0.0.1", "::1"].map(String::from).to_vec();
+        let params = CertificateParams::new(names).expect("params");
         let key = KeyPair::generate().expect("key");
         let cert = params.signed_by(&key, &self.0).expect("sign");
         format!(
