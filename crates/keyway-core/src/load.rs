@@ -424,16 +424,13 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
     for (path, why) in validate::ignored_settings(&object.resource) {
         load.warnings.push(object.error_at(path, why));
     }
+    // Every problem of the document, each on its own line: a user fixes them in one go.
     let problems = validate::validate(&object.resource);
-    if let Some(first) = problems.first() {
-        let mut e = object.error_at(&first.path, first.message.clone());
-        if problems.len() > 1 {
-            e.message.push_str(&format!(
-                " (and {} more problem(s) in this document)",
-                problems.len() - 1
-            ));
+    if !problems.is_empty() {
+        for p in problems {
+            let e = object.error_at(&p.path, p.message);
+            load.outcomes.push(DocOutcome::Rejected(e));
         }
-        load.outcomes.push(DocOutcome::Rejected(e));
         return;
     }
     load.outcomes.push(DocOutcome::Object(Box::new(object)));

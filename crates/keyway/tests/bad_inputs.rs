@@ -1084,3 +1084,59 @@ fn a_gateway_of_a_foreign_class_gets_a_hint() {
     assert!(stderr.contains(&want), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `keyway validate` prints `file:line: path: message` for every problem (SPEC §5, user guide
+/// §5), so a route with two broken backendRefs gets two lines, not only the first: a user who
+/// fixes one must not meet the next only on the following run.
+#[test]
+fn every_unresolvable_backend_ref_of_a_route_is_listed() {
+    let dir = temp_dir("two-bad-backends");
+    std::fs::write(
+        dir.join("gw.yaml"),
+        gateway("  - {name: web, port: 18080, protocol: HTTP}\n"),
+    )
+    .expect("write");
+    std::fs::write(
+        dir.join("route.yaml"),
+        http_route(
+            "  - matches: [{path: {type: PathPrefix, value: /a}}]\n    backendRefs: [{name: missing-a, port: 80}]\n  - backendRefs: [{group: skupper.io, kind: Listener, name: missing-b, port: 80}]\n",
+        ),
+    )
+    .expect("write");
+    let out = keyway(&["validate"], &dir);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let route = dir.join("route.yaml").display().to_string();
+    for want in [
+        format!("{route}:10: spec.rules[0].backendRefs[0]: Service default/missing-a not found"),
+        format!("{route}:11: spec.rules[1].backendRefs[0]: Listener default/missing-b not found"),
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == want),
+            "stdout lacks {want:?}:\n{stdout}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A document with several problems gets a line for each, not only the first.
+#[test]
+fn every_problem_of_a_rejected_document_is_listed() {
+    let dir = temp_dir("several-problems");
+    std::fs::write(
+        dir.join("mkl.yaml"),
+        "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata: {name: m}\nspec:\n  host: 127.0.0.1\n  port: 18001\n  strategy:\n    priorityFailover:\n      routingKeys: [a, a, \"\"]\n",
+    )
+    .expect("write");
+    let out = keyway(&["validate"], &dir);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("mkl.yaml:")).collect();
+    assert!(
+        lines.len() >= 2
+            && lines.iter().any(|l| l.contains("routingKeys[1]"))
+            && lines.iter().any(|l| l.contains("routingKeys[2]")),
+        "one line per problem:\n{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

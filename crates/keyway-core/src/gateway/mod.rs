@@ -863,7 +863,7 @@ impl GatewayResolver {
             };
             let ours = rin.targets.iter().any(|t| !foreign(t));
             let mut problems: Vec<ConfigError> = Vec::new();
-            if let Some((path, e)) = rin.backend_error.as_ref().filter(|_| ours) {
+            for (path, e) in rin.backend_errors.iter().filter(|_| ours) {
                 problems.push(obj.error_at(path, e.to_string()));
             }
             for (_, (path, message)) in rin.invalid_rules.iter().filter(|_| ours) {
@@ -897,7 +897,7 @@ impl GatewayResolver {
             });
             let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();
             let ns = obj.key.namespace.as_str();
-            let resolved = match &rin.backend_error {
+            let resolved = match rin.backend_errors.first() {
                 Some((_, e)) => C::new("ResolvedRefs", false, e.reason(), e.to_string()),
                 None => C::new(
                     "ResolvedRefs",

@@ -51,8 +51,9 @@ pub(crate) struct RouteIn {
     /// What each parentRef names (see [`ParentRefIn::target`]), computed once.
     pub targets: Vec<Option<ObjectKey>>,
     pub rules: Arc<RouteRules>,
-    /// The first backendRef that does not resolve, with its field path.
-    pub backend_error: Option<(String, RefError)>,
+    /// Every backendRef that does not resolve, with its field path, in rule order (the first
+    /// one is the route's `ResolvedRefs`; all of them are config problems).
+    pub backend_errors: Vec<(String, RefError)>,
     /// Hashes ([`backend_hash`]) of the objects its backendRefs name (found or not): when one
     /// of them changes, the route is normalized again (a hash collision only costs that).
     pub backend_keys: Vec<u64>,
@@ -81,7 +82,7 @@ macro_rules! parents {
     };
 }
 
-/// Resolves the backendRefs of one rule; remembers the first failure.
+/// Resolves the backendRefs of one rule; remembers every failure.
 macro_rules! backends {
     ($world:expr, $kind:expr, $ns:expr, $refs:expr, $at:expr, $err:expr, $deps:expr) => {
         $refs
@@ -98,8 +99,8 @@ macro_rules! backends {
                     $deps.push(backend_hash(&dep));
                 }
                 let (wb, e) = $world.backend($kind, $ns, &r, b.port, b.weight);
-                if let (Some(e), None) = (e, $err.as_ref()) {
-                    *$err = Some((format!("{}.backendRefs[{j}]", $at), e));
+                if let Some(e) = e {
+                    $err.push((format!("{}.backendRefs[{j}]", $at), e));
                 }
                 wb
             })
@@ -111,7 +112,7 @@ macro_rules! backends {
 pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn> {
     let ns = obj.key.namespace.as_str();
     let kind = obj.key.kind;
-    let mut err: Option<(String, RefError)> = None;
+    let mut err: Vec<(String, RefError)> = Vec::new();
     let mut deps: Vec<u64> = Vec::new();
     let mut invalid: Vec<(usize, Problem)> = Vec::new();
     let (hostnames, parents, rules) = match &obj.resource {
@@ -246,7 +247,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
         hostnames,
         parents,
         rules: Arc::new(rules),
-        backend_error: err,
+        backend_errors: err,
         backend_keys: deps,
     })
 }
