@@ -181,7 +181,7 @@ impl Default for Metrics {
         );
         registry.register(
             "gateway_unrouted_requests",
-            "Gateway HTTP requests answered without a route, by reason: invalid (400, 501), no_listener (404: no listener for the Host), misdirected (421), no_route (404: the listener's routes do not match)",
+            "Gateway HTTP requests answered without a route, by reason: invalid (400, 431, 501), no_listener (404: no listener for the Host), misdirected (421), no_route (404: the listener's routes do not match)",
             m.gateway_unrouted.clone(),
         );
         // Every reason from the start, so a rate over them starts from 0.

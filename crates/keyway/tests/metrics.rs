@@ -505,3 +505,75 @@ fn deleted_routes_leave_no_series_behind() {
         site.get("/metrics").unwrap_or_default()
     );
 }
+
+/// Every 400 the Gateway answers itself is an `invalid` unrouted request, as the user guide
+/// says (`invalid`: 400/501): also a request hyper's parser refuses (a malformed request line,
+/// a `Transfer-Encoding` not ending in `chunked`) and plain HTTP sent to an HTTPS port.
+#[test]
+fn every_400_the_gateway_answers_is_counted_as_invalid() {
+    let _s = serial();
+    let (http, https) = (free_port(), free_port());
+    let ca = Ca::new("unrouted-ca");
+    let docs = [
+        site_yaml("gw"),
+        ca.secret_yaml("cert"),
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  addresses: [{{type: IPAddress, value: 127.0.0.1}}]\n  listeners:\n  - {{name: web, port: {http}, protocol: HTTP}}\n  - {{name: tls, port: {https}, protocol: HTTPS, tls: {{certificateRefs: [{{name: cert}}]}}}}\n"
+        ),
+    ];
+    let site = SiteProc::start("unrouted", &docs);
+    let status_of = |port: u16, request: &[u8]| -> u16 {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+            return 0;
+        };
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let _ = s.write_all(request);
+        let mut r = Vec::new();
+        let _ = s.read_to_end(&mut r);
+        String::from_utf8_lossy(&r)
+            .get(9..12)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || status_of(
+            http,
+            b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        ) == 404),
+        "the HTTP port never answered"
+    );
+    let invalid = || {
+        let m = site.get("/metrics").unwrap_or_default();
+        value(
+            &m,
+            "keyway_gateway_unrouted_requests_total",
+            &[("reason", "invalid")],
+        )
+    };
+    let before = invalid();
+    for (port, request) in [
+        (http, &b"GARBAGE\r\n\r\n"[..]),
+        (
+            http,
+            &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"[..],
+        ),
+        (
+            https,
+            &b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"[..],
+        ),
+    ] {
+        assert_eq!(
+            status_of(port, request),
+            400,
+            "{:?}",
+            String::from_utf8_lossy(request)
+        );
+    }
+    assert!(
+        eventually(Duration::from_secs(2), || invalid() - before == 3.0),
+        "three 400s answered, {} counted as invalid:\n{}",
+        invalid() - before,
+        site.get("/metrics").unwrap_or_default()
+    );
+}

@@ -51,6 +51,7 @@ pub async fn serve<I: Io>(
 ) {
     let upstream = Arc::new(Sticky::default());
     let pool = ctx.pool.clone();
+    let metrics = ctx.shared.metrics.clone();
     let idle_limit = ctx.http_idle_timeout;
     let ctx_closing = ctx.closing.clone();
     let activity = Arc::new(Activity::default());
@@ -95,6 +96,15 @@ pub async fn serve<I: Io>(
     tokio::pin!(connection);
     tokio::select! {
         ended = connection.as_mut() => if let Err(e) = ended {
+            // A request hyper's parser refused (malformed request line or headers, a
+            // Transfer-Encoding not ending in chunked) got hyper's own 400 (431 when too
+            // large): a request no route took, like the 400s keyway answers itself.
+            if e
+                .downcast_ref::<hyper::Error>()
+                .is_some_and(hyper::Error::is_parse)
+            {
+                metrics.unrouted(Unrouted::Invalid);
+            }
             tracing::debug!(%peer, "HTTP connection ended: {e}");
         },
         () = closing => {

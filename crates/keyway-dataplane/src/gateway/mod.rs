@@ -826,6 +826,9 @@ async fn serve_tls(
     let sni = match tokio::time::timeout_at(deadline, read_hello).await {
         Ok(Some(sni::Hello::Tls(sni))) => sni,
         Ok(Some(sni::Hello::PlainHttp)) => {
+            ctx.shared
+                .metrics
+                .unrouted(crate::metrics::Unrouted::Invalid);
             let body = "this port speaks TLS (HTTPS); the request was sent as plain HTTP\n";
             let resp = format!(
                 "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
