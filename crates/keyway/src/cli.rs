@@ -22,6 +22,19 @@ struct Cli {
     command: Command,
 }
 
+/// `HOST:PORT` (`[v6]:PORT` for an IPv6 address): a malformed address is a usage error (exit
+/// 2), not a failure to bind.
+fn host_port(s: &str) -> Result<String, String> {
+    let well_formed = s
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if well_formed {
+        Ok(s.to_string())
+    } else {
+        Err(format!("`{s}` is not HOST:PORT (e.g. 127.0.0.1:9901)"))
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run a site: bind listeners, forward traffic, hot-reload the config directory.
@@ -33,7 +46,7 @@ enum Command {
         #[arg(long)]
         state: Option<PathBuf>,
         /// Admin endpoint address (/status, /metrics, /config, /healthz, /readyz).
-        #[arg(long, default_value = "127.0.0.1:9901")]
+        #[arg(long, default_value = "127.0.0.1:9901", value_parser = host_port)]
         admin: String,
         /// Seconds to let open connections finish on SIGINT/SIGTERM.
         #[arg(long, default_value_t = 10)]
@@ -55,7 +68,7 @@ enum Command {
         #[arg(long, default_value = "./keyway.d", conflicts_with = "admin")]
         config: PathBuf,
         /// Admin address of a running site.
-        #[arg(long)]
+        #[arg(long, value_parser = host_port)]
         admin: Option<String>,
         /// Output format.
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
@@ -71,7 +84,8 @@ enum Command {
     /// Start a small network on loopback (three linked sites, workloads, a Gateway) and print what to try.
     Demo {
         /// First port of the range the demo uses: base, +10, +80, +443 and +901..+903.
-        #[arg(long, default_value_t = 17000)]
+        #[arg(long, default_value_t = 17000,
+              value_parser = clap::value_parser!(u16).range(1024..=i64::from(u16::MAX - crate::demo::SPAN)))]
         port_base: u16,
         /// Keep the temp directory (configs, certificates, logs) after stopping.
         #[arg(long)]

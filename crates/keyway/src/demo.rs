@@ -41,7 +41,7 @@ const HTTP: u16 = 80;
 const HTTPS: u16 = 443;
 const ADMIN: u16 = 901;
 /// The highest offset used.
-const SPAN: u16 = ADMIN + 2;
+pub(crate) const SPAN: u16 = ADMIN + 2;
 
 /// Sites in chain order; east and west link to central.
 const SITES: [&str; 3] = ["east", "central", "west"];

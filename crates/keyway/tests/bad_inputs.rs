@@ -1140,3 +1140,26 @@ fn every_problem_of_a_rejected_document_is_listed() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Malformed arguments are usage errors (exit 2, SPEC §5) with the reason, not failures to
+/// bind or to start.
+#[test]
+fn malformed_addresses_and_port_ranges_are_usage_errors() {
+    let dir = temp_dir("usage");
+    for args in [
+        &["run", "--admin", "notanaddr"][..],
+        &["run", "--admin", "127.0.0.1:99999"],
+        &["status", "--admin", ":9901"],
+        &["demo", "--port-base", "65000"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("run keyway");
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("invalid value"), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
