@@ -40,10 +40,21 @@ pub fn validate(resource: &Resource) -> Vec<Problem> {
     let meta = resource.meta();
     let name = meta.name.as_deref().unwrap_or_default();
     let kind = resource.kind();
-    if kind == crate::resource::Kind::Namespace {
+    // As the API server: Namespaces and Services are DNS labels, every other kind a DNS
+    // subdomain as Kubernetes checks it (at most 253 characters, without the 63-character limit
+    // per dot-separated part that a hostname has).
+    if matches!(
+        kind,
+        crate::resource::Kind::Namespace | crate::resource::Kind::Service
+    ) {
         check_dns_label(&mut p, "metadata.name", name);
-    } else {
-        check_dns_subdomain(&mut p, "metadata.name", name);
+    } else if !is_object_name(name) {
+        p.add(
+            "metadata.name",
+            format!(
+                "`{name}` must be a lowercase RFC 1123 subdomain (letters, digits, '-' and '.', at most 253 characters)"
+            ),
+        );
     }
     if let Some(ns) = meta.namespace.as_deref() {
         check_dns_label(&mut p, "metadata.namespace", ns);
@@ -911,17 +922,6 @@ const FILTER_CONFIG: [(&str, &str); 7] = [
     ("ExtensionRef", "extensionRef"),
 ];
 
-fn check_dns_subdomain(p: &mut Problems, path: &str, name: &str) {
-    if !is_dns_subdomain(name) {
-        p.add(
-            path,
-            format!(
-                "`{name}` must be a lowercase RFC 1123 subdomain (letters, digits, '-' and '.')"
-            ),
-        );
-    }
-}
-
 fn check_dns_label(p: &mut Problems, path: &str, name: &str) {
     if !is_dns_label(name) {
         p.add(
@@ -957,6 +957,21 @@ pub fn is_dns_label(s: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-')
+}
+
+/// An object name as Kubernetes checks it (`IsDNS1123Subdomain`): dot-separated parts of
+/// lowercase letters, digits and '-', neither starting nor ending with '-', at most 253 in all.
+pub fn is_object_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|part| {
+            !part.is_empty()
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !part.starts_with('-')
+                && !part.ends_with('-')
+        })
 }
 
 pub fn is_dns_subdomain(s: &str) -> bool {
@@ -1083,6 +1098,40 @@ mod duration_tests {
         assert_eq!(
             crate::service_network::parse_duration_ms("500ms"),
             Some(500)
+        );
+    }
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+
+    /// Object names as the API server takes them: long parts are fine (only hostnames limit
+    /// a part to 63), the whole name is not over 253.
+    #[test]
+    fn object_names_follow_kubernetes() {
+        let long_part = "a".repeat(64);
+        let at_limit = format!("{}.{}", "a".repeat(126), "b".repeat(126));
+        for (name, ok) in [
+            ("web", true),
+            ("team-1.listeners", true),
+            ("0day", true),
+            (long_part.as_str(), true),
+            (at_limit.as_str(), true),
+            (&*format!("{at_limit}c"), false),
+            ("", false),
+            ("Web", false),
+            ("-web", false),
+            ("web-", false),
+            ("a..b", false),
+            (".a", false),
+            ("a_b", false),
+        ] {
+            assert_eq!(is_object_name(name), ok, "{name:?}");
+        }
+        assert!(
+            !is_dns_subdomain(&long_part),
+            "a hostname part is at most 63"
         );
     }
 }

@@ -73,7 +73,7 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
         Some(n) => n,
         None => format!("token-{}", hex(&random_bytes(4)?)),
     };
-    if !keyway_core::validate::is_dns_subdomain(&name) {
+    if !keyway_core::validate::is_object_name(&name) {
         return fail(
             INVALID,
             format!("--name `{name}` is not a valid object name"),
@@ -225,7 +225,7 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
             );
         }
     };
-    if !keyway_core::validate::is_dns_subdomain(&name) {
+    if !keyway_core::validate::is_object_name(&name) {
         return fail(
             INVALID,
             format!("link name `{name}` is not a valid object name"),

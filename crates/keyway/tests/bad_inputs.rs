@@ -1045,16 +1045,17 @@ fn config_given_a_file_says_it_wants_the_directory() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A bad `--admin` address stops `keyway run` before it loads anything or opens a port.
+/// An `--admin` address that cannot be bound (not one of this host's) stops `keyway run`
+/// before it loads anything or opens a port.
 #[test]
 fn a_bad_admin_address_fails_before_anything_starts() {
     let dir = temp_dir("bad-admin");
     std::fs::write(dir.join("a.yaml"), GOOD).expect("write");
-    let out = keyway(&["run", "--admin", "nonsense"], &dir);
-    assert_ne!(out.status.code(), Some(0));
+    let out = keyway(&["run", "--admin", "192.0.2.1:9901"], &dir);
+    assert_eq!(out.status.code(), Some(3));
     let stderr = text(&out.stderr);
     assert!(
-        stderr.contains("cannot bind admin address nonsense"),
+        stderr.contains("cannot bind admin address 192.0.2.1:9901"),
         "{stderr}"
     );
     assert!(
