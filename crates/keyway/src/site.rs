@@ -412,16 +412,22 @@ impl Site {
         if !self.applied.load(Ordering::Acquire) {
             return Err("config not applied yet".into());
         }
+        // Every listener that does not listen, one line each.
         let obs = self.dataplane.observe();
-        if let Some((key, e)) = obs.bind_errors.iter().next() {
-            return Err(format!("{key}: {e}"));
-        }
-        match obs.gateway_errors.first() {
-            Some(e) => Err(format!(
-                "{} listener {}: {}",
-                e.owner, e.listener, e.message
-            )),
-            None => Ok(()),
+        let not_listening: Vec<String> = obs
+            .bind_errors
+            .iter()
+            .map(|(key, e)| format!("{key}: {e}"))
+            .chain(
+                obs.gateway_errors
+                    .iter()
+                    .map(|e| format!("{} listener {}: {}", e.owner, e.listener, e.message)),
+            )
+            .collect();
+        if not_listening.is_empty() {
+            Ok(())
+        } else {
+            Err(not_listening.join("\n"))
         }
     }
 }

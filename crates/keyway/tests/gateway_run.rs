@@ -389,12 +389,18 @@ fn http_route_to_multi_key_listener_fails_over_when_the_preferred_backend_dies()
 #[test]
 fn unbindable_port_is_reported_as_port_unavailable() {
     let dir = temp_dir("bind");
-    let port = free_port();
+    let (port, skupper_port) = (free_port(), free_port());
     let _squatter = TcpListener::bind(("0.0.0.0", port)).expect("squat");
+    let _squatter2 = TcpListener::bind(("127.0.0.1", skupper_port)).expect("squat");
     let be = HttpBackend::start("be");
     let mut yaml = service("svc", be.port);
     yaml.push_str(&format!(
         "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners: [{{name: web, port: {port}, protocol: HTTP}}]\n"
+    ));
+    // A skupper Listener whose port is taken too.
+    yaml.push_str(&format!(
+        "---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: sk}}\nspec: {{routingKey: k, host: 127.0.0.1, port: {skupper_port}}}\n---\napiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata: {{name: sk}}\nspec: {{routingKey: k, host: 127.0.0.1, port: {}}}\n",
+        be.port
     ));
     std::fs::write(dir.join("gw.yaml"), yaml).expect("write config");
     let site = Site::start(&dir, false);
@@ -413,8 +419,10 @@ fn unbindable_port_is_reported_as_port_unavailable() {
                     })
         })
     });
-    let (code, body) = site.get("/readyz");
-    assert_ne!(code, 200, "{body}");
+    // Not ready, naming every listener that does not listen.
+    site.wait_for("/readyz", |code, body| {
+        code != 200 && body.contains("default/gw listener web") && body.contains("default/sk")
+    });
     // Its only listener is down, so the Gateway is not programmed either.
     let v: serde_json::Value = serde_json::from_str(&site.get("/status").1).expect("status");
     let gw = v["items"]
