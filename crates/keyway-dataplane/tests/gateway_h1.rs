@@ -1170,16 +1170,17 @@ async fn named(name: &'static str, hung: Option<mpsc::Sender<&'static str>>) -> 
 /// A gateway on `port` whose one route goes to Service `svc` with an endpoint per backend.
 fn balanced_yaml(backends: &[&Raw], port: u16) -> String {
     let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
-    let mut yaml = common::service_of("svc", &addrs);
+    service_route_yaml(&addrs, port, "  - backendRefs: [{name: svc, port: 80}]\n")
+}
+
+/// A gateway on `port` with one route of `rules` and a Service `svc` with an endpoint at each
+/// of `addrs`.
+fn service_route_yaml(addrs: &[SocketAddr], port: u16, rules: &str) -> String {
+    let mut yaml = common::service_of("svc", addrs);
     yaml.push_str(&gateway(&format!(
         "  - {{name: web, port: {port}, protocol: HTTP}}\n"
     )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
-        "  - backendRefs: [{name: svc, port: 80}]\n",
-    ));
+    yaml.push_str(&http_route("r", 1, "", rules));
     yaml
 }
 
@@ -1352,19 +1353,30 @@ async fn ending(name: &'static str) -> Raw {
 
 /// A gateway on `port` whose one route (timeout 500 ms) goes to Service `svc`, an endpoint
 /// per backend.
+/// With `a` and `b` the endpoints again (a reload), idle endpoints alternate: no request is
+/// left counted in flight on `a`. A connection to `a` stays open meanwhile, so `a`'s counter
+/// is not dropped with its last connection (which would hide a leak).
+async fn assert_nothing_left_in_flight(dp: &DataPlane, a: &Raw, b: &Raw, port: u16) {
+    let mut keep = client(port).await;
+    assert_eq!(exchange(&mut keep, get("/")).await.body(), b"a");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    common::start_on(dp, &ending_yaml(&[a, b], port), port).await;
+    let mut c = client(port).await;
+    let seen = tally(&mut c, 10).await;
+    assert_eq!(
+        (seen.get("a"), seen.get("b")),
+        (Some(&5), Some(&5)),
+        "idle endpoints should alternate: {seen:?}"
+    );
+}
+
 fn ending_yaml(backends: &[&Raw], port: u16) -> String {
     let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
-    let mut yaml = common::service_of("svc", &addrs);
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
-    )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
+    service_route_yaml(
+        &addrs,
+        port,
         "  - timeouts: {request: 500ms}\n    backendRefs: [{name: svc, port: 80}]\n",
-    ));
-    yaml
+    )
 }
 
 /// Every way a request can end on endpoint `a` (the Service's only endpoint at first) leaves
@@ -1417,17 +1429,7 @@ async fn every_way_a_request_ends_leaves_no_request_in_flight() {
         drop(s);
     }
     // A connection to `a` stays (with this client): `a`'s counter with it.
-    let mut keep = client(port).await;
-    assert_eq!(exchange(&mut keep, get("/")).await.body(), b"a");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    common::start_on(&dp, &ending_yaml(&[&a, &b], port), port).await;
-    let mut c = client(port).await;
-    let seen = tally(&mut c, 10).await;
-    assert_eq!(
-        (seen.get("a"), seen.get("b")),
-        (Some(&5), Some(&5)),
-        "idle endpoints should alternate: {seen:?}"
-    );
+    assert_nothing_left_in_flight(&dp, &a, &b, port).await;
 }
 
 /// Two Services of two endpoints each, one keep-alive client alternating between their routes:
@@ -1480,16 +1482,11 @@ async fn a_refusing_endpoint_does_not_make_clients_open_new_connections_to_the_o
     let dead_addr = dead.local_addr().expect("addr");
     drop(dead);
     let port = free_port();
-    let mut yaml = common::service_of("svc", &[dead_addr, live.addr]);
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
-    )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
+    let yaml = service_route_yaml(
+        &[dead_addr, live.addr],
+        port,
         "  - backendRefs: [{name: svc, port: 80}]\n",
-    ));
+    );
     let _dp = start(&yaml, port).await;
     let mut c = client(port).await;
     // 5.5 s of requests, 100 ms apart: the penalty runs out twice.
@@ -1550,16 +1547,11 @@ async fn a_silent_endpoint_does_not_stall_keep_alive_clients() {
     // Fills its accept queue: later SYNs are dropped.
     let _filler = TcpStream::connect(hole_addr).await.expect("filler");
     let port = free_port();
-    let mut yaml = common::service_of("svc", &[hole_addr, live.addr]);
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
-    )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
+    let yaml = service_route_yaml(
+        &[hole_addr, live.addr],
+        port,
         "  - backendRefs: [{name: svc, port: 80}]\n",
-    ));
+    );
     let _dp = start(&yaml, port).await;
     let mut c = client(port).await;
     let mut slow = Vec::new();
@@ -1616,17 +1608,7 @@ async fn on_worker_threads_concurrent_requests_leave_no_request_in_flight() {
     for t in tasks {
         t.await.expect("client");
     }
-    let mut keep = client(port).await;
-    assert_eq!(exchange(&mut keep, get("/")).await.body(), b"a");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    common::start_on(&dp, &ending_yaml(&[&a, &b], port), port).await;
-    let mut c = client(port).await;
-    let seen = tally(&mut c, 10).await;
-    assert_eq!(
-        (seen.get("a"), seen.get("b")),
-        (Some(&5), Some(&5)),
-        "idle endpoints should alternate: {seen:?}"
-    );
+    assert_nothing_left_in_flight(&dp, &a, &b, port).await;
 }
 
 /// Endpoints removed and added by reloads while clients send: every request is answered,
@@ -1677,16 +1659,11 @@ async fn a_recovered_endpoint_takes_requests_again() {
     let back_addr = dead.local_addr().expect("addr");
     drop(dead);
     let port = free_port();
-    let mut yaml = common::service_of("svc", &[back_addr, live.addr]);
-    yaml.push_str(&gateway(&format!(
-        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
-    )));
-    yaml.push_str(&http_route(
-        "r",
-        1,
-        "",
+    let yaml = service_route_yaml(
+        &[back_addr, live.addr],
+        port,
         "  - backendRefs: [{name: svc, port: 80}]\n",
-    ));
+    );
     let _dp = start(&yaml, port).await;
     let mut c = client(port).await;
     let seen = tally(&mut c, 6).await;
