@@ -1471,13 +1471,9 @@ async fn each_service_takes_turns_when_requests_alternate_between_services() {
     }
 }
 
-/// An endpoint that refuses connections makes no keep-alive client open new connections to
-/// the others: after its connect fails (again once its 2 s penalty is over), the request goes
-/// on an idle connection to another endpoint.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refusing_endpoint_does_not_make_clients_open_new_connections_to_the_others() {
-    let live = named("live", None).await;
-    // A port nothing listens on.
+/// A gateway whose Service has two endpoints: first an address nothing listens on (returned),
+/// then `live`.
+async fn beside_a_dead_endpoint(live: &Raw) -> (SocketAddr, u16, Arc<DataPlane>) {
     let dead = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let dead_addr = dead.local_addr().expect("addr");
     drop(dead);
@@ -1487,7 +1483,16 @@ async fn a_refusing_endpoint_does_not_make_clients_open_new_connections_to_the_o
         port,
         "  - backendRefs: [{name: svc, port: 80}]\n",
     );
-    let _dp = start(&yaml, port).await;
+    (dead_addr, port, start(&yaml, port).await)
+}
+
+/// An endpoint that refuses connections makes no keep-alive client open new connections to
+/// the others: after its connect fails (again once its 2 s penalty is over), the request goes
+/// on an idle connection to another endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_endpoint_does_not_make_clients_open_new_connections_to_the_others() {
+    let live = named("live", None).await;
+    let (_dead, port, _dp) = beside_a_dead_endpoint(&live).await;
     let mut c = client(port).await;
     // 5.5 s of requests, 100 ms apart: the penalty runs out twice.
     for _ in 0..55 {
@@ -1655,16 +1660,7 @@ async fn reloads_mid_traffic_answer_every_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovered_endpoint_takes_requests_again() {
     let live = named("live", None).await;
-    let dead = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let back_addr = dead.local_addr().expect("addr");
-    drop(dead);
-    let port = free_port();
-    let yaml = service_route_yaml(
-        &[back_addr, live.addr],
-        port,
-        "  - backendRefs: [{name: svc, port: 80}]\n",
-    );
-    let _dp = start(&yaml, port).await;
+    let (back_addr, port, _dp) = beside_a_dead_endpoint(&live).await;
     let mut c = client(port).await;
     let seen = tally(&mut c, 6).await;
     assert_eq!(seen.get("live"), Some(&6), "{seen:?}");
