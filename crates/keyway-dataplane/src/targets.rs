@@ -132,6 +132,12 @@ impl Target {
         }
     }
 
+    /// Gone from the registry (its Connector deleted or edited, its remote site's key withdrawn):
+    /// it takes no new connections.
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
     pub fn last_error(&self) -> Option<String> {
         self.last_error.lock().ok().and_then(|e| e.clone())
     }
@@ -153,6 +159,13 @@ impl Target {
 
 /// Decrements a target's open-connection count on drop.
 pub struct OpenGuard(Arc<Target>);
+
+impl OpenGuard {
+    /// The target the connection is counted on.
+    pub fn target(&self) -> &Arc<Target> {
+        &self.0
+    }
+}
 
 impl Drop for OpenGuard {
     fn drop(&mut self) {
@@ -189,6 +202,11 @@ impl Registry {
             metrics,
             draining: AtomicBool::new(false),
         })
+    }
+
+    /// A number that changes whenever reachability may have changed.
+    pub fn version(&self) -> u64 {
+        self.counter.load(Ordering::Acquire)
     }
 
     /// A receiver that changes whenever reachability may have changed.

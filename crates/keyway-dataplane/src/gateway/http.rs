@@ -49,9 +49,9 @@ pub async fn serve<I: Io>(
     peer: SocketAddr,
     tls: Option<Option<String>>,
 ) {
-    let upstream = Arc::new(Sticky::default());
     let pool = ctx.pool.clone();
     let metrics = ctx.shared.metrics.clone();
+    let upstream = pool.sticky();
     let idle_limit = ctx.http_idle_timeout;
     let ctx_closing = ctx.closing.clone();
     let activity = Arc::new(Activity::default());
@@ -817,7 +817,10 @@ async fn send_h1(
     backend: &Backend,
     mut req: Outbound,
 ) -> Result<(h1::Head, H1), Response<Body>> {
-    // Each request picks its endpoint: a keep-alive client is balanced like many clients.
+    // Each request picks its endpoint (or its key): a keep-alive client is balanced like many
+    // clients.
+    let drawn = ctx.pool.draw(&ctx.shared, backend);
+    let backend = &*drawn;
     let chosen = ctx.pool.choose(backend);
     let mut endpoint = chosen.as_deref();
     let mut c = loop {

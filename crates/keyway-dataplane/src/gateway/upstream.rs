@@ -11,10 +11,11 @@
 //! between requests ([`Sticky`]); idle connections otherwise wait in the pool, undriven, and
 //! one poll before reuse notices a connection the backend closed meanwhile.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use hyper::client::conn::http2;
 use hyper::http::request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use keyway_core::gateway::plan::Backend;
+use keyway_core::plan::KeySelection;
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -34,7 +36,7 @@ use super::idle::InFlight;
 
 use crate::Shared;
 use crate::listener::{self, Upstream};
-use crate::targets::OpenGuard;
+use crate::targets::{OpenGuard, Target};
 
 /// Every body the gateway sends or answers with, as one type instead of a boxed trait object:
 /// no allocation per request and per response.
@@ -484,6 +486,13 @@ impl H1 {
         self.reusable = false;
     }
 
+    /// Its connector target is gone (deleted, moved, its site's key withdrawn): as an idle
+    /// connection it will never carry a request again, and it holds the workload's (or a remote
+    /// site's tunnel stream, which keeps that site from finishing a drain).
+    fn gone(&self) -> bool {
+        self.guard.as_ref().is_some_and(|g| g.target().is_retired())
+    }
+
     /// Whether the request is sent whole and nothing more was read: the connection may carry
     /// another request once its response has ended.
     fn is_clean(&self) -> bool {
@@ -892,6 +901,11 @@ pub struct Pool {
     turns: Mutex<HashMap<String, (usize, Instant)>>,
     /// Requests in flight per Service endpoint (by endpoint key), for [`Pool::choose`].
     load: Mutex<HashMap<String, Arc<AtomicUsize>>>,
+    /// Every client connection's kept backend connection, for the sweep (see [`Pool::sticky`]).
+    stickies: Mutex<Vec<Weak<Sticky>>>,
+    /// Routing keys a priorityFailover backend's connect just failed over from, with when and
+    /// the registry's version then (see [`Pool::first_usable`]).
+    failed_keys: Mutex<HashMap<String, (Instant, u64)>>,
 }
 
 /// Requests one HTTP/2 backend connection carries at once; past that, another connection.
@@ -907,6 +921,8 @@ const H2_CONN_WINDOW: u32 = H2_STREAMS as u32 * H2_STREAM_WINDOW;
 struct H2Conn {
     sender: http2::SendRequest<Body>,
     streams: Arc<AtomicUsize>,
+    /// The connector target it goes to (skupper backends).
+    target: Option<Arc<Target>>,
     /// The backend's SETTINGS_MAX_CONCURRENT_STREAMS, once its first SETTINGS frame has been
     /// read (see [`SettingsSniffer`]): a request past it would wait on this connection until
     /// another stream ends, for ever behind long-lived streams. hyper does not tell it.
@@ -1084,13 +1100,33 @@ impl Pool {
         let mut idle = lock(&self.h1);
         idle.retain(|_, list| {
             list.retain_mut(|c| {
-                c.pooled_at.is_some_and(|t| t.elapsed() < POOL_IDLE_TIMEOUT) && c.check_idle()
+                c.pooled_at.is_some_and(|t| t.elapsed() < POOL_IDLE_TIMEOUT)
+                    && !c.gone()
+                    && c.check_idle()
             });
             !list.is_empty()
         });
         drop(idle);
+        // The connections client connections keep between requests: one whose target is gone
+        // would otherwise stay until its client's next request or the client's idle timeout.
+        let stickies: Vec<Arc<Sticky>> = {
+            let mut all = lock(&self.stickies);
+            all.retain(|s| s.strong_count() > 0);
+            all.iter().filter_map(Weak::upgrade).collect()
+        };
+        for sticky in stickies {
+            let gone = {
+                let mut slot = lock(&sticky.slot);
+                match &slot.conn {
+                    Some(c) if c.gone() => slot.conn.take(),
+                    _ => None,
+                }
+            };
+            drop(gone);
+        }
         // Endpoints no connection counts on any more (gone, or all their connections closed).
         lock(&self.load).retain(|_, c| Arc::strong_count(c) > 1);
+        lock(&self.failed_keys).retain(|_, (t, _)| t.elapsed() < PENALTY);
         // Backends no request asked for a while (gone from the configuration, likely).
         lock(&self.turns).retain(|_, (_, used)| used.elapsed() < POOL_IDLE_TIMEOUT);
         // HTTP/2: closed connections go, and of an endpoint's connections without a call in
@@ -1102,7 +1138,12 @@ impl Pool {
                 if c.sender.is_closed() {
                     return false;
                 }
-                c.streams.load(Ordering::Relaxed) > 0 || !std::mem::replace(&mut idle_kept, true)
+                let busy = c.streams.load(Ordering::Relaxed) > 0;
+                // Without a call, a connection to a target that is gone is not needed at all.
+                if !busy && c.target.as_ref().is_some_and(|t| t.is_retired()) {
+                    return false;
+                }
+                busy || !std::mem::replace(&mut idle_kept, true)
             });
             !list.is_empty()
         });
@@ -1162,6 +1203,13 @@ impl Pool {
                 listener,
                 selection,
             } => {
+                let first = match selection {
+                    KeySelection::Priority(_) => listener::key_order(selection, &shared.registry)
+                        .into_iter()
+                        .next(),
+                    _ => None,
+                };
+                let version = shared.registry.version();
                 let Some(listener::Connected {
                     target,
                     upstream,
@@ -1171,6 +1219,11 @@ impl Pool {
                 else {
                     return Err(ConnectError::Unreachable(listener.clone()));
                 };
+                if let Some(first) = first
+                    && first != target.routing_key
+                {
+                    lock(&self.failed_keys).insert(first, (Instant::now(), version));
+                }
                 let io: Box<dyn Io> = match upstream {
                     Upstream::Plain(s) => Box::new(s),
                     Upstream::Tls(s) => Box::new(s),
@@ -1233,6 +1286,25 @@ impl Pool {
         true
     }
 
+    /// `backend` for one request: a weighted skupper backend with its key drawn now, as the
+    /// priority order of the draw, so that the idle connection the request may reuse and the
+    /// connection it would open agree on the key. Drawn separately (the connection kept from
+    /// the last request had a second chance, and a new one a third draw), a keep-alive client's
+    /// split leaned to the heavier key: 3:1 weights gave 87:13 to 94:6. Other backends as they
+    /// are.
+    pub fn draw<'a>(&self, shared: &Shared, backend: &'a Backend) -> Cow<'a, Backend> {
+        match backend {
+            Backend::Skupper {
+                listener,
+                selection: selection @ KeySelection::Weighted(_),
+            } => Cow::Owned(Backend::Skupper {
+                listener: listener.clone(),
+                selection: KeySelection::Priority(listener::key_order(selection, &shared.registry)),
+            }),
+            _ => Cow::Borrowed(backend),
+        }
+    }
+
     /// Pool keys an idle connection for `backend` may have, best first. For a skupper backend
     /// only the targets of the key the selection would pick now qualify, so failover and
     /// fail-back take effect on the next request.
@@ -1244,7 +1316,7 @@ impl Pool {
                 .collect(),
             Backend::Skupper { selection, .. } => {
                 let keys = listener::key_order(selection, &shared.registry);
-                keys.first()
+                self.first_usable(shared, &keys)
                     .map(|k| {
                         shared
                             .registry
@@ -1257,6 +1329,25 @@ impl Pool {
             }
             Backend::Unresolved { .. } => Vec::new(),
         }
+    }
+
+    /// The key of `keys` (best first) whose connections a request takes: the first, unless a
+    /// connect to it failed over to a later key less than [`PENALTY`] ago and reachability has
+    /// not changed since (a key whose connector has no health check stays reachable while its
+    /// workload is down). Then each request would try it, fail over, and open a new connection
+    /// to the later key, the one it kept never being for "the key the selection picks now".
+    fn first_usable<'k>(&self, shared: &Shared, keys: &'k [String]) -> Option<&'k String> {
+        let failed = lock(&self.failed_keys);
+        if failed.is_empty() {
+            return keys.first();
+        }
+        let version = shared.registry.version();
+        let passed_over = |k: &String| {
+            failed
+                .get(k)
+                .is_some_and(|(t, v)| *v == version && t.elapsed() < PENALTY)
+        };
+        keys.iter().find(|k| !passed_over(k)).or(keys.first())
     }
 
     /// Whether a connection pooled under `key` may carry a request for `backend` now.
@@ -1389,6 +1480,14 @@ impl Pool {
         self.put_h1(c);
     }
 
+    /// The slot for the backend connection a new client connection keeps between its requests,
+    /// known to the sweep.
+    pub fn sticky(&self) -> Arc<Sticky> {
+        let sticky = Arc::new(Sticky::default());
+        lock(&self.stickies).push(Arc::downgrade(&sticky));
+        sticky
+    }
+
     /// The client connection has ended: its backend connection goes to the pool.
     pub fn close_sticky(&self, sticky: &Sticky) {
         let c = {
@@ -1402,7 +1501,7 @@ impl Pool {
     }
 
     fn put_h1(&self, mut c: H1) {
-        if !c.is_clean() {
+        if !c.is_clean() || c.gone() {
             return;
         }
         c.load.end();
@@ -1425,13 +1524,21 @@ impl Pool {
     /// among the backend's endpoints: the endpoint whose turn it is lends a connection with room,
     /// or gets a new one (as `connect` rotates).
     pub async fn h2(&self, shared: &Shared, backend: &Backend) -> Result<H2Lease, H2Error> {
+        let drawn = self.draw(shared, backend);
+        let backend = &*drawn;
         let keys = self.idle_keys(shared, backend);
         let name = match backend {
             Backend::Service { service, .. } => service.as_str(),
             Backend::Skupper { listener, .. } => listener.as_str(),
             Backend::Unresolved { .. } => "",
         };
-        let turn = (!keys.is_empty()).then(|| &keys[self.turn(name) % keys.len()]);
+        let turn = match backend {
+            // A skupper key's targets come best first (lowest open connections + path cost,
+            // ties rotating: SPEC §3.1); taking turns among them would send calls across a link
+            // while a nearby target is idle.
+            Backend::Skupper { .. } => keys.first(),
+            _ => (!keys.is_empty()).then(|| &keys[self.turn(name) % keys.len()]),
+        };
         if let Some(key) = turn {
             let mut pool = lock(&self.h2);
             if let Some(list) = pool.get_mut(key) {
@@ -1488,6 +1595,7 @@ impl Pool {
             .await
             .map_err(H2Error::Http)?;
         let guard = c.guard;
+        let target = guard.as_ref().map(|g| g.target().clone());
         tokio::spawn(async move {
             let _guard = guard;
             if let Err(e) = conn.await {
@@ -1497,6 +1605,7 @@ impl Pool {
         let conn = H2Conn {
             sender,
             streams: Arc::default(),
+            target,
             peer_limit,
         };
         // A new connection has room (its peer's SETTINGS may still be on their way).
