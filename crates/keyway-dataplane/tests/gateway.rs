@@ -34,7 +34,12 @@ use tokio::net::{TcpListener, TcpStream};
 /// An HTTP backend that answers with its name, the request line and every header, one per
 /// line. `/sleep` waits 2 s; an Upgrade request is accepted and echoed.
 async fn http_backend(name: &'static str) -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    http_backend_on(name, "127.0.0.1:0").await
+}
+
+/// [`http_backend`] on `bind`.
+async fn http_backend_on(name: &'static str, bind: &str) -> SocketAddr {
+    let l = TcpListener::bind(bind).await.expect("bind");
     let addr = l.local_addr().expect("addr");
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
@@ -954,4 +959,45 @@ async fn idle_http_connections_are_closed_and_slow_requests_are_not() {
     let r = get(&c, port, "x", "/sleep").await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(dp.shutdown(IO_TIMEOUT).await, 0);
+}
+
+/// IPv6 all the way: a Gateway bound to `::1` (spec.addresses), a Service whose EndpointSlice
+/// is `addressType: IPv6`, and the client's `X-Forwarded-For` an IPv6 address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_gateway_address_and_endpoints() {
+    let be = http_backend_on("v6", "[::1]:0").await;
+    let port = free_port();
+    let yaml = format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: svc}}\nspec: {{ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: svc-1, labels: {{kubernetes.io/service-name: svc}}}}\naddressType: IPv6\nendpoints: [{{addresses: [\"::1\"]}}]\nports: [{{port: {}}}]\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  addresses: [{{type: IPAddress, value: \"::1\"}}]\n  listeners: [{{name: web, port: {port}, protocol: HTTP}}]\n{}",
+        be.port(),
+        http_route("r", 1, "", "  - backendRefs: [{name: svc, port: 80}]\n")
+    );
+    let dp = common::dataplane();
+    dp.apply(&common::compile(&yaml));
+    let answer = || async {
+        let mut s = TcpStream::connect(("::1", port)).await.ok()?;
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: v6.example\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut r = String::new();
+        s.read_to_string(&mut r).await.ok()?;
+        Some(r)
+    };
+    let served = common::eventually(Duration::from_secs(3), || async {
+        answer()
+            .await
+            .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    assert!(
+        served,
+        "{:?} {:?}",
+        answer().await,
+        dp.observe().gateway_errors
+    );
+    let r = answer().await.unwrap_or_default();
+    assert!(r.contains("backend=v6"), "{r}");
+    assert!(r.contains("h:x-forwarded-for=::1"), "{r}");
+    // Not bound on IPv4.
+    assert!(TcpStream::connect(("127.0.0.1", port)).await.is_err());
 }
