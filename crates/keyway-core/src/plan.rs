@@ -21,6 +21,11 @@ pub struct Plan {
     /// Links this site dials.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub links: Vec<LinkPlan>,
+    /// Listeners and MultiKeyListeners left out of `listeners` because their TLS Secret does
+    /// not resolve (missing, no `tls.key`, no `ca.crt` for `requireClientCert`): one already
+    /// running keeps serving with its last valid TLS (SPEC §7) instead of being stopped.
+    #[serde(skip)]
+    pub held_listeners: Vec<ObjectKey>,
 }
 
 /// A RouterAccess: the inter-router port to bind, and the identity + CA for mutual TLS.

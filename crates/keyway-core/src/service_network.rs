@@ -94,6 +94,9 @@ pub fn resolve(index: &Index) -> Resolution {
                     l.spec.require_client_cert,
                     &mut res,
                 );
+                if tls.is_err() {
+                    res.plan.held_listeners.push(obj.key.clone());
+                }
                 if let (Ok(tls), Ok(port)) = (tls, u16::try_from(l.spec.port)) {
                     res.plan.listeners.push(ListenerPlan {
                         id: obj.key.clone(),
@@ -112,6 +115,9 @@ pub fn resolve(index: &Index) -> Resolution {
                     m.spec.require_client_cert,
                     &mut res,
                 );
+                if tls.is_err() {
+                    res.plan.held_listeners.push(obj.key.clone());
+                }
                 let selection = selection_of(&m.spec.strategy);
                 if let (Ok(tls), Ok(port), Some(selection)) =
                     (tls, u16::try_from(m.spec.port), selection)

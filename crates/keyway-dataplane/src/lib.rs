@@ -321,6 +321,13 @@ impl DataPlane {
                 }
             }
         }
+        // A listener whose TLS Secret no longer resolves keeps serving with its last valid TLS
+        // (SPEC §7), as one whose material rustls refuses does above; the core reports why.
+        for id in &plan.held_listeners {
+            if let Some(handle) = listeners.remove(id) {
+                next.insert(id.clone(), handle);
+            }
+        }
         // Listeners no longer in the plan stop accepting; their connections run on, and their
         // series leave /metrics.
         if !listeners.is_empty() {

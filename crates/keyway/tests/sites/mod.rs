@@ -51,16 +51,22 @@ impl Ca {
 
     /// A Secret named `name` with a leaf for 127.0.0.1/::1/localhost, its key and this CA.
     pub fn secret_yaml(&self, name: &str) -> String {
+        let (cert, key) = self.leaf_pem();
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}",
+            indent(&cert),
+            indent(&key),
+            indent(&self.0.pem())
+        )
+    }
+
+    /// A leaf this CA issued for 127.0.0.1/::1/localhost: (certificate PEM, key PEM).
+    pub fn leaf_pem(&self) -> (String, String) {
         let names = ["localhost", "127.0.0.1", "::1"].map(String::from).to_vec();
         let params = CertificateParams::new(names).expect("params");
         let key = KeyPair::generate().expect("key");
         let cert = params.signed_by(&key, &self.0).expect("sign");
-        format!(
-            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}",
-            indent(&cert.pem()),
-            indent(&key.serialize_pem()),
-            indent(&self.0.pem())
-        )
+        (cert.pem(), key.serialize_pem())
     }
 }
 
