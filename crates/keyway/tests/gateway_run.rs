@@ -539,6 +539,54 @@ fn a_key_that_does_not_match_its_certificate_keeps_the_last_valid_secret() {
     }
 }
 
+/// An HTTPS listener whose certificate stops resolving while it serves (its Secret, untyped
+/// as many tools write them, loses `tls.key`; then the Secret is deleted) keeps serving its
+/// routes with the last valid certificate (SPEC §7), while status says what is wrong. A
+/// listener that never had a certificate is still refused (see
+/// `a_hostname_whose_certificate_is_missing_is_not_served_by_a_wildcard`).
+#[test]
+fn a_serving_https_listener_keeps_its_certificate_when_its_secret_stops_resolving() {
+    let dir = temp_dir("cert-gone");
+    let port = free_port();
+    let pki = Pki::new();
+    let secret = pki
+        .secret("tls", "a.example")
+        .replace("type: kubernetes.io/tls\n", "");
+    let without_key = secret
+        .split("  tls.key: |\n")
+        .next()
+        .expect("cert")
+        .to_string();
+    let manifest = |secret: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {{name: https, port: {port}, protocol: HTTPS, hostname: a.example, tls: {{certificateRefs: [{{name: tls}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: served.example, statusCode: 302}}}}]\n{secret}"
+        )
+    };
+    let curl = || curl_https("a.example", port, "%{http_code}");
+    std::fs::write(dir.join("gw.yaml"), manifest(&secret)).expect("write");
+    let site = Site::start(&dir, false);
+    assert!(
+        eventually(Duration::from_secs(5), || curl() == "302"),
+        "{}",
+        curl()
+    );
+    for (step, text) in [
+        ("no tls.key", manifest(&without_key)),
+        ("no Secret", manifest("")),
+    ] {
+        std::fs::write(dir.join("gw.yaml"), text).expect("write");
+        site.wait_for("/status", |_, body| body.contains("InvalidCertificateRef"));
+        for _ in 0..3 {
+            assert_eq!(
+                curl(),
+                "302",
+                "{step}: still served with the last valid certificate"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 /// A port serving one Gateway stays with it when another Gateway claims it later (here through
 /// a ListenerSet attached to a Gateway whose name sorts first): the newcomer's listener is
 /// PortUnavailable, and the running one goes on answering.

@@ -265,6 +265,15 @@ impl Owner<'_> {
             && self.listeners.get(i).is_some_and(|l| l.tls.is_ok())
     }
 
+    /// Won its hostname but its certificates do not resolve: in the plan without any, with its
+    /// routes, so that the data plane refuses its hostname (never served) or serves it on with
+    /// its last valid certificate (serving until now).
+    fn holding(&self, i: usize) -> bool {
+        (self.accepted() || self.admission == Admission::ListenersNotValid)
+            && self.standing(i) == Some(Standing::Accepted)
+            && self.listeners.get(i).is_some_and(|l| l.tls.is_err())
+    }
+
     fn fingerprint(&self) -> u64 {
         let mut h = DefaultHasher::new();
         (self.version, self.admission, &self.standings).hash(&mut h);
@@ -1051,7 +1060,7 @@ impl GatewayResolver {
                         continue;
                     }
                     *counts.entry((i, *listener)).or_default() += 1;
-                    if owners[i].programmed(*listener) {
+                    if owners[i].programmed(*listener) || owners[i].holding(*listener) {
                         bound.entry((i, *listener)).or_default().push((
                             &rr.obj,
                             AttachedRoute {
@@ -1105,25 +1114,13 @@ impl GatewayResolver {
                     Ok(tls) if o.programmed(j) => tls.clone(),
                     // Holds its hostname without a usable certificate: in the plan with none,
                     // so the data plane refuses handshakes for it instead of letting a less
-                    // specific listener (another team's wildcard) answer.
-                    Err(_)
-                        if (o.accepted() || o.admission == Admission::ListenersNotValid)
-                            && o.standing(j) == Some(Standing::Accepted) =>
-                    {
-                        let bind = ListenerBind {
-                            owner: o.obj.key.clone(),
-                            name: l.spec.name.clone(),
-                            hostname: l.spec.hostname.clone(),
-                            protocol: *protocol,
-                            tls: Some(Arc::new(plan::ListenerTls {
-                                mode: plan::TlsMode::Terminate,
-                                certificates: Vec::new(),
-                            })),
-                            routes: Vec::new(),
-                        };
-                        binds.push((port, protocol.family(), Arc::new(bind)));
-                        continue;
-                    }
+                    // specific listener (another team's wildcard) answer; or, if it was
+                    // serving, keeps serving its routes with its last valid certificate
+                    // (SPEC §7: bad input loses nothing already running).
+                    Err(_) if o.holding(j) => Some(Arc::new(plan::ListenerTls {
+                        mode: plan::TlsMode::Terminate,
+                        certificates: Vec::new(),
+                    })),
                     _ => continue,
                 };
                 let mut routes = bound.remove(&(i, j)).unwrap_or_default();

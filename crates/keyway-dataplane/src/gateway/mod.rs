@@ -445,7 +445,8 @@ impl Gateways {
         let mut configs = lock(&self.configs);
         let mut next = BTreeMap::new();
         for (addr, (owner, pb)) in wanted {
-            let config = Arc::new(self.compile(pb, &mut rejected));
+            let previous = ports.get(&addr).map(|h| h.config.load_full());
+            let config = Arc::new(self.compile(pb, previous.as_deref(), &mut rejected));
             let key = (owner.clone(), pb.port);
             let listeners = pb
                 .listeners
@@ -550,19 +551,36 @@ impl Gateways {
         }
     }
 
-    fn compile(&self, pb: &PortBind, rejected: &mut Vec<ListenerError>) -> PortConfig {
+    /// `previous`: what the port served until now, whose certificates a listener keeps when
+    /// its own stop resolving.
+    fn compile(
+        &self,
+        pb: &PortBind,
+        previous: Option<&PortConfig>,
+        rejected: &mut Vec<ListenerError>,
+    ) -> PortConfig {
         let mut listeners = Vec::with_capacity(pb.listeners.len());
         for l in &pb.listeners {
             // A terminating listener without certificates is one the resolver could not give
-            // any (its status says why); it holds its hostname all the same.
+            // any (its status says why); it holds its hostname all the same. One that was
+            // serving keeps its last valid certificate (SPEC §7), with its routes as they are.
             let unresolved = l
                 .tls
                 .as_ref()
                 .is_some_and(|t| t.mode == TlsMode::Terminate && t.certificates.is_empty());
-            let compiled = if unresolved {
-                Err(None)
-            } else {
-                self.compile_listener(l).map_err(Some)
+            let served = previous.and_then(|p| {
+                p.listeners
+                    .iter()
+                    .find(|o| o.owner == l.owner && o.name == l.name)
+                    .and_then(|o| o.server_config.clone())
+            });
+            let compiled = match (unresolved, served) {
+                (true, Some(kept)) => {
+                    tracing::warn!(listener = %l.name, owner = %l.owner, "its certificate no longer resolves: it keeps serving the last valid one");
+                    self.compile_listener(l, Some(kept)).map_err(Some)
+                }
+                (true, None) => Err(None),
+                (false, _) => self.compile_listener(l, None).map_err(Some),
             };
             match compiled {
                 Ok(c) => listeners.push(c),
@@ -589,9 +607,18 @@ impl Gateways {
         }
     }
 
-    fn compile_listener(&self, l: &ListenerBind) -> Result<Listener, String> {
+    /// `kept`: the certificate to serve instead of the listener's own (which no longer
+    /// resolves).
+    fn compile_listener(
+        &self,
+        l: &ListenerBind,
+        kept: Option<Arc<ServerConfig>>,
+    ) -> Result<Listener, String> {
         let tls_mode = l.tls.as_ref().map(|t| t.mode);
-        let server_config = terminating_config(l)?;
+        let server_config = match kept {
+            Some(kept) => Some(kept),
+            None => terminating_config(l)?,
+        };
         let mut hostnames = Vec::new();
         let mut entries = Vec::new();
         let mut rules = Vec::new();
