@@ -148,10 +148,25 @@ pub fn check_key_pair(
     key: PrivateKeyDer<'static>,
 ) -> Result<(), String> {
     let provider = rustls::crypto::ring::default_provider();
-    match rustls::sign::CertifiedKey::from_der(chain, key, &provider) {
+    match rustls::sign::CertifiedKey::from_der(chain.clone(), key.clone_key(), &provider) {
         Ok(_) => Ok(()),
         Err(rustls::Error::InconsistentKeys(_)) => {
-            Err("the private key does not belong to the certificate in tls.crt".into())
+            // The key may belong to a later certificate: the chain is in the wrong order.
+            let later = chain.iter().enumerate().skip(1).find(|(_, cert)| {
+                rustls::sign::CertifiedKey::from_der(
+                    vec![(*cert).clone()],
+                    key.clone_key(),
+                    &provider,
+                )
+                .is_ok()
+            });
+            Err(match later {
+                Some((i, _)) => format!(
+                    "the private key belongs to certificate {} of tls.crt, not the first: tls.crt must start with the certificate of tls.key, then its intermediates",
+                    i + 1
+                ),
+                None => "the private key does not belong to the certificate in tls.crt".into(),
+            })
         }
         Err(e) => Err(format!("the private key cannot be used: {e}")),
     }

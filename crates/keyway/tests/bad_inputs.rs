@@ -1164,3 +1164,39 @@ fn malformed_addresses_and_port_ranges_are_usage_errors() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A chain in the wrong order (the intermediate before the leaf) is refused with a message
+/// that says so, not "the key does not belong".
+#[test]
+fn a_chain_in_the_wrong_order_says_so() {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().expect("key")).expect("ca");
+    let key = KeyPair::generate().expect("key");
+    let leaf = CertificateParams::new(vec!["a.example".to_string()])
+        .expect("params")
+        .signed_by(&key, &ca)
+        .expect("leaf");
+    let dir = temp_dir("chain-order");
+    std::fs::write(
+        dir.join("secret.yaml"),
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}{}  tls.key: |\n{}",
+            indent(&ca.pem(), 4),
+            indent(&leaf.pem(), 4),
+            indent(&key.serialize_pem(), 4)
+        ),
+    )
+    .expect("write");
+    let out = keyway(&["validate"], &dir);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains(
+            "stringData.tls.key: the private key belongs to certificate 2 of tls.crt, not the first"
+        ),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
