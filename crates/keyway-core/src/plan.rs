@@ -26,6 +26,19 @@ pub struct Plan {
     /// running keeps serving with its last valid TLS (SPEC §7) instead of being stopped.
     #[serde(skip)]
     pub held_listeners: Vec<ObjectKey>,
+    /// Connectors left out of `connectors` because their TLS Secret does not resolve (missing,
+    /// no `tls.key` for `useClientCert`, no `ca.crt` for `verifyHostname`): one already running
+    /// keeps originating TLS with its last valid material (SPEC §7).
+    #[serde(skip)]
+    pub held_connectors: Vec<ObjectKey>,
+    /// Links left out of `links` because their TLS Secret does not resolve (missing, no
+    /// `tls.key`, no `ca.crt`): one already running keeps its connections (SPEC §7).
+    #[serde(skip)]
+    pub held_links: Vec<ObjectKey>,
+    /// A RouterAccess left out as `router_access` because its TLS Secret does not resolve: one
+    /// already running keeps serving and keeps the links it accepted (SPEC §7).
+    #[serde(skip)]
+    pub held_router_access: Option<ObjectKey>,
 }
 
 /// A RouterAccess: the inter-router port to bind, and the identity + CA for mutual TLS.

@@ -156,6 +156,9 @@ pub fn resolve(index: &Index) -> Resolution {
                             })
                     }
                 };
+                if tls.is_err() {
+                    res.plan.held_connectors.push(obj.key.clone());
+                }
                 let health = match health_of(&c.spec.settings) {
                     Ok(h) => Some(h),
                     Err((setting, msg)) => {
@@ -187,9 +190,11 @@ pub fn resolve(index: &Index) -> Resolution {
             Resource::RouterAccess(r) => {
                 let Ok(tls) = secret_material(index, obj, &r.spec.tls_credentials, true, &mut res)
                 else {
+                    res.plan.held_router_access.get_or_insert(obj.key.clone());
                     continue;
                 };
                 if tls.ca.is_empty() {
+                    res.plan.held_router_access.get_or_insert(obj.key.clone());
                     not_configured(
                         obj,
                         "spec.tlsCredentials",
@@ -253,10 +258,14 @@ fn link_plan(
         not_configured(obj, "spec.tlsCredentials", msg, res);
         return None;
     };
-    let tls = secret_material(index, obj, secret, true, res).ok()?;
+    let Ok(tls) = secret_material(index, obj, secret, true, res) else {
+        res.plan.held_links.push(obj.key.clone());
+        return None;
+    };
     if tls.ca.is_empty() {
         let msg = format!("Secret {} needs ca.crt to verify the peer site", tls.secret);
         not_configured(obj, "spec.tlsCredentials", msg, res);
+        res.plan.held_links.push(obj.key.clone());
         return None;
     }
     let endpoint = link

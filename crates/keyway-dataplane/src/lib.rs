@@ -270,6 +270,13 @@ impl DataPlane {
                 },
                 None => Some(c.clone()),
             })
+            // A running connector whose TLS Secret no longer resolves keeps its last valid
+            // configuration too; the core reports why.
+            .chain(
+                plan.held_connectors
+                    .iter()
+                    .filter_map(|id| self.shared.registry.running_plan(id)),
+            )
             .collect();
         let swapping = self
             .shared

@@ -401,6 +401,24 @@ pub fn link_client_config(
     Ok(Arc::new(config))
 }
 
+/// Why a peer verifying against this Secret's own `ca.crt` would refuse its certificate as a
+/// link client (expired, not valid yet, no clientAuth usage, not issued by that CA), if it
+/// would. Under TLS 1.3 the dialer learns of the refusal only as a closed connection after its
+/// handshake, so the Link's status names the cause found here.
+pub fn link_certificate_problem(material: &keyway_core::tls::TlsMaterial) -> Option<String> {
+    let [end_entity, intermediates @ ..] = material.cert_chain.as_slice() else {
+        return Some("no tls.crt".into());
+    };
+    let roots = roots(&material.secret, &material.ca).ok()?;
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .ok()?;
+    verifier
+        .verify_client_cert(end_entity, intermediates, UnixTime::now())
+        .err()
+        .map(|e| e.to_string())
+}
+
 /// The redeeming side of a token (no client certificate): TLS 1.3 only, and the granting site's
 /// chain must verify against `ca` (the token's `ca`). As for links, only the chain is checked,
 /// not the name.

@@ -343,3 +343,91 @@ async fn bad_connector_tls_on_reload_keeps_the_running_connector() {
         dp.observe()
     );
 }
+
+/// Connects through `port` expecting the greeting `want`, within 10 s.
+async fn greets(port: u16, want: &str) -> Result<(), String> {
+    match tokio::time::timeout(Duration::from_secs(10), who(port)).await {
+        Ok(Ok(name)) if name == want => Ok(()),
+        other => Err(format!("{other:?}")),
+    }
+}
+
+/// `verifyHostname: false` checks the chain, not the name: a workload whose certificate (from
+/// the right CA) names another host is accepted; with `verifyHostname: true` it is refused and
+/// the client gets the next key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_hostname_decides_whether_a_certificate_for_another_name_is_accepted() {
+    let ca = Ca::new("workload CA");
+    let (addr, _h) = tls_backend("W", &ca.leaf(&["elsewhere.test"])).await;
+    let b = Backend::start("B").await;
+    for (verify, want) in [(false, "W"), (true, "B")] {
+        let port = free_port();
+        let dp = dataplane();
+        let mut c = connector("w", "w", addr);
+        c.tls = Some(client_tls(&ca, verify));
+        dp.apply(&plan(
+            vec![priority("m", port, &["w", "b"])],
+            vec![c, connector("cb", "b", b.addr)],
+        ));
+        wait_listening(&dp, &mkl_id("m")).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(greets(port, want).await, Ok(()), "verifyHostname {verify}");
+    }
+}
+
+/// A workload whose certificate expired (right CA, right name) is refused even without
+/// `verifyHostname`; the client gets the next key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_workload_certificate_is_refused_and_the_next_key_serves() {
+    let ca = Ca::new("workload CA");
+    let leaf = ca.leaf_with(&["127.0.0.1"], |p| {
+        p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    });
+    let (addr, _h) = tls_backend("EXPIRED", &leaf).await;
+    let b = Backend::start("B").await;
+    for verify in [false, true] {
+        let port = free_port();
+        let dp = dataplane();
+        let mut c = connector("w", "w", addr);
+        c.tls = Some(client_tls(&ca, verify));
+        dp.apply(&plan(
+            vec![priority("m", port, &["w", "b"])],
+            vec![c, connector("cb", "b", b.addr)],
+        ));
+        wait_listening(&dp, &mkl_id("m")).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(greets(port, "B").await, Ok(()), "verifyHostname {verify}");
+        let obs = dp.observe();
+        assert!(
+            obs.unhealthy_connectors.contains_key(&connector_id("w")),
+            "{obs:?}"
+        );
+    }
+}
+
+/// A workload that speaks plain TCP (and talks first) behind a TLS Connector: no plaintext
+/// reaches the client; it gets the next key at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_tcp_workload_behind_a_tls_connector_fails_over_at_once() {
+    let ca = Ca::new("workload CA");
+    let plain = Backend::start("PLAIN").await;
+    let b = Backend::start("B").await;
+    let port = free_port();
+    let dp = dataplane();
+    let mut c = connector("w", "w", plain.addr);
+    c.tls = Some(client_tls(&ca, false));
+    dp.apply(&plan(
+        vec![priority("m", port, &["w", "b"])],
+        vec![c, connector("cb", "b", b.addr)],
+    ));
+    wait_listening(&dp, &mkl_id("m")).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    assert_eq!(greets(port, "B").await, Ok(()));
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}

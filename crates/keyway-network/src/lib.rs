@@ -283,6 +283,10 @@ impl Network {
         let same_access = match (&st.access, &plan.router_access) {
             (Some(running), Some(wanted)) => running.plan == *wanted && !renamed,
             (None, None) => true,
+            // Its Secret no longer resolves: the running one goes on (SPEC §7).
+            (Some(running), None) => {
+                !renamed && plan.held_router_access.as_ref() == Some(&running.plan.id)
+            }
             _ => false,
         };
         if !same_access {
@@ -388,6 +392,14 @@ impl Network {
                             _tasks: tasks,
                         },
                     );
+                }
+            }
+        }
+        // A Link whose Secret no longer resolves keeps its running connections (SPEC §7).
+        if !renamed {
+            for id in &plan.held_links {
+                if let Some(running) = st.links.remove(&id.name) {
+                    next.insert(id.name.clone(), running);
                 }
             }
         }

@@ -244,12 +244,19 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
             return;
         }
     };
+    // The peer refuses a certificate of ours after our TLS 1.3 handshake has completed, so all
+    // we would see is a closed connection: say what is wrong with ours.
+    let own = tls::link_certificate_problem(&link.tls);
     let mut backoff = BACKOFF_MIN;
     loop {
         let started = Instant::now();
         let why = match dial_once(&inner, &dial, config.clone()).await {
             Ok(()) => "connection closed by the peer".to_string(),
             Err(e) => e.to_string(),
+        };
+        let why = match &own {
+            Some(p) => format!("{why}; this site's link certificate would be refused: {p}"),
+            None => why,
         };
         if retired.load(Ordering::Relaxed) {
             // Replaced by a later start of the Link, which reports its own state.

@@ -411,6 +411,11 @@ impl Ca {
 
     /// A leaf certificate for `names` (DNS names or IP addresses).
     pub fn leaf(&self, names: &[&str]) -> Leaf {
+        self.leaf_with(names, |_| {})
+    }
+
+    /// A leaf for `names` with its parameters edited by `edit` (validity, key usages).
+    pub fn leaf_with(&self, names: &[&str], edit: impl FnOnce(&mut CertificateParams)) -> Leaf {
         let mut params =
             CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
                 .expect("params");
@@ -418,6 +423,7 @@ impl Ca {
             DnType::CommonName,
             names.first().copied().unwrap_or("client"),
         );
+        edit(&mut params);
         let key = KeyPair::generate().expect("key");
         let cert = params.signed_by(&key, &self.issuer).expect("sign");
         Leaf {

@@ -71,6 +71,26 @@ impl Ca {
 }
 
 impl Ca {
+    /// As [`Ca::secret_yaml`], with the leaf's parameters edited by `edit` first (validity,
+    /// extended key usages).
+    pub fn secret_yaml_with(
+        &self,
+        name: &str,
+        edit: impl FnOnce(&mut CertificateParams),
+    ) -> String {
+        let names = ["localhost", "127.0.0.1", "::1"].map(String::from).to_vec();
+        let mut params = CertificateParams::new(names).expect("params");
+        edit(&mut params);
+        let key = KeyPair::generate().expect("key");
+        let cert = params.signed_by(&key, &self.0).expect("sign");
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}",
+            indent(&cert.pem()),
+            indent(&key.serialize_pem()),
+            indent(&self.0.pem())
+        )
+    }
+
     /// As [`Ca::secret_yaml`], plus the CA's private key as `ca.key`, so the site can issue
     /// tokens (`keyway token issue`).
     pub fn secret_yaml_with_ca_key(&self, name: &str) -> String {
