@@ -35,34 +35,6 @@ fn echo(w: &mut TcpStream, r: &mut BufReader<TcpStream>, text: &str) -> Result<S
     Ok(echo)
 }
 
-/// `a` (Listener `svc` on `listen`) links to `b` (RouterAccess, Connector `svc`).
-fn pair(ca: &Ca, backend: &Backend) -> (SiteProc, SiteProc, u16, u16) {
-    let (b_port, listen) = (free_port(), free_port());
-    let b = start_site(
-        "b",
-        ca,
-        &[
-            router_access_yaml(b_port, "link-tls"),
-            connector_yaml("svc", "svc", backend.port),
-        ],
-    );
-    let a = start_site(
-        "a",
-        ca,
-        &[
-            link_yaml("to-b", b_port, 1, "link-tls"),
-            listener_yaml("svc", "svc", listen),
-        ],
-    );
-    assert!(
-        eventually(Duration::from_secs(10), || who(listen).as_deref()
-            == Ok("at-b")),
-        "linked: {}",
-        a.log()
-    );
-    (a, b, b_port, listen)
-}
-
 /// SPEC §3.1: "No live connection is moved or cut by ... any config reload that keeps its
 /// listener." Editing only a Link's `cost` keeps the Link's connections (the new cost goes to
 /// the peer in a `cost` message), and with them every proxied connection crossing them.

@@ -155,34 +155,6 @@ fn a_tls_connector_keeps_serving_when_its_secret_loses_ca_crt() {
     }
 }
 
-/// `a` (Listener `svc` on `listen`) links to `b` (RouterAccess, Connector `svc`).
-fn pair(ca: &Ca, backend: &Backend) -> (SiteProc, SiteProc, u16) {
-    let (b_port, listen) = (free_port(), free_port());
-    let b = start_site(
-        "b",
-        ca,
-        &[
-            router_access_yaml(b_port, "link-tls"),
-            connector_yaml("svc", "svc", backend.port),
-        ],
-    );
-    let a = start_site(
-        "a",
-        ca,
-        &[
-            link_yaml("to-b", b_port, 1, "link-tls"),
-            listener_yaml("svc", "svc", listen),
-        ],
-    );
-    assert!(
-        eventually(Duration::from_secs(10), || who(listen).as_deref()
-            == Ok("at-b")),
-        "linked: {}",
-        a.log()
-    );
-    (a, b, listen)
-}
-
 /// The dialing side: the link Secret loses `ca.crt`. The Link's status says why, and the
 /// running link, the connection crossing it and new connections all stay.
 #[test]
@@ -190,7 +162,7 @@ fn a_link_keeps_running_when_its_secret_loses_ca_crt() {
     let _serial = serial();
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
-    let (a, _b, listen) = pair(&ca, &backend);
+    let (a, _b, _b_port, listen) = pair(&ca, &backend);
     let (mut w, mut r, line) = greeted(listen);
     assert_eq!(line, "at-b\n");
 
@@ -219,7 +191,7 @@ fn a_router_access_keeps_its_links_when_its_secret_loses_ca_crt() {
     let _serial = serial();
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
-    let (_a, b, listen) = pair(&ca, &backend);
+    let (_a, b, _b_port, listen) = pair(&ca, &backend);
     let (mut w, mut r, line) = greeted(listen);
     assert_eq!(line, "at-b\n");
 

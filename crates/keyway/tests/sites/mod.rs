@@ -456,3 +456,32 @@ pub fn bulk_echo(port: u16, len: usize) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// `a` (Listener `svc` on `listen`) links to `b` (RouterAccess on `b_port`, Connector `svc`),
+/// both with the network's link Secret: (a, b, b_port, listen), once traffic flows.
+pub fn pair(ca: &Ca, backend: &Backend) -> (SiteProc, SiteProc, u16, u16) {
+    let (b_port, listen) = (free_port(), free_port());
+    let b = start_site(
+        "b",
+        ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    let a = start_site(
+        "a",
+        ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-b")),
+        "linked: {}",
+        a.log()
+    );
+    (a, b, b_port, listen)
+}
