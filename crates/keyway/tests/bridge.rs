@@ -3,12 +3,13 @@
 //! service network with that listener's routing key or strategy. Real `keyway run` processes on
 //! loopback; keep-alive HTTP/1.1 clients and gRPC (HTTP/2) clients on one connection each.
 
+mod http_backend;
 mod sites;
 
+use http_backend::HttpBackend;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use sites::*;
@@ -17,102 +18,6 @@ use sites::*;
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A keep-alive HTTP/1.1 backend answering `backend=<name>`; counts connections open now.
-struct HttpBackend {
-    port: u16,
-    open: Arc<AtomicUsize>,
-    accepted: Arc<AtomicUsize>,
-    stop: Arc<AtomicBool>,
-}
-
-impl HttpBackend {
-    fn start(name: &'static str) -> HttpBackend {
-        Self::start_with(
-            name,
-            TcpListener::bind("127.0.0.1:0").expect("bind backend"),
-        )
-    }
-
-    fn start_with(name: &'static str, listener: TcpListener) -> HttpBackend {
-        let port = listener.local_addr().expect("addr").port();
-        listener.set_nonblocking(true).expect("nonblocking");
-        let stop = Arc::new(AtomicBool::new(false));
-        let open = Arc::new(AtomicUsize::new(0));
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let (flag, o, a) = (stop.clone(), open.clone(), accepted.clone());
-        std::thread::spawn(move || {
-            while !flag.load(Ordering::Acquire) {
-                match listener.accept() {
-                    Ok((s, _)) => {
-                        let _ = s.set_nodelay(true);
-                        let (flag, o) = (flag.clone(), o.clone());
-                        a.fetch_add(1, Ordering::SeqCst);
-                        o.fetch_add(1, Ordering::SeqCst);
-                        std::thread::spawn(move || {
-                            serve_http(s, name, &flag);
-                            o.fetch_sub(1, Ordering::SeqCst);
-                        });
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        });
-        HttpBackend {
-            port,
-            open,
-            accepted,
-            stop,
-        }
-    }
-
-    fn open(&self) -> usize {
-        self.open.load(Ordering::SeqCst)
-    }
-
-    fn accepted(&self) -> usize {
-        self.accepted.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for HttpBackend {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-    }
-}
-
-fn serve_http(mut s: TcpStream, name: &str, stop: &AtomicBool) {
-    let _ = s.set_nonblocking(false);
-    let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while !stop.load(Ordering::Acquire) {
-        match s.read(&mut chunk) {
-            Ok(0) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue;
-            }
-            Err(_) => return,
-        }
-        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            buf.drain(..end + 4);
-            let body = format!("backend={name}\n");
-            let resp = format!(
-                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}",
-                body.len()
-            );
-            if s.write_all(resp.as_bytes()).is_err() {
-                return;
-            }
-        }
-    }
 }
 
 /// A keep-alive HTTP/1.1 client: one connection, reopened only when the gateway closes it.

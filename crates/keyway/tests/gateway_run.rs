@@ -4,88 +4,18 @@
 //! connector's backend dies, and an unbindable port reported as `PortUnavailable`.
 
 mod admin;
+mod http_backend;
 
 use admin::free_port;
+use http_backend::HttpBackend;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
-
-/// A keep-alive HTTP/1.1 backend answering `backend=<name>`. Dropping it closes the listening
-/// socket and every open connection, as a dying process would.
-struct HttpBackend {
-    port: u16,
-    stop: Arc<AtomicBool>,
-}
-
-impl HttpBackend {
-    fn start(name: &'static str) -> HttpBackend {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind backend");
-        let port = listener.local_addr().expect("addr").port();
-        listener.set_nonblocking(true).expect("nonblocking");
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        thread::spawn(move || {
-            while !flag.load(Ordering::Acquire) {
-                match listener.accept() {
-                    Ok((s, _)) => {
-                        let flag = flag.clone();
-                        thread::spawn(move || serve_http(s, name, &flag));
-                    }
-                    Err(_) => thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        });
-        HttpBackend { port, stop }
-    }
-}
-
-fn serve_http(mut s: TcpStream, name: &str, stop: &AtomicBool) {
-    let _ = s.set_nonblocking(false);
-    let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while !stop.load(Ordering::Acquire) {
-        match s.read(&mut chunk) {
-            Ok(0) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue;
-            }
-            Err(_) => return,
-        }
-        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            buf.drain(..end + 4);
-            let body = format!("backend={name}\n");
-            let resp = format!(
-                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}",
-                body.len()
-            );
-            if s.write_all(resp.as_bytes()).is_err() {
-                return;
-            }
-        }
-    }
-}
-
-impl Drop for HttpBackend {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Let the accept loop and connection threads notice.
-        thread::sleep(Duration::from_millis(80));
-    }
-}
 
 struct Site {
     child: Child,
