@@ -21,24 +21,12 @@ pub struct Plan {
     /// Links this site dials.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub links: Vec<LinkPlan>,
-    /// Listeners and MultiKeyListeners left out of `listeners` because their TLS Secret does
-    /// not resolve (missing, no `tls.key`, no `ca.crt` for `requireClientCert`): one already
-    /// running keeps serving with its last valid TLS (SPEC §7) instead of being stopped.
+    /// Listeners, MultiKeyListeners, Connectors, Links and a RouterAccess left out of this plan
+    /// because their TLS Secret does not resolve (missing, no `tls.key`, no `ca.crt` where one is
+    /// needed): one already running keeps its last valid TLS, and its connections, instead of
+    /// being stopped (SPEC §7: bad input loses nothing already running). Status says why.
     #[serde(skip)]
-    pub held_listeners: Vec<ObjectKey>,
-    /// Connectors left out of `connectors` because their TLS Secret does not resolve (missing,
-    /// no `tls.key` for `useClientCert`, no `ca.crt` for `verifyHostname`): one already running
-    /// keeps originating TLS with its last valid material (SPEC §7).
-    #[serde(skip)]
-    pub held_connectors: Vec<ObjectKey>,
-    /// Links left out of `links` because their TLS Secret does not resolve (missing, no
-    /// `tls.key`, no `ca.crt`): one already running keeps its connections (SPEC §7).
-    #[serde(skip)]
-    pub held_links: Vec<ObjectKey>,
-    /// A RouterAccess left out as `router_access` because its TLS Secret does not resolve: one
-    /// already running keeps serving and keeps the links it accepted (SPEC §7).
-    #[serde(skip)]
-    pub held_router_access: Option<ObjectKey>,
+    pub held: std::collections::BTreeSet<ObjectKey>,
 }
 
 /// A RouterAccess: the inter-router port to bind, and the identity + CA for mutual TLS.

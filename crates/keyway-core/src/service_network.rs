@@ -95,7 +95,7 @@ pub fn resolve(index: &Index) -> Resolution {
                     &mut res,
                 );
                 if tls.is_err() {
-                    res.plan.held_listeners.push(obj.key.clone());
+                    res.plan.held.insert(obj.key.clone());
                 }
                 if let (Ok(tls), Ok(port)) = (tls, u16::try_from(l.spec.port)) {
                     res.plan.listeners.push(ListenerPlan {
@@ -116,7 +116,7 @@ pub fn resolve(index: &Index) -> Resolution {
                     &mut res,
                 );
                 if tls.is_err() {
-                    res.plan.held_listeners.push(obj.key.clone());
+                    res.plan.held.insert(obj.key.clone());
                 }
                 let selection = selection_of(&m.spec.strategy);
                 if let (Ok(tls), Ok(port), Some(selection)) =
@@ -157,7 +157,7 @@ pub fn resolve(index: &Index) -> Resolution {
                     }
                 };
                 if tls.is_err() {
-                    res.plan.held_connectors.push(obj.key.clone());
+                    res.plan.held.insert(obj.key.clone());
                 }
                 let health = match health_of(&c.spec.settings) {
                     Ok(h) => Some(h),
@@ -190,11 +190,11 @@ pub fn resolve(index: &Index) -> Resolution {
             Resource::RouterAccess(r) => {
                 let Ok(tls) = secret_material(index, obj, &r.spec.tls_credentials, true, &mut res)
                 else {
-                    res.plan.held_router_access.get_or_insert(obj.key.clone());
+                    res.plan.held.insert(obj.key.clone());
                     continue;
                 };
                 if tls.ca.is_empty() {
-                    res.plan.held_router_access.get_or_insert(obj.key.clone());
+                    res.plan.held.insert(obj.key.clone());
                     not_configured(
                         obj,
                         "spec.tlsCredentials",
@@ -259,13 +259,13 @@ fn link_plan(
         return None;
     };
     let Ok(tls) = secret_material(index, obj, secret, true, res) else {
-        res.plan.held_links.push(obj.key.clone());
+        res.plan.held.insert(obj.key.clone());
         return None;
     };
     if tls.ca.is_empty() {
         let msg = format!("Secret {} needs ca.crt to verify the peer site", tls.secret);
         not_configured(obj, "spec.tlsCredentials", msg, res);
-        res.plan.held_links.push(obj.key.clone());
+        res.plan.held.insert(obj.key.clone());
         return None;
     }
     let endpoint = link

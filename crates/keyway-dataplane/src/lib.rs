@@ -273,7 +273,7 @@ impl DataPlane {
             // A running connector whose TLS Secret no longer resolves keeps its last valid
             // configuration too; the core reports why.
             .chain(
-                plan.held_connectors
+                plan.held
                     .iter()
                     .filter_map(|id| self.shared.registry.running_plan(id)),
             )
@@ -330,7 +330,7 @@ impl DataPlane {
         }
         // A listener whose TLS Secret no longer resolves keeps serving with its last valid TLS
         // (SPEC §7), as one whose material rustls refuses does above; the core reports why.
-        for id in &plan.held_listeners {
+        for id in &plan.held {
             if let Some(handle) = listeners.remove(id) {
                 next.insert(id.clone(), handle);
             }

@@ -284,9 +284,7 @@ impl Network {
             (Some(running), Some(wanted)) => running.plan == *wanted && !renamed,
             (None, None) => true,
             // Its Secret no longer resolves: the running one goes on (SPEC §7).
-            (Some(running), None) => {
-                !renamed && plan.held_router_access.as_ref() == Some(&running.plan.id)
-            }
+            (Some(running), None) => !renamed && plan.held.contains(&running.plan.id),
             _ => false,
         };
         if !same_access {
@@ -397,7 +395,11 @@ impl Network {
         }
         // A Link whose Secret no longer resolves keeps its running connections (SPEC §7).
         if !renamed {
-            for id in &plan.held_links {
+            for id in plan
+                .held
+                .iter()
+                .filter(|id| id.kind == keyway_core::Kind::Link)
+            {
                 if let Some(running) = st.links.remove(&id.name) {
                     next.insert(id.name.clone(), running);
                 }
