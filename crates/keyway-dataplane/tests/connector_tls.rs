@@ -4,10 +4,13 @@
 
 mod common;
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use keyway_core::{Kind, ObjectKey};
+use keyway_dataplane::DataPlane;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -352,6 +355,28 @@ async fn greets(port: u16, want: &str) -> Result<(), String> {
     }
 }
 
+/// A MultiKeyListener `m` preferring key `w` (a Connector to `workload` that originates TLS,
+/// verifying against `ca`, the name too if `verify`) over key `b` (plain, to `b`), once its
+/// health checks have had a round: (its port, the data plane).
+async fn tls_key_before_b(
+    ca: &Ca,
+    verify: bool,
+    workload: SocketAddr,
+    b: SocketAddr,
+) -> (u16, Arc<DataPlane>) {
+    let port = free_port();
+    let dp = dataplane();
+    let mut c = connector("w", "w", workload);
+    c.tls = Some(client_tls(ca, verify));
+    dp.apply(&plan(
+        vec![priority("m", port, &["w", "b"])],
+        vec![c, connector("cb", "b", b)],
+    ));
+    wait_listening(&dp, &mkl_id("m")).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    (port, dp)
+}
+
 /// `verifyHostname: false` checks the chain, not the name: a workload whose certificate (from
 /// the right CA) names another host is accepted; with `verifyHostname: true` it is refused and
 /// the client gets the next key.
@@ -361,16 +386,7 @@ async fn verify_hostname_decides_whether_a_certificate_for_another_name_is_accep
     let (addr, _h) = tls_backend("W", &ca.leaf(&["elsewhere.test"])).await;
     let b = Backend::start("B").await;
     for (verify, want) in [(false, "W"), (true, "B")] {
-        let port = free_port();
-        let dp = dataplane();
-        let mut c = connector("w", "w", addr);
-        c.tls = Some(client_tls(&ca, verify));
-        dp.apply(&plan(
-            vec![priority("m", port, &["w", "b"])],
-            vec![c, connector("cb", "b", b.addr)],
-        ));
-        wait_listening(&dp, &mkl_id("m")).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (port, _dp) = tls_key_before_b(&ca, verify, addr, b.addr).await;
         assert_eq!(greets(port, want).await, Ok(()), "verifyHostname {verify}");
     }
 }
@@ -387,16 +403,7 @@ async fn an_expired_workload_certificate_is_refused_and_the_next_key_serves() {
     let (addr, _h) = tls_backend("EXPIRED", &leaf).await;
     let b = Backend::start("B").await;
     for verify in [false, true] {
-        let port = free_port();
-        let dp = dataplane();
-        let mut c = connector("w", "w", addr);
-        c.tls = Some(client_tls(&ca, verify));
-        dp.apply(&plan(
-            vec![priority("m", port, &["w", "b"])],
-            vec![c, connector("cb", "b", b.addr)],
-        ));
-        wait_listening(&dp, &mkl_id("m")).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (port, dp) = tls_key_before_b(&ca, verify, addr, b.addr).await;
         assert_eq!(greets(port, "B").await, Ok(()), "verifyHostname {verify}");
         let obs = dp.observe();
         assert!(
@@ -413,16 +420,7 @@ async fn a_plain_tcp_workload_behind_a_tls_connector_fails_over_at_once() {
     let ca = Ca::new("workload CA");
     let plain = Backend::start("PLAIN").await;
     let b = Backend::start("B").await;
-    let port = free_port();
-    let dp = dataplane();
-    let mut c = connector("w", "w", plain.addr);
-    c.tls = Some(client_tls(&ca, false));
-    dp.apply(&plan(
-        vec![priority("m", port, &["w", "b"])],
-        vec![c, connector("cb", "b", b.addr)],
-    ));
-    wait_listening(&dp, &mkl_id("m")).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (port, _dp) = tls_key_before_b(&ca, false, plain.addr, b.addr).await;
     let started = Instant::now();
     assert_eq!(greets(port, "B").await, Ok(()));
     assert!(
