@@ -159,58 +159,61 @@ fn a_tls_connector_keeps_serving_when_its_secret_loses_ca_crt() {
 /// running link, the connection crossing it and new connections all stay.
 #[test]
 fn a_link_keeps_running_when_its_secret_loses_ca_crt() {
-    let _serial = serial();
-    let ca = Ca::new("net");
-    let backend = Backend::start("at-b");
-    let (a, _b, _b_port, listen) = pair(&ca, &backend);
-    let (mut w, mut r, line) = greeted(listen);
-    assert_eq!(line, "at-b\n");
-
-    drop_ca_crt(&a, "link-tls");
-    assert!(
-        eventually(Duration::from_secs(5), || a
-            .status_of("Link", "to-b")
-            .is_some_and(|s| s.to_string().contains("ca.crt"))),
-        "{:?}",
-        a.status_of("Link", "to-b")
-    );
-    std::thread::sleep(Duration::from_secs(2));
-    assert_eq!(
-        echo(&mut w, &mut r, "live\n").as_deref(),
-        Ok("live\n"),
-        "the live connection was cut by a bad Secret edit; a's log:\n{}",
-        a.log()
-    );
-    assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
+    link_survives_its_secret_losing_ca_crt(Side::Dialing);
 }
 
 /// The accepting side: the RouterAccess Secret loses `ca.crt`. Links it accepted, and the
 /// connections crossing them, stay.
 #[test]
 fn a_router_access_keeps_its_links_when_its_secret_loses_ca_crt() {
+    link_survives_its_secret_losing_ca_crt(Side::Accepting);
+}
+
+enum Side {
+    /// `a`, with the Link.
+    Dialing,
+    /// `b`, with the RouterAccess.
+    Accepting,
+}
+
+/// Links `a` to `b`, then takes `ca.crt` out of the link Secret at `side`: once its status
+/// (Link `to-b` or RouterAccess `access`) says so, a connection open across the link and a
+/// new one both still work.
+fn link_survives_its_secret_losing_ca_crt(side: Side) {
     let _serial = serial();
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
-    let (_a, b, _b_port, listen) = pair(&ca, &backend);
+    let (a, b, _b_port, listen) = pair(&ca, &backend);
     let (mut w, mut r, line) = greeted(listen);
     assert_eq!(line, "at-b\n");
+    let (site, kind, name) = match side {
+        Side::Dialing => (&a, "Link", "to-b"),
+        Side::Accepting => (&b, "RouterAccess", "access"),
+    };
 
-    drop_ca_crt(&b, "link-tls");
+    drop_ca_crt(site, "link-tls");
     assert!(
-        eventually(Duration::from_secs(5), || b
-            .status_of("RouterAccess", "access")
+        eventually(Duration::from_secs(5), || site
+            .status_of(kind, name)
             .is_some_and(|s| s.to_string().contains("ca.crt"))),
         "{:?}",
-        b.status_of("RouterAccess", "access")
+        site.status_of(kind, name)
     );
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(
         echo(&mut w, &mut r, "live\n").as_deref(),
         Ok("live\n"),
-        "the live connection was cut by a bad Secret edit; b's log:\n{}",
-        b.log()
+        "the live connection was cut by a bad Secret edit; {}'s log:\n{}",
+        site.name,
+        site.log()
     );
-    assert_eq!(who(listen).as_deref(), Ok("at-b"), "b's log:\n{}", b.log());
+    assert_eq!(
+        who(listen).as_deref(),
+        Ok("at-b"),
+        "{}'s log:\n{}",
+        site.name,
+        site.log()
+    );
 }
 
 /// `b` (RouterAccess, Connector `svc`) with link Secret `b_secret`; `a` links to it with
