@@ -24,6 +24,7 @@ ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--runs", type=int, default=4)
 ap.add_argument("--secs", type=int, default=4)
 ap.add_argument("--nohaproxy", action="store_true")
+ap.add_argument("--fwd", action="store_true", help="also HAProxy adding X-Forwarded-For/-Proto, as keyway does")
 ap.add_argument("--tcp", action="store_true", help="Listener/Connector and HAProxy tcp mode; keep-alive and new connections")
 ap.add_argument("bins", nargs="+")
 a = ap.parse_args()
@@ -83,6 +84,14 @@ try:
             "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
             f"listen http\n  bind 127.0.0.1:28190\n  server s1 127.0.0.1:{ORIGIN}\n")
         targets.append(("haproxy", 28190, start(["haproxy", "-f", f"{w}/h.cfg"]).pid))
+        if a.fwd and not a.tcp:
+            # The same with the forwarded headers keyway adds (X-Forwarded-For/-Proto).
+            open(f"{w}/hf.cfg", "w").write(f"global\n  maxconn 8000\n  nbthread {a.threads}\ndefaults\n{mode}"
+                "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
+                f"listen http\n  bind 127.0.0.1:28189\n  option forwardfor\n"
+                "  http-request set-header X-Forwarded-Proto http\n"
+                f"  server s1 127.0.0.1:{ORIGIN}\n")
+            targets.append(("haproxy-fwd", 28189, start(["haproxy", "-f", f"{w}/hf.cfg"]).pid))
     for i, spec in enumerate(a.bins):
         name, path = spec.split("=", 1)
         port = 28191 + i
