@@ -1,7 +1,9 @@
 //! The Gateway's HTTP/1.1 backend side against scripted raw backends on 127.0.0.1: response
 //! framings, connection reuse (and when there must be none), request bodies streamed, upgrades
 //! with bytes read ahead, and bad backend input turned into a clean 502, or an aborted response
-//! once its head has gone out.
+//! once its head has gone out. And its client side with raw clients: pipelining, `100
+//! Continue`, HTTP/1.0 keep-alive, malformed heads, bodies the backend never reads, and the
+//! response head a client gets.
 
 mod common;
 
@@ -1684,4 +1686,316 @@ async fn a_recovered_endpoint_takes_requests_again() {
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let seen = tally(&mut c, 20).await;
     assert!(seen.get("back").is_some_and(|n| *n >= 8), "{seen:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client side
+
+/// A response read from a raw client connection: head (lower-cased) and body, framed by its
+/// Content-Length (or the close).
+async fn response(s: &mut TcpStream) -> (String, Vec<u8>) {
+    let head = common::read_head(s).await.to_ascii_lowercase();
+    let len = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|n| n.trim().parse::<usize>().ok());
+    // A 304, and the answer to HEAD (marked `x-head: 1` here), describe a body they lack.
+    let bodiless = head.starts_with("http/1.1 304") || head.contains("\r\nx-head: 1");
+    let mut body = vec![0u8; if bodiless { 0 } else { len.unwrap_or(0) }];
+    if len.is_some() && !bodiless {
+        tokio::time::timeout(IO_TIMEOUT, s.read_exact(&mut body))
+            .await
+            .expect("body in time")
+            .expect("body");
+    } else if len.is_none() {
+        tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut body))
+            .await
+            .expect("body in time")
+            .expect("body");
+    }
+    (head, body)
+}
+
+/// Whether the gateway closes `s` (nothing more comes) within a few seconds.
+async fn closes(s: &mut TcpStream) -> bool {
+    let mut rest = Vec::new();
+    matches!(
+        tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut rest)).await,
+        Ok(Ok(0))
+    )
+}
+
+async fn ab_backend() -> Raw {
+    answering(&[
+        ("/a", "HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na"),
+        ("/b", "HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nb"),
+    ])
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_are_answered_in_order() {
+    let b = ab_backend().await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    // Three requests in one write, the first after empty lines (RFC 9112 §2.2).
+    s.write_all(
+        b"\r\n\r\nGET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n\
+          GET /a HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    let mut bodies = Vec::new();
+    for _ in 0..3 {
+        let (head, body) = response(&mut s).await;
+        assert!(head.starts_with("http/1.1 200 ok"), "{head}");
+        bodies.push(String::from_utf8_lossy(&body).into_owned());
+    }
+    assert_eq!(bodies, ["a", "b", "a"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_100_continue_is_answered_when_the_body_is_wanted() {
+    let b = raw(|mut c| async move {
+        while let Some(req) = c.request().await {
+            echo_body(&mut c, &req, None).await;
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    s.write_all(
+        b"POST /e HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    // The client waits for the interim response before sending its body.
+    let interim = common::read_head(&mut s).await;
+    assert_eq!(interim, "HTTP/1.1 100 Continue\r\n\r\n");
+    s.write_all(b"hello").await.expect("body");
+    let (head, body) = response(&mut s).await;
+    assert!(head.starts_with("http/1.1 200 ok"), "{head}");
+    assert_eq!(body, b"POST length hello");
+    // A chunked body with extensions and trailers, on the same connection.
+    s.write_all(
+        b"POST /e HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n\
+          3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\nx-trailer: 1\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    let (head, body) = response(&mut s).await;
+    assert!(head.starts_with("http/1.1 200 ok"), "{head}");
+    assert_eq!(body, b"POST chunked abcde");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_1_0_clients_keep_the_connection_only_when_they_ask() {
+    let b = ab_backend().await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    for path in ["/a", "/b"] {
+        s.write_all(format!("GET {path} HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+        let (head, body) = response(&mut s).await;
+        assert!(head.starts_with("http/1.0 200 ok"), "{head}");
+        assert!(head.contains("\r\nconnection: keep-alive\r\n"), "{head}");
+        assert_eq!(body, &path.as_bytes()[1..]);
+    }
+    s.write_all(b"GET /a HTTP/1.0\r\n\r\n")
+        .await
+        .expect("write");
+    let (head, body) = response(&mut s).await;
+    assert!(head.starts_with("http/1.0 200 ok"), "{head}");
+    assert!(!head.contains("keep-alive"), "{head}");
+    assert_eq!(body, b"a");
+    assert!(
+        closes(&mut s).await,
+        "an HTTP/1.0 request without keep-alive closes"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_request_heads_are_refused_and_counted() {
+    let b = ab_backend().await;
+    let (dp, port) = gateway_to(b.addr).await;
+    let long_header = format!(
+        "GET /a HTTP/1.1\r\nHost: x\r\nX: {}\r\n\r\n",
+        "a".repeat(70_000)
+    );
+    let many: String = (0..101).map(|i| format!("x-{i}: 1\r\n")).collect();
+    let many = format!("GET /a HTTP/1.1\r\nHost: x\r\n{many}\r\n");
+    let long_uri = format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(65_535));
+    let cases: Vec<(String, u16)> = vec![
+        ("GARBAGE\r\n\r\n".into(), 400),
+        ("GET /a HTTP/1.1\r\nBad Header: x\r\n\r\n".into(), 400),
+        ("GET /a HTTP/9.9\r\nHost: x\r\n\r\n".into(), 400),
+        (
+            "POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n".into(),
+            400,
+        ),
+        (
+            "POST /a HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".into(),
+            400,
+        ),
+        (
+            "POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n".into(),
+            400,
+        ),
+        (
+            "POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n".into(),
+            400,
+        ),
+        (long_header, 431),
+        (many, 431),
+        (long_uri, 431),
+    ];
+    let n = cases.len();
+    for (req, status) in cases {
+        let mut s = common::connect(port).await.expect("connect");
+        // The gateway may answer before the whole request is written.
+        let _ = s.write_all(req.as_bytes()).await;
+        let (head, _) = response(&mut s).await;
+        let want = format!("http/1.1 {status} ");
+        assert!(
+            head.starts_with(&want),
+            "{:?}: {head}",
+            &req[..req.len().min(60)]
+        );
+        assert!(head.contains("connection: close"), "{head}");
+        assert!(closes(&mut s).await, "closed after {status}");
+    }
+    let m = dp.metrics().encode();
+    let line = format!("keyway_gateway_unrouted_requests_total{{reason=\"invalid\"}} {n}");
+    assert!(m.contains(&line), "{m}");
+    assert_eq!(
+        b.accepted.load(Ordering::SeqCst),
+        0,
+        "none reached the backend"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_the_backend_never_reads_closes_the_connection() {
+    let b = answering(&[("/a", "HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na")]).await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    // 100 KB announced, 5 bytes sent: the backend answers without reading any of it.
+    s.write_all(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nhello")
+        .await
+        .expect("write");
+    let (head, body) = response(&mut s).await;
+    assert!(head.starts_with("http/1.1 200 ok"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert_eq!(body, b"a");
+    // What the client sends next would be read as part of the body: the connection ends.
+    assert!(closes(&mut s).await);
+    // A body that came whole with its head does not cost the connection.
+    let mut s = common::connect(port).await.expect("connect");
+    for _ in 0..2 {
+        s.write_all(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+            .await
+            .expect("write");
+        let (head, body) = response(&mut s).await;
+        assert!(head.starts_with("http/1.1 200 ok"), "{head}");
+        assert!(!head.contains("connection: close"), "{head}");
+        assert_eq!(body, b"a");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_get_the_backends_headers_without_hop_by_hop_ones() {
+    let b = answering(&[
+        (
+            "/h",
+            "HTTP/1.1 201 Made Here\r\nConnection: X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=9\r\n\
+             X-Keep: 2\r\nDate: Mon, 30 Nov 2026 08:00:00 GMT\r\nContent-Length: 2\r\n\r\nok",
+        ),
+        (
+            "/head",
+            "HTTP/1.1 200 OK\r\nContent-Length: 10\r\nX-Head: 1\r\n\r\n",
+        ),
+        (
+            "/304",
+            "HTTP/1.1 304 Not Modified\r\nContent-Length: 10\r\nETag: \"e\"\r\n\r\n",
+        ),
+        ("/204", "HTTP/1.1 204 No Content\r\n\r\n"),
+    ])
+    .await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    s.write_all(b"GET /h HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let (head, body) = response(&mut s).await;
+    assert!(head.starts_with("http/1.1 201 made here\r\n"), "{head}");
+    assert!(head.contains("\r\nx-keep: 2\r\n"), "{head}");
+    assert!(
+        !head.contains("x-hop") && !head.contains("keep-alive"),
+        "{head}"
+    );
+    assert_eq!(head.matches("\r\ndate: ").count(), 1, "{head}");
+    assert!(
+        head.contains("date: mon, 30 nov 2026 08:00:00 gmt"),
+        "{head}"
+    );
+    assert_eq!(head.matches("content-length: 2").count(), 1, "{head}");
+    assert_eq!(body, b"ok");
+    // HEAD and 304 keep the length they describe, with no body; 204 has neither.
+    s.write_all(b"HEAD /head HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let (head, body) = response(&mut s).await;
+    assert!(head.contains("\r\ncontent-length: 10\r\n"), "{head}");
+    assert!(body.is_empty());
+    s.write_all(b"GET /304 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let (head, _) = response(&mut s).await;
+    assert!(head.starts_with("http/1.1 304"), "{head}");
+    assert!(head.contains("\r\ncontent-length: 10\r\n"), "{head}");
+    assert!(head.contains("\r\netag: \"e\"\r\n"), "{head}");
+    s.write_all(b"GET /204 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let head = common::read_head(&mut s).await.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 204"), "{head}");
+    assert!(!head.contains("content-length"), "{head}");
+    // Still one connection, still usable.
+    s.write_all(b"GET /h HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let (head, _) = response(&mut s).await;
+    assert!(head.starts_with("http/1.1 201"), "{head}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_during_its_request_frees_the_backend_connection() {
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<&'static str>();
+    let b = raw(move |mut c| {
+        let seen = seen_tx.clone();
+        async move {
+            // Never answers; says when the gateway gives the request up.
+            if c.request().await.is_some() {
+                let _ = seen.send("request");
+                while c.fill().await {}
+                let _ = seen.send("closed");
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    s.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let got = tokio::time::timeout(IO_TIMEOUT, seen_rx.recv()).await;
+    assert_eq!(got.ok().flatten(), Some("request"));
+    drop(s);
+    let got = tokio::time::timeout(IO_TIMEOUT, seen_rx.recv()).await;
+    assert_eq!(
+        got.ok().flatten(),
+        Some("closed"),
+        "backend connection released"
+    );
 }

@@ -51,7 +51,7 @@ pub enum Error {
     #[error("backend sent data after the response")]
     Unsolicited,
     #[error("request body: {0}")]
-    RequestBody(hyper::Error),
+    RequestBody(Box<dyn std::error::Error + Send + Sync>),
     #[error("request body does not match its Content-Length")]
     BodyLength,
     #[error("request body: nothing received within the idle timeout")]
@@ -115,7 +115,7 @@ pub fn encode_head(
         dst.put_slice(v.as_bytes());
         dst.put_slice(b"\r\n");
     }
-    let framing = match content_length(&head.headers) {
+    let framing = match request_content_length(&head.headers) {
         Ok(Some(n)) => Framing::Length(n),
         // An invalid Content-Length cannot come from hyper's server: treat it as unknown.
         Ok(None) | Err(_) if body_empty => Framing::Length(0),
@@ -190,19 +190,122 @@ pub enum BodyKind {
 /// A parsed response head.
 #[derive(Debug)]
 pub struct Head {
+    /// Its headers are in the map, or (see [`parse_head`]'s `raw`) in a [`RawHeaders`]
+    /// extension with the map left empty.
     pub response: Response<()>,
     pub body: BodyKind,
     /// Whether the connection may carry another request after this response.
     pub keep_alive: bool,
 }
 
+/// A response's header lines as they go to an HTTP/1.x client: the backend's, lower-cased,
+/// without the hop-by-hop and framing ones (the client connection frames the body itself).
+/// Copied once instead of parsed into a map, encoded from it and dropped.
+#[derive(Debug, Clone)]
+pub struct RawHeaders {
+    pub lines: Bytes,
+    pub has_date: bool,
+    /// A Content-Length kept as it was: the response has no body however it is framed
+    /// (HEAD, 304), and the header describes the body the request would have had.
+    pub has_length: bool,
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded; with `HTTP2-Settings` (an h2c
+/// upgrade's, never passed on).
+pub const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "transfer-encoding",
+    "trailer",
+    "upgrade",
+    "http2-settings",
+];
+
+/// What a head's header lines say about framing and the connection.
+#[derive(Default)]
+struct Facts {
+    close: bool,
+    keep_alive: bool,
+    transfer_encoding: bool,
+    /// All Transfer-Encoding values together are exactly `chunked`.
+    chunked_only: bool,
+    codings: usize,
+    content_length: Option<u64>,
+    content_length_invalid: bool,
+}
+
+impl Facts {
+    fn scan<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> Facts {
+        let mut f = Facts::default();
+        for (name, value) in lines {
+            if name.eq_ignore_ascii_case(b"connection") {
+                f.close |= has_token(value, b"close");
+                f.keep_alive |= has_token(value, b"keep-alive");
+            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                f.transfer_encoding = true;
+                for c in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                    if !c.is_empty() {
+                        f.codings += 1;
+                        f.chunked_only = f.codings == 1 && c.eq_ignore_ascii_case(b"chunked");
+                    }
+                }
+            } else if name.eq_ignore_ascii_case(b"content-length") {
+                match content_length(value) {
+                    Some(n) if f.content_length.is_none_or(|m| m == n) => {
+                        f.content_length = Some(n);
+                    }
+                    _ => f.content_length_invalid = true,
+                }
+            }
+        }
+        f
+    }
+
+    /// RFC 9112 §6.3, as hyper's client reads it.
+    fn body_kind(
+        &self,
+        status: StatusCode,
+        version: Version,
+        head_request: bool,
+        codings: impl FnOnce() -> String,
+    ) -> Result<BodyKind, Error> {
+        if status == StatusCode::SWITCHING_PROTOCOLS {
+            return Ok(BodyKind::Upgrade);
+        }
+        if head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+            return Ok(BodyKind::Length(0));
+        }
+        if self.transfer_encoding {
+            if version == Version::HTTP_10 {
+                return Err(Error::TransferEncoding10);
+            }
+            // Only `chunked`: the gateway removes the chunking and the header with it, so any
+            // other coding (`gzip, chunked`) would reach the client undeclared, a corrupt body.
+            // nginx refuses these too.
+            return if self.chunked_only && self.codings == 1 {
+                Ok(BodyKind::Chunked)
+            } else {
+                Err(Error::TransferCoding(codings()))
+            };
+        }
+        match (self.content_length_invalid, self.content_length) {
+            (true, _) => Err(Error::ContentLength),
+            (false, Some(n)) => Ok(BodyKind::Length(n)),
+            (false, None) => Ok(BodyKind::Close),
+        }
+    }
+}
+
 /// Parses the response head at the start of `buf` and removes it (with any `1xx` interim
 /// responses before it, which are skipped and counted in `interim`, kept by the caller across
 /// reads); `Ok(None)` while it is incomplete. The header values share the head's bytes instead
-/// of being copied.
+/// of being copied. With `raw` (an HTTP/1.x client, no response header filters), the headers
+/// come as [`RawHeaders`] instead of a map (not for `101 Switching Protocols`).
 pub fn parse_head(
     buf: &mut BytesMut,
     head_request: bool,
+    raw: bool,
     interim: &mut u32,
 ) -> Result<Option<Head>, Error> {
     loop {
@@ -244,50 +347,15 @@ pub fn parse_head(
             .reason
             .filter(|r| Some(*r) != status.canonical_reason())
             .and_then(|r| hyper::ext::ReasonPhrase::try_from(r.as_bytes()).ok());
-        // Where each name and value lies in the head, so they can be cut from its bytes.
-        let base = buf.as_ptr() as usize;
-        let mut spans = [[0u32; 4]; MAX_HEADERS];
-        let n = res.headers.len();
-        // Offsets fit: the head is at most MAX_HEAD bytes.
-        let at = |p: *const u8, len: usize| {
-            [(p as usize - base) as u32, (p as usize - base + len) as u32]
-        };
-        for (span, h) in spans.iter_mut().zip(res.headers.iter()) {
-            let [ns, ne] = at(h.name.as_ptr(), h.name.len());
-            let [vs, ve] = at(h.value.as_ptr(), h.value.len());
-            *span = [ns, ne, vs, ve];
-        }
-        let bytes = buf.split_to(len).freeze();
-        let mut map = HeaderMap::with_capacity(n);
-        let mut keep_alive = version == Version::HTTP_11;
-        let mut close = false;
-        for &[ns, ne, vs, ve] in &spans[..n] {
-            let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
-            let name = HeaderName::from_bytes(&bytes[ns..ne])
-                .map_err(|_| Error::Header(String::from_utf8_lossy(&bytes[ns..ne]).into()))?;
-            let value = HeaderValue::from_maybe_shared(bytes.slice(vs..ve))
-                .map_err(|_| Error::Header(name.to_string()))?;
-            if name == header::CONNECTION {
-                if has_token(&value, "close") {
-                    close = true;
-                } else if has_token(&value, "keep-alive") {
-                    keep_alive = true;
-                }
-            }
-            map.append(name, value);
-        }
-        let body = body_kind(status, version, &map, head_request)?;
+        let facts = Facts::scan(res.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
+        let body = facts.body_kind(status, version, head_request, || {
+            transfer_codings(res.headers.iter().map(|h| (h.name.as_bytes(), h.value)))
+        })?;
         // Both framings at once is what request smuggling looks like (RFC 9112 §6.3): the
         // connection is not used again, in case anything behind the backend framed by length.
-        let both_framings =
-            map.contains_key(header::TRANSFER_ENCODING) && map.contains_key(header::CONTENT_LENGTH);
-        if map.contains_key(header::TRANSFER_ENCODING) {
-            // Transfer-Encoding overrides Content-Length, which a proxy must then drop
-            // (RFC 9112 §6.3): forwarded, it would frame the client's response wrongly.
-            map.remove(header::CONTENT_LENGTH);
-        }
-        let keep_alive = keep_alive
-            && !close
+        let both_framings = facts.transfer_encoding && facts.content_length.is_some();
+        let keep_alive = (version == Version::HTTP_11 || facts.keep_alive)
+            && !facts.close
             && !both_framings
             && !matches!(body, BodyKind::Close | BodyKind::Upgrade);
         let mut response = Response::new(());
@@ -295,9 +363,46 @@ pub fn parse_head(
         // The backend's version only decides keep-alive: the client gets the gateway's own
         // (RFC 9110 §6.2), and an HTTP/1.0 backend does not close the client connection.
         *response.version_mut() = Version::HTTP_11;
-        *response.headers_mut() = map;
         if let Some(r) = reason {
             response.extensions_mut().insert(r);
+        }
+        if raw && status != StatusCode::SWITCHING_PROTOCOLS {
+            let lines = raw_lines(
+                res.headers,
+                head_request || status == StatusCode::NOT_MODIFIED,
+            );
+            let _ = buf.split_to(len);
+            response.extensions_mut().insert(lines);
+        } else {
+            // Where each name and value lies in the head, so they can be cut from its bytes.
+            let base = buf.as_ptr() as usize;
+            let mut spans = [[0u32; 4]; MAX_HEADERS];
+            let n = res.headers.len();
+            // Offsets fit: the head is at most MAX_HEAD bytes.
+            let at = |p: *const u8, len: usize| {
+                [(p as usize - base) as u32, (p as usize - base + len) as u32]
+            };
+            for (span, h) in spans.iter_mut().zip(res.headers.iter()) {
+                let [ns, ne] = at(h.name.as_ptr(), h.name.len());
+                let [vs, ve] = at(h.value.as_ptr(), h.value.len());
+                *span = [ns, ne, vs, ve];
+            }
+            let bytes = buf.split_to(len).freeze();
+            let map = response.headers_mut();
+            map.reserve(n);
+            for &[ns, ne, vs, ve] in &spans[..n] {
+                let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
+                let name = HeaderName::from_bytes(&bytes[ns..ne])
+                    .map_err(|_| Error::Header(String::from_utf8_lossy(&bytes[ns..ne]).into()))?;
+                let value = HeaderValue::from_maybe_shared(bytes.slice(vs..ve))
+                    .map_err(|_| Error::Header(name.to_string()))?;
+                map.append(name, value);
+            }
+            if facts.transfer_encoding {
+                // Transfer-Encoding overrides Content-Length, which a proxy must then drop
+                // (RFC 9112 §6.3): forwarded, it would frame the client's response wrongly.
+                map.remove(header::CONTENT_LENGTH);
+            }
         }
         return Ok(Some(Head {
             response,
@@ -307,73 +412,105 @@ pub fn parse_head(
     }
 }
 
+/// The Transfer-Encoding codings of a head, for an error message.
+fn transfer_codings<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> String {
+    lines
+        .filter(|(n, _)| n.eq_ignore_ascii_case(b"transfer-encoding"))
+        .flat_map(|(_, v)| v.split(|&b| b == b','))
+        .map(|c| String::from_utf8_lossy(c.trim_ascii()).into_owned())
+        .filter(|c| !c.is_empty())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The header lines of a response for an HTTP/1.x client (see [`RawHeaders`]); with
+/// `keep_length`, Content-Length stays (a response without a body describing one).
+fn raw_lines(headers: &[httparse::Header<'_>], keep_length: bool) -> RawHeaders {
+    // Names the Connection header lists are hop-by-hop too (RFC 9110 §7.6.1).
+    let listed = |name: &[u8]| {
+        headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+            .flat_map(|h| h.value.split(|&b| b == b','))
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
+    };
+    let has_connection = headers
+        .iter()
+        .any(|h| h.name.eq_ignore_ascii_case("connection"));
+    let size: usize = headers
+        .iter()
+        .map(|h| h.name.len() + h.value.len() + 4)
+        .sum();
+    let mut out = Vec::with_capacity(size);
+    let (mut has_date, mut has_length) = (false, false);
+    for h in headers {
+        let name = h.name.as_bytes();
+        if HOP_BY_HOP
+            .iter()
+            .any(|n| name.eq_ignore_ascii_case(n.as_bytes()))
+            || (has_connection && listed(name))
+        {
+            continue;
+        }
+        if name.eq_ignore_ascii_case(b"content-length") {
+            if !keep_length || has_length {
+                continue;
+            }
+            has_length = true;
+        }
+        has_date |= name.eq_ignore_ascii_case(b"date");
+        out.extend(name.iter().map(u8::to_ascii_lowercase));
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value);
+        out.extend_from_slice(b"\r\n");
+    }
+    RawHeaders {
+        lines: Bytes::from(out),
+        has_date,
+        has_length,
+    }
+}
+
 /// Whether the request method means the response has no body however it is framed.
 pub fn is_head(method: &Method) -> bool {
     method == Method::HEAD
 }
 
-/// RFC 9112 §6.3, as hyper's client reads it.
-fn body_kind(
-    status: StatusCode,
-    version: Version,
-    h: &HeaderMap,
-    head_request: bool,
-) -> Result<BodyKind, Error> {
-    if status == StatusCode::SWITCHING_PROTOCOLS {
-        return Ok(BodyKind::Upgrade);
-    }
-    if head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
-        return Ok(BodyKind::Length(0));
-    }
-    if h.contains_key(header::TRANSFER_ENCODING) {
-        if version == Version::HTTP_10 {
-            return Err(Error::TransferEncoding10);
+/// A Content-Length value: digits, or a list of equal ones (RFC 9110 §8.6).
+pub fn content_length(v: &[u8]) -> Option<u64> {
+    let mut found = None;
+    for part in v.split(|&b| b == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+            return None;
         }
-        // Only `chunked`: the gateway removes the chunking and the header with it, so any
-        // other coding (`gzip, chunked`) would reach the client undeclared, a corrupt body.
-        // nginx refuses these too.
-        let codings: Vec<&str> = h
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .flat_map(|v| v.to_str().unwrap_or("?").split(','))
-            .map(str::trim)
-            .filter(|c| !c.is_empty())
-            .collect();
-        return match codings.as_slice() {
-            [c] if c.eq_ignore_ascii_case("chunked") => Ok(BodyKind::Chunked),
-            _ => Err(Error::TransferCoding(codings.join(", "))),
-        };
+        let n = part.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+        if found.is_some_and(|f| f != n) {
+            return None;
+        }
+        found = Some(n);
     }
-    match content_length(h) {
-        Ok(Some(n)) => Ok(BodyKind::Length(n)),
-        Ok(None) => Ok(BodyKind::Close),
-        Err(()) => Err(Error::ContentLength),
-    }
+    found
 }
 
-/// The Content-Length, if any; `Err` if invalid or if several values differ.
-fn content_length(h: &HeaderMap) -> Result<Option<u64>, ()> {
+/// The Content-Length of a request the gateway forwards, if any; `Err` if invalid or if
+/// several values differ.
+fn request_content_length(h: &HeaderMap) -> Result<Option<u64>, ()> {
     let mut found = None;
     for v in h.get_all(header::CONTENT_LENGTH) {
-        let s = v.to_str().map_err(|_| ())?;
-        for part in s.split(',') {
-            let part = part.trim();
-            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(());
-            }
-            let n: u64 = part.parse().map_err(|_| ())?;
-            if found.is_some_and(|f| f != n) {
-                return Err(());
-            }
-            found = Some(n);
+        let n = content_length(v.as_bytes()).ok_or(())?;
+        if found.is_some_and(|f| f != n) {
+            return Err(());
         }
+        found = Some(n);
     }
     Ok(found)
 }
 
-fn has_token(v: &HeaderValue, token: &str) -> bool {
-    v.to_str()
-        .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+/// Whether a comma-separated header value lists `token` (case-insensitive).
+pub fn has_token(v: &[u8], token: &[u8]) -> bool {
+    v.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
 /// Decodes a chunked body as its bytes arrive; chunk boundaries need not match reads.
@@ -636,7 +773,7 @@ mod tests {
     }
 
     fn parse(raw: &str, head_request: bool) -> Result<Option<Head>, Error> {
-        parse_head(&mut BytesMut::from(raw), head_request, &mut 0)
+        parse_head(&mut BytesMut::from(raw), head_request, false, &mut 0)
     }
 
     #[test]
@@ -738,15 +875,94 @@ mod tests {
                 true,
             ),
         ];
-        for (raw, head_request, status, body, keep_alive) in cases {
-            let h = match parse(raw, *head_request) {
-                Ok(Some(h)) => h,
-                other => panic!("{raw:?}: {other:?}"),
-            };
-            assert_eq!(h.response.status().as_u16(), *status, "{raw:?}");
-            assert_eq!(h.body, *body, "{raw:?}");
-            assert_eq!(h.keep_alive, *keep_alive, "{raw:?}");
+        // Raw header lines (an HTTP/1.x client) read the framing the same way.
+        for raw_mode in [false, true] {
+            for (raw, head_request, status, body, keep_alive) in cases {
+                let h = match parse_head(&mut BytesMut::from(*raw), *head_request, raw_mode, &mut 0)
+                {
+                    Ok(Some(h)) => h,
+                    other => panic!("{raw:?}: {other:?}"),
+                };
+                assert_eq!(h.response.status().as_u16(), *status, "{raw:?}");
+                assert_eq!(h.body, *body, "{raw:?}");
+                assert_eq!(h.keep_alive, *keep_alive, "{raw:?}");
+            }
         }
+    }
+
+    fn raw_lines_of(raw: &str, head_request: bool) -> (String, bool, bool, bool) {
+        let h = parse_head(&mut BytesMut::from(raw), head_request, true, &mut 0);
+        let Ok(Some(h)) = h else {
+            panic!("{raw:?}: {h:?}");
+        };
+        let r = h.response.extensions().get::<RawHeaders>().cloned();
+        let Some(r) = r else {
+            panic!("{raw:?}: no raw headers");
+        };
+        (
+            String::from_utf8_lossy(&r.lines).into_owned(),
+            r.has_date,
+            r.has_length,
+            h.response.headers().is_empty(),
+        )
+    }
+
+    #[test]
+    fn raw_header_lines_drop_hop_by_hop_and_framing_headers() {
+        // (response, HEAD request?, lines kept, has Date, keeps its Content-Length)
+        let cases: &[(&str, bool, &str, bool, bool)] = &[
+            (
+                "HTTP/1.1 200 OK\r\nServer: o\r\nContent-Length: 2\r\nDate: d\r\n\r\n",
+                false,
+                "server: o\r\ndate: d\r\n",
+                true,
+                false,
+            ),
+            // Hop-by-hop headers, and those the Connection header names, stay behind.
+            (
+                "HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Hop\r\nKeep-Alive: timeout=5\r\n\
+                 X-Hop: 1\r\nX-End: 2\r\nTransfer-Encoding: chunked\r\nTrailer: t\r\n\
+                 Upgrade: h2c\r\nProxy-Connection: x\r\n\r\n",
+                false,
+                "x-end: 2\r\n",
+                false,
+                false,
+            ),
+            // No body however framed: the length it describes stays.
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n",
+                true,
+                "content-length: 10\r\n",
+                false,
+                true,
+            ),
+            (
+                "HTTP/1.1 304 Not Modified\r\nETag: \"a\"\r\nContent-Length: 10\r\n\r\n",
+                false,
+                "etag: \"a\"\r\ncontent-length: 10\r\n",
+                false,
+                true,
+            ),
+        ];
+        for (raw, head_request, lines, date, length) in cases {
+            assert_eq!(
+                raw_lines_of(raw, *head_request),
+                (lines.to_string(), *date, *length, true),
+                "{raw:?}"
+            );
+        }
+        // 101 keeps its map: the upgrade path edits its Connection and Upgrade headers.
+        let h = parse_head(
+            &mut BytesMut::from("HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n"),
+            false,
+            true,
+            &mut 0,
+        );
+        let Ok(Some(h)) = h else {
+            panic!("{h:?}");
+        };
+        assert!(h.response.extensions().get::<RawHeaders>().is_none());
+        assert_eq!(h.response.headers()["upgrade"], "x");
     }
 
     #[test]
@@ -785,7 +1001,7 @@ mod tests {
         let mut buf = BytesMut::from(
             "HTTP/1.1 200 Fine\r\nX-A: 1\r\nx-a: 2\r\nContent-Length: 4\r\n\r\nbodyNEXT",
         );
-        let h = parse_head(&mut buf, false, &mut 0)
+        let h = parse_head(&mut buf, false, false, &mut 0)
             .ok()
             .flatten()
             .unwrap_or_else(|| panic!("no head"));
@@ -816,13 +1032,13 @@ mod tests {
         for _ in 0..MAX_INTERIM {
             buf.extend_from_slice(continues(1).as_bytes());
             assert!(matches!(
-                parse_head(&mut buf, false, &mut interim),
+                parse_head(&mut buf, false, false, &mut interim),
                 Ok(None)
             ));
         }
         buf.extend_from_slice(continues(1).as_bytes());
         assert!(matches!(
-            parse_head(&mut buf, false, &mut interim),
+            parse_head(&mut buf, false, false, &mut interim),
             Err(Error::TooManyInterim)
         ));
     }

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 use hyper::body::Incoming;
@@ -14,9 +14,9 @@ use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use keyway_core::gateway::plan::{Backend, Protocol};
 
+use super::front;
 use super::h1::{self, BodyKind};
 use super::idle::{Activity, Watched};
 use super::route_match::{self, PathMatch};
@@ -41,7 +41,8 @@ struct ConnInfo {
 /// How long an idle connection told to close (HTTP/2 GOAWAY) may take to finish.
 const IDLE_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Serves one client connection until it closes.
+/// Serves one client connection until it closes: HTTP/1.x with [`front`], HTTP/2 (its client
+/// preface) with hyper.
 pub async fn serve<I: Io>(
     ctx: Arc<Ctx>,
     config: Arc<ArcSwap<PortConfig>>,
@@ -50,12 +51,10 @@ pub async fn serve<I: Io>(
     tls: Option<Option<String>>,
 ) {
     let pool = ctx.pool.clone();
-    let metrics = ctx.shared.metrics.clone();
     let upstream = pool.sticky();
     let idle_limit = ctx.http_idle_timeout;
-    let ctx_closing = ctx.closing.clone();
     let activity = Arc::new(Activity::default());
-    let io = Watched {
+    let mut io = Watched {
         io,
         activity: activity.clone(),
     };
@@ -67,61 +66,128 @@ pub async fn serve<I: Io>(
         tls,
         upstream: upstream.clone(),
     });
+    let idle = || async {
+        activity.idle(idle_limit).await;
+        tracing::debug!(%peer, "closing an idle HTTP connection");
+    };
+    let detected = tokio::select! {
+        d = front::is_h2(&mut io) => d,
+        () = idle() => Err(std::io::ErrorKind::TimedOut.into()),
+    };
+    match detected {
+        Ok((true, ahead)) => {
+            let io = super::sni::Prefixed::new(ahead.to_vec(), io);
+            serve_h2(&info, io, &activity, idle()).await;
+        }
+        Ok((false, ahead)) => {
+            let conn = Arc::new(Mutex::new(front::Conn::new(Box::new(io), ahead)));
+            tokio::select! {
+                () = serve_h1(&info, &conn, &activity) => {}
+                () = idle() => {}
+            }
+        }
+        Err(e) => tracing::debug!(%peer, "HTTP connection ended: {e}"),
+    }
+    pool.close_sticky(&upstream);
+}
+
+/// Until the gateway shuts down.
+async fn closed(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    while !*rx.borrow_and_update() {
+        if rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// HTTP/1.x: one request after another; pipelined ones in order.
+async fn serve_h1(info: &Arc<ConnInfo>, conn: &Arc<Mutex<front::Conn>>, activity: &Arc<Activity>) {
+    let mut closing = info.ctx.closing.subscribe();
+    // One for the connection: made per request, it would register with the watch each time.
+    let shutdown = closed(&mut closing);
+    tokio::pin!(shutdown);
+    loop {
+        // Between requests a shutdown ends the connection at once; during one, its response
+        // says `Connection: close`.
+        let next = tokio::select! {
+            biased;
+            head = front::read_head(conn) => head,
+            () = &mut shutdown => break,
+        };
+        let parsed = match next {
+            Ok(Some(p)) => p,
+            Ok(None) => break,
+            Err(e) => {
+                // A request hyper's parser would have refused (malformed request line or
+                // headers, a Transfer-Encoding not ending in chunked): a request no route took.
+                info.ctx.shared.metrics.unrouted(Unrouted::Invalid);
+                front::refuse(conn, e.status()).await;
+                return;
+            }
+        };
+        let (req, exchange) = front::begin(conn, parsed);
+        let in_flight = activity.request();
+        let resp = tokio::select! {
+            biased;
+            resp = handle(info, req) => resp.map(|body| body.holding(in_flight)),
+            () = front::client_gone(conn) => {
+                tracing::debug!(peer = %info.peer, "client closed the connection during its request");
+                return;
+            }
+        };
+        let shutting_down = *info.ctx.closing.borrow();
+        match front::respond(conn, exchange, resp, shutting_down).await {
+            front::Next::KeepAlive => {}
+            front::Next::Close => break,
+            front::Next::Gone => return,
+        }
+    }
+    front::close(conn).await;
+}
+
+/// HTTP/2 (hyper's server), closed gracefully (GOAWAY) on shutdown.
+async fn serve_h2<I: Io>(
+    info: &Arc<ConnInfo>,
+    io: I,
+    activity: &Arc<Activity>,
+    idle: impl std::future::Future<Output = ()>,
+) {
+    let metrics = info.ctx.shared.metrics.clone();
     let requests = activity.clone();
-    let svc = service_fn(move |req| {
-        let info = info.clone();
+    let peer = info.peer;
+    let svc_info = info.clone();
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let info = svc_info.clone();
         let in_flight = requests.request();
         async move {
-            let response = handle(&info, req).await;
+            let response = handle(&info, req.map(Body::Incoming)).await;
             Ok::<_, Infallible>(response.map(|body| body.holding(in_flight)))
         }
     });
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    // Responses are copied into one write buffer (one `write` of head and body) instead of
-    // queued as their own buffers for `writev`: a queued body chunk would keep the backend
-    // connection's read buffer shared, so its next read would allocate a fresh buffer.
-    builder.http1().writev(false);
-    // That write buffer (and the read buffer) stay below ~64 KiB plus one body piece
-    // (`MAX_CHUNK`): what an idle keep-alive connection holds. Request heads up to 64 KiB.
-    builder.http1().max_buf_size(64 * 1024);
-    let mut closing = ctx_closing.subscribe();
-    let closing = async move {
-        while !*closing.borrow_and_update() {
-            if closing.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
+    let mut closing = info.ctx.closing.subscribe();
+    let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .serve_connection(TokioIo::new(io), svc);
     tokio::pin!(connection);
     tokio::select! {
         ended = connection.as_mut() => if let Err(e) = ended {
-            // A request hyper's parser refused (malformed request line or headers, a
-            // Transfer-Encoding not ending in chunked) got hyper's own 400 (431 when too
-            // large): a request no route took, like the 400s keyway answers itself.
-            if e
-                .downcast_ref::<hyper::Error>()
-                .is_some_and(hyper::Error::is_parse)
-            {
+            if e.is_parse() {
                 metrics.unrouted(Unrouted::Invalid);
             }
-            tracing::debug!(%peer, "HTTP connection ended: {e}");
+            tracing::debug!(%peer, "HTTP/2 connection ended: {e}");
         },
-        () = closing => {
-            // Shutting down: the request in progress finishes (its response says `Connection:
-            // close`; HTTP/2 gets GOAWAY), then the connection ends.
+        () = closed(&mut closing) => {
+            // Shutting down: the requests in progress finish (GOAWAY), then the connection
+            // ends.
             connection.as_mut().graceful_shutdown();
             let _ = connection.await;
         }
-        () = activity.idle(idle_limit) => {
-            tracing::debug!(%peer, "closing an idle HTTP connection");
-            // HTTP/2 says GOAWAY first (RFC 9113 §6.8): a client whose request crossed the
-            // close then knows it was not processed. Bounded: the connection is idle.
+        () = idle => {
+            // GOAWAY first (RFC 9113 §6.8): a client whose request crossed the close then
+            // knows it was not processed. Bounded: the connection is idle.
             connection.as_mut().graceful_shutdown();
             let _ = tokio::time::timeout(IDLE_CLOSE_GRACE, connection).await;
         }
     }
-    pool.close_sticky(&upstream);
 }
 
 /// Marks a response keyway made itself (not a backend's), so a gRPC client can get it in
@@ -236,7 +302,7 @@ fn trim_host(host: &str) -> &str {
         .trim_end_matches('.')
 }
 
-async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
+async fn handle(info: &ConnInfo, req: Request<Body>) -> Response<Body> {
     let grpc = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -254,7 +320,7 @@ async fn handle(info: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
 /// Routes and forwards `req`; a request no route takes comes back as `Err`, with why.
 async fn route(
     info: &ConnInfo,
-    mut req: Request<Incoming>,
+    mut req: Request<Body>,
 ) -> Result<Response<Body>, (Unrouted, Response<Body>)> {
     let ctx = &*info.ctx;
     let cfg = info.config.load_full();
@@ -516,7 +582,7 @@ fn apply_header_filters(h: &mut HeaderMap, mods: &[filters::HeaderMod], keep_upg
 /// An HTTP/1.1 upgrade to pass on (WebSocket and the like). Not `h2c`: a backend that
 /// switched would give the client a raw HTTP/2 connection to it, past route matching, filters
 /// and timeouts ("h2c smuggling"); such a request is forwarded as a plain request.
-fn is_upgrade(req: &Request<Incoming>) -> bool {
+fn is_upgrade<B>(req: &Request<B>) -> bool {
     req.version() == Version::HTTP_11
         && req.headers().get(header::UPGRADE).is_some_and(|u| {
             !u.to_str()
@@ -543,7 +609,7 @@ async fn forward(
     rule: &Rule,
     matched_prefix: Option<&str>,
     info: &ConnInfo,
-    mut req: Request<Incoming>,
+    mut req: Request<Body>,
 ) -> Response<Body> {
     let f = &rule.filters;
     if let Some(why) = &f.unsupported {
@@ -579,8 +645,13 @@ async fn forward(
             &format!("backend cannot be resolved ({reason})"),
         );
     }
+    let client_version = req.version();
     let upgrade = is_upgrade(&req);
-    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let client_upgrade = if upgrade {
+        front::take_upgrade(&mut req)
+    } else {
+        None
+    };
     // The backend gets the host the request was routed on: the target's authority when there
     // is one (HTTP/2's :authority; an absolute-form target replaces Host, RFC 9112 §3.2.2),
     // else the Host header. Set after the hop-by-hop headers are gone, so that
@@ -702,13 +773,17 @@ async fn forward(
     // hyper's dispatcher whole).
     let send = async {
         if rule.grpc {
-            let body = Body::Incoming(body).counting(&rule.metrics.bytes_in);
+            let body = body.counting(&rule.metrics.bytes_in);
             let req = Request::from_parts(parts, body);
             Box::pin(send_h2(ctx, &wb.backend, req))
                 .await
                 .map(|r| r.map(Sent::H2))
         } else {
-            let out = Outbound::new(&parts, body, ctx.http_idle_timeout, &rule.metrics.bytes_in);
+            // An HTTP/1.x client gets the backend's header lines as they are, unless filters
+            // edit them.
+            let raw = client_version < Version::HTTP_2 && f.response_headers.is_empty();
+            let out = Outbound::new(&parts, body, ctx.http_idle_timeout, &rule.metrics.bytes_in)
+                .raw_head(raw);
             send_h1(ctx, info, &wb.backend, out).await.map(|(head, c)| {
                 head.response.map(|()| Sent::H1 {
                     conn: c,
@@ -743,8 +818,7 @@ async fn forward(
         let metrics = rule.metrics.clone();
         tokio::spawn(async move {
             match client.await {
-                Ok(c) => {
-                    let mut c = TokioIo::new(c);
+                Ok(mut c) => {
                     // Counted when the upgraded connection ends.
                     if let Ok((up, down)) =
                         tokio::io::copy_bidirectional(&mut c, &mut backend).await

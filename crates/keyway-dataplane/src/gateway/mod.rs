@@ -8,6 +8,7 @@
 //! reported per listener, so status says `Programmed=False/PortUnavailable` instead of healthy.
 
 pub mod filters;
+pub mod front;
 pub mod h1;
 pub mod http;
 pub mod idle;

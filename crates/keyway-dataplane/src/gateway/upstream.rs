@@ -49,8 +49,10 @@ pub enum Body {
     Empty,
     /// A local answer (an error, a redirect); `None` once sent.
     Full(Option<Bytes>),
-    /// A client's request body, or an HTTP/2 backend's response body.
+    /// An HTTP/2 client's request body, or an HTTP/2 backend's response body.
     Incoming(Incoming),
+    /// An HTTP/1.x client's request body.
+    Front(super::front::FrontBody),
     /// An HTTP/1.1 backend's response body, read from its connection.
     Relay(Relay),
     /// A response body that must end by a route's timeout (boxed: rare).
@@ -83,9 +85,11 @@ impl Body {
                 d.body = std::mem::take(&mut d.body).holding(in_flight);
                 Body::Deadline(d)
             }
-            Body::Incoming(_) | Body::Held(_) | Body::Leased(_) | Body::Counted(_) => {
-                Body::Held(Box::new((self, in_flight)))
-            }
+            Body::Incoming(_)
+            | Body::Front(_)
+            | Body::Held(_)
+            | Body::Leased(_)
+            | Body::Counted(_) => Body::Held(Box::new((self, in_flight))),
             Body::Empty | Body::Full(_) => self,
         }
     }
@@ -102,9 +106,11 @@ impl Body {
                 d.body = std::mem::take(&mut d.body).counting(bytes);
                 Body::Deadline(d)
             }
-            Body::Incoming(_) | Body::Held(_) | Body::Leased(_) | Body::Counted(_) => {
-                Body::Counted(Box::new((self, bytes.clone())))
-            }
+            Body::Incoming(_)
+            | Body::Front(_)
+            | Body::Held(_)
+            | Body::Leased(_)
+            | Body::Counted(_) => Body::Counted(Box::new((self, bytes.clone()))),
             Body::Empty | Body::Full(_) => self,
         }
     }
@@ -147,6 +153,7 @@ impl hyper::body::Body for Body {
             Body::Incoming(b) => Pin::new(b)
                 .poll_frame(cx)
                 .map(|f| f.map(|r| r.map_err(Into::into))),
+            Body::Front(b) => Pin::new(b).poll_frame(cx),
             Body::Relay(b) => Pin::new(b).poll_frame(cx),
             Body::Deadline(d) => {
                 // The body first: data that is ready when the deadline passes still goes.
@@ -175,6 +182,7 @@ impl hyper::body::Body for Body {
             Body::Empty => true,
             Body::Full(data) => data.is_none(),
             Body::Incoming(b) => b.is_end_stream(),
+            Body::Front(b) => b.is_end_stream(),
             Body::Relay(b) => b.is_end_stream(),
             Body::Deadline(d) => d.body.is_end_stream(),
             Body::Held(h) => h.0.is_end_stream(),
@@ -188,6 +196,7 @@ impl hyper::body::Body for Body {
             Body::Empty | Body::Full(None) => SizeHint::with_exact(0),
             Body::Full(Some(d)) => SizeHint::with_exact(d.len() as u64),
             Body::Incoming(b) => b.size_hint(),
+            Body::Front(b) => b.size_hint(),
             Body::Relay(b) => b.size_hint(),
             Body::Deadline(d) => d.body.size_hint(),
             Body::Held(h) => h.0.size_hint(),
@@ -245,6 +254,8 @@ pub struct Outbound {
     head: BytesMut,
     body: Option<(ClientBody, Framing)>,
     head_request: bool,
+    /// The response head is wanted as [`h1::RawHeaders`] (see [`h1::parse_head`]).
+    raw_head: bool,
     /// Idempotent and without a body: it may be sent again when a reused connection closes
     /// without answering (the backend's idle timeout raced it; RFC 9110 §9.2.2).
     retry_safe: bool,
@@ -253,18 +264,13 @@ pub struct Outbound {
 impl Outbound {
     /// `stall`: how long the client's body may send nothing while the backend waits for it.
     /// `bytes`: the route's bytes in, counted as the body passes.
-    pub fn new(
-        parts: &request::Parts,
-        body: Incoming,
-        stall: Duration,
-        bytes: &Counter,
-    ) -> Outbound {
+    pub fn new(parts: &request::Parts, body: Body, stall: Duration, bytes: &Counter) -> Outbound {
         let mut head = BytesMut::new();
         let empty = body.is_end_stream();
         let framing = h1::encode_head(parts, empty, body.size_hint().exact(), &mut head);
         let body = (!empty || framing != Framing::Length(0)).then(|| {
             let body = ClientBody {
-                inner: body,
+                inner: Box::new(body),
                 stall,
                 timer: None,
                 armed: false,
@@ -286,8 +292,15 @@ impl Outbound {
             head,
             body,
             head_request: h1::is_head(&parts.method),
+            raw_head: false,
             retry_safe,
         }
+    }
+
+    /// Asks for the response's headers as [`h1::RawHeaders`].
+    pub fn raw_head(mut self, raw: bool) -> Outbound {
+        self.raw_head = raw;
+        self
     }
 }
 
@@ -296,7 +309,8 @@ impl Outbound {
 /// backend waits: a body that never comes must not hold the client connection and a backend
 /// connection for ever (the idle timeout counts a request in progress as activity).
 pub struct ClientBody {
-    inner: Incoming,
+    /// Boxed: a body type that holds a backend connection holds this too.
+    inner: Box<Body>,
     stall: Duration,
     /// Allocated at the first wait and reset for each later one.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -310,7 +324,7 @@ impl ClientBody {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, h1::Error>>> {
-        match Pin::new(&mut self.inner).poll_frame(cx) {
+        match Pin::new(&mut *self.inner).poll_frame(cx) {
             Poll::Ready(f) => {
                 self.armed = false;
                 if let Some(Ok(data)) = f.as_ref().map(|r| r.as_ref().map(Frame::data_ref)) {
@@ -408,7 +422,7 @@ impl H1 {
     /// its next request: idle connections (kept by their client, or pooled) hold none (a pooled
     /// connection kept ~2.7 MB after 1 MiB responses).
     fn shed(&mut self) {
-        if self.rbuf.is_empty() && self.rbuf.capacity() > READ_SIZE {
+        if self.rbuf.is_empty() {
             self.rbuf = BytesMut::new();
             self.read_size = READ_SIZE;
         }
@@ -527,6 +541,7 @@ impl H1 {
             head,
             body,
             head_request,
+            raw_head,
             retry_safe,
         } = req;
         self.load.begin();
@@ -552,7 +567,7 @@ impl H1 {
                 self.abandon_request();
             }
             loop {
-                match h1::parse_head(&mut self.rbuf, head_request, &mut interim) {
+                match h1::parse_head(&mut self.rbuf, head_request, raw_head, &mut interim) {
                     Ok(Some(h)) => return Poll::Ready(Ok(h)),
                     Ok(None) => {}
                     Err(e) => return Poll::Ready(Err(Some(e))),
@@ -599,6 +614,7 @@ impl H1 {
                     head: std::mem::take(&mut self.wbuf),
                     body: self.body.take(),
                     head_request,
+                    raw_head,
                     retry_safe,
                 }))
             }
