@@ -372,7 +372,8 @@ pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
     }
     let bytes = buf.split_to(len).freeze();
     let uri = Uri::from_maybe_shared(bytes.slice(path_span)).map_err(|_| HeadError::Bad)?;
-    let mut map = HeaderMap::with_capacity(n);
+    // Room for what forwarding adds (X-Forwarded-For, X-Forwarded-Proto): no regrowth.
+    let mut map = HeaderMap::with_capacity(n + 2);
     let mut keep_alive = http_11;
     let mut saw_close = false;
     let mut body = ReadState::Length(0);
@@ -493,6 +494,7 @@ struct Asked {
 /// whether the connection ends after it.
 fn encode_response(
     parts: &hyper::http::response::Parts,
+    raw: Option<&h1::RawHeaders>,
     asked: &Asked,
     mut keep_alive: bool,
     body: Option<SizeHint>,
@@ -525,7 +527,7 @@ fn encode_response(
     let exact = body.and_then(|h| h.exact());
     let mut encoder = None;
     let mut wrote_date = false;
-    if let Some(raw) = parts.extensions.get::<h1::RawHeaders>() {
+    if let Some(raw) = raw {
         dst.extend_from_slice(&raw.lines);
         wrote_date = raw.has_date;
         if raw.has_length {
@@ -845,6 +847,7 @@ pub async fn respond(
     conn: &Mutex<Conn>,
     ex: Exchange,
     resp: Response<Body>,
+    raw: Option<h1::RawHeaders>,
     closing: bool,
 ) -> Next {
     let wbuf = &mut Vec::with_capacity(4096);
@@ -856,7 +859,7 @@ pub async fn respond(
     let body_read = lock(conn).body_buffered();
     let keep_alive = ex.keep_alive && !closing && body_read;
     let size = (!body.is_end_stream()).then(|| body.size_hint());
-    let (encoder, last) = encode_response(&parts, &ex.asked, keep_alive, size, wbuf);
+    let (encoder, last) = encode_response(&parts, raw.as_ref(), &ex.asked, keep_alive, size, wbuf);
     if switching {
         let Some(tx) = ex.upgrade else {
             return Next::Close;
@@ -1180,7 +1183,7 @@ mod tests {
             connect: false,
         };
         let mut dst = Vec::new();
-        let (e, last) = encode_response(&parts, &asked, keep_alive, body, &mut dst);
+        let (e, last) = encode_response(&parts, None, &asked, keep_alive, body, &mut dst);
         let text = String::from_utf8_lossy(&dst).into_owned();
         // The date changes: only its presence is compared.
         let text = text
@@ -1315,11 +1318,11 @@ mod tests {
     #[test]
     fn raw_header_lines_go_out_as_they_are_with_one_date() {
         let mut r = response(299, &[]);
-        r.extensions_mut().insert(h1::RawHeaders {
-            lines: Bytes::from_static(b"server: o\r\ndate: Mon, 30 Nov 2026 08:00:00 GMT\r\n"),
+        let raw = h1::RawHeaders {
+            lines: b"server: o\r\ndate: Mon, 30 Nov 2026 08:00:00 GMT\r\n".to_vec(),
             has_date: true,
             has_length: false,
-        });
+        };
         r.extensions_mut()
             .insert(hyper::ext::ReasonPhrase::from_static(b"Fine"));
         let (parts, ()) = r.into_parts();
@@ -1331,6 +1334,7 @@ mod tests {
         let mut dst = Vec::new();
         let (e, _) = encode_response(
             &parts,
+            Some(&raw),
             &asked,
             true,
             Some(SizeHint::with_exact(3)),

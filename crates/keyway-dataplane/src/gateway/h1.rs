@@ -6,7 +6,7 @@
 
 use std::mem::MaybeUninit;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::request;
 use hyper::{Method, Response, StatusCode, Version};
@@ -190,9 +190,10 @@ pub enum BodyKind {
 /// A parsed response head.
 #[derive(Debug)]
 pub struct Head {
-    /// Its headers are in the map, or (see [`parse_head`]'s `raw`) in a [`RawHeaders`]
-    /// extension with the map left empty.
+    /// Its headers are in the map, or (see [`parse_head`]'s `raw`) in `raw` with the map left
+    /// empty.
     pub response: Response<()>,
+    pub raw: Option<RawHeaders>,
     pub body: BodyKind,
     /// Whether the connection may carry another request after this response.
     pub keep_alive: bool,
@@ -203,7 +204,7 @@ pub struct Head {
 /// Copied once instead of parsed into a map, encoded from it and dropped.
 #[derive(Debug, Clone)]
 pub struct RawHeaders {
-    pub lines: Bytes,
+    pub lines: Vec<u8>,
     pub has_date: bool,
     /// A Content-Length kept as it was: the response has no body however it is framed
     /// (HEAD, 304), and the header describes the body the request would have had.
@@ -335,7 +336,7 @@ pub fn parse_head(
             if *interim > MAX_INTERIM {
                 return Err(Error::TooManyInterim);
             }
-            let _ = buf.split_to(len);
+            buf.advance(len);
             continue;
         }
         let version = if res.version == Some(1) {
@@ -366,13 +367,14 @@ pub fn parse_head(
         if let Some(r) = reason {
             response.extensions_mut().insert(r);
         }
+        let mut raw_headers = None;
         if raw && status != StatusCode::SWITCHING_PROTOCOLS {
             let lines = raw_lines(
                 res.headers,
                 head_request || status == StatusCode::NOT_MODIFIED,
             );
-            let _ = buf.split_to(len);
-            response.extensions_mut().insert(lines);
+            buf.advance(len);
+            raw_headers = Some(lines);
         } else {
             // Where each name and value lies in the head, so they can be cut from its bytes.
             let base = buf.as_ptr() as usize;
@@ -406,6 +408,7 @@ pub fn parse_head(
         }
         return Ok(Some(Head {
             response,
+            raw: raw_headers,
             body,
             keep_alive,
         }));
@@ -465,7 +468,7 @@ fn raw_lines(headers: &[httparse::Header<'_>], keep_length: bool) -> RawHeaders 
         out.extend_from_slice(b"\r\n");
     }
     RawHeaders {
-        lines: Bytes::from(out),
+        lines: out,
         has_date,
         has_length,
     }
@@ -895,7 +898,7 @@ mod tests {
         let Ok(Some(h)) = h else {
             panic!("{raw:?}: {h:?}");
         };
-        let r = h.response.extensions().get::<RawHeaders>().cloned();
+        let r = h.raw;
         let Some(r) = r else {
             panic!("{raw:?}: no raw headers");
         };
@@ -961,7 +964,7 @@ mod tests {
         let Ok(Some(h)) = h else {
             panic!("{h:?}");
         };
-        assert!(h.response.extensions().get::<RawHeaders>().is_none());
+        assert!(h.raw.is_none());
         assert_eq!(h.response.headers()["upgrade"], "x");
     }
 

@@ -36,6 +36,12 @@ struct ConnInfo {
     tls: Option<Option<String>>,
     /// The HTTP/1.1 backend connection kept between this connection's requests.
     upstream: Arc<Sticky>,
+    /// The header lines of the response being returned to an HTTP/1.x client, when they came
+    /// from the backend as lines ([`h1::RawHeaders`]): beside the response, not in its
+    /// extensions (three allocations per response). An HTTP/1.x connection has one exchange
+    /// at a time, so what `forward` leaves here belongs to the response it returns; HTTP/2
+    /// connections never use it.
+    raw_head: Mutex<Option<h1::RawHeaders>>,
 }
 
 /// How long an idle connection told to close (HTTP/2 GOAWAY) may take to finish.
@@ -65,6 +71,7 @@ pub async fn serve<I: Io>(
         peer_ip: HeaderValue::from_str(&peer.ip().to_string()).ok(),
         tls,
         upstream: upstream.clone(),
+        raw_head: Mutex::new(None),
     });
     let idle = || async {
         activity.idle(idle_limit).await;
@@ -136,7 +143,12 @@ async fn serve_h1(info: &Arc<ConnInfo>, conn: &Arc<Mutex<front::Conn>>, activity
             }
         };
         let shutting_down = *info.ctx.closing.borrow();
-        match front::respond(conn, exchange, resp, shutting_down).await {
+        let raw = info
+            .raw_head
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        match front::respond(conn, exchange, resp, raw, shutting_down).await {
             front::Next::KeepAlive => {}
             front::Next::Close => break,
             front::Next::Gone => return,
@@ -788,6 +800,7 @@ async fn forward(
                 head.response.map(|()| Sent::H1 {
                     conn: c,
                     body: head.body,
+                    raw: head.raw,
                 })
             })
         }
@@ -838,7 +851,13 @@ async fn forward(
     strip_hop_by_hop(&mut parts.headers, false);
     apply_header_filters(&mut parts.headers, &f.response_headers, false);
     let body = match sent {
-        Sent::H1 { conn, body } => {
+        Sent::H1 { conn, body, raw } => {
+            if raw.is_some() {
+                *info
+                    .raw_head
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = raw;
+            }
             Relay::start(conn, body, info.upstream.clone(), ctx.pool.clone())
         }
         Sent::H2(b) => b,
@@ -869,7 +888,11 @@ fn join_cookies(h: &mut HeaderMap) {
 
 /// What a backend answered with, before it becomes the client's response body.
 enum Sent {
-    H1 { conn: H1, body: BodyKind },
+    H1 {
+        conn: H1,
+        body: BodyKind,
+        raw: Option<h1::RawHeaders>,
+    },
     H2(Body),
 }
 
