@@ -1999,3 +1999,84 @@ async fn a_client_that_leaves_during_its_request_frees_the_backend_connection() 
         "backend connection released"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_then_a_half_close_are_answered() {
+    let b = ab_backend().await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    // Two requests and the end of the client's sending, as `printf ... | nc -N` does. hyper
+    // (and nginx) answered what was read before the end: a request with another one buffered
+    // behind it is not one the client left.
+    s.write_all(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    s.shutdown().await.expect("half-close");
+    let (head, body) = response(&mut s).await;
+    assert!(head.starts_with("http/1.1 200 ok"), "{head:?}");
+    assert_eq!(body, b"a");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_chunk_reaches_the_client_whole_while_the_backend_waits() {
+    let (hold_tx, hold_rx) = tokio::sync::watch::channel(());
+    let b = raw(move |mut c| {
+        let mut hold = hold_rx.clone();
+        async move {
+            if c.request().await.is_some() {
+                c.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                c.send(b"6\r\nsecond\r\n").await;
+                // A stream that pauses (server-sent events, a slow download).
+                let _ = hold.changed().await;
+                c.send(b"0\r\n\r\n").await;
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    s.write_all(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let head = common::read_head(&mut s).await.to_ascii_lowercase();
+    assert!(head.contains("transfer-encoding: chunked"), "{head}");
+    // Both chunks, each with the CRLF that ends it, while the backend sends nothing more.
+    let want = b"5\r\nfirst\r\n6\r\nsecond\r\n";
+    let mut got = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 64];
+        while got.len() < want.len() {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), read).await;
+    assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(want));
+    drop(hold_tx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_client_gets_no_100_continue() {
+    let b = raw(|mut c| async move {
+        while let Some(req) = c.request().await {
+            echo_body(&mut c, &req, None).await;
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(b.addr).await;
+    let mut s = common::connect(port).await.expect("connect");
+    // RFC 9110 §10.1.1: a 100-continue expectation in an HTTP/1.0 request is ignored (hyper
+    // did); an HTTP/1.0 client knows no 1xx and would take it for the response.
+    s.write_all(b"POST /e HTTP/1.0\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        .await
+        .expect("write");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    s.write_all(b"hello").await.expect("body");
+    let (head, body) = response(&mut s).await;
+    assert!(head.starts_with("http/1.0 200 ok"), "{head}");
+    assert_eq!(body, b"POST length hello");
+}

@@ -426,8 +426,9 @@ pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
                     keep_alive = has_token(&value, "keep-alive");
                 }
             }
+            // RFC 9110 §10.1.1: ignored in an HTTP/1.0 request (hyper did too).
             header::EXPECT => {
-                expect_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+                expect_continue = http_11 && value.as_bytes().eq_ignore_ascii_case(b"100-continue");
             }
             header::UPGRADE => wants_upgrade = http_11,
             _ => {}
@@ -575,20 +576,13 @@ fn encode_response(
     if connection_close {
         keep_alive = false;
     }
-    // RFC 9112 §9.3: an HTTP/1.0 client keeps the connection only when told so.
-    if http_10 && keep_alive && !connection_keep_alive {
-        dst.extend_from_slice(b"connection: keep-alive\r\n");
-    } else if !http_10
-        && !keep_alive
-        && !connection_close
-        && status != StatusCode::SWITCHING_PROTOCOLS
-    {
-        dst.extend_from_slice(b"connection: close\r\n");
-    }
-    let mut encoder = match encoder {
+    let encoder = match encoder {
         Some(e) => e,
         None => match (body, exact) {
-            (Some(_), None) if http_10 || !can_chunk => {
+            // Nothing of the body goes (HEAD, 204, 304).
+            (Some(_), None) if !can_chunk => Encoder::Length(0),
+            // An HTTP/1.0 client cannot take chunks: the body ends with the connection.
+            (Some(_), None) if http_10 => {
                 keep_alive = false;
                 Encoder::Close
             }
@@ -614,6 +608,17 @@ fn encode_response(
             }
         },
     };
+    // RFC 9112 §9.3: an HTTP/1.0 client keeps the connection only when told so.
+    if http_10 && keep_alive && !connection_keep_alive {
+        dst.extend_from_slice(b"connection: keep-alive\r\n");
+    } else if !http_10
+        && !keep_alive
+        && !connection_close
+        && status != StatusCode::SWITCHING_PROTOCOLS
+    {
+        dst.extend_from_slice(b"connection: close\r\n");
+    }
+    let mut encoder = encoder;
     if !can_chunk {
         encoder = Encoder::Length(0);
     }
@@ -761,22 +766,20 @@ pub async fn read_head(conn: &Mutex<Conn>) -> Result<Option<Parsed>, HeadError> 
 
 /// Completes when the client closes its connection while its request is handled (its body
 /// read whole): then the exchange is abandoned, as hyper's server did (and nginx does), so a
-/// slow backend is not held for nobody. What the client pipelines meanwhile is buffered, up
-/// to [`MAX_HEAD`].
+/// slow backend is not held for nobody. Once the client has sent more (its next request),
+/// it is watched no longer: like hyper's server, an end of its sending that follows is not
+/// taken for the client leaving the request it already sent.
 pub async fn client_gone(conn: &Mutex<Conn>) {
     std::future::poll_fn(|cx| {
         let mut c = lock(conn);
-        // While the body is still to read, reading is the body's; past MAX_HEAD, the next
-        // request can wait.
-        if !matches!(c.body, ReadState::Done | ReadState::Length(0)) || c.rbuf.len() >= MAX_HEAD {
+        // While the body is still to read, reading is the body's; with the next request here,
+        // a close after it (a half-close) still wants this response.
+        if !matches!(c.body, ReadState::Done | ReadState::Length(0)) || !c.rbuf.is_empty() {
             return Poll::Pending;
         }
-        loop {
-            match ready!(c.poll_fill(cx)) {
-                Ok(0) | Err(_) => return Poll::Ready(()),
-                Ok(_) if c.rbuf.len() >= MAX_HEAD => return Poll::Pending,
-                Ok(_) => {}
-            }
+        match ready!(c.poll_fill(cx)) {
+            Ok(0) | Err(_) => Poll::Ready(()),
+            Ok(_) => Poll::Pending,
         }
     })
     .await
@@ -856,6 +859,22 @@ pub async fn respond(
     // A body not read whole, unless it is all here already, leaves the connection unusable:
     // the client's next request would start somewhere in it. (Not consumed yet: the backend
     // may still be reading it.)
+    // A `100 Continue` not begun is owed no more once the final response starts (as hyper
+    // did); one begun is finished first, so the two heads do not interleave.
+    let begun = {
+        let mut c = lock(conn);
+        if c.continue_sent == 0 {
+            c.continue_owed = false;
+        }
+        c.continue_owed
+    };
+    if begun
+        && std::future::poll_fn(|cx| lock(conn).poll_continue(cx))
+            .await
+            .is_err()
+    {
+        return Next::Close;
+    }
     let body_read = lock(conn).body_buffered();
     let keep_alive = ex.keep_alive && !closing && body_read;
     let size = (!body.is_end_stream()).then(|| body.size_hint());
@@ -911,28 +930,24 @@ async fn send_body(
         write_all(conn, wbuf, &[]).await.map_err(drop)?;
         return flush(conn).await.map_err(drop);
     }
-    let mut head_sent = false;
     loop {
-        // The head goes with the first piece when that is ready at once.
-        let frame = if head_sent {
-            std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
-        } else {
-            let now = std::future::poll_fn(|cx| {
-                Poll::Ready(match Pin::new(&mut *body).poll_frame(cx) {
-                    Poll::Ready(f) => Some(f),
-                    Poll::Pending => None,
-                })
+        // What is pending (the head, the CRLF ending a chunk) goes with the next piece when
+        // that is ready at once; before waiting for the body, it goes out alone and is flushed
+        // (a TLS stream may hold what was written): a paused stream keeps nothing back.
+        let now = std::future::poll_fn(|cx| {
+            Poll::Ready(match Pin::new(&mut *body).poll_frame(cx) {
+                Poll::Ready(f) => Some(f),
+                Poll::Pending => None,
             })
-            .await;
-            match now {
-                Some(f) => f,
-                None => {
-                    write_all(conn, wbuf, &[]).await.map_err(drop)?;
-                    flush(conn).await.map_err(drop)?;
-                    wbuf.clear();
-                    head_sent = true;
-                    std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
-                }
+        })
+        .await;
+        let frame = match now {
+            Some(f) => f,
+            None => {
+                write_all(conn, wbuf, &[]).await.map_err(drop)?;
+                flush(conn).await.map_err(drop)?;
+                wbuf.clear();
+                std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
             }
         };
         match frame {
@@ -968,7 +983,6 @@ async fn send_body(
                     }
                 }
                 wbuf.clear();
-                head_sent = true;
                 if body.is_end_stream() {
                     break;
                 }
@@ -1248,7 +1262,7 @@ mod tests {
                 v10,
                 true,
                 Some(SizeHint::default()),
-                "HTTP/1.0 200 OK|connection: keep-alive|date: *|",
+                "HTTP/1.0 200 OK|date: *|",
                 Encoder::Close,
                 true,
             ),
@@ -1257,7 +1271,7 @@ mod tests {
                 v10,
                 true,
                 exact(2),
-                "HTTP/1.0 200 OK|connection: keep-alive|content-length: 2|date: *|",
+                "HTTP/1.0 200 OK|content-length: 2|connection: keep-alive|date: *|",
                 Encoder::Length(2),
                 false,
             ),
@@ -1266,7 +1280,7 @@ mod tests {
                 v11,
                 false,
                 None,
-                "HTTP/1.1 404 Not Found|connection: close|content-length: 0|date: *|",
+                "HTTP/1.1 404 Not Found|content-length: 0|connection: close|date: *|",
                 Encoder::Length(0),
                 true,
             ),
