@@ -329,8 +329,12 @@ def main():
         l7 = {"direct": PATHS["direct"][0], **HTTP_PATHS}
         samples = {n: [] for n in l7}
         cpu = {n: [] for n in l7}
-        for _ in range(runs):
-            for name, port in l7.items():
+        # The order is reversed every other run: the path measured right after the direct one
+        # (which leaves the origin's CPU caches and its connections to wrk behind) is not
+        # always the same.
+        for r in range(runs):
+            order = list(l7.items()) if r % 2 == 0 else list(reversed(l7.items()))
+            for name, port in order:
                 samples[name].append(wrk(port, secs, close=False, pgids=PGIDS.get(name, ()), cpu_out=cpu[name]))
         for name, ka in samples.items():
             http[name] = {"rps": statistics.median(r for r, _, _ in ka), "p99": statistics.median(p for _, p, _ in ka),
