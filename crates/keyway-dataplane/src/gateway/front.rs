@@ -4,9 +4,9 @@
 //! CPU as the routing itself. The rules follow hyper's server (RFC 9112 as hyper reads it), so
 //! clients see the same answers: 400 for a malformed head, 431 for one over [`MAX_HEAD`] (a
 //! long target too: hyper's 414 needed a longer one than its buffer held), framing by
-//! Content-Length or chunked, `100 Continue` when the
-//! body is first wanted, HTTP/1.0 keep-alive, upgrades handed over with the bytes read ahead.
-//! HTTP/2 (prior knowledge, or ALPN over TLS) stays with hyper.
+//! Content-Length or chunked, `100 Continue` when the body is first wanted, HTTP/1.0
+//! keep-alive, upgrades handed over with the bytes read ahead. HTTP/2 (prior knowledge, or
+//! ALPN over TLS) stays with hyper.
 
 use std::cell::RefCell;
 use std::io;
