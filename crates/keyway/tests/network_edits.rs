@@ -3,7 +3,7 @@
 
 mod sites;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -13,26 +13,6 @@ use sites::*;
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A connection to `port` that got its greeting: (writer, reader, greeting); reads time out
-/// after `timeout`.
-fn greeted(port: u16, timeout: Duration) -> (TcpStream, BufReader<TcpStream>, String) {
-    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    s.set_read_timeout(Some(timeout)).unwrap();
-    let w = s.try_clone().unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).expect("greeting");
-    (w, r, line)
-}
-
-/// Writes a line and reads its echo.
-fn echo(w: &mut TcpStream, r: &mut BufReader<TcpStream>, text: &str) -> Result<String, String> {
-    w.write_all(text.as_bytes()).map_err(|e| e.to_string())?;
-    let mut echo = String::new();
-    r.read_line(&mut echo).map_err(|e| e.to_string())?;
-    Ok(echo)
 }
 
 /// SPEC §3.1: "No live connection is moved or cut by ... any config reload that keeps its
@@ -45,7 +25,7 @@ fn editing_a_link_cost_keeps_live_connections() {
     let backend = Backend::start("at-b");
     let (a, _b, _b_port, listen) = pair(&ca, &backend);
 
-    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
 
     // Same site, same listener, same Secret; only the Link's cost changes (1 -> 2).
@@ -188,7 +168,7 @@ fn rotating_a_link_certificate_keeps_live_connections() {
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
     let (a, _b, _b_port, listen) = pair(&ca, &backend);
-    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
     let before = connections_up(&a);
 
@@ -227,7 +207,7 @@ fn rotating_a_router_access_certificate_keeps_live_connections() {
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
     let (a, b, b_port, listen) = pair(&ca, &backend);
-    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
 
     rotate_link_secret(&b, &ca);
@@ -265,7 +245,7 @@ fn a_link_deleted_during_a_rotation_carries_nothing() {
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
     let (a, _b, _b_port, listen) = pair(&ca, &backend);
-    let (_w, _r, line) = greeted(listen, Duration::from_secs(3));
+    let (_w, _r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
     let before = connections_up(&a);
     rotate_link_secret(&a, &ca);
@@ -289,7 +269,7 @@ fn a_ca_change_during_a_rotation_ends_the_old_connections() {
     let other = Ca::new("other");
     let backend = Backend::start("at-b");
     let (a, _b, _b_port, listen) = pair(&ca, &backend);
-    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
     let before = connections_up(&a);
     rotate_link_secret(&a, &ca);
@@ -307,7 +287,7 @@ fn a_router_access_ca_change_after_a_rotation_revokes() {
     let other = Ca::new("other");
     let backend = Backend::start("at-b");
     let (_a, b, _b_port, listen) = pair(&ca, &backend);
-    let (mut w, mut r, _) = greeted(listen, Duration::from_secs(3));
+    let (mut w, mut r, _) = greet(listen, Duration::from_secs(3));
     rotate_link_secret(&b, &ca);
     assert!(eventually(Duration::from_secs(5), || b
         .log()
@@ -447,7 +427,7 @@ fn connections_over_a_silent_link_end_when_it_is_dropped() {
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
     let (a, b, _b_port, listen) = pair(&ca, &backend);
-    let (_w, mut r, line) = greeted(listen, Duration::from_secs(8));
+    let (_w, mut r, line) = greet(listen, Duration::from_secs(8));
     assert_eq!(line, "at-b\n");
     b.signal("-STOP");
     let start = std::time::Instant::now();
@@ -474,7 +454,7 @@ fn connection_through_an_intermediate_ends_when_the_far_site_dies() {
     assert!(eventually(Duration::from_secs(10), || who(listen)
         .as_deref()
         == Ok("at-c")));
-    let (_w, mut r, _) = greeted(listen, Duration::from_secs(5));
+    let (_w, mut r, _) = greet(listen, Duration::from_secs(5));
     c.kill();
     let start = std::time::Instant::now();
     let mut rest = String::new();
@@ -559,7 +539,7 @@ fn a_site_shutting_down_drains_connections_from_links_and_withdraws_its_keys() {
         "{}",
         a.log()
     );
-    let (mut w, mut r, line) = greeted(listen, Duration::from_secs(3));
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
 
     b.signal("-TERM");

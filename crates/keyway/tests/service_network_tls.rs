@@ -4,8 +4,8 @@
 
 mod sites;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -64,24 +64,6 @@ fn tls_connector_yaml(name: &str, key: &str, port: u16, secret: &str) -> String 
     )
 }
 
-/// A connection that got its greeting: (writer, reader, greeting).
-fn greeted(port: u16) -> (TcpStream, BufReader<TcpStream>, String) {
-    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let w = s.try_clone().unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).expect("greeting");
-    (w, r, line)
-}
-
-fn echo(w: &mut TcpStream, r: &mut BufReader<TcpStream>, text: &str) -> Result<String, String> {
-    w.write_all(text.as_bytes()).map_err(|e| e.to_string())?;
-    let mut echo = String::new();
-    r.read_line(&mut echo).map_err(|e| e.to_string())?;
-    Ok(echo)
-}
-
 /// Drops `ca.crt` from the Secret document `name` of `site` (an ACME issuer's kubernetes.io/tls
 /// Secret has none).
 fn drop_ca_crt(site: &SiteProc, name: &str) {
@@ -131,7 +113,7 @@ fn a_tls_connector_keeps_serving_when_its_secret_loses_ca_crt() {
         who(listen),
         site.log()
     );
-    let (mut w, mut r, line) = greeted(listen);
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "W\n");
 
     drop_ca_crt(&site, "wl-tls");
@@ -184,7 +166,7 @@ fn link_survives_its_secret_losing_ca_crt(side: Side) {
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
     let (a, b, _b_port, listen) = pair(&ca, &backend);
-    let (mut w, mut r, line) = greeted(listen);
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
     assert_eq!(line, "at-b\n");
     let (site, kind, name) = match side {
         Side::Dialing => (&a, "Link", "to-b"),

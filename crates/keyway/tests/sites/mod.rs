@@ -407,6 +407,20 @@ fn greeted(
     Ok((s, reader, name))
 }
 
+/// [`greeted`], panicking if it fails: (writer, reader, greeting); reads time out after
+/// `timeout`.
+pub fn greet(port: u16, timeout: Duration) -> (TcpStream, BufReader<TcpStream>, String) {
+    greeted(port, timeout).unwrap_or_else(|e| panic!("greeting on {port}: {e}"))
+}
+
+/// Writes a line and reads its echo.
+pub fn echo(w: &mut TcpStream, r: &mut BufReader<TcpStream>, text: &str) -> Result<String, String> {
+    w.write_all(text.as_bytes()).map_err(|e| e.to_string())?;
+    let mut echo = String::new();
+    r.read_line(&mut echo).map_err(|e| e.to_string())?;
+    Ok(echo)
+}
+
 /// Connects to `port`, reads the backend's name, and checks an echo round trip.
 pub fn who(port: u16) -> Result<String, String> {
     let (mut w, mut reader, name) = greeted(port, Duration::from_secs(3))?;
