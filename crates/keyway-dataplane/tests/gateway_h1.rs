@@ -1144,6 +1144,15 @@ async fn header_filters_cannot_change_framing() {
 // ---------------------------------------------------------------------------------------------
 // Balancing among a Service's endpoints
 
+/// Three [`named`] backends: `a`, `b` and `c`.
+async fn three_named() -> (Raw, Raw, Raw) {
+    (
+        named("a", None).await,
+        named("b", None).await,
+        named("c", None).await,
+    )
+}
+
 /// A backend answering every request with `name` as its body; a request for `/hang` gets no
 /// answer (its arrival is sent on `hung`) until the gateway closes the connection.
 async fn named(name: &'static str, hung: Option<mpsc::Sender<&'static str>>) -> Raw {
@@ -1201,11 +1210,7 @@ async fn tally(c: &mut SendRequest<Empty<Bytes>>, n: usize) -> HashMap<String, u
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keep_alive_client_is_balanced_per_request_and_reuses_backend_connections() {
-    let (a, b, c) = (
-        named("a", None).await,
-        named("b", None).await,
-        named("c", None).await,
-    );
+    let (a, b, c) = three_named().await;
     let port = free_port();
     let _dp = start(&balanced_yaml(&[&a, &b, &c], port), port).await;
     let mut client = client(port).await;
@@ -1224,11 +1229,7 @@ async fn a_keep_alive_client_is_balanced_per_request_and_reuses_backend_connecti
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_scaled_out_reaches_its_new_endpoints_from_open_connections() {
-    let (a, b, c) = (
-        named("a", None).await,
-        named("b", None).await,
-        named("c", None).await,
-    );
+    let (a, b, c) = three_named().await;
     let port = free_port();
     let dp = start(&balanced_yaml(&[&a], port), port).await;
     let mut client = client(port).await;
@@ -1513,11 +1514,7 @@ async fn a_refusing_endpoint_does_not_make_clients_open_new_connections_to_the_o
 /// (about one per client and endpoint at most), not opened per request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_clients_reuse_backend_connections_across_endpoints() {
-    let (a, b, c) = (
-        named("a", None).await,
-        named("b", None).await,
-        named("c", None).await,
-    );
+    let (a, b, c) = three_named().await;
     let port = free_port();
     let _dp = start(&balanced_yaml(&[&a, &b, &c], port), port).await;
     let mut tasks = Vec::new();
@@ -1622,11 +1619,7 @@ async fn on_worker_threads_concurrent_requests_leave_no_request_in_flight() {
 /// and afterwards requests reach only the endpoints of the Service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reloads_mid_traffic_answer_every_request() {
-    let (a, b, c) = (
-        named("a", None).await,
-        named("b", None).await,
-        named("c", None).await,
-    );
+    let (a, b, c) = three_named().await;
     let port = free_port();
     let dp = start(&balanced_yaml(&[&a, &b, &c], port), port).await;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
