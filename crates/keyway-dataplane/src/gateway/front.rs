@@ -23,6 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
 
 use super::h1::{self, Decoded};
+use super::reads::Reads;
 use super::sni::Prefixed;
 use super::upstream::{Body, BoxError};
 use crate::Io;
@@ -46,8 +47,7 @@ const COALESCE: usize = 16 * 1024;
 pub struct Conn {
     io: Option<Box<dyn Io>>,
     rbuf: BytesMut,
-    /// How much the next read asks for (see [`MAX_READ_SIZE`]).
-    read_size: usize,
+    reads: Reads,
     /// The request whose body may be read: bodies of earlier requests read nothing more.
     seq: u64,
     body: ReadState,
@@ -76,7 +76,7 @@ impl Conn {
         Conn {
             io: Some(io),
             rbuf: read_ahead,
-            read_size: READ_SIZE,
+            reads: Reads::new(READ_SIZE, MAX_READ_SIZE),
             seq: 0,
             body: ReadState::Done,
             continue_owed: false,
@@ -89,24 +89,7 @@ impl Conn {
         let Some(io) = self.io.as_mut() else {
             return Poll::Ready(Ok(0));
         };
-        if self.rbuf.capacity() - self.rbuf.len() < self.read_size / 4 {
-            self.rbuf.reserve(self.read_size);
-        }
-        let spare = self.rbuf.spare_capacity_mut();
-        let room = spare.len();
-        let mut rb = ReadBuf::uninit(spare);
-        ready!(Pin::new(io).poll_read(cx, &mut rb))?;
-        let n = rb.filled().len();
-        // SAFETY: `poll_read` initialised the first `n` bytes of the spare capacity.
-        unsafe { self.rbuf.set_len(self.rbuf.len() + n) };
-        self.read_size = if n == room {
-            (self.read_size * 2).min(MAX_READ_SIZE)
-        } else if n < self.read_size / 8 {
-            READ_SIZE
-        } else {
-            self.read_size
-        };
-        Poll::Ready(Ok(n))
+        self.reads.poll_fill(Pin::new(io), cx, &mut self.rbuf)
     }
 
     fn poll_write_all(&mut self, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
@@ -923,10 +906,8 @@ pub async fn respond(
     if !c.skip_body() {
         return Next::Close;
     }
-    if c.rbuf.is_empty() {
-        c.rbuf = BytesMut::new();
-        c.read_size = READ_SIZE;
-    }
+    let c = &mut *c;
+    c.reads.shed(&mut c.rbuf);
     Next::KeepAlive
 }
 

@@ -13,6 +13,7 @@ pub mod h1;
 pub mod http;
 pub mod idle;
 pub mod path;
+pub mod reads;
 pub mod route_match;
 pub mod sni;
 pub mod tcp;

@@ -33,6 +33,7 @@ use tokio::net::TcpStream;
 
 use super::h1::{self, BodyKind, Decoded, Framing};
 use super::idle::InFlight;
+use super::reads::Reads;
 
 use crate::Shared;
 use crate::listener::{self, Upstream};
@@ -372,8 +373,7 @@ pub struct H1 {
     io: Mutex<Box<dyn Io>>,
     /// What was read and not yet consumed.
     rbuf: BytesMut,
-    /// The room the next read gets at least.
-    read_size: usize,
+    reads: Reads,
     /// The request bytes being written, from `wpos` on. A bodiless request's head stays
     /// whole until its response begins, so it can be sent again.
     wbuf: BytesMut,
@@ -404,7 +404,7 @@ impl H1 {
             key: c.key,
             io: Mutex::new(c.io),
             rbuf: BytesMut::new(),
-            read_size: READ_SIZE,
+            reads: Reads::new(READ_SIZE, MAX_READ_SIZE),
             wbuf: BytesMut::new(),
             wpos: 0,
             unflushed: false,
@@ -418,36 +418,18 @@ impl H1 {
         }
     }
 
-    /// Gives back a read buffer that a large response grew, now that the connection waits for
-    /// its next request: idle connections (kept by their client, or pooled) hold none (a pooled
-    /// connection kept ~2.7 MB after 1 MiB responses).
+    /// Gives back the read buffer now that the connection waits for its next request: idle
+    /// connections (kept by their client, or pooled) hold none (a pooled connection kept
+    /// ~2.7 MB after 1 MiB responses).
     fn shed(&mut self) {
-        if self.rbuf.is_empty() {
-            self.rbuf = BytesMut::new();
-            self.read_size = READ_SIZE;
-        }
+        self.reads.shed(&mut self.rbuf);
     }
 
     /// Reads more from the backend into `rbuf`; `Ok(0)` at its end.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
-        if self.rbuf.capacity() - self.rbuf.len() < self.read_size / 4 {
-            self.rbuf.reserve(self.read_size);
-        }
-        let room = self.rbuf.capacity() - self.rbuf.len();
         let io = self.io.get_mut().unwrap_or_else(|p| p.into_inner());
-        let n = ready!(tokio_util::io::poll_read_buf(
-            Pin::new(&mut **io),
-            cx,
-            &mut self.rbuf
-        ))?;
-        self.read_size = if n == room {
-            (self.read_size * 2).min(MAX_READ_SIZE)
-        } else if n < self.read_size / 8 {
-            READ_SIZE
-        } else {
-            self.read_size
-        };
-        Poll::Ready(Ok(n))
+        self.reads
+            .poll_fill(Pin::new(&mut **io), cx, &mut self.rbuf)
     }
 
     /// Writes what is pending of the request, pulling its body, until all of it is sent.
