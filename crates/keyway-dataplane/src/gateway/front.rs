@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
 use hyper::body::{Body as _, Frame, SizeHint};
-use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{self, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
@@ -31,7 +31,7 @@ use crate::Io;
 /// The largest request head accepted (hyper's `max_buf_size` here before).
 pub const MAX_HEAD: usize = 64 * 1024;
 /// The most header lines in a request head (hyper's default).
-const MAX_HEADERS: usize = 100;
+const MAX_HEADERS: usize = h1::MAX_HEADERS;
 /// What a connection's read buffer starts with and gets again once a large request is done.
 const READ_SIZE: usize = 8 * 1024;
 /// The most read at once: reads that fill their room double up to this (a body streaming in),
@@ -349,97 +349,36 @@ pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
     let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
         .map_err(|_| HeadError::Bad)?;
     let http_11 = req.version == Some(1);
-    let base = buf.as_ptr() as usize;
-    let span = |s: &[u8]| {
-        let start = s.as_ptr() as usize - base;
-        start..start + s.len()
-    };
-    let path_span = span(path.as_bytes());
-    // Where each name and value lies in the head, so they can be cut from its bytes.
-    let n = req.headers.len();
-    let mut spans = [[0u32; 4]; MAX_HEADERS];
-    for (s, h) in spans.iter_mut().zip(req.headers.iter()) {
-        let ns = span(h.name.as_bytes());
-        let vs = span(h.value);
-        // Offsets fit: the head is at most MAX_HEAD bytes.
-        *s = [
-            ns.start as u32,
-            ns.end as u32,
-            vs.start as u32,
-            vs.end as u32,
-        ];
+    let path_at = path.as_ptr() as usize - buf.as_ptr() as usize;
+    let path_span = path_at..path_at + path.len();
+    let facts = h1::Facts::scan(req.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
+    // RFC 9112 §6.1: no Transfer-Encoding in HTTP/1.0, and chunked must be the last coding.
+    if facts.transfer_encoding && (!http_11 || !facts.last_chunked) {
+        return Err(HeadError::Bad);
     }
+    // Transfer-Encoding wins over Content-Length (then not looked at, as hyper did).
+    if !facts.transfer_encoding && facts.content_length_invalid {
+        return Err(HeadError::Bad);
+    }
+    let spans = h1::Spans::of(buf, req.headers);
     let bytes = buf.split_to(len).freeze();
     let uri = Uri::from_maybe_shared(bytes.slice(path_span)).map_err(|_| HeadError::Bad)?;
     // Room for what forwarding adds (X-Forwarded-For, X-Forwarded-Proto): no regrowth.
-    let mut map = HeaderMap::with_capacity(n + 2);
-    let mut keep_alive = http_11;
-    let mut saw_close = false;
-    let mut body = ReadState::Length(0);
-    let mut exact = None;
-    let (mut is_te, mut is_te_chunked, mut is_cl) = (false, false, false);
-    let mut expect_continue = false;
-    let mut wants_upgrade = false;
-    for &[ns, ne, vs, ve] in &spans[..n] {
-        let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
-        let name = HeaderName::from_bytes(&bytes[ns..ne]).map_err(|_| HeadError::Bad)?;
-        let value =
-            HeaderValue::from_maybe_shared(bytes.slice(vs..ve)).map_err(|_| HeadError::Bad)?;
-        match name {
-            header::TRANSFER_ENCODING => {
-                // RFC 9112 §6.1: not in HTTP/1.0; chunked must be the last coding.
-                if !http_11 {
-                    return Err(HeadError::Bad);
-                }
-                is_te = true;
-                if exact.take().is_some() {
-                    map.remove(header::CONTENT_LENGTH);
-                }
-                is_te_chunked = last_coding_is_chunked(&value);
-                body = if is_te_chunked {
-                    ReadState::Chunked(h1::Chunked::default())
-                } else {
-                    ReadState::Length(0)
-                };
-            }
-            header::CONTENT_LENGTH => {
-                is_cl = true;
-                if is_te {
-                    continue;
-                }
-                let len = content_length(&value).ok_or(HeadError::Bad)?;
-                if let Some(prev) = exact {
-                    if prev != len {
-                        return Err(HeadError::Bad);
-                    }
-                    continue;
-                }
-                exact = Some(len);
-                body = ReadState::Length(len);
-            }
-            header::CONNECTION => {
-                if saw_close || has_token(&value, "close") {
-                    saw_close = true;
-                    keep_alive = false;
-                } else if !keep_alive {
-                    keep_alive = has_token(&value, "keep-alive");
-                }
-            }
-            // RFC 9110 §10.1.1: ignored in an HTTP/1.0 request (hyper did too).
-            header::EXPECT => {
-                expect_continue = http_11 && value.as_bytes().eq_ignore_ascii_case(b"100-continue");
-            }
-            header::UPGRADE => wants_upgrade = http_11,
-            _ => {}
-        }
-        map.append(name, value);
-    }
-    if is_te && !is_te_chunked {
-        return Err(HeadError::Bad);
-    }
-    if is_te && is_cl {
-        keep_alive = false;
-    }
+    let mut map = spans.map(&bytes, 2).map_err(|_| HeadError::Bad)?;
+    let (body, exact) = if facts.transfer_encoding {
+        map.remove(header::CONTENT_LENGTH);
+        (ReadState::Chunked(h1::Chunked::default()), None)
+    } else {
+        let n = facts.content_length.unwrap_or(0);
+        (ReadState::Length(n), facts.content_length)
+    };
+    let keep_alive = (http_11 || facts.keep_alive)
+        && !facts.close
+        && !(facts.transfer_encoding
+            && (facts.content_length.is_some() || facts.content_length_invalid));
+    // RFC 9110 §10.1.1: ignored in an HTTP/1.0 request (hyper did too).
+    let expect_continue = http_11 && facts.expect_continue;
+    let wants_upgrade = http_11 && facts.upgrade;
     let mut request = Request::new(());
     *request.method_mut() = method;
     *request.uri_mut() = uri;
@@ -457,13 +396,6 @@ pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
         expect_continue,
         wants_upgrade,
     }))
-}
-
-fn last_coding_is_chunked(v: &HeaderValue) -> bool {
-    v.as_bytes()
-        .rsplit(|&b| b == b',')
-        .next()
-        .is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"))
 }
 
 fn content_length(v: &HeaderValue) -> Option<u64> {

@@ -18,7 +18,7 @@ pub const MAX_HEAD: usize = 64 * 1024;
 /// otherwise hold the request for as long as it liked, past any idea of a response.
 pub const MAX_INTERIM: u32 = 32;
 /// The most header lines in one response head.
-const MAX_HEADERS: usize = 100;
+pub const MAX_HEADERS: usize = 100;
 /// The longest chunk-size line (with extensions) accepted.
 const MAX_CHUNK_LINE: usize = 4096;
 
@@ -223,21 +223,28 @@ pub const HOP_BY_HOP: [&str; 7] = [
     "http2-settings",
 ];
 
-/// What a head's header lines say about framing and the connection.
+/// What a head's header lines say about framing and the connection (a response's, and a
+/// request's: [`super::front`]).
 #[derive(Default)]
-struct Facts {
-    close: bool,
-    keep_alive: bool,
-    transfer_encoding: bool,
+pub struct Facts {
+    pub close: bool,
+    pub keep_alive: bool,
+    pub transfer_encoding: bool,
     /// All Transfer-Encoding values together are exactly `chunked`.
     chunked_only: bool,
     codings: usize,
-    content_length: Option<u64>,
-    content_length_invalid: bool,
+    /// The last Transfer-Encoding line ends with `chunked` (what a request needs, RFC 9112
+    /// §6.1, read as hyper's server read it).
+    pub last_chunked: bool,
+    pub content_length: Option<u64>,
+    pub content_length_invalid: bool,
+    /// The last Expect line is `100-continue`.
+    pub expect_continue: bool,
+    pub upgrade: bool,
 }
 
 impl Facts {
-    fn scan<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> Facts {
+    pub fn scan<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> Facts {
         let mut f = Facts::default();
         for (name, value) in lines {
             if name.eq_ignore_ascii_case(b"connection") {
@@ -245,6 +252,10 @@ impl Facts {
                 f.keep_alive |= has_token(value, b"keep-alive");
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 f.transfer_encoding = true;
+                f.last_chunked = value
+                    .rsplit(|&b| b == b',')
+                    .next()
+                    .is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"));
                 for c in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
                     if !c.is_empty() {
                         f.codings += 1;
@@ -258,6 +269,10 @@ impl Facts {
                     }
                     _ => f.content_length_invalid = true,
                 }
+            } else if name.eq_ignore_ascii_case(b"expect") {
+                f.expect_continue = value.eq_ignore_ascii_case(b"100-continue");
+            } else if name.eq_ignore_ascii_case(b"upgrade") {
+                f.upgrade = true;
             }
         }
         f
@@ -376,30 +391,10 @@ pub fn parse_head(
             buf.advance(len);
             raw_headers = Some(lines);
         } else {
-            // Where each name and value lies in the head, so they can be cut from its bytes.
-            let base = buf.as_ptr() as usize;
-            let mut spans = [[0u32; 4]; MAX_HEADERS];
-            let n = res.headers.len();
-            // Offsets fit: the head is at most MAX_HEAD bytes.
-            let at = |p: *const u8, len: usize| {
-                [(p as usize - base) as u32, (p as usize - base + len) as u32]
-            };
-            for (span, h) in spans.iter_mut().zip(res.headers.iter()) {
-                let [ns, ne] = at(h.name.as_ptr(), h.name.len());
-                let [vs, ve] = at(h.value.as_ptr(), h.value.len());
-                *span = [ns, ne, vs, ve];
-            }
+            let spans = Spans::of(buf, res.headers);
             let bytes = buf.split_to(len).freeze();
             let map = response.headers_mut();
-            map.reserve(n);
-            for &[ns, ne, vs, ve] in &spans[..n] {
-                let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
-                let name = HeaderName::from_bytes(&bytes[ns..ne])
-                    .map_err(|_| Error::Header(String::from_utf8_lossy(&bytes[ns..ne]).into()))?;
-                let value = HeaderValue::from_maybe_shared(bytes.slice(vs..ve))
-                    .map_err(|_| Error::Header(name.to_string()))?;
-                map.append(name, value);
-            }
+            *map = spans.map(&bytes, 0)?;
             if facts.transfer_encoding {
                 // Transfer-Encoding overrides Content-Length, which a proxy must then drop
                 // (RFC 9112 §6.3): forwarded, it would frame the client's response wrongly.
@@ -412,6 +407,47 @@ pub fn parse_head(
             body,
             keep_alive,
         }));
+    }
+}
+
+/// Where each header's name and value lie in a head, so that once the head is cut off its
+/// buffer they can be taken from its bytes without copying.
+pub struct Spans {
+    at: [[u32; 4]; MAX_HEADERS],
+    n: usize,
+}
+
+impl Spans {
+    /// The spans of `headers`, parsed from `head` (at most [`MAX_HEAD`] bytes: offsets fit).
+    pub fn of(head: &[u8], headers: &[httparse::Header<'_>]) -> Spans {
+        let base = head.as_ptr() as usize;
+        let at = |p: *const u8, len: usize| {
+            [(p as usize - base) as u32, (p as usize - base + len) as u32]
+        };
+        let mut spans = Spans {
+            at: [[0; 4]; MAX_HEADERS],
+            n: headers.len(),
+        };
+        for (span, h) in spans.at.iter_mut().zip(headers) {
+            let [ns, ne] = at(h.name.as_ptr(), h.name.len());
+            let [vs, ve] = at(h.value.as_ptr(), h.value.len());
+            *span = [ns, ne, vs, ve];
+        }
+        spans
+    }
+
+    /// The headers as a map whose values share `head`'s bytes, with room for `room` more.
+    pub fn map(&self, head: &Bytes, room: usize) -> Result<HeaderMap, Error> {
+        let mut map = HeaderMap::with_capacity(self.n + room);
+        for &[ns, ne, vs, ve] in &self.at[..self.n] {
+            let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
+            let name = HeaderName::from_bytes(&head[ns..ne])
+                .map_err(|_| Error::Header(String::from_utf8_lossy(&head[ns..ne]).into()))?;
+            let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
+                .map_err(|_| Error::Header(name.to_string()))?;
+            map.append(name, value);
+        }
+        Ok(map)
     }
 }
 
