@@ -119,6 +119,19 @@ impl Conn {
         }
     }
 
+    /// After an upgrade: echoes everything, what was read ahead first, until the close.
+    async fn echo_rest(&mut self) {
+        loop {
+            let rest = std::mem::take(&mut self.buf);
+            if !rest.is_empty() {
+                self.send(&rest).await;
+            }
+            if !self.fill().await {
+                return;
+            }
+        }
+    }
+
     async fn send(&mut self, bytes: &[u8]) {
         let _ = self.s.write_all(bytes).await;
     }
@@ -722,17 +735,7 @@ async fn upgrade_passes_bytes_read_ahead_then_copies_both_ways() {
         // The 101 and the first bytes of the new protocol in one write.
         c.send(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\nfirst\n")
             .await;
-        let mut rest = std::mem::take(&mut c.buf);
-        loop {
-            if !rest.is_empty() {
-                c.send(&rest).await;
-                rest.clear();
-            }
-            if !c.fill().await {
-                return;
-            }
-            rest = std::mem::take(&mut c.buf);
-        }
+        c.echo_rest().await;
     })
     .await;
     let (_dp, port) = gateway_to(be.addr).await;
@@ -1334,17 +1337,8 @@ async fn ending(name: &'static str) -> Raw {
                 "/ws" => {
                     c.send(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n")
                         .await;
-                    let mut rest = std::mem::take(&mut c.buf);
-                    loop {
-                        if !rest.is_empty() {
-                            c.send(&rest).await;
-                            rest.clear();
-                        }
-                        if !c.fill().await {
-                            return;
-                        }
-                        rest = std::mem::take(&mut c.buf);
-                    }
+                    c.echo_rest().await;
+                    return;
                 }
                 _ => c.send(ok.as_bytes()).await,
             }
