@@ -413,33 +413,30 @@ pub fn parse_head(
 /// Where each header's name and value lie in a head, so that once the head is cut off its
 /// buffer they can be taken from its bytes without copying.
 pub struct Spans {
-    at: [[u32; 4]; MAX_HEADERS],
-    n: usize,
+    /// Name start and end, value start and end. A vector the size of the head's header
+    /// count: a fixed array for [`MAX_HEADERS`] would be 1.6 KB zeroed and copied per head.
+    at: Vec<[u32; 4]>,
 }
 
 impl Spans {
     /// The spans of `headers`, parsed from `head` (at most [`MAX_HEAD`] bytes: offsets fit).
     pub fn of(head: &[u8], headers: &[httparse::Header<'_>]) -> Spans {
         let base = head.as_ptr() as usize;
-        let at = |p: *const u8, len: usize| {
-            [(p as usize - base) as u32, (p as usize - base + len) as u32]
-        };
-        let mut spans = Spans {
-            at: [[0; 4]; MAX_HEADERS],
-            n: headers.len(),
-        };
-        for (span, h) in spans.at.iter_mut().zip(headers) {
-            let [ns, ne] = at(h.name.as_ptr(), h.name.len());
-            let [vs, ve] = at(h.value.as_ptr(), h.value.len());
-            *span = [ns, ne, vs, ve];
-        }
-        spans
+        let at = |p: *const u8| (p as usize - base) as u32;
+        let at = headers
+            .iter()
+            .map(|h| {
+                let (ns, vs) = (at(h.name.as_ptr()), at(h.value.as_ptr()));
+                [ns, ns + h.name.len() as u32, vs, vs + h.value.len() as u32]
+            })
+            .collect();
+        Spans { at }
     }
 
     /// The headers as a map whose values share `head`'s bytes, with room for `room` more.
     pub fn map(&self, head: &Bytes, room: usize) -> Result<HeaderMap, Error> {
-        let mut map = HeaderMap::with_capacity(self.n + room);
-        for &[ns, ne, vs, ve] in &self.at[..self.n] {
+        let mut map = HeaderMap::with_capacity(self.at.len() + room);
+        for &[ns, ne, vs, ve] in &self.at {
             let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
             let name = HeaderName::from_bytes(&head[ns..ne])
                 .map_err(|_| Error::Header(String::from_utf8_lossy(&head[ns..ne]).into()))?;

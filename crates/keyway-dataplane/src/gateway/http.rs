@@ -781,9 +781,9 @@ async fn forward(
         parts.headers.remove(header::HOST);
     }
 
-    // The rare paths are boxed: the future of every request stays small (it is moved into
-    // hyper's dispatcher whole).
-    let send = async {
+    // The rare paths are boxed: the future of every request stays small. Pinned where it is
+    // made: awaited as a value, it would be copied whole into the awaiting state first.
+    let mut send = std::pin::pin!(async {
         if rule.grpc {
             let body = body.counting(&rule.metrics.bytes_in);
             let req = Request::from_parts(parts, body);
@@ -804,16 +804,16 @@ async fn forward(
                 })
             })
         }
-    };
+    });
     // The route's timeout covers the exchange until the full response has been received:
     // 504 without a response head by then, and a body still streaming is cut.
     let deadline = rule.timeout.map(|t| tokio::time::Instant::now() + t);
     let result = match deadline {
-        Some(at) => match Box::pin(tokio::time::timeout_at(at, send)).await {
+        Some(at) => match Box::pin(tokio::time::timeout_at(at, send.as_mut())).await {
             Ok(r) => r,
             Err(_) => return full(StatusCode::GATEWAY_TIMEOUT, "request timed out"),
         },
-        None => send.await,
+        None => send.as_mut().await,
     };
     let resp = match result {
         Ok(r) => r,

@@ -366,7 +366,26 @@ pub enum SendError {
 /// An HTTP/1.1 connection to a backend (see the module documentation), speaking through the
 /// small codec in [`h1`]: a request's head is written straight to the socket, and its
 /// response body read straight from it by the [`Relay`] that answers the client.
-pub struct H1 {
+///
+/// Boxed: it travels by value from the pool into each exchange, its response body (and so
+/// every `Response<Body>`) and back, and moving a pointer is cheaper than its ~250 bytes.
+pub struct H1(Box<H1Conn>);
+
+impl std::ops::Deref for H1 {
+    type Target = H1Conn;
+    fn deref(&self) -> &H1Conn {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for H1 {
+    fn deref_mut(&mut self) -> &mut H1Conn {
+        &mut self.0
+    }
+}
+
+/// What an [`H1`] holds.
+pub struct H1Conn {
     key: String,
     /// Never locked (only `get_mut`): it makes the connection `Sync`, as response bodies must
     /// be.
@@ -400,7 +419,7 @@ pub struct H1 {
 
 impl H1 {
     fn new(c: Connected) -> H1 {
-        H1 {
+        H1(Box::new(H1Conn {
             key: c.key,
             io: Mutex::new(c.io),
             rbuf: BytesMut::new(),
@@ -415,9 +434,22 @@ impl H1 {
             reused: false,
             reusable: true,
             pooled_at: None,
-        }
+        }))
     }
 
+    /// The connection after `101 Switching Protocols`, for a raw copy both ways.
+    pub fn into_upgraded(self) -> Upgraded {
+        let c = *self.0;
+        Upgraded {
+            io: c.io.into_inner().unwrap_or_else(|p| p.into_inner()),
+            read: c.rbuf,
+            _guard: c.guard,
+            _load: c.load,
+        }
+    }
+}
+
+impl H1Conn {
     /// Gives back the read buffer now that the connection waits for its next request: idle
     /// connections (kept by their client, or pooled) hold none (a pooled connection kept
     /// ~2.7 MB after 1 MiB responses).
@@ -604,16 +636,6 @@ impl H1 {
                 self.reusable = false;
                 Err(SendError::Failed(e))
             }
-        }
-    }
-
-    /// The connection after `101 Switching Protocols`, for a raw copy both ways.
-    pub fn into_upgraded(self) -> Upgraded {
-        Upgraded {
-            io: self.io.into_inner().unwrap_or_else(|p| p.into_inner()),
-            read: self.rbuf,
-            _guard: self.guard,
-            _load: self.load,
         }
     }
 }
