@@ -211,17 +211,56 @@ pub struct RawHeaders {
     pub has_length: bool,
 }
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded; with `HTTP2-Settings` (an h2c
-/// upgrade's, never passed on).
-pub const HOP_BY_HOP: [&str; 7] = [
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "transfer-encoding",
-    "trailer",
-    "upgrade",
-    "http2-settings",
-];
+/// The header names the codec acts on. Told apart by length first: most names need no
+/// comparison at all, the rest one or two (a head is scanned once per exchange and side).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Known {
+    Connection,
+    KeepAlive,
+    ProxyConnection,
+    TransferEncoding,
+    Trailer,
+    Upgrade,
+    /// An h2c upgrade's, never passed on.
+    Http2Settings,
+    ContentLength,
+    Date,
+    Expect,
+    Other,
+}
+
+impl Known {
+    fn of(name: &[u8]) -> Known {
+        let is = |n: &[u8]| name.eq_ignore_ascii_case(n);
+        match name.len() {
+            4 if is(b"date") => Known::Date,
+            6 if is(b"expect") => Known::Expect,
+            7 if is(b"upgrade") => Known::Upgrade,
+            7 if is(b"trailer") => Known::Trailer,
+            10 if is(b"connection") => Known::Connection,
+            10 if is(b"keep-alive") => Known::KeepAlive,
+            14 if is(b"content-length") => Known::ContentLength,
+            14 if is(b"http2-settings") => Known::Http2Settings,
+            16 if is(b"proxy-connection") => Known::ProxyConnection,
+            17 if is(b"transfer-encoding") => Known::TransferEncoding,
+            _ => Known::Other,
+        }
+    }
+
+    /// Hop-by-hop (RFC 9110 §7.6.1): never forwarded.
+    fn hop_by_hop(self) -> bool {
+        matches!(
+            self,
+            Known::Connection
+                | Known::KeepAlive
+                | Known::ProxyConnection
+                | Known::TransferEncoding
+                | Known::Trailer
+                | Known::Upgrade
+                | Known::Http2Settings
+        )
+    }
+}
 
 /// What a head's header lines say about framing and the connection (a response's, and a
 /// request's: [`super::front`]).
@@ -247,32 +286,33 @@ impl Facts {
     pub fn scan<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> Facts {
         let mut f = Facts::default();
         for (name, value) in lines {
-            if name.eq_ignore_ascii_case(b"connection") {
-                f.close |= has_token(value, b"close");
-                f.keep_alive |= has_token(value, b"keep-alive");
-            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-                f.transfer_encoding = true;
-                f.last_chunked = value
-                    .rsplit(|&b| b == b',')
-                    .next()
-                    .is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-                for c in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
-                    if !c.is_empty() {
-                        f.codings += 1;
-                        f.chunked_only = f.codings == 1 && c.eq_ignore_ascii_case(b"chunked");
+            match Known::of(name) {
+                Known::Connection => {
+                    f.close |= has_token(value, b"close");
+                    f.keep_alive |= has_token(value, b"keep-alive");
+                }
+                Known::TransferEncoding => {
+                    f.transfer_encoding = true;
+                    f.last_chunked = value
+                        .rsplit(|&b| b == b',')
+                        .next()
+                        .is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                    for c in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                        if !c.is_empty() {
+                            f.codings += 1;
+                            f.chunked_only = f.codings == 1 && c.eq_ignore_ascii_case(b"chunked");
+                        }
                     }
                 }
-            } else if name.eq_ignore_ascii_case(b"content-length") {
-                match content_length(value) {
+                Known::ContentLength => match content_length(value) {
                     Some(n) if f.content_length.is_none_or(|m| m == n) => {
                         f.content_length = Some(n);
                     }
                     _ => f.content_length_invalid = true,
-                }
-            } else if name.eq_ignore_ascii_case(b"expect") {
-                f.expect_continue = value.eq_ignore_ascii_case(b"100-continue");
-            } else if name.eq_ignore_ascii_case(b"upgrade") {
-                f.upgrade = true;
+                },
+                Known::Expect => f.expect_continue = value.eq_ignore_ascii_case(b"100-continue"),
+                Known::Upgrade => f.upgrade = true,
+                _ => {}
             }
         }
         f
@@ -451,7 +491,7 @@ impl Spans {
 /// The Transfer-Encoding codings of a head, for an error message.
 fn transfer_codings<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> String {
     lines
-        .filter(|(n, _)| n.eq_ignore_ascii_case(b"transfer-encoding"))
+        .filter(|(n, _)| Known::of(n) == Known::TransferEncoding)
         .flat_map(|(_, v)| v.split(|&b| b == b','))
         .map(|c| String::from_utf8_lossy(c.trim_ascii()).into_owned())
         .filter(|c| !c.is_empty())
@@ -462,40 +502,45 @@ fn transfer_codings<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> St
 /// The header lines of a response for an HTTP/1.x client (see [`RawHeaders`]); with
 /// `keep_length`, Content-Length stays (a response without a body describing one).
 fn raw_lines(headers: &[httparse::Header<'_>], keep_length: bool) -> RawHeaders {
+    let mut kinds = [Known::Other; MAX_HEADERS];
+    for (k, h) in kinds.iter_mut().zip(headers) {
+        *k = Known::of(h.name.as_bytes());
+    }
+    let kinds = &kinds[..headers.len().min(MAX_HEADERS)];
     // Names the Connection header lists are hop-by-hop too (RFC 9110 §7.6.1).
+    let has_connection = kinds.contains(&Known::Connection);
     let listed = |name: &[u8]| {
-        headers
-            .iter()
-            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
-            .flat_map(|h| h.value.split(|&b| b == b','))
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
+        has_connection
+            && headers
+                .iter()
+                .zip(kinds)
+                .filter(|&(_, &k)| k == Known::Connection)
+                .any(|(h, _)| h.value.len() >= name.len() && has_token(h.value, name))
     };
-    let has_connection = headers
-        .iter()
-        .any(|h| h.name.eq_ignore_ascii_case("connection"));
     let size: usize = headers
         .iter()
         .map(|h| h.name.len() + h.value.len() + 4)
         .sum();
     let mut out = Vec::with_capacity(size);
     let (mut has_date, mut has_length) = (false, false);
-    for h in headers {
+    for (h, &known) in headers.iter().zip(kinds) {
         let name = h.name.as_bytes();
-        if HOP_BY_HOP
-            .iter()
-            .any(|n| name.eq_ignore_ascii_case(n.as_bytes()))
-            || (has_connection && listed(name))
-        {
+        if known.hop_by_hop() || listed(name) {
             continue;
         }
-        if name.eq_ignore_ascii_case(b"content-length") {
-            if !keep_length || has_length {
-                continue;
+        match known {
+            Known::ContentLength => {
+                if !keep_length || has_length {
+                    continue;
+                }
+                has_length = true;
             }
-            has_length = true;
+            Known::Date => has_date = true,
+            _ => {}
         }
-        has_date |= name.eq_ignore_ascii_case(b"date");
-        out.extend(name.iter().map(u8::to_ascii_lowercase));
+        let start = out.len();
+        out.extend_from_slice(name);
+        out[start..].make_ascii_lowercase();
         out.extend_from_slice(b": ");
         out.extend_from_slice(h.value);
         out.extend_from_slice(b"\r\n");
@@ -962,6 +1007,17 @@ mod tests {
                 false,
                 "x-end: 2\r\n",
                 false,
+                false,
+            ),
+            // Names listed by any Connection line, before or after it, in any case; names
+            // that only share a length with a hop-by-hop one stay.
+            (
+                "HTTP/1.1 200 OK\r\nX-Early: 1\r\nCONNECTION: close\r\nX-Same: 2\r\n\
+                 connection: x-early,  X-LATE \r\nHTTP2-Settings: s\r\nX-Late: 3\r\n\
+                 Connectiox: 4\r\nDATE: d\r\n\r\n",
+                false,
+                "x-same: 2\r\nconnectiox: 4\r\ndate: d\r\n",
+                true,
                 false,
             ),
             // No body however framed: the length it describes stays.

@@ -581,10 +581,13 @@ impl H1Conn {
                 self.abandon_request();
             }
             loop {
-                match h1::parse_head(&mut self.rbuf, head_request, raw_head, &mut interim) {
-                    Ok(Some(h)) => return Poll::Ready(Ok(h)),
-                    Ok(None) => {}
-                    Err(e) => return Poll::Ready(Err(Some(e))),
+                // Nothing read yet (the usual case when woken to write): nothing to parse.
+                if !self.rbuf.is_empty() {
+                    match h1::parse_head(&mut self.rbuf, head_request, raw_head, &mut interim) {
+                        Ok(Some(h)) => return Poll::Ready(Ok(h)),
+                        Ok(None) => {}
+                        Err(e) => return Poll::Ready(Err(Some(e))),
+                    }
                 }
                 match ready!(self.poll_fill(cx)) {
                     Ok(0) if !answered && retry_safe && self.reused => {
