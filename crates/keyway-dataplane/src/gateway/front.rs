@@ -1308,8 +1308,32 @@ mod tests {
         }
     }
 
-    /// A client connection whose bytes are all there at once (a fast uploader).
-    struct Wire(Vec<u8>, usize);
+    /// A client connection whose bytes are all there, handed out at most `piece` at a time.
+    struct Wire {
+        bytes: Vec<u8>,
+        at: usize,
+        piece: usize,
+    }
+
+    impl Wire {
+        /// All at once, as far as the reader has room (a fast uploader).
+        fn whole(bytes: Vec<u8>) -> Wire {
+            Wire {
+                bytes,
+                at: 0,
+                piece: usize::MAX,
+            }
+        }
+
+        /// A few bytes per read.
+        fn trickle(bytes: Vec<u8>) -> Wire {
+            Wire {
+                bytes,
+                at: 0,
+                piece: 5,
+            }
+        }
+    }
 
     impl AsyncRead for Wire {
         fn poll_read(
@@ -1317,9 +1341,10 @@ mod tests {
             _: &mut Context<'_>,
             buf: &mut ReadBuf<'_>,
         ) -> Poll<io::Result<()>> {
-            let n = buf.remaining().min(self.0.len() - self.1);
-            buf.put_slice(&self.0[self.1..self.1 + n]);
-            self.1 += n;
+            let w = &mut *self;
+            let n = buf.remaining().min(w.bytes.len() - w.at).min(w.piece);
+            buf.put_slice(&w.bytes[w.at..w.at + n]);
+            w.at += n;
             Poll::Ready(Ok(()))
         }
     }
@@ -1349,7 +1374,7 @@ mod tests {
         let mut wire = format!("POST / HTTP/1.1\r\ncontent-length: {LEN}\r\n\r\n").into_bytes();
         wire.resize(wire.len() + LEN, b'x');
         let conn = Arc::new(Mutex::new(Conn::new(
-            Box::new(Wire(wire, 0)),
+            Box::new(Wire::whole(wire)),
             BytesMut::new(),
         )));
         let parsed = read_head(&conn).await.unwrap().unwrap();
@@ -1365,36 +1390,20 @@ mod tests {
         assert!(pieces <= 80, "{pieces} pieces of a 4 MiB body");
     }
 
-    /// Bytes that come a few at a time.
-    struct Trickle(Vec<u8>, usize);
-
-    impl AsyncRead for Trickle {
-        fn poll_read(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-            buf: &mut ReadBuf<'_>,
-        ) -> Poll<io::Result<()>> {
-            let n = buf.remaining().min(self.0.len() - self.1).min(5);
-            buf.put_slice(&self.0[self.1..self.1 + n]);
-            self.1 += n;
-            Poll::Ready(Ok(()))
-        }
-    }
-
     /// The first bytes, read on the stack until some come, are all kept, whatever pieces they
     /// came in.
     #[tokio::test]
     async fn the_h2_preface_is_told_apart_across_reads() {
         let h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\nrest".to_vec();
-        let (yes, ahead) = is_h2(&mut Trickle(h2, 0)).await.unwrap();
+        let (yes, ahead) = is_h2(&mut Wire::trickle(h2)).await.unwrap();
         assert!(yes);
         assert!(ahead.starts_with(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"));
-        let (yes, ahead) = is_h2(&mut Trickle(b"PRIVATE / HTTP/1.1\r\n".to_vec(), 0))
+        let (yes, ahead) = is_h2(&mut Wire::trickle(b"PRIVATE / HTTP/1.1\r\n".to_vec()))
             .await
             .unwrap();
         assert!(!yes);
         assert_eq!(&ahead[..], b"PRIVA", "what was read when it was told");
-        let (yes, ahead) = is_h2(&mut Trickle(Vec::new(), 0)).await.unwrap();
+        let (yes, ahead) = is_h2(&mut Wire::trickle(Vec::new())).await.unwrap();
         assert!(!yes && ahead.is_empty());
     }
 }
