@@ -284,9 +284,14 @@ pub struct Facts {
 
 impl Facts {
     pub fn scan<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> Facts {
+        Facts::of_known(lines.map(|(name, value)| (Known::of(name), value)))
+    }
+
+    /// The same, for lines whose names are already told apart.
+    fn of_known<'a>(lines: impl Iterator<Item = (Known, &'a [u8])>) -> Facts {
         let mut f = Facts::default();
-        for (name, value) in lines {
-            match Known::of(name) {
+        for (known, value) in lines {
+            match known {
                 Known::Connection => {
                     f.close |= has_token(value, b"close");
                     f.keep_alive |= has_token(value, b"keep-alive");
@@ -403,7 +408,13 @@ pub fn parse_head(
             .reason
             .filter(|r| Some(*r) != status.canonical_reason())
             .and_then(|r| hyper::ext::ReasonPhrase::try_from(r.as_bytes()).ok());
-        let facts = Facts::scan(res.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
+        // Each name told apart once, for the facts and for the raw lines.
+        let mut kinds = [Known::Other; MAX_HEADERS];
+        for (k, h) in kinds.iter_mut().zip(res.headers.iter()) {
+            *k = Known::of(h.name.as_bytes());
+        }
+        let kinds = &kinds[..res.headers.len()];
+        let facts = Facts::of_known(res.headers.iter().zip(kinds).map(|(h, &k)| (k, h.value)));
         let body = facts.body_kind(status, version, head_request, || {
             transfer_codings(res.headers.iter().map(|h| (h.name.as_bytes(), h.value)))
         })?;
@@ -426,6 +437,7 @@ pub fn parse_head(
         if raw && status != StatusCode::SWITCHING_PROTOCOLS {
             let lines = raw_lines(
                 res.headers,
+                kinds,
                 head_request || status == StatusCode::NOT_MODIFIED,
             );
             buf.advance(len);
@@ -499,14 +511,10 @@ fn transfer_codings<'a>(lines: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> St
         .join(", ")
 }
 
-/// The header lines of a response for an HTTP/1.x client (see [`RawHeaders`]); with
-/// `keep_length`, Content-Length stays (a response without a body describing one).
-fn raw_lines(headers: &[httparse::Header<'_>], keep_length: bool) -> RawHeaders {
-    let mut kinds = [Known::Other; MAX_HEADERS];
-    for (k, h) in kinds.iter_mut().zip(headers) {
-        *k = Known::of(h.name.as_bytes());
-    }
-    let kinds = &kinds[..headers.len().min(MAX_HEADERS)];
+/// The header lines of a response for an HTTP/1.x client (see [`RawHeaders`]), `kinds` telling
+/// their names apart; with `keep_length`, Content-Length stays (a response without a body
+/// describing one).
+fn raw_lines(headers: &[httparse::Header<'_>], kinds: &[Known], keep_length: bool) -> RawHeaders {
     // Names the Connection header lists are hop-by-hop too (RFC 9110 §7.6.1).
     let has_connection = kinds.contains(&Known::Connection);
     let listed = |name: &[u8]| {
