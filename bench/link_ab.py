@@ -8,6 +8,7 @@ and what iperf3's own client and server spent per GB ("ends").
   python3 bench/link_ab.py OLD_BINARY NEW_BINARY --runs 6 --secs 4
   python3 bench/link_ab.py BIN BIN@RUST_LOG=info   # BIN@VAR=VALUE[@...]: env for the sites
   python3 bench/link_ab.py BIN --runs 1 --perf /tmp/perf   # perf record -g both sites in run 0
+  CG=dwarf,16384 PEV="-e syscalls:sys_exit_recvfrom" python3 bench/link_ab.py ... --perf P   # other call graphs, events
   python3 bench/link_ab.py OLD NEW --wrk --threads 2   # also keep-alive and new connections (wrk)
 
 Copy each build's target/release/keyway aside first; wrap the run in
@@ -69,7 +70,7 @@ def main():
                 if a.perf and r == 0:
                     pids = ",".join(str(p) for p in run.PGIDS["linked"])
                     name = os.path.basename(b).replace("@", "_")
-                    perf = subprocess.Popen(["perf", "record", "-g", "-o", f"{a.perf}.{name}", "-p", pids, "--", "sleep", str(a.secs)],
+                    perf = subprocess.Popen(["perf", "record", *(["--call-graph", os.environ["CG"]] if os.environ.get("CG") else ["-g"]), *os.environ.get("PEV", "").split(), "-o", f"{a.perf}.{name}", "-p", pids, "--", "sleep", str(a.secs)],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 cpu, ends = [], []
                 gbps = run.iperf(run.PATHS["linked"][1], a.secs, run.PGIDS["linked"], cpu, ends)

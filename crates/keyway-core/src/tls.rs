@@ -142,12 +142,12 @@ pub fn secret_value(secret: &Secret, key: &str) -> Option<Vec<u8>> {
 }
 
 /// Whether `key` can sign and belongs to the first certificate of `chain`, as rustls will
-/// check when it serves them (same provider as the data plane: ring).
+/// check when it serves them (same provider as the data plane: aws-lc-rs).
 pub fn check_key_pair(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
 ) -> Result<(), String> {
-    let provider = rustls::crypto::ring::default_provider();
+    let provider = rustls::crypto::aws_lc_rs::default_provider();
     match rustls::sign::CertifiedKey::from_der(chain.clone(), key.clone_key(), &provider) {
         Ok(_) => Ok(()),
         Err(rustls::Error::InconsistentKeys(_)) => {

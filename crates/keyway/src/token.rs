@@ -324,9 +324,9 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Bytes from the operating system's CSPRNG.
 fn random_bytes(n: usize) -> Result<Vec<u8>> {
-    use ring::rand::SecureRandom;
+    use aws_lc_rs::rand::SecureRandom;
     let mut buf = vec![0u8; n];
-    ring::rand::SystemRandom::new()
+    aws_lc_rs::rand::SystemRandom::new()
         .fill(&mut buf)
         .map_err(|_| anyhow::anyhow!("the system random number generator failed"))?;
     Ok(buf)
