@@ -3,8 +3,8 @@
 and each binary given (HTTPRoute -> Service -> origin), wrk -t2 -c50 keep-alive runs interleaved
 (A, B, HAProxy, then reversed), CPU µs per request (user part in brackets) from /proc.
 
-  cp target/release/keyway /tmp/kw-a   # before; then rebuild and compare:
-  flock /tmp/keyway-bench.lock python3 bench/ab.py --threads 1 --runs 6 --secs 4 a=/tmp/kw-a b=target/release/keyway
+  cp target/dist/keyway /tmp/kw-a   # before (or target/release/keyway); then rebuild and compare:
+  flock /tmp/keyway-bench.lock python3 bench/ab.py --threads 1 --runs 6 --secs 4 a=/tmp/kw-a b=target/dist/keyway
 
 --tcp: the Skupper TCP path instead (Listener -> Connector -> origin, HAProxy in tcp mode), with
 keep-alive requests (wrk -t2 -c50) and new connections (the same with `Connection: close`, CPU

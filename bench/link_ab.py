@@ -11,7 +11,7 @@ and what iperf3's own client and server spent per GB ("ends").
   CG=dwarf,16384 PEV="-e syscalls:sys_exit_recvfrom" python3 bench/link_ab.py ... --perf P   # other call graphs, events
   python3 bench/link_ab.py OLD NEW --wrk --threads 2   # also keep-alive and new connections (wrk)
 
-Copy each build's target/release/keyway aside first; wrap the run in
+Copy each build's target/dist/keyway (or target/release/keyway) aside first; wrap the run in
 `flock /tmp/keyway-bench.lock` on a shared machine.
 """
 import argparse, atexit, importlib.util, os, shutil, statistics, subprocess, tempfile, time

@@ -7,6 +7,7 @@ side in one run, on loopback, reported as ratios.
   python3 bench/run.py --quick    # 1 run of 3 s each instead of 3 runs of 5 s
   python3 bench/run.py --only direct,haproxy,linked   # a subset (direct and haproxy are the baselines)
   python3 bench/run.py --threads 2   # every proxy gets 2 threads (default 1 each)
+  python3 bench/run.py --profile release   # measure the quick `--release` build instead of `dist`
 
 Measures: single-stream throughput (iperf3), HTTP keep-alive requests/s and p99 (wrk -c50), and
 new-connection rate (wrk with `Connection: close`). The origin is nginx serving a small file.
@@ -126,6 +127,8 @@ HTTP_PATHS = {"keyway-gateway": 28094, "haproxy-http": 28095, "nginx-http": 2809
 # `nbthread`, nginx `worker_processes` (the proxies, not the origin), keyway's worker threads.
 # One by default: on 2 cores the load generator and the origin need the rest.
 THREADS = 1
+# Cargo profile of the keyway binary measured (`--profile`).
+PROFILE = "dist"
 
 def keyway_env():
     return dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(THREADS))
@@ -221,7 +224,7 @@ def setup(work, procs):
             f.write(tcp_yaml(name, front, back))
         # The Gateway API path: an HTTP listener, an HTTPRoute, a Service backed by the origin.
         f.write("---\n" + gateway_yaml(HTTP_PATHS['keyway-gateway'], PATHS['direct'][0]))
-    keyway = os.path.join(ROOT, "target", "release", "keyway")
+    keyway = os.path.join(ROOT, "target", PROFILE, "keyway")
     p = procs.start([keyway, "run", "--config", cfg, "--admin", "127.0.0.1:29901"], env=keyway_env())
     PGIDS["keyway"] = PGIDS["keyway-gateway"] = [p.pid]
     setup_linked(work, procs, keyway)
@@ -279,14 +282,16 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated paths to measure (direct and haproxy always run)")
     ap.add_argument("--http-only", action="store_true", help="only the HTTP (L7) comparison")
     ap.add_argument("--threads", type=int, default=1, help="threads per proxy under test (HAProxy, nginx, keyway)")
+    ap.add_argument("--profile", default="dist", help="cargo profile of the keyway measured: dist (fat LTO, what is shipped) or release")
     args = ap.parse_args()
-    global THREADS
+    global THREADS, PROFILE
     THREADS = args.threads
+    PROFILE = args.profile
     only = set(filter(None, args.only.split(","))) | {"direct", "haproxy"} if args.only else set(PATHS)
     runs, secs = (1, 3) if args.quick else (3, 5)
     ensure_tools()
-    print("building keyway (release) ...", flush=True)
-    sh(["cargo", "build", "--release", "-q", "-p", "keyway"], cwd=ROOT)
+    print(f"building keyway (profile {PROFILE}; a first dist build takes ~13 min on 2 cores) ...", flush=True)
+    sh(["cargo", "build", "--profile", PROFILE, "-q", "-p", "keyway"], cwd=ROOT)
     work = tempfile.mkdtemp(prefix="keyway-bench-")
     # mkdtemp makes the directory 0700: nginx's workers (nobody) could not read the origin's
     # file and every HTTP path answered 403 instead of serving 1 KiB.
@@ -345,7 +350,7 @@ def main():
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
     lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s, "
-             f"{THREADS} thread(s) per proxy)", ""]
+             f"{THREADS} thread(s) per proxy, keyway built with profile {PROFILE})", ""]
     if results:
         lines += ["CPU µs/req is the proxy's own CPU time per request (all its processes), which does not",
                   "depend on how much CPU a noisy neighbour leaves: lower is better. CPU ms/GB is the same for",
