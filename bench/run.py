@@ -282,7 +282,7 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated paths to measure (direct and haproxy always run)")
     ap.add_argument("--http-only", action="store_true", help="only the HTTP (L7) comparison")
     ap.add_argument("--threads", type=int, default=1, help="threads per proxy under test (HAProxy, nginx, keyway)")
-    ap.add_argument("--profile", default="dist", help="cargo profile of the keyway measured: dist (fat LTO, what is shipped) or release")
+    ap.add_argument("--profile", default=PROFILE, help="cargo profile of the keyway measured: dist (fat LTO, what is shipped) or release")
     args = ap.parse_args()
     global THREADS, PROFILE
     THREADS = args.threads

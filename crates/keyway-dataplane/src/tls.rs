@@ -318,7 +318,7 @@ impl ServerCertVerifier for AcceptAnyServerCert {
 /// The provider for links: AES-128-GCM first. Links carry bulk traffic and the AES-128 suite
 /// needs 10 rounds against AES-256's 14, for the same authenticated encryption in practice.
 fn link_provider() -> Arc<CryptoProvider> {
-    let mut p = rustls::crypto::aws_lc_rs::default_provider();
+    let mut p = CryptoProvider::clone(&provider());
     p.cipher_suites
         .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
     Arc::new(p)

@@ -43,7 +43,7 @@ const STREAM_SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// frame and leaves the far site in one `send` to the workload. On two linked sites (one iperf3
 /// stream, 2 cores) 1 MiB took ~4% less CPU per byte than 256 KiB, as every frame costs a wakeup
 /// of the workload and a system call at the far end; 2 MiB (with 2 MiB tunnel reads and rustls
-/// buffer) carried 4–5% more than 1 MiB, the workload's own ends spending less per byte; 4 MiB,
+/// buffer) carried 0–5% more than 1 MiB, the workload's own ends spending less per byte; 4 MiB,
 /// the whole stream window in one frame, stalled (0.8×).
 const MAX_FRAME: u32 = 2 << 20;
 const SEND_BUFFER: usize = 4 << 20;

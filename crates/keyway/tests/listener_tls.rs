@@ -21,7 +21,7 @@ fn client(ca: &Ca) -> Arc<rustls::ClientConfig> {
     let (cert, key) = ca.leaf_pem();
     let chain = vec![CertificateDer::from_pem_slice(cert.as_bytes()).expect("cert")];
     let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).expect("key");
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let provider = keyway_dataplane::tls::provider();
     Arc::new(
         rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()

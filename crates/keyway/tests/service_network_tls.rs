@@ -21,7 +21,7 @@ fn serial() -> MutexGuard<'static, ()> {
 /// A workload speaking TLS with a leaf `ca` issued for 127.0.0.1: greets with `name` and echoes.
 fn tls_workload(name: &'static str, ca: &Ca) -> u16 {
     let (cert, key) = ca.leaf_pem();
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let provider = keyway_dataplane::tls::provider();
     let config = Arc::new(
         rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()

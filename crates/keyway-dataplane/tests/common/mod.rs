@@ -484,7 +484,7 @@ pub fn client_tls(ca: &Ca, verify_hostname: bool) -> ClientTls {
 }
 
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+    keyway_dataplane::tls::provider()
 }
 
 pub fn private_key(pem: &str) -> rustls::pki_types::PrivateKeyDer<'static> {
