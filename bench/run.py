@@ -276,6 +276,7 @@ def fmt_cpu(v):
     return "-" if v is None else f"{v:.1f}"
 
 def main():
+    global THREADS, PROFILE
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "last-run.md"))
@@ -284,7 +285,6 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="threads per proxy under test (HAProxy, nginx, keyway)")
     ap.add_argument("--profile", default=PROFILE, help="cargo profile of the keyway measured: dist (fat LTO, what is shipped) or release")
     args = ap.parse_args()
-    global THREADS, PROFILE
     THREADS = args.threads
     PROFILE = args.profile
     only = set(filter(None, args.only.split(","))) | {"direct", "haproxy"} if args.only else set(PATHS)
