@@ -2,6 +2,7 @@
 //! decides, the data plane carries traffic.
 
 mod admin;
+mod allocator;
 mod cli;
 mod demo;
 mod grants;
@@ -14,9 +15,7 @@ mod watch;
 
 use std::process::ExitCode;
 
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() -> ExitCode {
+    allocator::tune();
     cli::main()
 }
