@@ -23,17 +23,26 @@ use tokio::sync::mpsc;
 // ---------------------------------------------------------------------------------------------
 // A gRPC-ish backend
 
-/// A response body fed from a channel: data frames, then trailers.
-struct ChanBody(mpsc::Receiver<Frame<Bytes>>);
+/// A response body fed from a channel: data frames, then trailers. With `fails`, the body
+/// ends in an error once the channel closes, which makes hyper reset the stream.
+struct ChanBody {
+    rx: mpsc::Receiver<Frame<Bytes>>,
+    fails: bool,
+}
 
 impl hyper::body::Body for ChanBody {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = std::io::Error;
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|f| f.map(Ok))
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let fails = self.fails;
+        self.rx.poll_recv(cx).map(|f| match f {
+            Some(f) => Some(Ok(f)),
+            None if fails => Some(Err(std::io::Error::other("backend failed mid-stream"))),
+            None => None,
+        })
     }
 }
 
@@ -66,7 +75,8 @@ struct Seen {
 /// `/demo.Echo/Big`: 8 MiB in 64 KiB messages, then trailers. `/demo.Echo/Hold`: headers and
 /// one message, then nothing until the stream is reset. `/demo.Echo/GoAway`: answers like
 /// Unary, after starting a graceful shutdown of its connection (as a server with a maximum
-/// connection age does).
+/// connection age does). `/demo.Echo/Fail`: headers and one message, then 300 ms later the
+/// stream is reset (a backend failing mid-response).
 async fn grpc_backend(name: &'static str) -> (SocketAddr, Arc<Seen>) {
     grpc_backend_max(name, None).await
 }
@@ -91,6 +101,7 @@ async fn grpc_backend_max(name: &'static str, max: Option<u32>) -> (SocketAddr, 
                         seen.requests.fetch_add(1, Ordering::SeqCst);
                         let (tx, rx) = mpsc::channel::<Frame<Bytes>>(4);
                         let path = req.uri().path().to_string();
+                        let fails = path == "/demo.Echo/Fail";
                         if path == "/demo.Echo/GoAway" {
                             let _ = goaway_tx.try_send(());
                         }
@@ -105,6 +116,12 @@ async fn grpc_backend_max(name: &'static str, max: Option<u32>) -> (SocketAddr, 
                                     }
                                     let _ = tx.send(Frame::trailers(ok_trailers())).await;
                                 }
+                                "/demo.Echo/Fail" => {
+                                    let _ = tx.send(Frame::data(grpc_msg(b"first"))).await;
+                                    // Long enough for the head and the message to reach the
+                                    // client before the reset does.
+                                    tokio::time::sleep(Duration::from_millis(300)).await;
+                                }
                                 "/demo.Echo/Hold" => {
                                     let _ = tx.send(Frame::data(grpc_msg(b"first"))).await;
                                     tx.closed().await;
@@ -116,7 +133,7 @@ async fn grpc_backend_max(name: &'static str, max: Option<u32>) -> (SocketAddr, 
                                 }
                             }
                         });
-                        let mut r = Response::new(ChanBody(rx));
+                        let mut r = Response::new(ChanBody { rx, fails });
                         r.headers_mut()
                             .insert("content-type", "application/grpc".parse().unwrap());
                         Ok::<_, Infallible>(r)
@@ -460,6 +477,31 @@ async fn client_cancel_reaches_the_backend() {
     })
     .await;
     assert!(ok, "the backend's stream was not cancelled");
+}
+
+/// A backend that fails mid-response (its stream reset after a message, no trailers): the
+/// client's stream is reset too, so a gRPC client reports an error, never a call that ended
+/// cleanly without its status. The gateway's connection serves the next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_reset_mid_response_resets_the_client_stream() {
+    let (be, _seen) = grpc_backend("a").await;
+    let (_dp, port) = gateway_for(&[be]).await;
+    let mut c = h2_client(port, 1 << 20).await;
+    let err = match unary_within(&mut c, "/demo.Echo/Fail", Duration::from_secs(3)).await {
+        Ok(r) => panic!(
+            "the call ended cleanly: status {}, body {:?}, trailers {:?}",
+            r.status, r.body, r.trailers
+        ),
+        Err(e) => e,
+    };
+    assert!(
+        err.starts_with("body:") || err.starts_with("trailers:"),
+        "not a reset after the head: {err}"
+    );
+    let r = unary_within(&mut c, "/demo.Echo/Unary", Duration::from_secs(3))
+        .await
+        .expect("the next call");
+    assert_eq!(grpc_status(&r).as_deref(), Some("0"));
 }
 
 /// A backend that allows 2 concurrent streams per connection. With 2 long-lived streams open
