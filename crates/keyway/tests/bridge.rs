@@ -550,12 +550,6 @@ fn grpc_calls_to_a_skupper_backend_stay_on_the_nearby_target() {
 
 /// A Connector with health checks turned off (`health-check: "false"`, a documented setting):
 /// nothing marks it unhealthy, so its key stays reachable while its workload is down.
-fn unchecked_connector_yaml(name: &str, key: &str, port: u16) -> String {
-    format!(
-        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: {name}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {port}\n  settings:\n    health-check: \"false\"\n"
-    )
-}
-
 /// priorityFailover [kb, ka] where kb stays advertised but every connect to it fails (its
 /// Connector at b has health checks off and its workload is down): each request fails over to
 /// ka, as a new connection to the listener would. A keep-alive client must still get keep-alive

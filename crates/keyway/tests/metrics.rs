@@ -337,13 +337,16 @@ fn service_yaml(name: &str, port: u16) -> String {
 
 /// Gateway HTTP traffic is counted per route and response class, also for a WebSocket upgrade
 /// and for a route whose backend is a skupper Listener (its routing key); bytes per route cover
-/// response bodies and an upgraded connection's bytes each way. (Per-key connection series for
-/// skupper-backed routes are not exported yet.)
+/// response bodies and an upgraded connection's bytes each way. Backend connections a route
+/// opens into the service network count on the skupper listener's series (by routing key and
+/// target), with its failovers and refusals, as the listener's own connections do.
 #[test]
 fn gateway_requests_are_counted_per_route_and_class() {
     let _s = serial();
     let backend = http_backend();
     let (gw, skl) = (free_port(), free_port());
+    // Nothing listens on `dead`: the first key of `front` fails every connect.
+    let dead = free_port();
     let docs = [
         site_yaml("gw"),
         format!(
@@ -353,9 +356,16 @@ fn gateway_requests_are_counted_per_route_and_class() {
             .to_string(),
         "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: viakey}\nspec:\n  parentRefs: [{name: gw}]\n  rules: [{matches: [{path: {type: PathPrefix, value: /key}}], backendRefs: [{group: skupper.io, kind: Listener, name: svc}]}]\n"
             .to_string(),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: viamkl}\nspec:\n  parentRefs: [{name: gw}]\n  rules: [{matches: [{path: {type: PathPrefix, value: /mkl}}], backendRefs: [{group: skupper.io, kind: MultiKeyListener, name: front}]}]\n"
+            .to_string(),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: vianone}\nspec:\n  parentRefs: [{name: gw}]\n  rules: [{matches: [{path: {type: PathPrefix, value: /none}}], backendRefs: [{group: skupper.io, kind: Listener, name: nobody}]}]\n"
+            .to_string(),
         service_yaml("be", backend),
         listener_yaml("svc", "k", skl),
         connector_yaml("svc", "k", backend),
+        priority_yaml("front", &["kdead", "k"], free_port()),
+        unchecked_connector_yaml("dead", "kdead", dead),
+        listener_yaml("nobody", "knone", free_port()),
     ];
     let site = SiteProc::start("gw", &docs);
     let get_from = |host: &str, path: &str| -> u16 {
@@ -376,6 +386,8 @@ fn gateway_requests_are_counted_per_route_and_class() {
         "/key never served"
     );
     assert_eq!(get("/key"), 200);
+    assert_eq!(get("/mkl"), 200, "front fails over from kdead to k");
+    assert!(get("/none") >= 500, "no target for knone");
     // Requests no route takes: counted by why, on no route's series.
     assert_eq!(get("/nowhere"), 404);
     assert_eq!(get("/nowhere"), 404);
@@ -443,6 +455,32 @@ fn gateway_requests_are_counted_per_route_and_class() {
     assert_eq!(route_bytes("HTTPRoute/default/ws", "out"), B as f64, "{m}");
     assert!(
         route_bytes("HTTPRoute/default/viakey", "out") >= 20.0,
+        "{m}"
+    );
+    // The route's backend connections on the skupper listeners' series (SPEC §6: per routing
+    // key and connector target).
+    let key_conns = |listener: &str, key: &str| {
+        value(
+            &m,
+            "keyway_connections_opened_total",
+            &[("listener", listener), ("routing_key", key)],
+        )
+    };
+    assert!(key_conns("default/svc", "k") >= 1.0, "{m}");
+    assert!(key_conns("default/front", "k") >= 1.0, "{m}");
+    assert_eq!(key_conns("default/front", "kdead"), 0.0, "{m}");
+    let per_listener = |name: &str, listener: &str| value(&m, name, &[("listener", listener)]);
+    assert!(
+        per_listener("keyway_failovers_total", "default/front") >= 1.0,
+        "{m}"
+    );
+    assert!(
+        per_listener("keyway_connections_refused_total", "default/nobody") >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        per_listener("keyway_connections_refused_total", "default/svc"),
+        0.0,
         "{m}"
     );
     let unrouted = |reason: &str| {

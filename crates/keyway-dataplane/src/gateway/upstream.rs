@@ -37,6 +37,7 @@ use super::reads::Reads;
 
 use crate::Shared;
 use crate::listener::{self, Upstream};
+use crate::metrics::{ActiveGuard, Metrics};
 use crate::targets::{OpenGuard, Target};
 
 /// Every body the gateway sends or answers with, as one type instead of a boxed trait object:
@@ -212,10 +213,26 @@ pub use crate::Io;
 /// A fresh connection to a backend.
 pub struct Connected {
     pub io: Box<dyn Io>,
-    /// Counts the connection on its connector target (least-loaded balancing).
-    pub guard: Option<OpenGuard>,
+    /// Counts the connection on its connector target (least-loaded balancing, metrics).
+    pub guard: Option<TargetGuard>,
     /// Where it goes, for pooling and logs.
     pub key: String,
+}
+
+/// A backend connection into the service network, counted while it is open: on its connector
+/// target (least-loaded balancing) and in the connection series of the skupper listener it
+/// entered by, so `keyway_connections_*{listener, routing_key}` show which key carries a
+/// route's traffic as they do for the listener's own connections.
+pub struct TargetGuard {
+    open: OpenGuard,
+    _active: ActiveGuard,
+}
+
+impl TargetGuard {
+    /// The target the connection is counted on.
+    pub fn target(&self) -> &Arc<Target> {
+        self.open.target()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -404,7 +421,7 @@ pub struct H1Conn {
     /// The request body still to send, and how it is framed.
     body: Option<(ClientBody, Framing)>,
     /// Counts the connection on its connector target while it is open.
-    guard: Option<OpenGuard>,
+    guard: Option<TargetGuard>,
     /// Counts its request as in flight on its endpoint until the response ends.
     load: Load,
     /// A response came over it before: a failure before the next one may be the backend
@@ -648,7 +665,7 @@ impl H1Conn {
 pub struct Upgraded {
     io: Box<dyn Io>,
     read: BytesMut,
-    _guard: Option<OpenGuard>,
+    _guard: Option<TargetGuard>,
     /// An upgraded connection stays a request in flight on its endpoint until it closes.
     _load: Load,
 }
@@ -1237,11 +1254,24 @@ impl Pool {
                     target,
                     upstream,
                     open,
-                    ..
+                    failover,
                 }) = listener::connect(shared, selection).await
                 else {
+                    shared
+                        .metrics
+                        .refused
+                        .get_or_create(&Metrics::listener_labels(listener))
+                        .inc();
                     return Err(ConnectError::Unreachable(listener.clone()));
                 };
+                if failover {
+                    shared
+                        .metrics
+                        .failovers
+                        .get_or_create(&Metrics::listener_labels(listener))
+                        .inc();
+                }
+                let active = shared.metrics.connection(listener, &target).track();
                 if let Some(first) = first
                     && first != target.routing_key
                 {
@@ -1254,7 +1284,10 @@ impl Pool {
                 };
                 Ok(Connected {
                     io,
-                    guard: Some(open),
+                    guard: Some(TargetGuard {
+                        open,
+                        _active: active,
+                    }),
                     key: target_key(&target),
                 })
             }

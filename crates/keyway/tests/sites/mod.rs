@@ -196,6 +196,14 @@ pub fn connector_yaml(name: &str, key: &str, port: u16) -> String {
     )
 }
 
+/// A Connector without health checks: its key stays advertised whether or not its workload
+/// answers, so every connect to a dead one fails at connect time.
+pub fn unchecked_connector_yaml(name: &str, key: &str, port: u16) -> String {
+    format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: {name}\nspec:\n  routingKey: {key}\n  host: 127.0.0.1\n  port: {port}\n  settings:\n    health-check: \"false\"\n"
+    )
+}
+
 /// One `keyway run` child process.
 pub struct SiteProc {
     pub name: String,
