@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::copy;
-use crate::metrics::Metrics;
+use crate::metrics::{ConnMetrics, Metrics};
 use crate::targets::{OpenGuard, Registry, Target};
 use crate::tunnel::{self, BoxTunnel};
 use crate::workers::{self, AcceptGroup, Workers};
@@ -437,11 +437,19 @@ pub(crate) struct Connected {
     pub open: OpenGuard,
     /// Not the first choice: an earlier target or a preferred key failed.
     pub failover: bool,
+    /// The connection series of the listener it was made for, on its routing key and target.
+    pub metrics: Arc<ConnMetrics>,
 }
 
-/// Connects to the best reachable target of `selection`, failing over across targets and keys.
-/// Shared with the gateway's skupper backends, so HTTP traffic gets the same failover.
-pub(crate) async fn connect(shared: &Shared, selection: &KeySelection) -> Option<Connected> {
+/// Connects to the best reachable target of `selection`, failing over across targets and keys,
+/// for the listener labelled `label`, on whose series a refusal or a failover is counted.
+/// Shared with the gateway's skupper backends, so HTTP traffic gets the same failover and the
+/// same metrics.
+pub(crate) async fn connect(
+    shared: &Shared,
+    label: &str,
+    selection: &KeySelection,
+) -> Option<Connected> {
     let keys = key_order(selection, &shared.registry);
     let preferred = match selection {
         KeySelection::Priority(keys) => keys.first().cloned(),
@@ -456,7 +464,15 @@ pub(crate) async fn connect(shared: &Shared, selection: &KeySelection) -> Option
                 continue;
             };
             let failover = attempts > 1 || preferred.as_deref() != Some(key.as_str());
+            if failover {
+                shared
+                    .metrics
+                    .failovers
+                    .get_or_create(&Metrics::listener_labels(label))
+                    .inc();
+            }
             return Some(Connected {
+                metrics: shared.metrics.connection(label, &target),
                 target,
                 upstream,
                 open,
@@ -464,6 +480,11 @@ pub(crate) async fn connect(shared: &Shared, selection: &KeySelection) -> Option
             });
         }
     }
+    shared
+        .metrics
+        .refused
+        .get_or_create(&Metrics::listener_labels(label))
+        .inc();
     None
 }
 
@@ -498,13 +519,9 @@ async fn serve(
         upstream,
         open,
         failover,
-    }) = connect(&shared, &rt.plan.selection).await
+        metrics: m,
+    }) = connect(&shared, &rt.label, &rt.plan.selection).await
     else {
-        shared
-            .metrics
-            .refused
-            .get_or_create(&Metrics::listener_labels(&rt.label))
-            .inc();
         tracing::debug!(listener = %rt.label, %peer, "no target reachable: closing");
         return;
     };
@@ -516,14 +533,6 @@ async fn serve(
         failover,
         "connected"
     );
-    if failover {
-        shared
-            .metrics
-            .failovers
-            .get_or_create(&Metrics::listener_labels(&rt.label))
-            .inc();
-    }
-    let m = shared.metrics.connection(&rt.label, &target);
     m.opened.inc();
     m.active.inc();
     // Served on a connection worker, a tunnel to another site would wake the link's session

@@ -4,8 +4,9 @@
 //! reads, HTTP/2 frames read off a link). mimalloc returns ("purges") free memory to the kernel
 //! 1 s after it was freed by default. In a steady transfer some buffer ranges still went unused
 //! that long now and then (which ones, and why, was not traced), and were purged and then
-//! page-faulted (and zeroed) back in. Keeping them for 10 s took 5–9% less CPU per byte on two linked sites
-//! (`bench/link_ab.py`, docs/benchmarks.md); idle memory still goes back to the kernel.
+//! page-faulted (and zeroed) back in. Keeping them for 10 s took 5–9% less CPU per byte on two
+//! linked sites (`bench/link_ab.py`, docs/benchmarks.md); idle memory still goes back to the
+//! kernel.
 
 use libmimalloc_sys::{mi_option_set, mi_option_t, mi_option_use_numa_nodes};
 

@@ -37,7 +37,7 @@ use super::reads::Reads;
 
 use crate::Shared;
 use crate::listener::{self, Upstream};
-use crate::metrics::{ActiveGuard, Metrics};
+use crate::metrics::ActiveGuard;
 use crate::targets::{OpenGuard, Target};
 
 /// Every body the gateway sends or answers with, as one type instead of a boxed trait object:
@@ -1254,24 +1254,12 @@ impl Pool {
                     target,
                     upstream,
                     open,
-                    failover,
-                }) = listener::connect(shared, selection).await
+                    metrics,
+                    ..
+                }) = listener::connect(shared, listener, selection).await
                 else {
-                    shared
-                        .metrics
-                        .refused
-                        .get_or_create(&Metrics::listener_labels(listener))
-                        .inc();
                     return Err(ConnectError::Unreachable(listener.clone()));
                 };
-                if failover {
-                    shared
-                        .metrics
-                        .failovers
-                        .get_or_create(&Metrics::listener_labels(listener))
-                        .inc();
-                }
-                let active = shared.metrics.connection(listener, &target).track();
                 if let Some(first) = first
                     && first != target.routing_key
                 {
@@ -1286,7 +1274,7 @@ impl Pool {
                     io,
                     guard: Some(TargetGuard {
                         open,
-                        _active: active,
+                        _active: metrics.track(),
                     }),
                     key: target_key(&target),
                 })
