@@ -13,7 +13,8 @@ keep-alive requests (wrk -t2 -c50) and new connections (the same with `Connectio
 Profiling hooks (first run only): PERF=name[,name] records with perf (PEV="-F 3000", CG=dwarf,16384
 or none) into /tmp/kwab-perf-NAME.data; PSTAT=name EV=events counts with perf stat into
 /tmp/kwab-stat-NAME.txt (e.g. EV=context-switches,syscalls:sys_enter_recvfrom, or a uprobe on
-mi_malloc_aligned to count allocations)."""
+mi_malloc_aligned to count allocations); CTX=1 adds context switches per 1000 requests; PINK=CPUS
+and PINH=CPUS pin the keyway binaries and HAProxy with taskset (to tell scheduling apart from work)."""
 import argparse, importlib.util, os, re, resource, signal, socket, statistics, subprocess, sys, tempfile, time
 
 spec = importlib.util.spec_from_file_location("run", os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py"))
@@ -84,6 +85,7 @@ try:
             "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
             f"listen http\n  bind 127.0.0.1:28190\n  server s1 127.0.0.1:{ORIGIN}\n")
         targets.append(("haproxy", 28190, start(["haproxy", "-f", f"{w}/h.cfg"]).pid))
+        if os.environ.get("PINH"): time.sleep(0.3); [subprocess.run(["taskset", "-acp", os.environ["PINH"], pid], stdout=subprocess.DEVNULL) for pid in pids_in(targets[-1][2])]
         if a.fwd and not a.tcp:
             # The same with the forwarded headers keyway adds (X-Forwarded-For/-Proto).
             open(f"{w}/hf.cfg", "w").write(f"global\n  maxconn 8000\n  nbthread {a.threads}\ndefaults\n{mode}"
@@ -100,6 +102,7 @@ try:
         env = dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(a.threads))
         p = start([path, "run", "--config", cfg, "--state", f"{w}/{name}.state", "--admin", f"127.0.0.1:{29950+i}"], env=env)
         targets.append((name, port, p.pid))
+        if os.environ.get("PINK"): subprocess.run(["taskset", "-acp", os.environ["PINK"], str(p.pid)], stdout=subprocess.DEVNULL)
     for _, port, _ in targets: wait(port)
     wait(ORIGIN); time.sleep(1)
     # Modes: keep-alive requests, and with --tcp new connections too (one request each).

@@ -14,7 +14,8 @@ new-connection rate (wrk with `Connection: close`). The origin is nginx serving 
 Every server listens on 127.0.0.1 only and is stopped at the end.
 
 HTTP (L7) section: keyway's Gateway (HTTPRoute to a Service whose EndpointSlice points at the
-origin), HAProxy in http mode and nginx as an http proxy, all with keep-alive to the origin;
+origin), HAProxy in http mode (as it comes, and `haproxy-http-fwd` adding the X-Forwarded-For and
+-Proto headers keyway adds) and nginx as an http proxy, all with keep-alive to the origin;
 keep-alive requests/s and p99 with wrk. `--http-only` runs just that section.
 """
 import argparse, json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
@@ -121,7 +122,9 @@ def setup_linked(work, procs, keyway):
         p = procs.start([keyway, "run", "--config", cfg, "--admin", f"127.0.0.1:{admin}"], env=keyway_env())
         PGIDS.setdefault("linked", []).append(p.pid)
 # HTTP-terminating proxies in front of the same origin.
-HTTP_PATHS = {"keyway-gateway": 28094, "haproxy-http": 28095, "nginx-http": 28096}
+# `haproxy-http-fwd` is HAProxy doing the work keyway's Gateway must do on every request: adding
+# X-Forwarded-For and X-Forwarded-Proto (the request bytes the origin gets are then the same).
+HTTP_PATHS = {"keyway-gateway": 28094, "haproxy-http": 28095, "haproxy-http-fwd": 28097, "nginx-http": 28096}
 
 # Threads per proxy under test, the same for each so the comparison is fair: HAProxy
 # `nbthread`, nginx `worker_processes` (the proxies, not the origin), keyway's worker threads.
@@ -201,6 +204,13 @@ def setup(work, procs):
                 "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
                 f"listen http\n  bind 127.0.0.1:{HTTP_PATHS['haproxy-http']}\n  server s1 127.0.0.1:{PATHS['direct'][0]}\n")
     PGIDS["haproxy-http"] = [procs.start(["haproxy", "-f", f"{work}/haproxy-http.cfg"]).pid]
+    with open(f"{work}/haproxy-http-fwd.cfg", "w") as f:
+        f.write(f"global\n  maxconn 8000\n  nbthread {THREADS}\ndefaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n"
+                "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
+                f"listen http\n  bind 127.0.0.1:{HTTP_PATHS['haproxy-http-fwd']}\n  option forwardfor\n"
+                "  http-request set-header X-Forwarded-Proto http\n"
+                f"  server s1 127.0.0.1:{PATHS['direct'][0]}\n")
+    PGIDS["haproxy-http-fwd"] = [procs.start(["haproxy", "-f", f"{work}/haproxy-http-fwd.cfg"]).pid]
     # nginx as an HTTP reverse proxy with an upstream keep-alive pool.
     with open(f"{work}/proxy.conf", "w") as f:
         f.write(common.format(pid=f"{work}/proxy.pid", name="proxy", workers=THREADS) +
