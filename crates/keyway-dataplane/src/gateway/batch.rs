@@ -1,14 +1,14 @@
-//! Writes in batches: a request (or response) that was read is forwarded only after the other
-//! connections the worker found readable have been read, as HAProxy's event loop reads every
-//! ready connection before it sends anything.
+//! Responses in batches: a response read from a backend is written to its client only after the
+//! other connections the worker found readable have been read, as HAProxy's event loop reads
+//! every ready connection before it sends anything.
 //!
-//! Forwarded as soon as it is read, each request reaches the backend alone: on the other core
-//! it wakes, serves that one request and sleeps again. Forwarded together, the requests of one
-//! round reach it in one burst (nginx's `epoll_wait` returned ~25 ready connections instead of
-//! ~6.5 with 50 clients), and the clients get their responses together likewise. Measured
-//! (docs/benchmarks.md, 2026-11-30 19:00): 0.93× → 0.96× HAProxy's rate at two worker threads,
-//! the same rate with a lower p99 at one; on an idle worker it costs one more `epoll_wait` per
-//! forwarded message (~1 µs).
+//! Written as soon as they are read, responses reach the clients one by one and each client
+//! wakes for each. Written after the round's reads, they go out together. Measured with
+//! `bench/ab.py` (docs/benchmarks.md, 2026-11-30 19:00–21:00), the median rate rose in each of
+//! three A/B runs: +1.8% (8 runs, one worker thread: 0.97× → 0.98× HAProxy), +3.6% (one) and
+//! +7.4% (two threads). Holding back the requests to the backends the same way made the
+//! origin's batches larger but the rate no higher (five A/B runs), so requests go at once. On
+//! an idle worker it costs one more `epoll_wait` per response (~1 µs).
 
 /// Returns once the worker has polled its sockets again and run the tasks they woke.
 ///

@@ -784,7 +784,7 @@ pub async fn respond(
     raw: Option<h1::RawHeaders>,
     closing: bool,
 ) -> Next {
-    // Written once every connection the worker found readable has been read.
+    // Written once every connection the worker found readable has been read (`batch`).
     crate::gateway::batch::after_reads().await;
     let wbuf = &mut Vec::with_capacity(4096);
     let (parts, mut body) = resp.into_parts();

@@ -576,8 +576,6 @@ impl H1Conn {
             retry_safe,
         } = req;
         self.load.begin();
-        // Written once every connection the worker found readable has been read.
-        crate::gateway::batch::after_reads().await;
         self.wbuf = head;
         self.wpos = 0;
         self.wrote = false;
