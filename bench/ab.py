@@ -85,7 +85,10 @@ try:
             "  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
             f"listen http\n  bind 127.0.0.1:28190\n  server s1 127.0.0.1:{ORIGIN}\n")
         targets.append(("haproxy", 28190, start(["haproxy", "-f", f"{w}/h.cfg"]).pid))
-        if os.environ.get("PINH"): time.sleep(0.3); [subprocess.run(["taskset", "-acp", os.environ["PINH"], pid], stdout=subprocess.DEVNULL) for pid in pids_in(targets[-1][2])]
+        if os.environ.get("PINH"):
+            time.sleep(0.3)  # HAProxy's threads exist once it has started
+            for pid in pids_in(targets[-1][2]):
+                subprocess.run(["taskset", "-acp", os.environ["PINH"], pid], stdout=subprocess.DEVNULL)
         if a.fwd and not a.tcp:
             # The same with the forwarded headers keyway adds (X-Forwarded-For/-Proto).
             open(f"{w}/hf.cfg", "w").write(f"global\n  maxconn 8000\n  nbthread {a.threads}\ndefaults\n{mode}"

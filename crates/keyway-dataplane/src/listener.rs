@@ -533,8 +533,8 @@ async fn serve(
         failover,
         "connected"
     );
-    m.opened.inc();
-    m.active.inc();
+    // Counted open until the connection ends, also when its task is cancelled.
+    let active = m.track();
     // Served on a connection worker, a tunnel to another site would wake the link's session
     // (on the home runtime) across threads for every read and write: the connection moves
     // there once instead, with everything it holds.
@@ -543,14 +543,13 @@ async fn serve(
             let c = match c.into_std() {
                 Ok(c) => c,
                 Err(e) => {
-                    m.active.dec();
                     tracing::debug!(listener = %rt.label, %peer, "cannot move a connection: {e}");
                     return;
                 }
             };
             let label = rt.label.clone();
             home.spawn(async move {
-                let _held = (guard, open);
+                let _held = (guard, open, active);
                 let result = match TcpStream::from_std(c) {
                     Ok(mut c) => {
                         let (r, w) = c.split();
@@ -558,7 +557,6 @@ async fn serve(
                     }
                     Err(e) => Err(e),
                 };
-                m.active.dec();
                 if let Err(e) = result {
                     tracing::debug!(listener = %label, %peer, "connection ended with error: {e}");
                 }
@@ -567,7 +565,7 @@ async fn serve(
         }
         (c, u, _) => (c, u),
     };
-    let _held = (guard, open);
+    let _held = (guard, open, active);
     let (bytes_in, bytes_out) = (&m.bytes_in, &m.bytes_out);
     let result = match (client, upstream) {
         (Downstream::Plain(c), Upstream::Plain(u)) => {
@@ -591,7 +589,6 @@ async fn serve(
             tunnel::bidirectional(r, w, u, bytes_in, bytes_out).await
         }
     };
-    m.active.dec();
     if let Err(e) = result {
         tracing::debug!(listener = %rt.label, %peer, "connection ended with error: {e}");
     }

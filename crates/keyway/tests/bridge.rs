@@ -548,8 +548,6 @@ fn grpc_calls_to_a_skupper_backend_stay_on_the_nearby_target() {
     );
 }
 
-/// A Connector with health checks turned off (`health-check: "false"`, a documented setting):
-/// nothing marks it unhealthy, so its key stays reachable while its workload is down.
 /// priorityFailover [kb, ka] where kb stays advertised but every connect to it fails (its
 /// Connector at b has health checks off and its workload is down): each request fails over to
 /// ka, as a new connection to the listener would. A keep-alive client must still get keep-alive
