@@ -366,6 +366,10 @@ pub fn access_server_config(
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     // Our suite order, not the client's: both ends prefer AES-128-GCM.
     config.ignore_client_order = true;
+    // keyway's record layer takes over after the handshake (keyway-network's `record`): it
+    // needs the traffic secrets, and links never resume, so no tickets follow the handshake.
+    config.enable_secret_extraction = true;
+    config.send_tls13_tickets = 0;
     Ok(Arc::new(config))
 }
 
@@ -400,6 +404,9 @@ pub fn link_client_config(
         .with_client_auth_cert(m.cert_chain.clone(), key)
         .map_err(err)?;
     config.alpn_protocols = vec![alpn.to_vec()];
+    // For keyway's record layer after the handshake, as on the accepting side.
+    config.enable_secret_extraction = true;
+    config.resumption = rustls::client::Resumption::disabled();
     Ok(Arc::new(config))
 }
 

@@ -11,7 +11,9 @@
 mod db;
 pub mod grant;
 pub mod graph;
+mod handshake;
 pub mod protocol;
+mod record;
 mod session;
 pub mod stream;
 

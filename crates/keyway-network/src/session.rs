@@ -17,9 +17,9 @@ use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::grant::{self, ALPN_GRANT};
+use crate::handshake;
 use crate::protocol::{Decoder, Message, VERSION};
 use crate::stream::H2Stream;
 use crate::{
@@ -42,14 +42,11 @@ const STREAM_SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest DATA frame we accept: a tunnel's socket read (up to 2 MiB) crosses the link as one
 /// frame and leaves the far site in one `send` to the workload. On two linked sites (one iperf3
 /// stream, 2 cores) 1 MiB took ~4% less CPU per byte than 256 KiB, as every frame costs a wakeup
-/// of the workload and a system call at the far end; 2 MiB (with 2 MiB tunnel reads and rustls
-/// buffer) carried 0–5% more than 1 MiB, the workload's own ends spending less per byte; 4 MiB,
+/// of the workload and a system call at the far end; 2 MiB (with 2 MiB tunnel reads and TLS
+/// send buffer) carried 0–5% more than 1 MiB, the workload's own ends spending less per byte; 4 MiB,
 /// the whole stream window in one frame, stalled (0.8×).
 const MAX_FRAME: u32 = 2 << 20;
 const SEND_BUFFER: usize = 4 << 20;
-/// Plaintext rustls takes per write before it must be flushed (default 64 KiB): larger lets one
-/// writev carry a whole frame's records (128 of them) instead of four.
-const TLS_SEND_BUFFER: usize = 2 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
 /// HTTP/2 PING every half second, 2 s to answer: a silent peer is dropped within 2.5 s.
@@ -93,7 +90,6 @@ pub(crate) fn start_access(
     // The task accepts on its own descriptor of the socket, closed when the task ends; the
     // socket stays bound through `socket` for a successor.
     let std_listener = socket.try_clone()?;
-    let acceptor = TlsAcceptor::from(config);
     let runtime = inner.runtime.clone();
     let inner = inner.clone();
     let task = runtime.spawn(async move {
@@ -121,11 +117,15 @@ pub(crate) fn start_access(
                 }
             };
             let inner = inner.clone();
-            let acceptor = acceptor.clone();
+            let config = config.clone();
             lock(&sessions).spawn(async move {
                 let _ = tcp.set_nodelay(true);
                 // Nothing but the TLS handshake happens before the peer proves its identity.
-                let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                let tls = match tokio::time::timeout(
+                    HANDSHAKE_TIMEOUT,
+                    handshake::accept(config.clone(), tcp),
+                )
+                .await
                 {
                     Ok(Ok(s)) => s,
                     Ok(Err(e)) => {
@@ -137,11 +137,12 @@ pub(crate) fn start_access(
                         return;
                     }
                 };
-                let mut tls = tls;
-                tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
-                let session = tls.get_ref().1;
-                let authenticated = session.peer_certificates().is_some_and(|c| !c.is_empty());
-                let forward = match accepted_role(session.alpn_protocol(), authenticated) {
+                let handshake::Established {
+                    stream: tls,
+                    alpn,
+                    authenticated,
+                } = tls;
+                let forward = match accepted_role(alpn.as_deref(), authenticated) {
                     Ok(Role::Link { forward }) => forward,
                     Ok(Role::Grant) => {
                         let Some(handler) = inner.grant_handler() else {
@@ -296,15 +297,11 @@ async fn dial_once(
     let _ = tcp.set_nodelay(true);
     let name = ServerName::try_from(link.host.clone())
         .map_err(|e| NetError::Tls(format!("endpoint host {}: {e}", link.host)))?;
-    let tls = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        TlsConnector::from(config).connect(name, tcp),
-    )
-    .await
-    .map_err(|_| NetError::Timeout("TLS handshake"))?
-    .map_err(|e| NetError::Tls(format!("TLS handshake failed: {e}")))?;
-    let mut tls = tls;
-    tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
+    let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::connect(config, name, tcp))
+        .await
+        .map_err(|_| NetError::Timeout("TLS handshake"))?
+        .map_err(|e| NetError::Tls(format!("TLS handshake failed: {e}")))?
+        .stream;
     let cost = dial.cost.load(Ordering::Relaxed);
     let dialed = Some((link.id.name.clone(), dial.generation));
     run_session(inner, tls, dial.client, cost, dialed).await

@@ -1,0 +1,249 @@
+//! The TLS 1.3 handshake of a link connection, driven by rustls's unbuffered API over a TCP
+//! stream, then handed to keyway's record layer ([`crate::record`]).
+
+use std::sync::Arc;
+
+use rustls::client::UnbufferedClientConnection;
+use rustls::kernel::KernelConnection;
+use rustls::pki_types::ServerName;
+use rustls::server::UnbufferedServerConnection;
+use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
+use rustls::{ClientConfig, ServerConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::record::RecordStream;
+
+/// The largest handshake flight read before the handshake completes (certificate chains).
+const MAX_HANDSHAKE_BYTES: usize = 256 << 10;
+
+/// What the handshake established.
+pub(crate) struct Established {
+    pub stream: RecordStream<TcpStream>,
+    pub alpn: Option<Vec<u8>>,
+    /// The peer presented a certificate that verified.
+    pub authenticated: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum HandshakeError {
+    #[error("{0}")]
+    Tls(#[from] rustls::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("connection closed during the TLS handshake")]
+    Closed,
+}
+
+/// Dials side: the handshake as a client of `name`.
+pub(crate) async fn connect(
+    config: Arc<ClientConfig>,
+    name: ServerName<'static>,
+    tcp: TcpStream,
+) -> Result<Established, HandshakeError> {
+    let mut conn = UnbufferedClientConnection::new(config, name)?;
+    let mut io = Handshake::new(tcp);
+    while !io.step(&mut conn).await? {}
+    let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
+    let authenticated = conn.peer_certificates().is_some_and(|c| !c.is_empty());
+    let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
+    io.finish(secrets, kernel, alpn, authenticated)
+}
+
+/// Accepting side: the handshake as a server.
+pub(crate) async fn accept(
+    config: Arc<ServerConfig>,
+    tcp: TcpStream,
+) -> Result<Established, HandshakeError> {
+    let mut conn = UnbufferedServerConnection::new(config)?;
+    let mut io = Handshake::new(tcp);
+    while !io.step(&mut conn).await? {}
+    let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
+    let authenticated = conn.peer_certificates().is_some_and(|c| !c.is_empty());
+    let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
+    io.finish(secrets, kernel, alpn, authenticated)
+}
+
+/// A client or server connection of rustls's unbuffered API.
+trait Unbuffered {
+    type Data;
+    fn process<'c, 'i>(
+        &'c mut self,
+        incoming: &'i mut [u8],
+    ) -> UnbufferedStatus<'c, 'i, Self::Data>;
+}
+
+impl Unbuffered for UnbufferedClientConnection {
+    type Data = rustls::client::ClientConnectionData;
+    fn process<'c, 'i>(
+        &'c mut self,
+        incoming: &'i mut [u8],
+    ) -> UnbufferedStatus<'c, 'i, Self::Data> {
+        self.process_tls_records(incoming)
+    }
+}
+
+impl Unbuffered for UnbufferedServerConnection {
+    type Data = rustls::server::ServerConnectionData;
+    fn process<'c, 'i>(
+        &'c mut self,
+        incoming: &'i mut [u8],
+    ) -> UnbufferedStatus<'c, 'i, Self::Data> {
+        self.process_tls_records(incoming)
+    }
+}
+
+/// The socket and buffers of a handshake in progress.
+struct Handshake {
+    tcp: TcpStream,
+    incoming: Vec<u8>,
+    filled: usize,
+    outgoing: Vec<u8>,
+    /// Application data rustls opened before the handshake was reported complete.
+    plaintext: Vec<u8>,
+}
+
+impl Handshake {
+    fn new(tcp: TcpStream) -> Self {
+        Self {
+            tcp,
+            incoming: vec![0; 16 << 10],
+            filled: 0,
+            outgoing: Vec::new(),
+            plaintext: Vec::new(),
+        }
+    }
+
+    /// One state of the handshake; `true` once it is complete. On an error, the alert rustls
+    /// queued for the peer is sent first (best effort), so the peer learns why.
+    async fn step(&mut self, conn: &mut impl Unbuffered) -> Result<bool, HandshakeError> {
+        let UnbufferedStatus { discard, state } = conn.process(&mut self.incoming[..self.filled]);
+        let done = match state {
+            Ok(ConnectionState::EncodeTlsData(mut encode)) => {
+                encode_into(&mut self.outgoing, |b| encode.encode(b))?;
+                false
+            }
+            Ok(ConnectionState::TransmitTlsData(transmit)) => {
+                self.tcp.write_all(&self.outgoing).await?;
+                self.outgoing.clear();
+                transmit.done();
+                false
+            }
+            Ok(ConnectionState::BlockedHandshake) => {
+                self.discard(discard);
+                self.read_more().await?;
+                return Ok(false);
+            }
+            Ok(ConnectionState::WriteTraffic(_)) => true,
+            // The peer's first records can arrive with its last handshake message; rustls opens
+            // them before it reports the handshake complete.
+            Ok(ConnectionState::ReadTraffic(mut read)) => {
+                while let Some(record) = read.next_record() {
+                    self.plaintext.extend_from_slice(record?.payload);
+                }
+                if self.plaintext.len() > MAX_HANDSHAKE_BYTES {
+                    return Err(rustls::Error::General(
+                        "too much data during the handshake".into(),
+                    )
+                    .into());
+                }
+                false
+            }
+            Ok(ConnectionState::PeerClosed | ConnectionState::Closed) => {
+                return Err(HandshakeError::Closed);
+            }
+            Ok(other) => {
+                return Err(HandshakeError::Tls(rustls::Error::General(format!(
+                    "unexpected TLS state during the handshake: {other:?}"
+                ))));
+            }
+            Err(e) => {
+                self.send_alert(conn).await;
+                return Err(e.into());
+            }
+        };
+        self.discard(discard);
+        Ok(done)
+    }
+
+    fn discard(&mut self, n: usize) {
+        self.incoming.copy_within(n..self.filled, 0);
+        self.filled -= n;
+    }
+
+    async fn read_more(&mut self) -> Result<(), HandshakeError> {
+        if self.filled == self.incoming.len() {
+            if self.incoming.len() >= MAX_HANDSHAKE_BYTES {
+                return Err(rustls::Error::General("handshake too large".into()).into());
+            }
+            self.incoming.resize(self.incoming.len() * 2, 0);
+        }
+        match self.tcp.read(&mut self.incoming[self.filled..]).await? {
+            0 => Err(HandshakeError::Closed),
+            n => {
+                self.filled += n;
+                Ok(())
+            }
+        }
+    }
+
+    async fn send_alert(&mut self, conn: &mut impl Unbuffered) {
+        let mut alert = Vec::new();
+        if let Ok(ConnectionState::EncodeTlsData(mut encode)) = conn.process(&mut []).state {
+            let _ = encode_into(&mut alert, |b| encode.encode(b));
+        }
+        if !alert.is_empty() {
+            let _ = self.tcp.write_all(&alert).await;
+        }
+    }
+
+    /// Hands the socket, with what was read after the handshake, to the record layer.
+    fn finish<Data: Send + 'static>(
+        self,
+        secrets: rustls::ExtractedSecrets,
+        kernel: KernelConnection<Data>,
+        alpn: Option<Vec<u8>>,
+        authenticated: bool,
+    ) -> Result<Established, HandshakeError> {
+        let Some(suite) = kernel.negotiated_cipher_suite().tls13() else {
+            return Err(rustls::Error::General("links require TLS 1.3".into()).into());
+        };
+        let limit = suite.common.confidentiality_limit;
+        let stream = RecordStream::new(
+            self.tcp,
+            secrets,
+            Box::new(kernel),
+            limit,
+            &self.incoming[..self.filled],
+            self.plaintext,
+        )?;
+        Ok(Established {
+            stream,
+            alpn,
+            authenticated,
+        })
+    }
+}
+
+/// Appends what `encode` writes to `out`, growing it as rustls asks.
+fn encode_into(
+    out: &mut Vec<u8>,
+    mut encode: impl FnMut(&mut [u8]) -> Result<usize, EncodeError>,
+) -> Result<(), HandshakeError> {
+    let start = out.len();
+    let mut want = 4096;
+    loop {
+        out.resize(start + want, 0);
+        match encode(&mut out[start..]) {
+            Ok(n) => {
+                out.truncate(start + n);
+                return Ok(());
+            }
+            Err(EncodeError::InsufficientSize(s)) => want = s.required_size,
+            Err(e) => {
+                out.truncate(start);
+                return Err(rustls::Error::General(e.to_string()).into());
+            }
+        }
+    }
+}
