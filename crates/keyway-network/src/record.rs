@@ -134,6 +134,8 @@ pub(crate) struct RecordStream<IO> {
     /// Post-handshake handshake messages, possibly split across records.
     handshake: Vec<u8>,
     peer_closed: bool,
+    /// Why reading failed: the connection is unusable from that record on.
+    failed: Option<(io::ErrorKind, String)>,
 
     /// Sealed records: `output[out_start..out_end]` is not yet written.
     output: Box<[u8]>,
@@ -180,6 +182,7 @@ impl<IO> RecordStream<IO> {
             spill_end: opened_len,
             handshake: Vec::new(),
             peer_closed: false,
+            failed: None,
             output: vec![0u8; OUT_CAPACITY].into_boxed_slice(),
             out_start: 0,
             out_end: 0,
@@ -329,6 +332,16 @@ impl<IO> RecordStream<IO> {
                 return Err(invalid("record_overflow"));
             }
             let content_type = opened[type_at];
+            // A handshake message split across records admits no other record in between, and
+            // handshake records are never empty (RFC 8446 §5.1).
+            if !self.handshake.is_empty() && content_type != HANDSHAKE {
+                return Err(invalid(
+                    "a handshake message interleaved with other records",
+                ));
+            }
+            if content_type == HANDSHAKE && type_at == 0 {
+                return Err(invalid("an empty handshake record"));
+            }
             if content_type == APPLICATION_DATA {
                 if direct {
                     buf.advance(type_at);
@@ -439,6 +452,9 @@ impl<IO: AsyncRead + Unpin> AsyncRead for RecordStream<IO> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if let Some((kind, message)) = &this.failed {
+            return Poll::Ready(Err(io::Error::new(*kind, message.clone())));
+        }
         if buf.remaining() == 0 {
             return Poll::Ready(Ok(()));
         }
@@ -448,7 +464,13 @@ impl<IO: AsyncRead + Unpin> AsyncRead for RecordStream<IO> {
                 return Poll::Ready(Ok(()));
             }
             let before = buf.filled().len();
-            this.open_records(buf)?;
+            if let Err(e) = this.open_records(buf) {
+                // Data opened before the bad record is read first; the error comes next time.
+                this.failed = Some((e.kind(), e.to_string()));
+                if buf.filled().len() == before {
+                    return Poll::Ready(Err(e));
+                }
+            }
             if buf.filled().len() > before || this.peer_closed {
                 return Poll::Ready(Ok(()));
             }
@@ -726,6 +748,173 @@ mod tests {
         ours.read_to_end(&mut rest).await.expect("close_notify");
         assert!(rest.is_empty());
         client.await.expect("client");
+    }
+
+    /// Traffic keys for an in-memory pair: generation `n` of direction `base` is `[base + n; 32]`.
+    struct Generations {
+        tx: (u8, u8),
+        rx: (u8, u8),
+    }
+
+    fn secrets(base: u8) -> rustls::ConnectionTrafficSecrets {
+        rustls::ConnectionTrafficSecrets::Aes256Gcm {
+            key: rustls::crypto::cipher::AeadKey::from([base; 32]),
+            iv: rustls::crypto::cipher::Iv::from([base; 12]),
+        }
+    }
+
+    impl super::KeyUpdates for Generations {
+        fn next_tx(&mut self) -> Result<rustls::ConnectionTrafficSecrets, rustls::Error> {
+            self.tx.1 += 1;
+            Ok(secrets(self.tx.0 + self.tx.1))
+        }
+        fn next_rx(&mut self) -> Result<rustls::ConnectionTrafficSecrets, rustls::Error> {
+            self.rx.1 += 1;
+            Ok(secrets(self.rx.0 + self.rx.1))
+        }
+    }
+
+    /// Two record streams joined in memory, `a` sealing with `b`'s receiving keys.
+    fn pair() -> (
+        super::RecordStream<tokio::io::DuplexStream>,
+        super::RecordStream<tokio::io::DuplexStream>,
+    ) {
+        let (x, y) = tokio::io::duplex(1 << 20);
+        let stream = |io, tx: u8, rx: u8| {
+            let extracted = rustls::ExtractedSecrets {
+                tx: (0, secrets(tx)),
+                rx: (0, secrets(rx)),
+            };
+            let updates = Box::new(Generations {
+                tx: (tx, 0),
+                rx: (rx, 0),
+            });
+            super::RecordStream::new(io, extracted, updates, 1 << 24, &[], Vec::new())
+                .expect("record stream")
+        };
+        (stream(x, 10, 100), stream(y, 100, 10))
+    }
+
+    /// Records of every content type a peer could seal, and what the reader makes of them:
+    /// the data it reads, then the error it reports (or none: a clean end).
+    #[tokio::test]
+    async fn content_types_after_the_handshake() {
+        use super::{ALERT, APPLICATION_DATA, HANDSHAKE};
+        type Records = &'static [(u8, &'static [u8])];
+        let cases: [(&str, Records, &[u8], Option<&str>); 11] = [
+            (
+                "data, then close_notify: the rest is ignored",
+                &[
+                    (APPLICATION_DATA, b"hello"),
+                    (ALERT, &[1, 0]),
+                    (APPLICATION_DATA, b"late"),
+                ],
+                b"hello",
+                None,
+            ),
+            (
+                "a fatal alert",
+                &[(APPLICATION_DATA, b"x"), (ALERT, &[2, 40])],
+                b"x",
+                Some("HandshakeFailure"),
+            ),
+            (
+                "a malformed alert",
+                &[(ALERT, &[2])],
+                b"",
+                Some("malformed alert"),
+            ),
+            (
+                "a key update its sender did not follow: the next record fails",
+                &[
+                    (HANDSHAKE, &[24, 0, 0, 1, 0]),
+                    (APPLICATION_DATA, b"old key"),
+                ],
+                b"",
+                Some("failed authentication"),
+            ),
+            (
+                "a session ticket is ignored",
+                &[
+                    (HANDSHAKE, &[4, 0, 0, 2, 9, 9]),
+                    (APPLICATION_DATA, b"after"),
+                    (ALERT, &[1, 0]),
+                ],
+                b"after",
+                None,
+            ),
+            (
+                "a key update of the wrong length",
+                &[(HANDSHAKE, &[24, 0, 0, 2, 0, 0])],
+                b"",
+                Some("malformed key update"),
+            ),
+            (
+                "a key update with more after it",
+                &[(HANDSHAKE, &[24, 0, 0, 1, 0, 4, 0, 0, 0])],
+                b"",
+                Some("data after a key update"),
+            ),
+            (
+                "a ClientHello after the handshake",
+                &[(HANDSHAKE, &[1, 0, 0, 1, 0])],
+                b"",
+                Some("unexpected handshake message 1"),
+            ),
+            (
+                "a handshake message split by data",
+                &[(HANDSHAKE, &[24, 0, 0]), (APPLICATION_DATA, b"x")],
+                b"",
+                Some("interleaved"),
+            ),
+            (
+                "an empty handshake record",
+                &[(HANDSHAKE, &[])],
+                b"",
+                Some("empty handshake"),
+            ),
+            (
+                "an unknown content type",
+                &[(99, b"?")],
+                b"",
+                Some("content type 99"),
+            ),
+        ];
+        for (what, records, data, error) in cases {
+            let (mut a, mut b) = pair();
+            for (content_type, content) in records {
+                a.seal_one(*content_type, content).expect("seal");
+            }
+            a.flush().await.expect("flush");
+            drop(a);
+            let mut got = Vec::new();
+            let result = b.read_to_end(&mut got).await;
+            match error {
+                None => assert!(result.is_ok(), "{what}: {result:?}"),
+                Some(e) => {
+                    let err = result.expect_err(what);
+                    assert!(err.to_string().contains(e), "{what}: {e:?} not in {err}");
+                }
+            }
+            assert_eq!(got, data, "{what}");
+        }
+    }
+
+    /// Both directions of an in-memory pair, with `a` replacing its key every record.
+    #[tokio::test]
+    async fn key_updates_every_record_in_memory() {
+        let (mut a, mut b) = pair();
+        a.set_update_after(1);
+        let data = payload(300_000, 7);
+        let sent = data.clone();
+        let writer = tokio::spawn(async move {
+            write_in_pieces(&mut a, &sent).await;
+            a.shutdown().await.expect("shutdown");
+        });
+        let mut got = Vec::new();
+        b.read_to_end(&mut got).await.expect("read");
+        assert!(got == data);
+        writer.await.expect("writer");
     }
 
     /// Bytes a peer writes on the socket after the handshake, outside TLS, and what reading
