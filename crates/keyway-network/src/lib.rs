@@ -759,7 +759,10 @@ impl Inner {
         lock(&self.state).site.clone()
     }
 
-    /// The least-busy connection to the next hop towards `site`.
+    /// The least-busy connection to the next hop towards `site`. When all of them are retiring
+    /// (certificates rotated twice before the peer's replacements were up here), the one that
+    /// came up last: the peer closes retiring connections oldest first, each once it sees no
+    /// stream on it, so a stream just opened on an older one could be cut.
     fn next_hop(&self, site: &str) -> Result<Arc<Conn>, String> {
         let st = lock(&self.state);
         let route = st
@@ -770,10 +773,13 @@ impl Inner {
             .values()
             .filter(|c| c.peer == route.next_hop && c.sender.is_some())
             .min_by_key(|c| {
-                (
-                    c.retiring.load(Ordering::Relaxed),
-                    c.streams.load(Ordering::Relaxed),
-                )
+                let retiring = c.retiring.load(Ordering::Relaxed);
+                let rank = if retiring {
+                    u64::MAX - c.id
+                } else {
+                    c.streams.load(Ordering::Relaxed) as u64
+                };
+                (retiring, rank)
             })
             .cloned()
             .ok_or_else(|| format!("no connection to site {}", route.next_hop))

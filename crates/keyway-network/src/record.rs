@@ -48,6 +48,7 @@ const HANDSHAKE: u8 = 22;
 const KEY_UPDATE: u8 = 24;
 const NEW_SESSION_TICKET: u8 = 4;
 const CLOSE_NOTIFY: u8 = 0;
+const USER_CANCELED: u8 = 90;
 
 /// Derives the next traffic secrets of a direction after a key update.
 pub(crate) trait KeyUpdates: Send {
@@ -378,6 +379,8 @@ impl<IO> RecordStream<IO> {
                 self.peer_closed = true;
                 Ok(())
             }
+            // Announces a close_notify (RFC 8446 §6.1); every other alert is an error.
+            [_, USER_CANCELED] => Ok(()),
             [_, description] => Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 format!(
@@ -801,7 +804,7 @@ mod tests {
     async fn content_types_after_the_handshake() {
         use super::{ALERT, APPLICATION_DATA, HANDSHAKE};
         type Records = &'static [(u8, &'static [u8])];
-        let cases: [(&str, Records, &[u8], Option<&str>); 11] = [
+        let cases: [(&str, Records, &[u8], Option<&str>); 12] = [
             (
                 "data, then close_notify: the rest is ignored",
                 &[
@@ -817,6 +820,17 @@ mod tests {
                 &[(APPLICATION_DATA, b"x"), (ALERT, &[2, 40])],
                 b"x",
                 Some("HandshakeFailure"),
+            ),
+            (
+                "user_canceled, then close_notify",
+                &[
+                    (APPLICATION_DATA, b"a"),
+                    (ALERT, &[1, 90]),
+                    (APPLICATION_DATA, b"b"),
+                    (ALERT, &[1, 0]),
+                ],
+                b"ab",
+                None,
             ),
             (
                 "a malformed alert",
