@@ -1,14 +1,17 @@
 //! The TLS 1.3 handshake of a link connection, driven by rustls's unbuffered API over a TCP
 //! stream, then handed to keyway's record layer ([`crate::record`]).
 
+use std::ops::Deref;
 use std::sync::Arc;
 
 use rustls::client::UnbufferedClientConnection;
 use rustls::kernel::KernelConnection;
 use rustls::pki_types::ServerName;
 use rustls::server::UnbufferedServerConnection;
-use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
-use rustls::{ClientConfig, ServerConfig};
+use rustls::unbuffered::{
+    ConnectionState, EncodeError, UnbufferedConnectionCommon, UnbufferedStatus,
+};
+use rustls::{ClientConfig, ExtractedSecrets, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -41,13 +44,7 @@ pub(crate) async fn connect(
     name: ServerName<'static>,
     tcp: TcpStream,
 ) -> Result<Established, HandshakeError> {
-    let mut conn = UnbufferedClientConnection::new(config, name)?;
-    let mut io = Handshake::new(tcp);
-    while !io.step(&mut conn).await? {}
-    let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
-    let authenticated = conn.peer_certificates().is_some_and(|c| !c.is_empty());
-    let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
-    io.finish(secrets, kernel, alpn, authenticated)
+    handshake(UnbufferedClientConnection::new(config, name)?, tcp).await
 }
 
 /// Accepting side: the handshake as a server.
@@ -55,22 +52,31 @@ pub(crate) async fn accept(
     config: Arc<ServerConfig>,
     tcp: TcpStream,
 ) -> Result<Established, HandshakeError> {
-    let mut conn = UnbufferedServerConnection::new(config)?;
+    handshake(UnbufferedServerConnection::new(config)?, tcp).await
+}
+
+async fn handshake<C>(mut conn: C, tcp: TcpStream) -> Result<Established, HandshakeError>
+where
+    C: Unbuffered + Deref<Target = UnbufferedConnectionCommon<C::Data>>,
+    C::Data: Send + 'static,
+{
     let mut io = Handshake::new(tcp);
     while !io.step(&mut conn).await? {}
     let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
     let authenticated = conn.peer_certificates().is_some_and(|c| !c.is_empty());
-    let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
+    let (secrets, kernel) = conn.into_kernel()?;
     io.finish(secrets, kernel, alpn, authenticated)
 }
 
 /// A client or server connection of rustls's unbuffered API.
-trait Unbuffered {
+trait Unbuffered: Sized {
     type Data;
     fn process<'c, 'i>(
         &'c mut self,
         incoming: &'i mut [u8],
     ) -> UnbufferedStatus<'c, 'i, Self::Data>;
+    fn into_kernel(self)
+    -> Result<(ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error>;
 }
 
 impl Unbuffered for UnbufferedClientConnection {
@@ -81,6 +87,11 @@ impl Unbuffered for UnbufferedClientConnection {
     ) -> UnbufferedStatus<'c, 'i, Self::Data> {
         self.process_tls_records(incoming)
     }
+    fn into_kernel(
+        self,
+    ) -> Result<(ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error> {
+        self.dangerous_into_kernel_connection()
+    }
 }
 
 impl Unbuffered for UnbufferedServerConnection {
@@ -90,6 +101,11 @@ impl Unbuffered for UnbufferedServerConnection {
         incoming: &'i mut [u8],
     ) -> UnbufferedStatus<'c, 'i, Self::Data> {
         self.process_tls_records(incoming)
+    }
+    fn into_kernel(
+        self,
+    ) -> Result<(ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error> {
+        self.dangerous_into_kernel_connection()
     }
 }
 
@@ -200,7 +216,7 @@ impl Handshake {
     /// Hands the socket, with what was read after the handshake, to the record layer.
     fn finish<Data: Send + 'static>(
         self,
-        secrets: rustls::ExtractedSecrets,
+        secrets: ExtractedSecrets,
         kernel: KernelConnection<Data>,
         alpn: Option<Vec<u8>>,
         authenticated: bool,
