@@ -30,6 +30,9 @@ const MAX_SEALED: usize = HEADER + MAX_PLAIN + 1 + 16;
 /// Sealed records waiting for the socket. As large as the HTTP/2 frames on a link, so a frame is
 /// sealed in one run and written in one system call.
 const OUT_CAPACITY: usize = (2 << 20) + 64 * MAX_SEALED;
+/// Room kept free before sealing: a record, the gathered small slices before it, and a key
+/// update (or close_notify).
+const SEAL_ROOM: usize = 3 * MAX_SEALED;
 /// How much of the socket is read at once: about two records. On two linked sites (one iperf3
 /// stream) 32 KiB carried 7% more than 64 KiB and 10% more than 128 KiB: smaller reads let the
 /// receiving site open and pass on a frame's records while the rest are still arriving, and
@@ -262,8 +265,7 @@ impl<IO> RecordStream<IO> {
         'slices: for buf in bufs {
             let mut rest: &[u8] = buf;
             while !rest.is_empty() {
-                // Room for this record, a gathered one and a key update.
-                if self.room() < 3 * MAX_SEALED {
+                if self.room() < SEAL_ROOM {
                     break 'slices;
                 }
                 if rest.len() < GATHER_BELOW {
@@ -518,7 +520,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for RecordStream<IO> {
         if this.close_sent {
             return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
         }
-        if this.room() < 3 * MAX_SEALED {
+        if this.room() < SEAL_ROOM {
             ready!(this.poll_write_out(cx))?;
         }
         Poll::Ready(this.seal_slices(bufs))
@@ -537,7 +539,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for RecordStream<IO> {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         if !this.close_sent {
-            if this.room() < 3 * MAX_SEALED {
+            if this.room() < SEAL_ROOM {
                 ready!(this.poll_write_out(cx))?;
             }
             // close_notify, level warning (RFC 8446 §6.1).

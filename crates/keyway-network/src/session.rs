@@ -121,22 +121,20 @@ pub(crate) fn start_access(
             lock(&sessions).spawn(async move {
                 let _ = tcp.set_nodelay(true);
                 // Nothing but the TLS handshake happens before the peer proves its identity.
-                let tls = match tokio::time::timeout(
-                    HANDSHAKE_TIMEOUT,
-                    handshake::accept(config.clone(), tcp),
-                )
-                .await
-                {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        tracing::warn!(%peer, "link refused: TLS handshake failed: {e}");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::warn!(%peer, "link refused: TLS handshake timed out");
-                        return;
-                    }
-                };
+                let tls =
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::accept(config, tcp))
+                        .await
+                    {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::warn!(%peer, "link refused: TLS handshake failed: {e}");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::warn!(%peer, "link refused: TLS handshake timed out");
+                            return;
+                        }
+                    };
                 let handshake::Established {
                     stream: tls,
                     alpn,
