@@ -10,6 +10,8 @@ and what iperf3's own client and server spent per GB ("ends").
   python3 bench/link_ab.py BIN --runs 1 --perf /tmp/perf   # perf record -g both sites in run 0
   CG=dwarf,16384 PEV="-e syscalls:sys_exit_recvfrom" python3 bench/link_ab.py ... --perf P   # other call graphs, events
   python3 bench/link_ab.py OLD NEW --wrk --threads 2   # also keep-alive and new connections (wrk)
+  python3 bench/link_ab.py BIN --pin   # a diagnostic: iperf3's client and site a on CPU 0, site b
+                                       # and iperf3's server on CPU 1 (direct: client 0, server 1)
 
 Copy each build's target/dist/keyway (or target/release/keyway) aside first; wrap the run in
 `flock /tmp/keyway-bench.lock` on a shared machine.
@@ -29,11 +31,17 @@ def main():
     ap.add_argument("--nodirect", action="store_true", help="skip the direct-path runs")
     ap.add_argument("--wrk", action="store_true", help="also wrk keep-alive and new connections to an nginx origin")
     ap.add_argument("--threads", type=int, default=1, help="KEYWAY_WORKER_THREADS of both sites")
+    ap.add_argument("--pin", action="store_true", help="pin client and site a to CPU 0, site b and server to CPU 1")
+    ap.add_argument("--pin-sites", action="store_true", help="pin site a to CPU 0 and site b to CPU 1 only")
     a = ap.parse_args()
     run.THREADS = a.threads
     server = run.Procs()
     atexit.register(server.stop)
-    server.start(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(run.PATHS["direct"][1])])
+    iperf_server = server.start(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(run.PATHS["direct"][1])])
+    pin = lambda pid, cpu: subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], stdout=subprocess.DEVNULL, check=True)
+    client = ("taskset", "-c", "0") if a.pin else ()
+    if a.pin:
+        pin(iperf_server.pid, 1)
     run.wait_port(run.PATHS["direct"][1])
     if a.wrk:
         www = tempfile.mkdtemp(prefix="keyway-link-ab-www-")
@@ -50,7 +58,7 @@ def main():
     direct = []
     for r in range(a.runs):
         if not a.nodirect:
-            direct.append(run.iperf(run.PATHS["direct"][1], a.secs))
+            direct.append(run.iperf(run.PATHS["direct"][1], a.secs, prefix=client))
         for b in a.bins:
             binary, *envs = b.split("@")
             work = tempfile.mkdtemp(prefix="keyway-link-ab-")
@@ -66,6 +74,10 @@ def main():
                 os.environ.update(saved)
                 run.wait_port(run.PATHS["linked"][1])
                 time.sleep(1.5)  # link up, keys advertised
+                if a.pin or a.pin_sites:
+                    site_a, site_b = run.PGIDS["linked"]
+                    pin(site_a, 0)
+                    pin(site_b, 1)
                 perf = None
                 if a.perf and r == 0:
                     pids = ",".join(str(p) for p in run.PGIDS["linked"])
@@ -73,7 +85,7 @@ def main():
                     perf = subprocess.Popen(["perf", "record", *(["--call-graph", os.environ["CG"]] if os.environ.get("CG") else ["-g"]), *os.environ.get("PEV", "").split(), "-o", f"{a.perf}.{name}", "-p", pids, "--", "sleep", str(a.secs)],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 cpu, ends = [], []
-                gbps = run.iperf(run.PATHS["linked"][1], a.secs, run.PGIDS["linked"], cpu, ends)
+                gbps = run.iperf(run.PATHS["linked"][1], a.secs, run.PGIDS["linked"], cpu, ends, prefix=client)
                 if perf:
                     perf.wait()
                 res[b][0].append(gbps)

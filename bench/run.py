@@ -243,11 +243,12 @@ def setup(work, procs):
     for port in HTTP_PATHS.values():
         wait_port(port)
 
-def iperf(port, secs, pgids=(), cpu_out=None, ends_out=None):
+def iperf(port, secs, pgids=(), cpu_out=None, ends_out=None, prefix=()):
     """Gbit/s of one stream; appends the proxy's CPU ms per GB carried to cpu_out, and the
-    iperf3 client's and server's together (what the endpoints themselves cost) to ends_out."""
+    iperf3 client's and server's together (what the endpoints themselves cost) to ends_out.
+    `prefix`: a command the client runs under (e.g. taskset)."""
     before = group_cpu_secs(pgids)
-    out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(secs), "-J"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([*prefix, "iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(secs), "-J"], capture_output=True, text=True, check=True).stdout
     report = json.loads(out)["end"]
     end = report["sum_received"]
     gb = max(end["bytes"] / 1e9, 1e-9)
