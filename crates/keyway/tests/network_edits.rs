@@ -131,8 +131,9 @@ fn renaming_a_dialing_site_keeps_its_keys_reachable() {
     );
 }
 
-/// Rewrites a site's config file: each document for which `f` returns Some is replaced by it
-/// (an empty string drops it). Documents are split on a `---` line (PEM lines hold `-----`).
+/// Rewrites a site's config file in one step (renamed over, as tools that rotate Secrets do):
+/// each document for which `f` returns Some is replaced by it (an empty string drops it).
+/// Documents are split on a `---` line (PEM lines hold `-----`).
 fn rewrite(site: &SiteProc, f: impl Fn(&str) -> Option<String>) {
     let path = site.config_dir().join("site.yaml");
     let text = std::fs::read_to_string(&path).expect("read config");
@@ -143,7 +144,7 @@ fn rewrite(site: &SiteProc, f: impl Fn(&str) -> Option<String>) {
         .collect();
     let new = docs.join("\n---\n");
     assert_ne!(new, text, "nothing rewritten");
-    write_file(&site.config_dir(), "site.yaml", &new);
+    replace_file(&site.config_dir(), "site.yaml", &new);
 }
 
 /// Replaces a site's link Secret `link-tls` by a fresh leaf certificate and key from `ca`: the
@@ -409,13 +410,13 @@ impl Prober {
     }
 }
 
-/// Rewrites one piece of a site's config file in place (the Secret stays byte-identical:
-/// `Ca::secret_yaml` would issue a fresh leaf, which is a certificate change).
+/// Rewrites one piece of a site's config file, in one step like `rewrite` (the Secret stays
+/// byte-identical: `Ca::secret_yaml` would issue a fresh leaf, which is a certificate change).
 fn edit(site: &SiteProc, from: &str, to: &str) {
     let path = site.config_dir().join("site.yaml");
     let text = std::fs::read_to_string(&path).expect("read config");
     assert!(text.contains(from), "{from:?} not in config");
-    write_file(&site.config_dir(), "site.yaml", &text.replacen(from, to, 1));
+    replace_file(&site.config_dir(), "site.yaml", &text.replacen(from, to, 1));
 }
 
 /// SPEC §3.2: a silent link is noticed within a few seconds (protocol.md: 2.5 s). A proxied

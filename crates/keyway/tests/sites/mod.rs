@@ -450,6 +450,16 @@ pub fn write_file(dir: &Path, file: &str, text: &str) {
     std::fs::write(dir.join(file), text).expect("write");
 }
 
+/// Replaces `file` in one step, as editors, cert-manager and the kubelet do: written beside it
+/// under a hidden name (never loaded), then renamed over it. A plain `write` truncates first,
+/// and a reload that lands between the truncation and the write (a test thread descheduled for
+/// longer than the 150 ms debounce on a loaded machine) sees the file empty.
+pub fn replace_file(dir: &Path, file: &str, text: &str) {
+    let staged = dir.join(format!(".{file}.new"));
+    std::fs::write(&staged, text).expect("write staged file");
+    std::fs::rename(&staged, dir.join(file)).expect("rename over");
+}
+
 /// Sends `len` bytes through `port` to an echo [`Backend`] while reading the echo, half-closes,
 /// and checks every byte came back in order: bulk data both ways at once, more than one HTTP/2
 /// flow-control window across a link.
