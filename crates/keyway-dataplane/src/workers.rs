@@ -8,16 +8,22 @@
 //! one `epoll` instance for their whole life, as HAProxy's and nginx's threads keep theirs.
 //!
 //! A port is bound once per worker ([`bind_group`], `SO_REUSEPORT` on Linux) and each worker
-//! accepts on its own socket ([`AcceptGroup`]), so a connection is accepted and served on one
-//! thread. Accepting in one place and handing the socket over cost a deregister, a register
-//! and a cross-thread wake per connection (~5 µs of a TCP proxy's ~52 per new connection).
+//! accepts on its own socket ([`AcceptGroup`]), so a connection is usually accepted and served
+//! on one thread. Accepting in one place and handing every socket over cost a deregister, a
+//! register and a cross-thread wake per connection (~5 µs of a TCP proxy's ~52 per new
+//! connection). But the kernel spreads connections over the sockets by a hash of their
+//! addresses, whatever each worker already serves: 50 keep-alive clients over two workers
+//! split 28/22 as often as not, and the busier worker's clients wait longer. So a worker that
+//! accepts a connection while it serves more than one more than the least busy worker hands
+//! it over, as HAProxy's threads do: balanced load for one hand-off's price on a few
+//! connections, nothing on the rest.
 //! Binds, reloads and status stay with the caller; only the accept loops run on the workers.
 
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
@@ -28,9 +34,11 @@ use tokio::task::JoinHandle;
 /// The worker threads; they end when this is dropped (whatever they still serve is dropped
 /// with their runtime).
 pub struct Workers {
-    handles: Vec<Handle>,
+    handles: Arc<[Handle]>,
     /// Connections each worker has accepted: shows how the kernel spreads them.
     accepted: Vec<Arc<AtomicU64>>,
+    /// Connections each worker serves now, however they came to it.
+    serving: Arc<[AtomicUsize]>,
     /// Dropping these ends the workers' `block_on`.
     _stop: Vec<oneshot::Sender<()>>,
 }
@@ -60,7 +68,8 @@ impl Workers {
         }
         Ok(Workers {
             accepted: (0..n).map(|_| Arc::default()).collect(),
-            handles,
+            serving: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+            handles: handles.into(),
             _stop: stop,
         })
     }
@@ -76,6 +85,94 @@ impl Workers {
             .iter()
             .map(|a| a.load(Ordering::Relaxed))
             .collect()
+    }
+
+    /// Connections each worker serves now, in worker order.
+    pub fn serving(&self) -> Vec<usize> {
+        self.serving
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// Where a worker's accepted connections are served: on itself, or on a less busy worker.
+#[derive(Clone)]
+struct Balance {
+    me: usize,
+    handles: Arc<[Handle]>,
+    serving: Arc<[AtomicUsize]>,
+}
+
+impl Balance {
+    /// The worker to serve a new connection accepted here: this one unless it serves more
+    /// than one more than the least busy (so two workers never drift more than two apart
+    /// through accepts). The choice is counted at once, so that a burst accepted on one
+    /// worker spreads instead of all following the same stale counts.
+    fn choose(&self) -> usize {
+        let load = |i: usize| self.serving[i].load(Ordering::Relaxed);
+        let mine = load(self.me);
+        let (least, fewest) = (0..self.serving.len())
+            .map(|i| (i, load(i)))
+            .min_by_key(|&(_, n)| n)
+            .unwrap_or((self.me, mine));
+        let to = if mine > fewest + 1 { least } else { self.me };
+        self.serving[to].fetch_add(1, Ordering::Relaxed);
+        to
+    }
+
+    /// Serves `stream` on worker `to` (counted by [`Balance::choose`]) until `serve` ends.
+    fn serve<F, Fut>(
+        &self,
+        to: usize,
+        stream: TcpStream,
+        peer: SocketAddr,
+        serve: &F,
+        what: &Arc<str>,
+    ) where
+        F: Fn(TcpStream, SocketAddr) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let serving = Serving {
+            serving: self.serving.clone(),
+            worker: to,
+        };
+        if to == self.me {
+            let conn = serve(stream, peer);
+            tokio::spawn(async move {
+                let _serving = serving;
+                conn.await
+            });
+            return;
+        }
+        // Leaves this worker's I/O driver; the other worker registers it with its own.
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(%what, %peer, "cannot hand a connection over: {e}");
+                return;
+            }
+        };
+        let (serve, what) = (serve.clone(), what.clone());
+        self.handles[to].spawn(async move {
+            let _serving = serving;
+            match TcpStream::from_std(stream) {
+                Ok(s) => serve(s, peer).await,
+                Err(e) => tracing::debug!(%what, %peer, "cannot take a connection over: {e}"),
+            }
+        });
+    }
+}
+
+/// Counts a connection as served by `worker` until dropped.
+struct Serving {
+    serving: Arc<[AtomicUsize]>,
+    worker: usize,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.serving[self.worker].fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -220,11 +317,18 @@ impl AcceptGroup {
         let tasks = sockets
             .into_iter()
             .zip(workers.handles.iter().zip(&workers.accepted))
-            .map(|(socket, (handle, accepted))| {
+            .enumerate()
+            .map(|(me, (socket, (handle, accepted)))| {
+                let balance = Balance {
+                    me,
+                    handles: workers.handles.clone(),
+                    serving: workers.serving.clone(),
+                };
                 handle.spawn(accept(
                     socket,
                     close.subscribe(),
                     accepted.clone(),
+                    balance,
                     what.clone(),
                     serve.clone(),
                 ))
@@ -255,10 +359,11 @@ async fn accept<F, Fut>(
     socket: std::net::TcpListener,
     mut close: watch::Receiver<bool>,
     accepted: Arc<AtomicU64>,
+    balance: Balance,
     what: Arc<str>,
     serve: F,
 ) where
-    F: Fn(TcpStream, SocketAddr) -> Fut,
+    F: Fn(TcpStream, SocketAddr) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let listener = match TcpListener::from_std(socket) {
@@ -277,7 +382,8 @@ async fn accept<F, Fut>(
         match next {
             Ok((stream, peer)) => {
                 accepted.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(serve(stream, peer));
+                let to = balance.choose();
+                balance.serve(to, stream, peer, &serve, &what);
             }
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
