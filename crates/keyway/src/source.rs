@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result};
 use keyway_core::load::{FileLoad, is_manifest_file, load_file};
@@ -96,17 +97,39 @@ fn walk(entries: std::fs::ReadDir, listing: &mut Listing, seen: &mut HashSet<(u6
 /// A Kubernetes volume replaces its files at once by renaming `..data` over; a read that
 /// straddles such a swap would mix two versions (an object moved between files would vanish).
 /// So the read is repeated while any `..data` moved during it.
+///
+/// A file rewritten in place (a shell's `>`, most scripts) is empty between its truncation and
+/// its write. Read then, it would remove every object it holds, and every listener among them
+/// would close until the write lands. So a file read empty that changed less than [`SETTLE`]
+/// ago is read again (with the whole directory) until it has content or has been empty for
+/// [`SETTLE`]: a file emptied on purpose still takes effect, [`SETTLE`] later.
 pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
+    let started = Instant::now();
     let mut attempt = 0;
     loop {
         attempt += 1;
         let listing = manifest_files(dir)?;
-        let mut loads: Vec<FileLoad> = listing.files.iter().map(|path| load_path(path)).collect();
+        let mut emptied = None;
+        let mut loads = Vec::with_capacity(listing.files.len() + listing.unreadable.len());
+        for path in &listing.files {
+            let (load, empty) = read_path(path);
+            if empty && emptied.is_none() && emptied_just_now(path) {
+                emptied = Some(path);
+            }
+            loads.push(load);
+        }
         for (path, why) in &listing.unreadable {
             loads.push(FileLoad::unreadable_directory(
                 &path.display().to_string(),
                 why,
             ));
+        }
+        if let Some(path) = emptied
+            && started.elapsed() < SETTLE
+        {
+            tracing::debug!(file = %path.display(), "a file was emptied just now: waiting for its content");
+            std::thread::sleep(SETTLE_POLL);
+            continue;
         }
         let moved = listing
             .volumes
@@ -119,21 +142,41 @@ pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
     }
 }
 
+/// How long a file may stay empty after a change before its emptiness is taken as meant: well
+/// past a writer's pause between truncating and writing on a loaded machine, and, with the
+/// watch's debounce, within the 1 s in which a change applies (SPEC §7).
+pub const SETTLE: Duration = Duration::from_millis(500);
+
+/// How often a just-emptied file is read again while it settles.
+const SETTLE_POLL: Duration = Duration::from_millis(25);
+
+/// Whether `path` was changed less than [`SETTLE`] ago. A time in the future (a clock set
+/// back, a file touched with a date to come) is not "just now": it would never settle.
+fn emptied_just_now(path: &Path) -> bool {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|changed| SystemTime::now().duration_since(changed).ok())
+        .is_some_and(|age| age < SETTLE)
+}
+
 /// The largest manifest file read. The API server refuses a request body over 3 MiB and etcd an
 /// object over 1.5 MiB; a file far past that is a mistake (a dump, a log), and reading and
 /// parsing it whole at every reload would stall every change and take gigabytes.
 pub const MAX_FILE_BYTES: u64 = 16 << 20;
 
 /// Loads one file; unreadable, oversized or non-UTF-8 files are reported like a syntax error
-/// (so the objects they held keep their last valid versions).
-pub fn load_path(path: &Path) -> FileLoad {
+/// (so the objects they held keep their last valid versions). Also says whether the file was
+/// read empty.
+fn read_path(path: &Path) -> (FileLoad, bool) {
     use std::io::Read;
     let name = path.display().to_string();
     let mut bytes = Vec::new();
     // Read at most one byte past the limit: a file that grows while it is read is caught too.
     let read =
         std::fs::File::open(path).and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes));
-    match read {
+    let empty = matches!(read, Ok(0));
+    let load = match read {
         Ok(_) if bytes.len() as u64 > MAX_FILE_BYTES => FileLoad::unreadable(
             &name,
             &format!(
@@ -146,5 +189,6 @@ pub fn load_path(path: &Path) -> FileLoad {
             Err(_) => FileLoad::unreadable(&name, "file is not valid UTF-8"),
         },
         Err(e) => FileLoad::unreadable(&name, &format!("cannot read file: {e}")),
-    }
+    };
+    (load, empty)
 }

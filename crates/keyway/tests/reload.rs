@@ -226,3 +226,84 @@ fn keep_alive_connection_follows_route_edits_after_its_port_was_rebound() {
         "the kept connection still routes by the config of before the Gateway went away"
     );
 }
+
+/// One request on a fresh connection: the status code and the body, or why there was none.
+fn try_get(port: u16) -> Result<(u16, String), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x.test\r\nConnection: close\r\n\r\n")
+        .map_err(|e| format!("send: {e}"))?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)
+        .map_err(|e| format!("read: {e}"))?;
+    let code = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("no status line in {answer:?}"))?;
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    Ok((code, body.trim().to_string()))
+}
+
+/// A file rewritten in place (truncated, then written: a shell's `>`, `std::fs::write`) is
+/// empty in between. A writer paused there for longer than the watch's debounce (a loaded
+/// machine) used to have its empty file applied: the Gateway's listener closed, and fresh
+/// connections were refused until the write landed. The site now waits for the content.
+#[test]
+fn a_file_rewritten_in_place_keeps_serving_while_it_is_empty() {
+    let (dir, port, _site) = setup("in-place");
+    let mut client = Client::connect(port);
+    assert_eq!(client.get("/"), "backend=one");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let done = done.clone();
+        thread::spawn(move || {
+            let mut answers = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                answers.push(try_get(port));
+                thread::sleep(Duration::from_millis(20));
+            }
+            answers
+        })
+    };
+    thread::sleep(Duration::from_millis(100));
+    let mut file = std::fs::File::create(dir.join("gw.yaml")).expect("truncate");
+    thread::sleep(Duration::from_millis(300));
+    file.write_all(gateway(port, "").as_bytes()).expect("write");
+    drop(file);
+    thread::sleep(Duration::from_millis(800));
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answers = prober.join().expect("prober");
+    let failed: Vec<_> = answers
+        .iter()
+        .filter(|a| !matches!(a, Ok((200, body)) if body == "backend=one"))
+        .collect();
+    assert!(
+        answers.len() > 20 && failed.is_empty(),
+        "{} of {} requests failed: {failed:?}",
+        failed.len(),
+        answers.len()
+    );
+    assert_eq!(client.get("/"), "backend=one", "connection kept");
+}
+
+/// Emptied on purpose, a file does take effect, within the 1 s budget: its objects go.
+#[test]
+fn an_emptied_file_takes_effect_within_the_budget() {
+    let (dir, port, _site) = setup("emptied");
+    assert_eq!(try_get(port), Ok((200, "backend=one".to_string())));
+    let emptied = Instant::now();
+    drop(std::fs::File::create(dir.join("route.yaml")).expect("truncate"));
+    loop {
+        match try_get(port) {
+            Ok((404, _)) => break,
+            other if emptied.elapsed() > Duration::from_millis(1500) => {
+                panic!("the route is still there after 1.5 s: {other:?}")
+            }
+            _ => thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    let took = emptied.elapsed();
+    assert!(took >= Duration::from_millis(400), "applied after {took:?}: before it settled?");
+}
