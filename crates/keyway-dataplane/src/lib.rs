@@ -196,6 +196,9 @@ impl DataPlane {
 
     pub fn with_options(metrics: Arc<Metrics>, options: Options) -> Self {
         let workers = options.workers.map(Arc::new);
+        if let Some(w) = &workers {
+            w.register_metrics(&metrics);
+        }
         let shared = Arc::new(Shared {
             registry: Registry::new(metrics.clone()),
             metrics,

@@ -23,8 +23,11 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::{Builder, Handle};
@@ -36,9 +39,12 @@ use tokio::task::JoinHandle;
 pub struct Workers {
     handles: Arc<[Handle]>,
     /// Connections each worker has accepted: shows how the kernel spreads them.
-    accepted: Vec<Arc<AtomicU64>>,
+    accepted: Vec<Counter>,
     /// Connections each worker serves now, however they came to it.
-    serving: Arc<[AtomicUsize]>,
+    serving: Arc<[Gauge]>,
+    /// The same, by `worker` label, for [`Workers::register_metrics`].
+    accepted_family: Family<WorkerLabel, Counter>,
+    serving_family: Family<WorkerLabel, Gauge>,
     /// Dropping these ends the workers' `block_on`.
     _stop: Vec<oneshot::Sender<()>>,
 }
@@ -66,12 +72,35 @@ impl Workers {
                     });
                 })?;
         }
+        let accepted_family = Family::<WorkerLabel, Counter>::default();
+        let serving_family = Family::<WorkerLabel, Gauge>::default();
+        let label = |i: usize| vec![("worker", i.to_string())];
         Ok(Workers {
-            accepted: (0..n).map(|_| Arc::default()).collect(),
-            serving: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+            accepted: (0..n)
+                .map(|i| accepted_family.get_or_create(&label(i)).clone())
+                .collect(),
+            serving: (0..n)
+                .map(|i| serving_family.get_or_create(&label(i)).clone())
+                .collect(),
+            accepted_family,
+            serving_family,
             handles: handles.into(),
             _stop: stop,
         })
+    }
+
+    /// Adds each worker's accepted and served connections to `metrics`.
+    pub fn register_metrics(&self, metrics: &crate::metrics::Metrics) {
+        metrics.register(
+            "worker_accepted_connections",
+            "Connections accepted on each connection worker thread's socket (the kernel's spread)",
+            self.accepted_family.clone(),
+        );
+        metrics.register(
+            "worker_connections",
+            "Connections each connection worker thread serves now (after hand-overs to the least busy)",
+            self.serving_family.clone(),
+        );
     }
 
     /// How many worker threads there are.
@@ -81,27 +110,23 @@ impl Workers {
 
     /// Connections accepted so far by each worker, in worker order.
     pub fn accepted(&self) -> Vec<u64> {
-        self.accepted
-            .iter()
-            .map(|a| a.load(Ordering::Relaxed))
-            .collect()
+        self.accepted.iter().map(Counter::get).collect()
     }
 
     /// Connections each worker serves now, in worker order.
-    pub fn serving(&self) -> Vec<usize> {
-        self.serving
-            .iter()
-            .map(|s| s.load(Ordering::Relaxed))
-            .collect()
+    pub fn serving(&self) -> Vec<i64> {
+        self.serving.iter().map(Gauge::get).collect()
     }
 }
+
+type WorkerLabel = Vec<(&'static str, String)>;
 
 /// Where a worker's accepted connections are served: on itself, or on a less busy worker.
 #[derive(Clone)]
 struct Balance {
     me: usize,
     handles: Arc<[Handle]>,
-    serving: Arc<[AtomicUsize]>,
+    serving: Arc<[Gauge]>,
 }
 
 impl Balance {
@@ -110,14 +135,14 @@ impl Balance {
     /// through accepts). The choice is counted at once, so that a burst accepted on one
     /// worker spreads instead of all following the same stale counts.
     fn choose(&self) -> usize {
-        let load = |i: usize| self.serving[i].load(Ordering::Relaxed);
+        let load = |i: usize| self.serving[i].get();
         let mine = load(self.me);
         let (least, fewest) = (0..self.serving.len())
             .map(|i| (i, load(i)))
             .min_by_key(|&(_, n)| n)
             .unwrap_or((self.me, mine));
         let to = if mine > fewest + 1 { least } else { self.me };
-        self.serving[to].fetch_add(1, Ordering::Relaxed);
+        self.serving[to].inc();
         to
     }
 
@@ -166,13 +191,13 @@ impl Balance {
 
 /// Counts a connection as served by `worker` until dropped.
 struct Serving {
-    serving: Arc<[AtomicUsize]>,
+    serving: Arc<[Gauge]>,
     worker: usize,
 }
 
 impl Drop for Serving {
     fn drop(&mut self) {
-        self.serving[self.worker].fetch_sub(1, Ordering::Relaxed);
+        self.serving[self.worker].dec();
     }
 }
 
@@ -358,7 +383,7 @@ impl Drop for AcceptGroup {
 async fn accept<F, Fut>(
     socket: std::net::TcpListener,
     mut close: watch::Receiver<bool>,
-    accepted: Arc<AtomicU64>,
+    accepted: Counter,
     balance: Balance,
     what: Arc<str>,
     serve: F,
@@ -381,7 +406,7 @@ async fn accept<F, Fut>(
         };
         match next {
             Ok((stream, peer)) => {
-                accepted.fetch_add(1, Ordering::Relaxed);
+                accepted.inc();
                 let to = balance.choose();
                 balance.serve(to, stream, peer, &serve, &what);
             }

@@ -121,7 +121,13 @@ async fn connections_are_served_evenly_by_the_workers() {
                 .expect("echo");
         }
         let serving = workers().serving();
-        assert_eq!(serving.iter().sum::<usize>(), 48, "{serving:?}");
+        assert_eq!(serving.iter().sum::<i64>(), 48, "{serving:?}");
+        // Operators see the same in the metrics.
+        let text = dp.metrics().encode();
+        for (i, n) in serving.iter().enumerate() {
+            let line = format!("keyway_worker_connections{{worker=\"{i}\"}} {n}");
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
         let (least, most) = (serving.iter().min(), serving.iter().max());
         assert!(
             most.zip(least).is_some_and(|(m, l)| m - l <= 2),

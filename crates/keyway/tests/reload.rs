@@ -305,5 +305,8 @@ fn an_emptied_file_takes_effect_within_the_budget() {
         }
     }
     let took = emptied.elapsed();
-    assert!(took >= Duration::from_millis(400), "applied after {took:?}: before it settled?");
+    assert!(
+        took >= Duration::from_millis(400),
+        "applied after {took:?}: before it settled?"
+    );
 }
