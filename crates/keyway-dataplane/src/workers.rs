@@ -155,7 +155,7 @@ impl Balance {
         serve: &F,
         what: &Arc<str>,
     ) where
-        F: Fn(TcpStream, SocketAddr) -> Fut + Clone + Send + 'static,
+        F: Fn(TcpStream, SocketAddr) -> Fut,
         Fut: Future<Output = ()> + Send + 'static,
     {
         let serving = Serving {
@@ -170,22 +170,22 @@ impl Balance {
             });
             return;
         }
-        // Leaves this worker's I/O driver; the other worker registers it with its own.
-        let stream = match stream.into_std() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::debug!(%what, %peer, "cannot hand a connection over: {e}");
-                return;
-            }
-        };
-        let (serve, what) = (serve.clone(), what.clone());
-        self.handles[to].spawn(async move {
-            let _serving = serving;
-            match TcpStream::from_std(stream) {
-                Ok(s) => serve(s, peer).await,
-                Err(e) => tracing::debug!(%what, %peer, "cannot take a connection over: {e}"),
-            }
+        // The socket leaves this worker's I/O driver for the other's, here and now, so the
+        // connection is `serve`d (and counted for a drain) before the accept loop goes on.
+        let stream = stream.into_std().and_then(|s| {
+            let _other = self.handles[to].enter();
+            TcpStream::from_std(s)
         });
+        match stream {
+            Ok(s) => {
+                let conn = serve(s, peer);
+                self.handles[to].spawn(async move {
+                    let _serving = serving;
+                    conn.await
+                });
+            }
+            Err(e) => tracing::debug!(%what, %peer, "cannot hand a connection over: {e}"),
+        }
     }
 }
 
@@ -388,7 +388,7 @@ async fn accept<F, Fut>(
     what: Arc<str>,
     serve: F,
 ) where
-    F: Fn(TcpStream, SocketAddr) -> Fut + Clone + Send + 'static,
+    F: Fn(TcpStream, SocketAddr) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let listener = match TcpListener::from_std(socket) {

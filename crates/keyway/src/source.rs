@@ -107,7 +107,6 @@ pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
     let started = Instant::now();
     let mut attempt = 0;
     loop {
-        attempt += 1;
         let listing = manifest_files(dir)?;
         let mut emptied = None;
         let mut loads = Vec::with_capacity(listing.files.len() + listing.unreadable.len());
@@ -135,6 +134,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
             .volumes
             .iter()
             .any(|(link, target)| std::fs::read_link(link).ok().as_ref() != Some(target));
+        attempt += 1;
         if !moved || attempt >= 5 {
             return Ok(loads);
         }
