@@ -157,7 +157,7 @@ try:
     for mode, _ in modes:
         u = unit[mode]
         what = {"ka": "keep-alive requests", "nc": "new connections"}[mode]
-        print(f"\nmedians, {what} ({a.threads} thread(s), {a.runs} x {a.secs}s):")
+        print(f"\nmedians, {what} ({a.threads} thread(s), {a.runs} x {a.secs}s, TCP congestion control {run.congestion_control()}):")
         h = statistics.median(x[1] for x in res[("haproxy", mode)]) if ("haproxy", mode) in res else None
         for (n, m), v in res.items():
             if m != mode: continue

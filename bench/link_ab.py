@@ -33,7 +33,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="KEYWAY_WORKER_THREADS of both sites")
     ap.add_argument("--pin", action="store_true", help="pin client and site a to CPU 0, site b and server to CPU 1")
     ap.add_argument("--pin-sites", action="store_true", help="pin site a to CPU 0 and site b to CPU 1 only")
+    ap.add_argument("--cc", default="", help="TCP congestion control for the run (machine-wide, restored after; root only), e.g. cubic")
     a = ap.parse_args()
+    if a.cc:
+        run.use_congestion_control(a.cc)
     run.THREADS = a.threads
     server = run.Procs()
     atexit.register(server.stop)
@@ -104,6 +107,7 @@ def main():
                 procs.stop()
                 shutil.rmtree(work, ignore_errors=True)
     d = statistics.median(direct) if direct else None
+    print(f"TCP congestion control: {run.congestion_control()}")
     if d:
         print(f"direct: median {d:.2f} Gbit/s {[round(x, 2) for x in direct]}")
     for b, (g, c, e) in res.items():

@@ -8,6 +8,8 @@ side in one run, on loopback, reported as ratios.
   python3 bench/run.py --only direct,haproxy,linked   # a subset (direct and haproxy are the baselines)
   python3 bench/run.py --threads 2   # every proxy gets 2 threads (default 1 each)
   python3 bench/run.py --profile release   # measure the quick `--release` build instead of `dist`
+  python3 bench/run.py --cc cubic   # under another TCP congestion control (machine-wide for the
+                                    # run, restored after; the header names the one used)
 
 Measures: single-stream throughput (iperf3), HTTP keep-alive requests/s and p99 (wrk -c50), and
 new-connection rate (wrk with `Connection: close`). The origin is nginx serving a small file.
@@ -18,7 +20,7 @@ origin), HAProxy in http mode (as it comes, and `haproxy-http-fwd` adding the X-
 -Proto headers keyway adds) and nginx as an http proxy, all with keep-alive to the origin;
 keep-alive requests/s and p99 with wrk. `--http-only` runs just that section.
 """
-import argparse, json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
+import argparse, atexit, json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKGS = {"iperf3": "iperf3", "wrk": "wrk", "haproxy": "haproxy", "nginx": "nginx"}
@@ -132,6 +134,29 @@ HTTP_PATHS = {"keyway-gateway": 28094, "haproxy-http": 28095, "haproxy-http-fwd"
 THREADS = 1
 # Cargo profile of the keyway binary measured (`--profile`).
 PROFILE = "dist"
+
+def congestion_control():
+    """The machine's TCP congestion control, which every socket of every path uses. It moves the
+    figures a lot on loopback: BBR paces every connection (timers, softirqs), and on this 2-core
+    VM the direct path carried 22 Gbit/s under BBR against 67 under CUBIC (docs/benchmarks.md,
+    2026-12-01 03:50)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+def use_congestion_control(algo):
+    """Sets the machine's TCP congestion control to `algo` until this process exits (root only;
+    machine-wide: run it under the bench lock). For comparing paths under another algorithm than
+    the machine's default."""
+    before = congestion_control()
+    with open("/proc/sys/net/ipv4/tcp_congestion_control", "w") as f:
+        f.write(algo)
+    def restore():
+        with open("/proc/sys/net/ipv4/tcp_congestion_control", "w") as f:
+            f.write(before)
+    atexit.register(restore)
 
 def keyway_env():
     return dict(os.environ, RUST_LOG="warn", KEYWAY_WORKER_THREADS=str(THREADS))
@@ -295,7 +320,10 @@ def main():
     ap.add_argument("--http-only", action="store_true", help="only the HTTP (L7) comparison")
     ap.add_argument("--threads", type=int, default=1, help="threads per proxy under test (HAProxy, nginx, keyway)")
     ap.add_argument("--profile", default=PROFILE, help="cargo profile of the keyway measured: dist (fat LTO, what is shipped) or release")
+    ap.add_argument("--cc", default="", help="TCP congestion control for the run (machine-wide, restored after; root only), e.g. cubic")
     args = ap.parse_args()
+    if args.cc:
+        use_congestion_control(args.cc)
     THREADS = args.threads
     PROFILE = args.profile
     only = set(filter(None, args.only.split(","))) | {"direct", "haproxy"} if args.only else set(PATHS)
@@ -361,7 +389,7 @@ def main():
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
     lines = [f"# keyway benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, loopback, median of {runs} x {secs}s, "
-             f"{THREADS} thread(s) per proxy, keyway built with profile {PROFILE})", ""]
+             f"{THREADS} thread(s) per proxy, keyway built with profile {PROFILE}, TCP congestion control {congestion_control()})", ""]
     if results:
         lines += ["CPU µs/req is the proxy's own CPU time per request (all its processes), which does not",
                   "depend on how much CPU a noisy neighbour leaves: lower is better. CPU ms/GB is the same for",
