@@ -162,20 +162,16 @@ impl Balance {
             serving: self.serving.clone(),
             worker: to,
         };
-        if to == self.me {
-            let conn = serve(stream, peer);
-            tokio::spawn(async move {
-                let _serving = serving;
-                conn.await
-            });
-            return;
-        }
-        // The socket leaves this worker's I/O driver for the other's, here and now, so the
-        // connection is `serve`d (and counted for a drain) before the accept loop goes on.
-        let stream = stream.into_std().and_then(|s| {
-            let _other = self.handles[to].enter();
-            TcpStream::from_std(s)
-        });
+        // Handed over, the socket leaves this worker's I/O driver for the other's here and now,
+        // so the connection is `serve`d (and counted for a drain) before the accept loop goes on.
+        let stream = if to == self.me {
+            Ok(stream)
+        } else {
+            stream.into_std().and_then(|s| {
+                let _other = self.handles[to].enter();
+                TcpStream::from_std(s)
+            })
+        };
         match stream {
             Ok(s) => {
                 let conn = serve(s, peer);

@@ -451,9 +451,9 @@ pub fn write_file(dir: &Path, file: &str, text: &str) {
 }
 
 /// Replaces `file` in one step, as editors, cert-manager and the kubelet do: written beside it
-/// under a hidden name (never loaded), then renamed over it. A plain `write` truncates first,
-/// and a reload that lands between the truncation and the write (a test thread descheduled for
-/// longer than the 150 ms debounce on a loaded machine) sees the file empty.
+/// under a hidden name (never loaded), then renamed over it. A plain `write` truncates first;
+/// a site waits up to 500 ms for a file it reads empty to get its content, but a test thread
+/// on a loaded machine can be descheduled for longer.
 pub fn replace_file(dir: &Path, file: &str, text: &str) {
     let staged = dir.join(format!(".{file}.new"));
     std::fs::write(&staged, text).expect("write staged file");
