@@ -151,8 +151,12 @@ def use_congestion_control(algo):
     machine-wide: run it under the bench lock). For comparing paths under another algorithm than
     the machine's default."""
     before = congestion_control()
-    with open("/proc/sys/net/ipv4/tcp_congestion_control", "w") as f:
-        f.write(algo)
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control", "w") as f:
+            f.write(algo)
+    except OSError as e:
+        sys.exit(f"cannot use TCP congestion control {algo!r} ({e.strerror}); this machine offers: "
+                 + open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().strip())
     def restore():
         with open("/proc/sys/net/ipv4/tcp_congestion_control", "w") as f:
             f.write(before)
