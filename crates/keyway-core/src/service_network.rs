@@ -511,7 +511,14 @@ fn site_status(
     now: &Time,
 ) -> Value {
     let mut services: BTreeMap<String, skupper::ServiceRecord> = BTreeMap::new();
-    for c in &res.plan.connectors {
+    // Only connectors whose target is healthy make their key reachable here, as remote sites'
+    // advertisements carry only healthy keys: the network lists reachable keys alone.
+    let healthy = res
+        .plan
+        .connectors
+        .iter()
+        .filter(|c| !reach.unhealthy_connectors.contains_key(&c.id));
+    for c in healthy {
         let rec = services
             .entry(c.routing_key.clone())
             .or_insert_with(|| skupper::ServiceRecord {

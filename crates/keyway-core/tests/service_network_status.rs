@@ -479,6 +479,44 @@ fn site_and_link_status() {
     assert_eq!(site["network"][0]["links"][0]["remoteSiteName"], "east");
 }
 
+/// The Site lists a key of its own only while one of its connectors for it is healthy, as
+/// remote sites' advertisements do; a key with two connectors stays while one is healthy.
+#[test]
+fn site_lists_only_keys_with_a_healthy_connector() {
+    let yaml = format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n---\n{}{}{}{}",
+        listener("l", "db", 17001, ""),
+        connector("c1", "db", 17002, ""),
+        connector("c2", "db", 17003, ""),
+        connector("c3", "cache", 17004, ""),
+    );
+    let index = index_of(&yaml);
+    let services = |sick: &[&str]| {
+        let mut reach = Reachability::offline(&service_network::resolve(&index));
+        for name in sick {
+            reach.unhealthy_connectors.insert(
+                ObjectKey::new(Kind::Connector, "default", *name),
+                "connect refused".into(),
+            );
+        }
+        let (_, st) = statuses(&index, Some(reach));
+        let site = status_of(&st, Kind::Site, "west").clone();
+        site["network"][0]["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                let connectors = s["connectors"].as_array().map_or(0, Vec::len);
+                format!("{}:{connectors}", s["routingKey"].as_str().unwrap())
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(services(&[]), ["cache:1", "db:2"]);
+    assert_eq!(services(&["c1"]), ["cache:1", "db:1"]);
+    // No healthy connector: the key is only listened to here.
+    assert_eq!(services(&["c1", "c2", "c3"]), ["db:0"]);
+}
+
 /// `verifyHostname` with a Secret that has no `ca.crt` cannot verify anything: the Connector is
 /// not Configured and says why (never a connection accepting any certificate).
 #[test]
