@@ -116,6 +116,26 @@ fn near_kind(api_version: &str, kind: &str) -> Option<String> {
     if UNSERVED_KINDS.contains(&kind) {
         return None;
     }
+    // The experimental group's one kind keyway reads, XListenerSet, is an alias of ListenerSet.
+    const X_GROUP: &str = "gateway.networking.x-k8s.io";
+    const X_VERSION: &str = "gateway.networking.x-k8s.io/v1alpha1";
+    if wanted == X_GROUP {
+        if kind == "XListenerSet" {
+            return Some(format!(
+                "{kind} is not read in {api_version}; keyway reads it as {X_VERSION}"
+            ));
+        }
+        let close = |name: &str| {
+            name.eq_ignore_ascii_case(kind) || (kind.len() >= 4 && edit_distance(name, kind) <= 2)
+        };
+        if close("XListenerSet") || close("ListenerSet") {
+            return Some(format!(
+                "unknown kind {kind} in {api_version}; did you mean XListenerSet ({X_VERSION}), or ListenerSet ({})?",
+                Kind::ListenerSet.api_version()
+            ));
+        }
+        return None;
+    }
     let served: Vec<Kind> = Kind::ALL
         .iter()
         .copied()
@@ -138,7 +158,7 @@ fn near_kind(api_version: &str, kind: &str) -> Option<String> {
 }
 
 /// Levenshtein distance (kind names are short).
-fn edit_distance(a: &str, b: &str) -> usize {
+pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();
     let mut row: Vec<usize> = (0..=b.len()).collect();
     for (i, ca) in a.chars().enumerate() {
@@ -397,6 +417,17 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
     let parsed = match Resource::from_value(kind, value) {
         Ok(parsed) => parsed,
         Err(e) => {
+            for path in e
+                .ignored
+                .iter()
+                .filter(|p| *p != "apiVersion" && *p != "kind")
+            {
+                load.warnings.push(err(
+                    path,
+                    "unknown field; ignored".into(),
+                    Some(key.clone()),
+                ));
+            }
             load.outcomes
                 .push(DocOutcome::Rejected(err(&e.path, e.message, Some(key))));
             return;

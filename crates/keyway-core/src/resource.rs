@@ -206,6 +206,9 @@ pub struct Parsed {
 pub struct PathError {
     pub path: String,
     pub message: String,
+    /// Unknown fields met before the error: they often explain it (`stratgy:` for a missing
+    /// `strategy`), so they are reported with it rather than lost.
+    pub ignored: Vec<String>,
 }
 
 fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>), PathError> {
@@ -223,15 +226,37 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>
             if let Some(field) = message
                 .strip_prefix("missing field `")
                 .and_then(|m| m.strip_suffix('`'))
+                .map(str::to_string)
             {
+                let field = field.as_str();
                 path = if path.is_empty() {
                     field.to_string()
                 } else {
                     format!("{path}.{field}")
                 };
                 message = format!("{field} is required");
+                // An unknown key beside it spelled close to it is most likely the field itself.
+                let parent = path.rsplit_once('.').map_or("", |(p, _)| p);
+                let slip = ignored.iter().find_map(|p| {
+                    let (p_parent, key) = p.rsplit_once('.').unwrap_or(("", p.as_str()));
+                    let close = key.eq_ignore_ascii_case(field)
+                        || crate::load::edit_distance(key, field) <= 2;
+                    (p_parent == parent && close).then_some(key)
+                });
+                if let Some(key) = slip {
+                    message = format!("{field} is required (is `{key}` a misspelling of it?)");
+                    path = if parent.is_empty() {
+                        key.to_string()
+                    } else {
+                        format!("{parent}.{key}")
+                    };
+                }
             }
-            Err(PathError { path, message })
+            Err(PathError {
+                path,
+                message,
+                ignored,
+            })
         }
     }
 }

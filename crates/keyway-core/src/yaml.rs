@@ -87,7 +87,7 @@ enum Node {
     Float(f64),
     Str(String),
     Seq(Vec<Spanned<Node>>),
-    Map(Vec<(String, Spanned<Node>)>),
+    Map(Vec<(String, u32, Spanned<Node>)>),
 }
 
 impl<'de> Deserialize<'de> for Node {
@@ -138,18 +138,21 @@ impl<'de> Visitor<'de> for NodeVisitor {
         Ok(Node::Seq(items))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Node, A::Error> {
-        let mut entries: Vec<(String, Spanned<Node>)> = Vec::new();
+        let mut entries: Vec<(String, u32, Spanned<Node>)> = Vec::new();
         // Duplicates: a scan of the entries while the map is small, a set beside them once it
         // is wide (a scan per key is quadratic: 40,000 labels took 9.5 s to check).
         let mut seen: Option<std::collections::HashSet<String>> = None;
-        while let Some(key) = map.next_key::<ScalarKey>()? {
+        while let Some(key) = map.next_key::<Spanned<ScalarKey>>()? {
             let value = map.next_value::<Spanned<Node>>()?;
+            // A field's line is its key's: a mapping or list value starts on a later line.
+            let key_line = u32::try_from(key.referenced.line()).unwrap_or(0);
+            let key = key.value;
             if entries.len() == WIDE_MAP {
-                seen = Some(entries.iter().map(|(k, _)| k.clone()).collect());
+                seen = Some(entries.iter().map(|(k, _, _)| k.clone()).collect());
             }
             let duplicate = match &mut seen {
                 Some(set) => !set.insert(key.0.clone()),
-                None => entries.iter().any(|(k, _)| *k == key.0),
+                None => entries.iter().any(|(k, _, _)| *k == key.0),
             };
             if duplicate {
                 return Err(de::Error::custom(format!(
@@ -157,7 +160,7 @@ impl<'de> Visitor<'de> for NodeVisitor {
                     key.0
                 )));
             }
-            entries.push((key.0, value));
+            entries.push((key.0, key_line, value));
         }
         Ok(Node::Map(entries))
     }
@@ -233,13 +236,17 @@ fn lower(
         ),
         Node::Map(entries) => {
             let mut map = Map::new();
-            for (key, value) in entries {
+            for (key, key_line, value) in entries {
                 let child = if path.is_empty() {
                     key.clone()
                 } else {
                     format!("{path}.{key}")
                 };
-                map.insert(key, lower(value, child, offset, lines));
+                let value = lower(value, child.clone(), offset, lines);
+                if key_line > 0 {
+                    lines.insert(child, key_line + offset);
+                }
+                map.insert(key, value);
             }
             Value::Object(map)
         }

@@ -337,7 +337,7 @@ fn strategy_kind_cannot_change() {
     assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
     let e = &r.errors[0];
     assert_eq!(e.path, "spec.strategy");
-    assert_eq!(e.origin.line, 9);
+    assert_eq!(e.origin.line, 8); // the `strategy:` line
     assert!(
         e.message
             .contains("the strategy kind cannot change from priority to weighted"),

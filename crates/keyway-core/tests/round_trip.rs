@@ -469,6 +469,16 @@ fn unknown_kinds_and_fields_warn() {
             "Secrt",
             "unknown kind Secrt in v1; did you mean Secret?",
         ),
+        (
+            "gateway.networking.x-k8s.io/v1alpha1",
+            "ListenerSet",
+            "unknown kind ListenerSet in gateway.networking.x-k8s.io/v1alpha1; did you mean XListenerSet (gateway.networking.x-k8s.io/v1alpha1), or ListenerSet (gateway.networking.k8s.io/v1)?",
+        ),
+        (
+            "gateway.networking.x-k8s.io/v1",
+            "XListenerSet",
+            "XListenerSet is not read in gateway.networking.x-k8s.io/v1; keyway reads it as gateway.networking.x-k8s.io/v1alpha1",
+        ),
     ] {
         let text = format!("apiVersion: {api}\nkind: {kind}\nmetadata:\n  name: a\n");
         let load = load_file("slip.yaml", &text);
@@ -477,6 +487,25 @@ fn unknown_kinds_and_fields_warn() {
             other => panic!("{api} {kind}: want Rejected, got {other:?}"),
         }
     }
+    // A required field spelled wrong: the error names the unknown key beside it, and the
+    // document's unknown fields are still reported, each at its own line.
+    let text = "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: m\nspec:\n  host: 127.0.0.1\n  port: 9000\n  setings: 1\n  stratgy:\n    priorityFailover:\n      routingKeys: [a]\n";
+    let load = load_file("typo.yaml", text);
+    match &load.outcomes[0] {
+        DocOutcome::Rejected(e) => assert_eq!(
+            e.to_string(),
+            "typo.yaml:9: spec.stratgy: strategy is required (is `stratgy` a misspelling of it?)"
+        ),
+        other => panic!("want Rejected, got {other:?}"),
+    }
+    let warnings: Vec<String> = load.warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "typo.yaml:8: spec.setings: unknown field; ignored",
+            "typo.yaml:9: spec.stratgy: unknown field; ignored"
+        ]
+    );
     // A document past the parser's node budget says what to do about it.
     let huge = format!(
         "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\nitems: [{}]\n",
@@ -505,6 +534,10 @@ fn unknown_kinds_and_fields_warn() {
     for (api, kind) in [
         ("gateway.networking.k8s.io/v1alpha2", "UDPRoute"),
         ("skupper.io/v2alpha1", "AttachedConnector"),
+        (
+            "gateway.networking.x-k8s.io/v1alpha1",
+            "XBackendTrafficPolicy",
+        ),
         ("v1", "ConfigMap"),
         ("example.com/v1", "Listener"),
     ] {
