@@ -61,12 +61,20 @@ enum Command {
         /// Config directory.
         #[arg(long, default_value = "./keyway.d")]
         config: PathBuf,
+        /// State directory of the site that runs it (first-seen times decide conflicts);
+        /// default <config>/.keyway-state. Only read.
+        #[arg(long)]
+        state: Option<PathBuf>,
     },
     /// Show every object with its status, computed offline from --config or read from a running site.
     Status {
         /// Config directory (offline view).
         #[arg(long, default_value = "./keyway.d", conflicts_with = "admin")]
         config: PathBuf,
+        /// State directory of the site that runs --config (first-seen times decide conflicts);
+        /// default <config>/.keyway-state. Only read.
+        #[arg(long, conflicts_with = "admin")]
+        state: Option<PathBuf>,
         /// Admin address of a running site.
         #[arg(long, value_parser = host_port)]
         admin: Option<String>,
@@ -191,15 +199,26 @@ pub fn main() -> ExitCode {
                 std::time::Duration::from_secs(http_idle_timeout),
             )
         }
-        Command::Validate { config } => validate(&config),
+        Command::Validate { config, state } => {
+            let state = state.unwrap_or_else(|| default_state_dir(&config));
+            validate(&config, &state)
+        }
         Command::Status {
             config,
+            state,
             admin,
             output,
             namespace,
             kind,
             name,
-        } => status(&config, admin.as_deref(), output, namespace, kind, name),
+        } => {
+            let state = state.unwrap_or_else(|| default_state_dir(&config));
+            let source = match admin.as_deref() {
+                Some(addr) => Source::Site(addr),
+                None => Source::Offline(&config, &state),
+            };
+            status(source, output, namespace, kind, name)
+        }
         Command::Token(TokenCommand::Issue {
             config,
             redemptions,
@@ -258,18 +277,18 @@ pub fn check_config_dir(config: &Path, hint: &str) -> Result<()> {
 }
 
 /// Compiles a directory offline, reading (never writing) its state directory.
-pub fn compile_dir(config: &Path) -> Result<Compiled> {
+pub fn compile_dir(config: &Path, state_dir: &Path) -> Result<Compiled> {
     check_config_dir(
         config,
         "pass --config DIR, or --admin ADDR to ask a running site",
     )?;
     let files = source::load_dir(config)?;
-    let mut objects = state::load(&default_state_dir(config))?;
+    let mut objects = state::load(state_dir)?;
     Ok(offline::compile(&files, &mut objects, &now()))
 }
 
-fn validate(config: &Path) -> Result<ExitCode> {
-    let compiled = compile_dir(config)?;
+fn validate(config: &Path, state_dir: &Path) -> Result<ExitCode> {
+    let compiled = compile_dir(config, state_dir)?;
     for w in &compiled.reconciled.warnings {
         eprintln!("warning: {w}");
     }
@@ -330,9 +349,16 @@ fn certificate_errors(compiled: &Compiled) -> Vec<keyway_core::ConfigError> {
     errors
 }
 
+/// Where `status` reads objects from.
+enum Source<'a> {
+    /// A running site's admin address.
+    Site(&'a str),
+    /// A config directory and its state directory, compiled here.
+    Offline(&'a Path, &'a Path),
+}
+
 fn status(
-    config: &Path,
-    admin: Option<&str>,
+    source: Source<'_>,
     output: Output,
     namespace: Option<String>,
     kind: Option<String>,
@@ -359,51 +385,71 @@ fn status(
         name,
         namespace,
     };
-    if let Some(addr) = admin {
-        let body = crate::admin::fetch(addr, "/status")?;
-        let list: serde_json::Value =
-            serde_json::from_str(&body).context("the site's /status is not JSON")?;
-        let items: Vec<serde_json::Value> = list["items"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|item| filter.matches_value(item))
-            .collect();
-        let errors = list["metadata"]["configErrors"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        for e in &errors {
-            eprintln!("error: {}", e.as_str().unwrap_or_default());
+    let (items, errors): (Vec<serde_json::Value>, Vec<String>) = match source {
+        Source::Site(addr) => {
+            let body = crate::admin::fetch(addr, "/status")?;
+            let list: serde_json::Value =
+                serde_json::from_str(&body).context("the site's /status is not JSON")?;
+            let items = list["items"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|item| filter.matches_value(item))
+                .collect();
+            let errors = list["metadata"]["configErrors"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|e| e.as_str().unwrap_or_default().to_string())
+                .collect();
+            (items, errors)
         }
-        print_items(items, output)?;
-        // As with --config: config errors make the exit code say so.
-        return Ok(if errors.is_empty() {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::from(INVALID)
-        });
-    }
-    let mut compiled = compile_dir(config)?;
-    let errors = compiled.errors();
+        Source::Offline(config, state_dir) => {
+            let mut compiled = compile_dir(config, state_dir)?;
+            let errors = compiled.errors().iter().map(ToString::to_string).collect();
+            // AccessGrant redemption counts live in the state directory.
+            let book = grants::GrantBook::load(state_dir)?;
+            let now = now();
+            let grant_statuses = grants::grant_statuses(
+                &grants::GrantContext {
+                    index: &compiled.index,
+                    router_access: compiled.resolution.plan.router_access.as_ref(),
+                    now: &now,
+                },
+                &book,
+            );
+            compiled.statuses.extend(grant_statuses);
+            let items = report::objects(&compiled.index, &compiled.statuses, &filter);
+            (items, errors)
+        }
+    };
     for e in &errors {
         eprintln!("error: {e}");
     }
-    // AccessGrant redemption counts live in the state directory.
-    let book = grants::GrantBook::load(&default_state_dir(config))?;
-    let now = now();
-    let grant_statuses = grants::grant_statuses(
-        &grants::GrantContext {
-            index: &compiled.index,
-            router_access: compiled.resolution.plan.router_access.as_ref(),
-            now: &now,
-        },
-        &book,
-    );
-    compiled.statuses.extend(grant_statuses);
-    let items = report::objects(&compiled.index, &compiled.statuses, &filter);
+    // A name that matches nothing is an error, as in kubectl: "No objects." would read as an
+    // answer to a script that asked whether it exists.
+    if let Some(name) = &filter.name
+        && items.is_empty()
+    {
+        let what = match filter.kinds.as_slice() {
+            [] => "object".to_string(),
+            kinds => kinds
+                .iter()
+                .map(|k| k.name())
+                .collect::<Vec<_>>()
+                .join(" or "),
+        };
+        let ns = filter
+            .namespace
+            .as_ref()
+            .map(|ns| format!(" in namespace {ns}"))
+            .unwrap_or_default();
+        eprintln!("error: no {what} named {name}{ns}");
+        return Ok(ExitCode::from(INVALID));
+    }
     print_items(items, output)?;
+    // Config errors make the exit code say so, though every object was printed.
     Ok(if errors.is_empty() {
         ExitCode::SUCCESS
     } else {

@@ -48,7 +48,7 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
             ),
         );
     }
-    let compiled = cli::compile_dir(&args.config)?;
+    let compiled = cli::compile_dir(&args.config, &cli::default_state_dir(&args.config))?;
     let Some(ra) = compiled.resolution.plan.router_access.clone() else {
         let why = compiled
             .errors()
@@ -214,7 +214,7 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
     let Some(token) = token else {
         return fail(INVALID, format!("{} holds no AccessToken", file.display()));
     };
-    let compiled = cli::compile_dir(config)?;
+    let compiled = cli::compile_dir(config, &cli::default_state_dir(config))?;
     let site = compiled.resolution.plan.site_name.clone();
     let name = match link_name.or_else(|| token.metadata.name.clone()) {
         Some(n) => n,

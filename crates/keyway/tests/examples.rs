@@ -102,3 +102,89 @@ fn listenerset_seed_example_accepts_both_teams() {
         "{out}"
     );
 }
+
+/// Offline status reads the state directory of the site that runs the config (`--state`), so
+/// a conflict is settled as that site settles it; a name that matches nothing is an error.
+#[test]
+fn offline_status_reads_the_sites_state_and_names_what_it_cannot_find() {
+    let dir = std::env::temp_dir().join(format!("keyway-offline-state-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = dir.join("config");
+    std::fs::create_dir_all(&config).expect("mkdir");
+    for f in ["gateway.yaml", "team-1-ns.yaml", "team-2-ns.yaml"] {
+        let text = std::fs::read_to_string(examples().join("listenerset").join(f)).expect("read");
+        // team-2 asks for team-1's hostname on the same port.
+        let text = text.replace("hostname: second.foo.com", "hostname: first.foo.com");
+        std::fs::write(config.join(f), text).expect("write");
+    }
+    let conflicted = |state: Option<&std::path::Path>| -> Vec<String> {
+        let mut args = vec!["status", "--config", config.to_str().unwrap_or_default()];
+        if let Some(s) = state {
+            args.extend(["--state", s.to_str().unwrap_or_default()]);
+        }
+        args.extend(["-o", "json", "listenerset"]);
+        let (code, out, err) = keyway(&args);
+        assert_eq!(code, 0, "{err}");
+        let list: serde_json::Value = serde_json::from_str(&out).expect("json");
+        list["items"]
+            .as_array()
+            .expect("items")
+            .iter()
+            .filter(|ls| {
+                ls["status"]["listeners"]
+                    .to_string()
+                    .contains("HostnameConflict")
+            })
+            .map(|ls| {
+                ls["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect()
+    };
+    // Seen together, the two sets tie on age and team-1 wins by namespace.
+    assert_eq!(conflicted(None), ["team-2-ns"]);
+    // The running site saw team-2's set first: it holds the hostname there.
+    let state = dir.join("site-state");
+    std::fs::create_dir_all(&state).expect("mkdir");
+    std::fs::write(
+        state.join("objects.json"),
+        r#"{"objects":{"ListenerSet/team-2-ns/second-workload-listeners":{"firstSeen":"2020-01-01T00:00:00Z","generation":1,"specHash":"-"}}}"#,
+    )
+    .expect("write state");
+    assert_eq!(conflicted(Some(&state)), ["team-1-ns"]);
+    let (code, out, err) = keyway(&[
+        "validate",
+        "--config",
+        config.to_str().unwrap_or_default(),
+        "--state",
+        state.to_str().unwrap_or_default(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+
+    let (code, out, err) = keyway(&[
+        "status",
+        "--config",
+        config.to_str().unwrap_or_default(),
+        "ls",
+        "nosuch",
+    ]);
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert_eq!(err.trim(), "error: no ListenerSet named nosuch");
+    let (code, _, err) = keyway(&[
+        "status",
+        "--config",
+        config.to_str().unwrap_or_default(),
+        "listener,mkl",
+        "nosuch",
+        "-n",
+        "team-2-ns",
+    ]);
+    assert_eq!(code, 1);
+    assert_eq!(
+        err.trim(),
+        "error: no Listener or MultiKeyListener named nosuch in namespace team-2-ns"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
