@@ -248,7 +248,22 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
-    let creds = match runtime.block_on(grant::redeem(&token.spec.url, &token.spec.ca, &request)) {
+    // A token redeemed right after `token issue` can reach the granting site before the site
+    // has loaded the AccessGrant file (it reloads 150 ms after files stop changing): a grant
+    // not found there is asked for again for a while. Nothing is consumed by a refusal.
+    let started = std::time::Instant::now();
+    let outcome = loop {
+        let outcome = runtime.block_on(grant::redeem(&token.spec.url, &token.spec.ca, &request));
+        match &outcome {
+            Err(RedeemError::Refused { status: 404, .. })
+                if started.elapsed() < GRANT_LOAD_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            _ => break outcome,
+        }
+    };
+    let creds = match outcome {
         Ok(c) => c,
         Err(e) => {
             let code = match &e {
@@ -268,6 +283,9 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
     );
     Ok(ExitCode::SUCCESS)
 }
+
+/// How long `token redeem` asks again for a grant the granting site does not have (yet).
+const GRANT_LOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Where a redeemed token's Link and Secret (both named `name`) go: `link-NAME.yaml` in the
 /// config dir. Refused when a Link or a Secret of that name exists, or the file does: the

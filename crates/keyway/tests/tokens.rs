@@ -299,6 +299,38 @@ fn granting_dir(tag: &str, secret: &str) -> PathBuf {
     dir
 }
 
+/// `token issue && token redeem`, as a user types it: the redemption reaches the granting site
+/// before the site has loaded the new grant, and waits for it instead of failing.
+#[test]
+fn redeem_right_after_issue_waits_for_the_grant_to_load() {
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, _port) = west(&ca, &backend);
+    let token = west.dir.join("now.token.yaml");
+    let config = west.config_dir();
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config.to_str().expect("utf8"),
+        "--name",
+        "now",
+        "-o",
+        token.to_str().expect("utf8"),
+    ]);
+    assert!(out.status.success(), "token issue failed: {}", text(&out));
+    let dir = redeemer_dir(&west.dir, "east-now");
+    let out = redeem(&token, &dir, &[]);
+    assert!(
+        out.status.success(),
+        "redeem failed: {}\nwest log:\n{}",
+        text(&out),
+        west.log()
+    );
+    assert!(dir.join("link-now.yaml").exists());
+}
+
 /// `token issue` without the CA key says how to fix it.
 #[test]
 fn issue_without_a_ca_key_says_how_to_fix_it() {
