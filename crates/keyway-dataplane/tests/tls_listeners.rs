@@ -393,6 +393,78 @@ async fn tcp_route_backend_down() {
     drop(dp);
 }
 
+/// A TLS client that no listener or route serves, or whose listener has no usable certificate,
+/// gets a fatal alert saying so (`unrecognized_name`, `handshake_failure`), not a connection
+/// closed mid-handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_nobody_serves_gets_a_tls_alert() {
+    let ca = Ca::new("ca");
+    let pass = Backend::start("P").await;
+    let port = free_port();
+    let mut yaml = https_a(&ca, port).await;
+    yaml.push_str(&service("sp", pass.addr));
+    // Inserted before the `a` listener's line: the Gateway gets two more listeners on the port.
+    yaml = yaml.replace(
+        "  - {name: a,",
+        &format!(
+            "  - {{name: p, port: {port}, protocol: TLS, hostname: \"*.pass.test\", tls: {{mode: Passthrough}}}}\n  - {{name: nocert, port: {port}, protocol: HTTPS, hostname: nocert.example.com, tls: {{certificateRefs: [{{name: missing}}]}}}}\n  - {{name: a,"
+        ),
+    );
+    yaml.push_str(&tls_route("rp", "p", "a.pass.test", "sp"));
+    let _dp = start(&yaml, port).await;
+    assert_eq!(
+        https_get(port, &ca, "a.example.com", "a.example.com")
+            .await
+            .expect("served name")
+            .lines()
+            .last(),
+        Some("backend=A")
+    );
+    let refused = |sni: Option<&'static str>| {
+        let ca = &ca;
+        async move {
+            let tcp = common::connect(port).await.expect("connect");
+            let connector = tokio_rustls::TlsConnector::from(client_config(ca, sni.is_some()));
+            let name =
+                ServerName::try_from(sni.unwrap_or("x.example.com").to_string()).expect("name");
+            match tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp)).await {
+                Ok(Err(e)) => e.to_string(),
+                Ok(Ok(_)) => panic!("{sni:?}: the handshake succeeded"),
+                Err(_) => panic!("{sni:?}: no answer"),
+            }
+        }
+    };
+    for (sni, alert) in [
+        (Some("b.example.com"), "UnrecognisedName"),
+        (None, "UnrecognisedName"),
+        (Some("b.pass.test"), "UnrecognisedName"),
+        (Some("nocert.example.com"), "HandshakeFailure"),
+    ] {
+        let e = refused(sni).await;
+        assert!(e.contains(alert), "{sni:?}: {e}");
+    }
+    // What a person sees with openssl.
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("timeout")
+            .args([
+                "5",
+                "openssl",
+                "s_client",
+                "-connect",
+                &format!("127.0.0.1:{port}"),
+                "-servername",
+                "b.example.com",
+            ])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("openssl")
+    })
+    .await
+    .expect("join");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unrecognized name"), "{stderr}");
+}
+
 /// A listener with several certificates (one per name, same key type): the client gets the
 /// one for its server name ("each client gets one it can verify", gateway/mod.rs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

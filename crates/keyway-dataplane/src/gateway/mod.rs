@@ -876,13 +876,22 @@ async fn serve_tls(
     let cfg = config.load_full();
     let Some(l) = cfg.select(sni.as_deref(), |_| true) else {
         tracing::debug!(%peer, ?sni, "no listener for this server name: closing");
+        refuse_handshake(stream, UNRECOGNIZED_NAME).await;
         return;
     };
     if l.tls_mode == Some(TlsMode::Passthrough) {
         match tcp::by_sni(&l.streams, sni.as_deref()) {
             Some(route) => tcp::forward(&ctx, route, buf, stream).await,
-            None => tracing::debug!(%peer, ?sni, "no TLSRoute for this server name: closing"),
+            None => {
+                tracing::debug!(%peer, ?sni, "no TLSRoute for this server name: closing");
+                refuse_handshake(stream, UNRECOGNIZED_NAME).await;
+            }
         }
+        return;
+    }
+    if l.server_config.is_none() {
+        tracing::debug!(%peer, ?sni, "the listener for this server name has no usable certificate: closing");
+        refuse_handshake(stream, HANDSHAKE_FAILURE).await;
         return;
     }
     let acceptor = tokio_rustls::LazyConfigAcceptor::new(
@@ -925,6 +934,25 @@ async fn serve_tls(
             None => tracing::debug!(%peer, "no TLSRoute for this server name: closing"),
         }
     }
+}
+
+/// TLS alert `unrecognized_name` (RFC 6066 §3): no listener or route serves the name asked for.
+const UNRECOGNIZED_NAME: u8 = 112;
+/// TLS alert `handshake_failure` (RFC 8446 §6.2): the listener for the name has no certificate.
+const HANDSHAKE_FAILURE: u8 = 40;
+
+/// Refuses a TLS client before any handshake with a fatal alert, so that it reports why
+/// ("unrecognized name") instead of a connection closed mid-handshake. Before the
+/// ServerHello an alert is a plaintext record (RFC 8446 §5.1).
+async fn refuse_handshake(mut stream: TcpStream, alert: u8) {
+    const FATAL: u8 = 2;
+    const ALERT_RECORD: u8 = 21;
+    let record = [ALERT_RECORD, 3, 3, 0, 2, FATAL, alert];
+    let _ = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+        let _ = stream.write_all(&record).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
 }
 
 /// Adds the match entries of rule `rule` of route `route`: one per compiled match, or a
