@@ -68,7 +68,13 @@ pub struct Site {
     grants: GrantBook,
     /// AccessTokens of the config dir being redeemed by this site.
     tokens: Arc<Mutex<BTreeMap<ObjectKey, TokenAttempt>>>,
+    /// Why the config directory could not be read, and when that was last logged: a directory
+    /// gone for minutes is retried twice a second, and logged once per [`UNREADABLE_LOG_EVERY`].
+    unreadable: Mutex<Option<(String, std::time::Instant)>>,
 }
+
+/// How often an unchanged reason for an unreadable config directory is logged again.
+const UNREADABLE_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -98,6 +104,7 @@ impl Site {
             draining: AtomicBool::new(false),
             grants,
             tokens: Arc::default(),
+            unreadable: Mutex::new(None),
         })
     }
 
@@ -108,9 +115,26 @@ impl Site {
     pub fn reload(&self) -> bool {
         let metrics = self.dataplane.metrics();
         let files = match source::load_dir(&self.config) {
-            Ok(files) => files,
+            Ok(files) => {
+                if lock(&self.unreadable).take().is_some() {
+                    tracing::info!(config = %self.config.display(), "config directory readable again");
+                }
+                files
+            }
             Err(e) => {
-                tracing::error!("reload skipped, keeping the running config (trying again): {e:#}");
+                let why = format!("{e:#}");
+                let mut last = lock(&self.unreadable);
+                let repeat = last
+                    .as_ref()
+                    .is_some_and(|(w, at)| *w == why && at.elapsed() < UNREADABLE_LOG_EVERY);
+                if repeat {
+                    tracing::debug!("reload skipped again: {why}");
+                } else {
+                    tracing::error!(
+                        "reload skipped, keeping the running config (trying again twice a second; logged again every 30 s while unchanged): {why}"
+                    );
+                    *last = Some((why, std::time::Instant::now()));
+                }
                 metrics.reload_failures.inc();
                 return false;
             }

@@ -164,6 +164,37 @@ fn config_directory_removed_and_recreated_keeps_reloading() {
     drop(site);
 }
 
+/// A config directory moved away is retried twice a second, but its error is logged once (not at
+/// every retry), and its return is logged; what it served goes on serving meanwhile.
+#[test]
+fn a_config_directory_moved_away_is_logged_once() {
+    let a = Backend::start("a");
+    let base = temp_dir("moved-away");
+    let dir = base.join("conf");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let port = serving(&dir, &a);
+    let log = base.join("site.log");
+    let site = Site::start(&dir, &base.join("state"), &log);
+    assert!(hello(port).is_ok());
+    let moved = base.join("conf.moved");
+    std::fs::rename(&dir, &moved).expect("mv away");
+    thread::sleep(Duration::from_millis(2500));
+    assert!(hello(port).is_ok(), "the running config was lost");
+    std::fs::rename(&moved, &dir).expect("mv back");
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        within(Duration::from_secs(3), || text()
+            .contains("config directory readable again"))
+        .is_some(),
+        "the directory's return was not logged:\n{}",
+        text()
+    );
+    let skipped = text().matches("reload skipped").count();
+    assert_eq!(skipped, 1, "logged at every retry:\n{}", text());
+    assert!(hello(port).is_ok());
+    drop(site);
+}
+
 /// `keyway run 2>&1 | log-shipper` and the shipper exits or restarts: the next log line meets
 /// EPIPE, tracing-subscriber reports that with `eprintln!`, which panics, and the whole site
 /// exits with 101, every open connection with it. SPEC §7: no panic, lose nothing running.
