@@ -300,10 +300,23 @@ fn tidy_serde_message(msg: &str) -> String {
             msg.trim_end_matches('.')
         );
     }
-    msg.replace("expected i64", "expected an integer")
+    let mut out = msg
+        .replace("expected i64", "expected an integer")
         .replace("expected i32", "expected an integer")
         .replace("expected u16", "expected an integer")
-        .replace("expected struct ", "expected an object ")
         .replace("expected a sequence", "expected a list")
-        .replace("expected a map", "expected an object")
+        .replace("expected a map", "expected an object");
+    // "expected struct ListenerSpec" names a Rust type: the author wrote YAML.
+    while let Some(at) = out.find("expected struct ") {
+        let name_start = at + "expected struct ".len();
+        let name_end = out[name_start..]
+            .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            .map_or(out.len(), |n| name_start + n);
+        out.replace_range(at..name_end, "expected an object");
+    }
+    // `spec:` with nothing under it, most often its fields not indented beneath it.
+    if out.starts_with("invalid type: null, expected an object") {
+        out.push_str(" (nothing is written under it; are its fields indented beneath it?)");
+    }
+    out
 }

@@ -506,6 +506,16 @@ fn unknown_kinds_and_fields_warn() {
             "typo.yaml:9: spec.stratgy: unknown field; ignored"
         ]
     );
+    // Fields not indented under `spec:`: the error says so, in YAML's terms, not Rust's.
+    let text = "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: l\nspec:\nroutingKey: a\nhost: 127.0.0.1\nport: 9\n";
+    let load = load_file("flat.yaml", text);
+    match &load.outcomes[0] {
+        DocOutcome::Rejected(e) => assert_eq!(
+            e.to_string(),
+            "flat.yaml:5: spec: invalid type: null, expected an object (nothing is written under it; are its fields indented beneath it?)"
+        ),
+        other => panic!("want Rejected, got {other:?}"),
+    }
     // A document past the parser's node budget says what to do about it.
     let huge = format!(
         "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\nitems: [{}]\n",
