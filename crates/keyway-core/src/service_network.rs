@@ -456,7 +456,11 @@ pub fn statuses(
                     .copied()
                     .unwrap_or(StrategyKind::PriorityFailover);
                 let mut strategy = json!({ "routingKeysReachable": reachable });
+                // A listener that does not serve (not configured, port not bound) uses no key.
+                let serving =
+                    !res.not_configured.contains_key(key) && !reach.bind_errors.contains_key(key);
                 if kind.is_priority()
+                    && serving
                     && let Some(active) = reachable.first()
                 {
                     strategy["activeRoutingKey"] = json!(active);

@@ -479,6 +479,41 @@ fn site_and_link_status() {
     assert_eq!(site["network"][0]["links"][0]["remoteSiteName"], "east");
 }
 
+/// A MultiKeyListener that serves nothing (its port not bound, its Secret missing) has no
+/// active key, though keys are reachable: none is in use.
+#[test]
+fn a_multikeylistener_that_does_not_serve_has_no_active_key() {
+    let yaml = format!("{}{}", mkl("m", 18000, PF), connector("ca", "a", 9001, ""));
+    let index = index_of(&yaml);
+    let active = |reach: Reachability| {
+        let (_, st) = statuses(&index, Some(reach));
+        status_of(&st, Kind::MultiKeyListener, "m")["strategy"]["priorityFailover"]
+            ["activeRoutingKey"]
+            .clone()
+    };
+    assert_eq!(active(live(&["a"])), "a");
+    let mut unbound = live(&["a"]);
+    unbound.bind_errors.insert(
+        ObjectKey::new(Kind::MultiKeyListener, "default", "m"),
+        "cannot bind 127.0.0.1:18000: Address already in use".into(),
+    );
+    assert_eq!(active(unbound), Value::Null);
+
+    let no_secret = index_of(&format!(
+        "{}{}",
+        mkl("m", 18000, PF).replace("  port: 18000\n", "  port: 18000\n  tlsCredentials: gone\n"),
+        connector("ca", "a", 9001, "")
+    ));
+    let (_, st) = statuses(&no_secret, Some(live(&["a"])));
+    let m = status_of(&st, Kind::MultiKeyListener, "m");
+    assert_eq!(cond(m, "Configured")["status"], "False", "{m:#}");
+    assert_eq!(
+        m["strategy"]["priorityFailover"]["activeRoutingKey"],
+        Value::Null,
+        "{m:#}"
+    );
+}
+
 /// The Site lists a key of its own only while one of its connectors for it is healthy, as
 /// remote sites' advertisements do; a key with two connectors stays while one is healthy.
 #[test]
