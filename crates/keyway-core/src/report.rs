@@ -487,6 +487,15 @@ fn attached_routes(v: &Value) -> String {
 /// of `Accepted` or `Programmed` if either is not `True` (or is `True` with a reason other than
 /// its own name, as a Gateway with some invalid listeners).
 fn conflicts_or_reason(v: &Value) -> String {
+    // Not accepted as a whole (NotAllowed, say): that is the reason, not its listeners'.
+    let accepted = condition(&v["status"], "Accepted");
+    if let Some(reason) = accepted
+        .strip_prefix("False (")
+        .map(|r| r.trim_end_matches(')'))
+        .filter(|r| *r != "ListenersNotValid")
+    {
+        return reason.to_string();
+    }
     let conflicts = conflicts(v);
     if !conflicts.is_empty() {
         return conflicts;
@@ -500,17 +509,28 @@ fn conflicts_or_reason(v: &Value) -> String {
     String::new()
 }
 
-/// `listener: Reason` for every listener with `Conflicted=True`.
+/// `listener: Reason` for every listener in trouble: its conflict, else the first of
+/// `ResolvedRefs`, `Accepted`, `Programmed` that is False (a missing certificate reads
+/// `InvalidCertificateRef` rather than the set's summary `ListenersNotValid`).
 fn conflicts(v: &Value) -> String {
     v["status"]["listeners"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|l| {
-            let c = l["conditions"]
-                .as_array()?
+            let conditions = l["conditions"].as_array()?;
+            let c = conditions
                 .iter()
-                .find(|c| c["type"] == "Conflicted" && c["status"] == "True")?;
+                .find(|c| c["type"] == "Conflicted" && c["status"] == "True")
+                .or_else(|| {
+                    ["ResolvedRefs", "Accepted", "Programmed"]
+                        .iter()
+                        .find_map(|t| {
+                            conditions
+                                .iter()
+                                .find(|c| c["type"] == *t && c["status"] == "False")
+                        })
+                })?;
             Some(format!("{}: {}", s(&l["name"]), s(&c["reason"])))
         })
         .collect::<Vec<_>>()
@@ -941,6 +961,34 @@ mod table_tests {
         assert_eq!(
             row,
             ["ls", "gw", "False", "False", "0/1", "0", "NotAllowed"],
+            "{out}"
+        );
+    }
+
+    /// A listener whose certificate is missing: the table names the listener and why, not
+    /// the set's summary `ListenersNotValid`.
+    #[test]
+    fn a_listener_without_its_certificate_is_named_with_the_reason() {
+        let v = json!({
+            "kind": "ListenerSet",
+            "metadata": {"name": "ls", "namespace": "default"},
+            "spec": {"parentRef": {"name": "gw"}, "listeners": [{"name": "first"}, {"name": "ok"}]},
+            "status": {"conditions": [cond("Accepted", "False", "ListenersNotValid"),
+                cond("Programmed", "False", "ListenersNotValid")],
+                "listeners": [{"name": "first", "attachedRoutes": 1,
+                    "conditions": [cond("Accepted", "True", "Accepted"),
+                        cond("ResolvedRefs", "False", "InvalidCertificateRef"),
+                        cond("Programmed", "False", "Invalid")]},
+                    {"name": "ok", "attachedRoutes": 1,
+                    "conditions": [cond("Accepted", "True", "Accepted"),
+                        cond("ResolvedRefs", "True", "ResolvedRefs"),
+                        cond("Programmed", "True", "Programmed")]}]},
+        });
+        let out = tables(&[v]);
+        let row = out.lines().nth(2).map(cells).unwrap_or_default();
+        assert_eq!(
+            row.last().map(String::as_str),
+            Some("first: InvalidCertificateRef"),
             "{out}"
         );
     }
