@@ -750,8 +750,13 @@ async fn accept_loop(
                 } else {
                     format!("cannot bind {addr}: {e}")
                 };
-                if failures == 1 || failures.is_multiple_of(30) {
+                // The status says so at once; the log waits for a third failure (~200 ms): a
+                // port moving between addresses (`0.0.0.0` to `127.0.0.1`) is busy until its
+                // old bind has closed, which is no news to the operator.
+                if failures == 3 || failures.is_multiple_of(30) {
                     tracing::warn!("{msg}");
+                } else {
+                    tracing::debug!("{msg}");
                 }
                 *lock(&state.error) = Some(msg);
                 let wait = if failures < 10 { 100 } else { 1000 };
