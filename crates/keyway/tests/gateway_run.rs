@@ -599,6 +599,13 @@ fn gateway_binds_its_spec_addresses_only() {
     assert!(answers("127.0.0.3", 200));
     assert!(answers("127.0.0.2", 0));
 
+    // Every address: the port is busy until the old bind has closed, which is no news worth
+    // a warning in the log.
+    std::fs::write(dir.join("gw.yaml"), gateway("[]")).expect("write config");
+    assert!(answers("127.0.0.1", 200));
+    let log = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    assert!(!log.contains("cannot bind"), "{log}");
+
     // A Hostname address cannot be bound by keyway: not accepted, nothing served.
     std::fs::write(
         dir.join("gw.yaml"),
