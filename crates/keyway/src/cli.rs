@@ -407,6 +407,10 @@ fn status(
         }
         Source::Offline(config, state_dir) => {
             let mut compiled = compile_dir(config, state_dir)?;
+            // As `validate` does: an ignored document or field may be why an object is missing.
+            for w in &compiled.reconciled.warnings {
+                eprintln!("warning: {w}");
+            }
             let errors = compiled.errors().iter().map(ToString::to_string).collect();
             // AccessGrant redemption counts live in the state directory.
             let book = grants::GrantBook::load(state_dir)?;

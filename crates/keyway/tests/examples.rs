@@ -163,6 +163,19 @@ fn offline_status_reads_the_sites_state_and_names_what_it_cannot_find() {
     ]);
     assert_eq!(code, 0, "{out}{err}");
 
+    // What offline status ignores, it says, as `validate` does.
+    std::fs::write(
+        config.join("widget.yaml"),
+        "apiVersion: example.com/v1\nkind: Widget\nmetadata:\n  name: w\n",
+    )
+    .expect("write");
+    let (code, _, err) = keyway(&["status", "--config", config.to_str().unwrap_or_default()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("warning: ") && err.contains("unknown kind Widget"),
+        "{err}"
+    );
+    std::fs::remove_file(config.join("widget.yaml")).expect("rm");
     let (code, out, err) = keyway(&[
         "status",
         "--config",
