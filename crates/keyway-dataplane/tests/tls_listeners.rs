@@ -110,6 +110,21 @@ async fn http_backend(name: &'static str) -> std::net::SocketAddr {
     addr
 }
 
+/// `openssl s_client` to `port` with server name `sni` (stdin closed, 5 s at most).
+async fn openssl_s_client(port: u16, sni: &'static str) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new("timeout")
+            .args(["5", "openssl", "s_client", "-connect"])
+            .arg(format!("127.0.0.1:{port}"))
+            .args(["-servername", sni])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("openssl")
+    })
+    .await
+    .expect("join")
+}
+
 /// A real ClientHello (rustls) for `name`.
 fn client_hello(name: &str) -> Vec<u8> {
     let config = rustls::ClientConfig::builder_with_provider(common::provider())
@@ -444,23 +459,7 @@ async fn a_name_nobody_serves_gets_a_tls_alert() {
         assert!(e.contains(alert), "{sni:?}: {e}");
     }
     // What a person sees with openssl.
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("timeout")
-            .args([
-                "5",
-                "openssl",
-                "s_client",
-                "-connect",
-                &format!("127.0.0.1:{port}"),
-                "-servername",
-                "b.example.com",
-            ])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("openssl")
-    })
-    .await
-    .expect("join");
+    let out = openssl_s_client(port, "b.example.com").await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("unrecognized name"), "{stderr}");
 }
@@ -550,23 +549,7 @@ async fn terminate_sni_case_and_trailing_dot() {
         ("a.example.com", "a.example.com"),
         ("x.example.org", "default.example.net"),
     ] {
-        let out = tokio::task::spawn_blocking(move || {
-            std::process::Command::new("timeout")
-                .args([
-                    "5",
-                    "openssl",
-                    "s_client",
-                    "-connect",
-                    &format!("127.0.0.1:{port}"),
-                    "-servername",
-                    sni,
-                ])
-                .stdin(std::process::Stdio::null())
-                .output()
-                .expect("openssl")
-        })
-        .await
-        .expect("join");
+        let out = openssl_s_client(port, sni).await;
         let text = String::from_utf8_lossy(&out.stdout);
         let subject = text
             .lines()
