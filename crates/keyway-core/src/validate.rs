@@ -763,7 +763,9 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                 .iter()
                 .enumerate()
             {
-                let name = h["name"].as_str().unwrap_or_default().to_ascii_lowercase();
+                // The API server refuses a name listed twice (the list is keyed by name);
+                // names differing in case pass, and the data plane uses the first of them.
+                let name = h["name"].as_str().unwrap_or_default().to_string();
                 if !header_names.insert(name.clone()) {
                     p.add(
                         format!("{at}.matches[{j}].headers[{k}].name"),

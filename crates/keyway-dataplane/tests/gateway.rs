@@ -244,6 +244,12 @@ async fn match_precedence() {
         "svc",
     ));
     r2.push_str(&tagged("[{path: {type: PathPrefix, value: /h}, headers: [{name: x-v, type: RegularExpression, value: \"v[0-9]\"}]}]", "header-re", "svc"));
+    // The same header in another case: only the first entry is considered.
+    r2.push_str(&tagged(
+        "[{path: {type: PathPrefix, value: /dup}, headers: [{name: x-d, value: \"1\"}, {name: X-D, value: \"2\"}]}]",
+        "header-dup",
+        "svc",
+    ));
     yaml.push_str(&http_route("r2", 2, "", &r2));
     // Newer route with the same match as r1's first rule: r1 is older and wins.
     yaml.push_str(&http_route(
@@ -291,6 +297,16 @@ async fn match_precedence() {
             .status,
         StatusCode::NOT_FOUND
     );
+    assert_eq!(
+        tag(&send(&c, port, "GET", "x", "/dup", &[("x-d", "1")]).await),
+        "header-dup"
+    );
+    assert_eq!(
+        send(&c, port, "GET", "x", "/dup", &[("x-d", "2")])
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,8 +319,8 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
     )));
     let rules = "  - matches: [{path: {type: PathPrefix, value: /hdr}}]
     filters:
-    - {type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-set, value: v}], add: [{name: x-add, value: w}], remove: [x-remove]}}
-    - {type: ResponseHeaderModifier, responseHeaderModifier: {set: [{name: x-resp, value: r}]}}
+    - {type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: x-set, value: v}, {name: X-Set, value: second}], add: [{name: x-add, value: w}, {name: X-ADD, value: second}], remove: [x-remove]}}
+    - {type: ResponseHeaderModifier, responseHeaderModifier: {set: [{name: x-resp, value: r}, {name: X-Resp, value: second}]}}
     backendRefs: [{name: svc, port: 80}]
   - matches: [{path: {type: PathPrefix, value: /redir}}]
     filters: [{type: RequestRedirect, requestRedirect: {scheme: https, hostname: r.example, statusCode: 301}}]
@@ -346,6 +362,9 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
         "{}",
         r.body
     );
+    // A name repeated in another case within `set` or `add`: the first entry counts.
+    assert!(!r.body.contains("=second"), "{}", r.body);
+    assert_eq!(r.headers.get_all("x-resp").iter().count(), 1);
     assert_eq!(r.header("x-remove"), None);
     assert_eq!(r.header("x-forwarded-for"), Some("10.0.0.1, 127.0.0.1"));
     assert_eq!(r.header("x-forwarded-proto"), Some("http"));

@@ -109,11 +109,21 @@ macro_rules! header_mod {
                 }
             }
         };
+        // Within `set`, and within `add`, names differing only in case are one header: the
+        // first entry counts and later ones are ignored (HTTPHeader.name).
+        let first = |list: &mut Vec<(HeaderName, HeaderValue)>,
+                     p: Option<(HeaderName, HeaderValue)>| {
+            if let Some((n, v)) = p
+                && !list.iter().any(|(seen, _)| *seen == n)
+            {
+                list.push((n, v));
+            }
+        };
         for s in m.set.iter().flatten() {
-            out.set.extend(pair(&s.name, &s.value));
+            first(&mut out.set, pair(&s.name, &s.value));
         }
         for a in m.add.iter().flatten() {
-            out.add.extend(pair(&a.name, &a.value));
+            first(&mut out.add, pair(&a.name, &a.value));
         }
         for r in m.remove.iter().flatten() {
             match HeaderName::from_bytes(r.as_bytes()) {

@@ -243,7 +243,12 @@ pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
             ),
             _ => ValueMatch::Exact(h.value.clone()),
         };
-        headers.push((header_name(&h.name)?, vm));
+        // Names differing only in case are one header: the first entry counts, later ones
+        // are ignored (HTTPHeaderMatch.name).
+        let name = header_name(&h.name)?;
+        if !headers.iter().any(|(n, _)| *n == name) {
+            headers.push((name, vm));
+        }
     }
     let mut query = Vec::new();
     for q in m.query_params.iter().flatten() {
@@ -253,7 +258,10 @@ pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
             ),
             _ => ValueMatch::Exact(q.value.clone()),
         };
-        query.push((q.name.clone(), vm));
+        // A name given twice: the first entry counts (HTTPQueryParamMatch.name).
+        if !query.iter().any(|(n, _)| *n == q.name) {
+            query.push((q.name.clone(), vm));
+        }
     }
     Ok(Match {
         grpc: (0, 0),
@@ -305,7 +313,12 @@ pub fn compile_grpc(m: &GrpcRouteRulesMatches) -> Result<Match, String> {
             ),
             _ => ValueMatch::Exact(h.value.clone()),
         };
-        headers.push((header_name(&h.name)?, vm));
+        // Names differing only in case are one header: the first entry counts, later ones
+        // are ignored (HTTPHeaderMatch.name).
+        let name = header_name(&h.name)?;
+        if !headers.iter().any(|(n, _)| *n == name) {
+            headers.push((name, vm));
+        }
     }
     let grpc = m.method.as_ref().map_or((0, 0), |mm| {
         (
