@@ -896,12 +896,26 @@ impl GatewayResolver {
                 format!("{path}: {message}{rest}")
             };
             let all_invalid = rin.rule_count > 0 && rin.invalid_rules.len() == rin.rule_count;
+            // The spec's "Drop Rule(s)" approach, whose message must start "Dropped Rule": a
+            // dropped rule no longer reaches its backends. It still matches and answers 500,
+            // so that a filter is never skipped by a request falling through to another rule
+            // (HTTPRouteFilter: a filter that cannot be applied MUST NOT be skipped).
             let partially_invalid = (!rin.invalid_rules.is_empty() && !all_invalid).then(|| {
+                let rules: Vec<String> = rin
+                    .invalid_rules
+                    .iter()
+                    .map(|(rule, _)| rule.to_string())
+                    .collect();
+                let s = if rules.len() == 1 { "" } else { "s" };
                 C::new(
                     "PartiallyInvalid",
                     true,
                     "UnsupportedValue",
-                    invalid_message(),
+                    format!(
+                        "Dropped Rule{s} {}: {}",
+                        rules.join(", "),
+                        invalid_message()
+                    ),
                 )
             });
             let fps: Vec<Option<u64>> = rin.targets.iter().map(fp_of).collect();

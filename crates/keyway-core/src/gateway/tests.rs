@@ -1127,6 +1127,13 @@ fn unsupported_filters_table() {
             assert_eq!(invalid_at, [*path], "{rules}");
             let p = partially.map(|c| c["reason"].clone());
             assert_eq!(p, Some(Value::from("UnsupportedValue")));
+            // The spec's prefix for the "Drop Rule(s)" approach, then the rules and why.
+            let message = partially.map(|c| c["message"].as_str().unwrap_or_default().to_string());
+            let message = message.unwrap_or_default();
+            assert!(
+                message.starts_with("Dropped Rule ") && message.contains(*path),
+                "{message}"
+            );
         }
         // Affected rules stay in the plan, marked; the others are untouched.
         let Some(plan_rules) = http_rules_on_one(&r) else {
