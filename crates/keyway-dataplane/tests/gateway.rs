@@ -70,9 +70,10 @@ async fn http_backend_on(name: &'static str, bind: &str) -> SocketAddr {
                         tokio::time::sleep(Duration::from_secs(2)).await;
                     }
                     let mut body = format!(
-                        "backend={name}\nmethod={}\npath={}\n",
+                        "backend={name}\nmethod={}\npath={}\nversion={:?}\n",
                         req.method(),
-                        req.uri()
+                        req.uri(),
+                        req.version()
                     );
                     for (k, v) in req.headers() {
                         body.push_str(&format!("h:{k}={}\n", v.to_str().unwrap_or("?")));
@@ -570,6 +571,69 @@ async fn weighted_backends_timeouts_h2c_and_upgrade() {
         "{text}"
     );
     assert!(text.contains("class=\"5xx\""), "{text}");
+}
+
+/// A Service port with `appProtocol: kubernetes.io/h2c` gets HTTP/2 with prior knowledge, from
+/// HTTP/1.1 and HTTP/2 clients alike, and an Upgrade cannot pass through to it (502); one with
+/// `kubernetes.io/wss`, which keyway does not speak, is an unresolved backend (500).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn app_protocol_h2c_backends_get_http2() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let with_protocol = |name: &str, protocol: &str| {
+        service(name, be).replace(
+            "ports: [{port: 80}]",
+            &format!("ports: [{{port: 80, appProtocol: {protocol}}}]"),
+        )
+    };
+    let mut yaml = service("plain", be);
+    yaml.push_str(&with_protocol("h2", "kubernetes.io/h2c"));
+    yaml.push_str(&with_protocol("wss", "kubernetes.io/wss"));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "p",
+        1,
+        "",
+        "  - matches: [{path: {type: PathPrefix, value: /ws}}]\n    backendRefs: [{name: h2, port: 80}]\n  - matches: [{path: {type: PathPrefix, value: /h2}}]\n    backendRefs: [{name: h2, port: 80}]\n  - matches: [{path: {type: PathPrefix, value: /tls-ws}}]\n    backendRefs: [{name: wss, port: 80}]\n  - backendRefs: [{name: plain, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let h1 = client();
+    let h2: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    // An HTTP/2 client's :authority (this hyper client's is the URI's) is the routed host.
+    let authority = format!("127.0.0.1:{port}");
+    for (c, host) in [(&h1, "h.example"), (&h2, authority.as_str())] {
+        let r = send(
+            c,
+            port,
+            "GET",
+            "h.example",
+            "/h2/x?q=1",
+            &[("cookie", "a=1")],
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.field("version"), Some("HTTP/2.0"), "{}", r.body);
+        assert_eq!(
+            r.field("path"),
+            Some(format!("http://{host}/h2/x?q=1").as_str()),
+            "{}",
+            r.body
+        );
+        assert_eq!(r.header("x-forwarded-proto"), Some("http"), "{}", r.body);
+        assert_eq!(
+            get(c, port, "h.example", "/other").await.field("version"),
+            Some("HTTP/1.1")
+        );
+    }
+    let (_, head) = common::upgrade_echo(port).await;
+    assert!(head.starts_with("HTTP/1.1 502"), "{head}");
+    let r = get(&h1, port, "h.example", "/tls-ws").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(r.body.contains("UnsupportedProtocol"), "{}", r.body);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -166,6 +166,10 @@ pub enum Backend {
     Service {
         service: String,
         endpoints: Vec<Endpoint>,
+        /// The Service port's `appProtocol` is `kubernetes.io/h2c`: HTTP requests go to it as
+        /// HTTP/2 with prior knowledge (gRPC always does).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        h2c: bool,
     },
     /// keyway's bridge into the service network: a skupper `Listener` or `MultiKeyListener`.
     Skupper {

@@ -103,6 +103,8 @@ pub(crate) enum RefError {
     BackendNotFound(String),
     #[error("{0}")]
     InvalidKind(String),
+    #[error("{0}")]
+    UnsupportedProtocol(String),
 }
 
 impl RefError {
@@ -112,6 +114,7 @@ impl RefError {
             RefError::RefNotPermitted(_) => "RefNotPermitted",
             RefError::BackendNotFound(_) => "BackendNotFound",
             RefError::InvalidKind(_) => "InvalidKind",
+            RefError::UnsupportedProtocol(_) => "UnsupportedProtocol",
         }
     }
 }
@@ -379,6 +382,21 @@ impl<'a> World<'a> {
             .ok_or_else(|| {
                 RefError::BackendNotFound(format!("Service {ns}/{} has no port {port}", r.name))
             })?;
+        // The Service port's appProtocol: the standard values keyway cannot speak to this
+        // route kind's backends make the backend invalid (BackendRef: ResolvedRefs=False /
+        // UnsupportedProtocol); other values leave the protocol to the route kind.
+        let app_protocol = svc_port.app_protocol.as_deref();
+        let unsupported = matches!(
+            (app_protocol, route_kind),
+            (Some(WSS), Kind::HTTPRoute | Kind::GRPCRoute) | (Some(WS), Kind::GRPCRoute)
+        );
+        if let (true, Some(p)) = (unsupported, app_protocol) {
+            return Err(RefError::UnsupportedProtocol(format!(
+                "Service {ns}/{} port {port} has appProtocol {p}, which keyway does not speak to a {route_kind}'s backends",
+                r.name
+            )));
+        }
+        let h2c = app_protocol == Some(H2C);
         let target_int = match &svc_port.target_port {
             Some(IntOrString::Int(n)) => Some(*n),
             Some(IntOrString::String(_)) => None,
@@ -419,9 +437,16 @@ impl<'a> World<'a> {
         Ok(Backend::Service {
             service: format!("{ns}/{}", r.name),
             endpoints,
+            h2c,
         })
     }
 }
+
+/// Standard `appProtocol` values (KEP-3726): HTTP/2 with prior knowledge, WebSocket over
+/// cleartext, WebSocket over TLS.
+const H2C: &str = "kubernetes.io/h2c";
+const WS: &str = "kubernetes.io/ws";
+const WSS: &str = "kubernetes.io/wss";
 
 fn kind_of(kind: &str) -> Kind {
     if kind == "Listener" {

@@ -1010,9 +1010,21 @@ fn backend_refs_table() {
             "{name: nope, group: skupper.io, kind: Listener}",
             ("False", "BackendNotFound"),
         ),
+        // A port's appProtocol: h2c is spoken, WebSocket over TLS is not.
+        ("{name: h2, port: 80}", ("True", "ResolvedRefs")),
+        ("{name: wss, port: 80}", ("False", "UnsupportedProtocol")),
     ];
+    let with_protocol = |name: &str, protocol: &str| {
+        svc("team-a", name).replace(
+            "targetPort: 8080}",
+            &format!("targetPort: 8080, appProtocol: {protocol}}}"),
+        )
+    };
+    let protocols =
+        with_protocol("h2", "kubernetes.io/h2c") + &with_protocol("wss", "kubernetes.io/wss");
     for (backend, want) in cases {
-        let extra = svc("other", "app")
+        let extra = protocols.clone()
+            + &svc("other", "app")
             + &svc("granted", "app")
             + skupper
             + grant
@@ -1029,6 +1041,11 @@ fn backend_refs_table() {
         assert_eq!(
             matches!(b, Backend::Unresolved { .. }),
             want.0 == "False",
+            "{backend}: {b:?}"
+        );
+        assert_eq!(
+            matches!(b, Backend::Service { h2c: true, .. }),
+            backend.contains("h2"),
             "{backend}: {b:?}"
         );
     }
@@ -1316,6 +1333,7 @@ fn service_backends_resolve_ready_endpoints_at_the_target_port() {
                 address: "10.0.0.1".into(),
                 port: 8080
             }],
+            h2c: false,
         }
     );
     assert_eq!(rules[0].backends[0].weight, 1);

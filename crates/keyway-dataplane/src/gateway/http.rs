@@ -657,8 +657,17 @@ async fn forward(
             &format!("backend cannot be resolved ({reason})"),
         );
     }
+    // gRPC, and Services whose port says `appProtocol: kubernetes.io/h2c`, get HTTP/2.
+    let over_h2 = rule.grpc || matches!(wb.backend, Backend::Service { h2c: true, .. });
     let client_version = req.version();
     let upgrade = is_upgrade(&req);
+    if upgrade && over_h2 {
+        // An HTTP/2 backend would need extended CONNECT (RFC 8441) for what the client asks.
+        return full(
+            StatusCode::BAD_GATEWAY,
+            "the backend speaks HTTP/2 (appProtocol kubernetes.io/h2c): Upgrade cannot pass through to it",
+        );
+    }
     let client_upgrade = if upgrade {
         front::take_upgrade(&mut req)
     } else {
@@ -687,7 +696,7 @@ async fn forward(
         req.headers_mut().insert(header::HOST, h);
     }
     req.headers_mut().remove(header::TE);
-    if rule.grpc && te_trailers {
+    if over_h2 && te_trailers {
         req.headers_mut()
             .insert(header::TE, HeaderValue::from_static("trailers"));
     }
@@ -729,7 +738,7 @@ async fn forward(
 
     let (mut parts, body) = req.into_parts();
     // RFC 9113 §8.2.3: an HTTP/2 client's cookie crumbs go to HTTP/1.1 as one field.
-    if parts.version == Version::HTTP_2 && !rule.grpc {
+    if parts.version == Version::HTTP_2 && !over_h2 {
         join_cookies(&mut parts.headers);
     }
     let path_and_query = match rewritten {
@@ -742,7 +751,7 @@ async fn forward(
                 .unwrap_or_else(|| PathAndQuery::from_static("/")),
         ),
     };
-    let uri = if rule.grpc {
+    let uri = if over_h2 {
         let authority = parts
             .headers
             .get(header::HOST)
@@ -772,19 +781,19 @@ async fn forward(
         return full(StatusCode::BAD_REQUEST, "invalid request path");
     };
     parts.uri = uri;
-    parts.version = if rule.grpc {
+    parts.version = if over_h2 {
         Version::HTTP_2
     } else {
         Version::HTTP_11
     };
-    if rule.grpc {
+    if over_h2 {
         parts.headers.remove(header::HOST);
     }
 
     // The rare paths are boxed: the future of every request stays small. Pinned where it is
     // made: awaited as a value, it would be copied whole into the awaiting state first.
     let mut send = std::pin::pin!(async {
-        if rule.grpc {
+        if over_h2 {
             let body = body.counting(&rule.metrics.bytes_in);
             let req = Request::from_parts(parts, body);
             Box::pin(send_h2(ctx, &wb.backend, req))

@@ -1199,7 +1199,9 @@ impl Pool {
     ) -> Result<Connected, ConnectError> {
         match backend {
             Backend::Unresolved { reason } => Err(ConnectError::Unresolved(reason.clone())),
-            Backend::Service { service, endpoints } => {
+            Backend::Service {
+                service, endpoints, ..
+            } => {
                 let n = endpoints.len();
                 if n == 0 {
                     return Err(ConnectError::Unreachable(service.clone()));
@@ -1411,7 +1413,10 @@ impl Pool {
     /// turns and a slow endpoint gets less. An endpoint whose connect failed recently is passed
     /// over while another remains. `None`: one endpoint, or not a Service.
     pub fn choose(&self, backend: &Backend) -> Option<String> {
-        let Backend::Service { service, endpoints } = backend else {
+        let Backend::Service {
+            service, endpoints, ..
+        } = backend
+        else {
             return None;
         };
         let n = endpoints.len();
