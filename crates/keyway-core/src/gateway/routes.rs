@@ -389,6 +389,9 @@ pub(crate) fn attach(
             .into(),
         ));
     }
+    let kind_allowed = candidates
+        .iter()
+        .any(|&i| view.listeners[i].supported_kinds.contains(&route.kind));
     let allowed: Vec<usize> = candidates
         .into_iter()
         .filter(|&i| {
@@ -402,14 +405,20 @@ pub(crate) fn attach(
         })
         .collect();
     if allowed.is_empty() {
-        return Err((
-            "NotAllowedByListeners",
+        // Say which rule refused it: the route's kind (allowedRoutes.kinds, or the protocol),
+        // or its namespace (allowedRoutes.namespaces).
+        let why = if kind_allowed {
             format!(
                 "no listener of the parent allows a {} from this namespace",
                 route.kind
             )
-            .into(),
-        ));
+        } else {
+            format!(
+                "no listener of the parent allows the route kind {}",
+                route.kind
+            )
+        };
+        return Err(("NotAllowedByListeners", why.into()));
     }
     let attached: Vec<Attach> = allowed
         .into_iter()

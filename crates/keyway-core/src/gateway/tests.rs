@@ -975,6 +975,25 @@ fn allowed_routes_namespaces_table() {
             want,
             "{allowed} from {route_ns}"
         );
+        // The message names the rule that refused: the kind, or the namespace.
+        if !ok {
+            let conds = &status(&r, Kind::HTTPRoute, route_ns, "r")["parents"][0]["conditions"];
+            let message = conds
+                .as_array()
+                .and_then(|a| a.iter().find(|c| c["type"] == "Accepted"))
+                .and_then(|c| c["message"].as_str())
+                .unwrap_or_default()
+                .to_string();
+            let want = if allowed.contains("kinds") {
+                "route kind HTTPRoute"
+            } else {
+                "from this namespace"
+            };
+            assert!(
+                message.contains(want),
+                "{allowed} from {route_ns}: {message}"
+            );
+        }
     }
 }
 
