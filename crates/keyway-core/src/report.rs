@@ -42,6 +42,27 @@ impl Filter {
     }
 }
 
+/// `XListenerSet`'s listener status entries carry their port (v1alpha1 `ListenerEntryStatus`
+/// requires it; v1 `ListenerSet`'s has no such field).
+fn add_listener_ports(status: &mut Value, spec: &Value) {
+    let Some(entries) = status.get_mut("listeners").and_then(Value::as_array_mut) else {
+        return;
+    };
+    let specs = spec["listeners"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    for entry in entries {
+        let port = specs
+            .iter()
+            .find(|l| l["name"] == entry["name"])
+            .map(|l| l["port"].clone());
+        if let (Some(port), Value::Object(e)) = (port, entry) {
+            e.insert("port".into(), port);
+        }
+    }
+}
+
 /// Every object in force (filtered) as `{apiVersion, kind, metadata, spec, status}`, in kind order.
 /// Secret values are never shown: each is replaced by its size; AccessGrant and AccessToken codes
 /// are redacted.
@@ -75,7 +96,11 @@ pub fn objects(
             }
             map.remove("status");
             if let Some(s) = statuses.get(&obj.key) {
-                map.insert("status".into(), s.clone());
+                let mut s = s.clone();
+                if obj.written_kind == "XListenerSet" {
+                    add_listener_ports(&mut s, &map["spec"]);
+                }
+                map.insert("status".into(), s);
             }
         }
         items.push((&obj.key, v));

@@ -201,3 +201,45 @@ fn offline_status_reads_the_sites_state_and_names_what_it_cannot_find() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An `XListenerSet`'s listener status entries carry their port, as its v1alpha1 schema
+/// requires; a v1 `ListenerSet`'s have none (its schema has no such field).
+#[test]
+fn xlistenerset_listener_status_carries_the_port() {
+    let dir = std::env::temp_dir().join(format!("keyway-xls-port-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    for f in ["gateway.yaml", "team-1-ns.yaml", "team-2-ns.yaml"] {
+        let mut text =
+            std::fs::read_to_string(examples().join("listenerset").join(f)).expect("read");
+        if f == "team-2-ns.yaml" {
+            text = text.replace(
+                "apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet",
+                "apiVersion: gateway.networking.x-k8s.io/v1alpha1\nkind: XListenerSet",
+            );
+            assert!(text.contains("XListenerSet"));
+        }
+        std::fs::write(dir.join(f), text).expect("write");
+    }
+    let (code, out, err) = keyway(&[
+        "status",
+        "--config",
+        dir.to_str().unwrap_or_default(),
+        "-o",
+        "json",
+        "listenerset",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let items = list["items"].as_array().expect("items");
+    for item in items {
+        let entry = &item["status"]["listeners"][0];
+        match item["kind"].as_str() {
+            Some("XListenerSet") => assert_eq!(entry["port"], 8443, "{item:#}"),
+            Some("ListenerSet") => assert!(entry.get("port").is_none(), "{item:#}"),
+            other => panic!("kind {other:?}"),
+        }
+    }
+    assert_eq!(items.len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
