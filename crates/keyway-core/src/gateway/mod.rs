@@ -936,7 +936,10 @@ impl GatewayResolver {
                 if foreign(target) {
                     continue;
                 }
-                let at = target.as_ref().and_then(owner_at);
+                let at = target
+                    .as_ref()
+                    .and_then(owner_at)
+                    .filter(|&i| parent.names_written_kind(&owners[i].obj.written_kind));
                 let view = at.map(|i| OwnerView {
                     namespace: &owners[i].obj.key.namespace,
                     accepted: owners[i].admitted(),

@@ -32,12 +32,19 @@ impl ParentRefIn {
     pub fn target(&self) -> Option<ObjectKey> {
         let kind = match (self.group.as_str(), self.kind.as_str()) {
             (GATEWAY_GROUP, "Gateway") => Kind::Gateway,
-            (GATEWAY_GROUP, "ListenerSet") | (X_GATEWAY_GROUP, "XListenerSet" | "ListenerSet") => {
-                Kind::ListenerSet
-            }
+            (GATEWAY_GROUP, "ListenerSet") | (X_GATEWAY_GROUP, "XListenerSet") => Kind::ListenerSet,
             _ => return None,
         };
         Some(ObjectKey::new(kind, &self.namespace, &self.name))
+    }
+
+    /// Whether this names an object written as `written_kind`: keyway reads a ListenerSet and
+    /// an XListenerSet as one kind, but to a parentRef they are different resources.
+    pub fn names_written_kind(&self, written_kind: &str) -> bool {
+        match self.kind.as_str() {
+            "ListenerSet" | "XListenerSet" => self.kind == written_kind,
+            _ => true,
+        }
     }
 }
 

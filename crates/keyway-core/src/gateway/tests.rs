@@ -745,6 +745,59 @@ fn routes_world(extra: &str) -> GatewayResolution {
 
 const APP: &str = "{name: app, port: 80}";
 
+/// A parentRef names a ListenerSet or an XListenerSet by group and kind: keyway reads both as
+/// one kind, but a route attaches only to the resource it names, as in a cluster where they are
+/// two resources.
+#[test]
+fn parent_refs_tell_listener_sets_from_xlistener_sets() {
+    let xls = listener_set(
+        "team-a",
+        "xls",
+        2,
+        "gw",
+        &l("three", 9090, "HTTP", Some("x.example.com")),
+    )
+    .replace(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet",
+        "apiVersion: gateway.networking.x-k8s.io/v1alpha1\nkind: XListenerSet",
+    );
+    assert!(xls.contains("XListenerSet"));
+    let x_group = "gateway.networking.x-k8s.io";
+    let cases = [
+        (
+            format!("{{name: xls, namespace: team-a, kind: XListenerSet, group: {x_group}}}"),
+            true,
+        ),
+        (
+            "{name: xls, namespace: team-a, kind: ListenerSet}".to_string(),
+            false,
+        ),
+        (
+            format!("{{name: xls, namespace: team-a, kind: ListenerSet, group: {x_group}}}"),
+            false,
+        ),
+        (
+            "{name: ls, namespace: team-a, kind: ListenerSet}".to_string(),
+            true,
+        ),
+        (
+            format!("{{name: ls, namespace: team-a, kind: XListenerSet, group: {x_group}}}"),
+            false,
+        ),
+    ];
+    for (parent, ok) in cases {
+        let r = routes_world(
+            &(xls.clone() + &http_route("team-a", "r", &format!("[{parent}]"), "[]", APP)),
+        );
+        let want = if ok {
+            yes("Accepted")
+        } else {
+            no("NoMatchingParent")
+        };
+        assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), want, "{parent}");
+    }
+}
+
 /// A route in another namespace learns nothing from a ListenerSet that is not accepted: its
 /// message is the one for no parent at all. Within the set's own namespace it says why.
 #[test]
