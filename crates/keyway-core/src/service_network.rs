@@ -492,10 +492,13 @@ pub fn statuses(
                 let bind = r.spec.bind_host.clone().unwrap_or_else(|| "0.0.0.0".into());
                 let resolved = Cond::ready("Resolved");
                 let mut v = ready_from(vec![configured(key), resolved], generation, now);
+                // Only the role a keyway site serves: an endpoint nothing listens on would
+                // send other sites to a closed port.
                 v["endpoints"] = json!(r
                     .spec
                     .roles
                     .iter()
+                    .filter(|role| role.name == "inter-router")
                     .map(|role| json!({"name": role.name, "host": bind, "port": role.effective_port().to_string()}))
                     .collect::<Vec<_>>());
                 v

@@ -92,12 +92,6 @@ pub fn validate(resource: &Resource) -> Vec<Problem> {
                 "spec.tlsCredentials",
                 c.spec.tls_credentials.as_deref(),
             );
-            if c.spec.use_client_cert && c.spec.tls_credentials.is_none() {
-                p.add("spec.useClientCert", "useClientCert needs tlsCredentials");
-            }
-            if c.spec.verify_hostname && c.spec.tls_credentials.is_none() {
-                p.add("spec.verifyHostname", "verifyHostname needs tlsCredentials");
-            }
             match (&c.spec.host, &c.spec.selector) {
                 (Some(h), _) => check_host(&mut p, "spec.host", h),
                 (None, Some(_)) => p.add(
@@ -493,6 +487,18 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)
             if c.spec.expose_pods_by_name {
                 out.push(("spec.exposePodsByName", NO_PODS));
             }
+            // As upstream Skupper does: without tlsCredentials the workload is reached in
+            // plain TCP, and these settings of its TLS have nothing to apply to.
+            const NO_TLS: &str =
+                "ignored without tlsCredentials: the workload is reached in plain TCP";
+            if c.spec.tls_credentials.is_none() {
+                if c.spec.use_client_cert {
+                    out.push(("spec.useClientCert", NO_TLS));
+                }
+                if c.spec.verify_hostname {
+                    out.push(("spec.verifyHostname", NO_TLS));
+                }
+            }
         }
         Resource::Site(site) => {
             if site
@@ -523,6 +529,12 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)
                     "spec.generateTlsCredentials",
                     "ignored: keyway generates no credentials; put tls.crt, tls.key and ca.crt \
                      in the Secret named by tlsCredentials",
+                ));
+            }
+            if r.spec.issuer.is_some() {
+                out.push((
+                    "spec.issuer",
+                    "ignored: it signs generated credentials, and keyway generates none",
                 ));
             }
             if r.spec.access_type.as_deref().is_some_and(|t| t != "local") {

@@ -248,6 +248,29 @@ fn listener_set_and_xlistener_set_are_one_kind() {
     );
 }
 
+/// A RouterAccess `issuer` (for generated credentials) is a warning that says why it does
+/// nothing; the `edge` role Skupper writes beside `inter-router` is not (it is left out of the
+/// status's endpoints instead).
+#[test]
+fn router_access_issuer_is_a_warning() {
+    let load = load_file(
+        "ra.yaml",
+        "apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: ra\nspec:\n  tlsCredentials: link-tls\n  issuer: my-ca\n  roles:\n  - name: inter-router\n    port: 55671\n  - name: edge\n    port: 45671\n",
+    );
+    assert!(
+        matches!(load.outcomes[0], DocOutcome::Object(_)),
+        "{:?}",
+        load.outcomes
+    );
+    let warnings: Vec<String> = load.warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "ra.yaml:7: spec.issuer: ignored: it signs generated credentials, and keyway generates none"
+        ]
+    );
+}
+
 #[test]
 fn routes() {
     round_trip(

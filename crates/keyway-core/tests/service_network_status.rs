@@ -429,9 +429,17 @@ fn link_without_tls_credentials_is_not_configured() {
 #[test]
 fn link_and_router_access_are_planned() {
     let yaml = format!(
-        "{LINK_SECRET}---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  tlsCredentials: link-tls\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: 55671\n---\napiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: access\nspec:\n  tlsCredentials: link-tls\n  roles:\n  - name: inter-router\n"
+        "{LINK_SECRET}---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  tlsCredentials: link-tls\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: 55671\n---\napiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: access\nspec:\n  tlsCredentials: link-tls\n  roles:\n  - name: inter-router\n  - name: edge\n"
     );
     let plan = service_network::resolve(&index_of(&yaml)).plan;
+    // Only the role a keyway site serves is an endpoint in status: other sites must not be
+    // sent to the edge port, which nothing listens on.
+    let (_, st) = statuses(&index_of(&yaml), None);
+    let ra = status_of(&st, Kind::RouterAccess, "access");
+    assert_eq!(
+        ra["endpoints"],
+        serde_json::json!([{"name": "inter-router", "host": "0.0.0.0", "port": "55671"}])
+    );
     let link = &plan.links[0];
     assert_eq!(
         (link.host.as_str(), link.port, link.cost),
