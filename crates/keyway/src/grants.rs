@@ -472,7 +472,8 @@ pub fn grant_status(
     }
     v["redemptions"] = json!(used);
     if let Some(at) = facts.as_ref().and_then(|f| f.expires) {
-        v["expirationTime"] = json!(at.to_string());
+        // RFC 3339 in whole seconds, as upstream writes it (Go's time.RFC3339).
+        v["expirationTime"] = json!(at.strftime("%Y-%m-%dT%H:%M:%SZ").to_string());
     }
     v
 }

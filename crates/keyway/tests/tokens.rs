@@ -150,7 +150,12 @@ fn issue_then_redeem_links_the_sites_and_carries_traffic() {
             .as_str()
             .is_some_and(|c| c.contains("BEGIN CERTIFICATE"))
     );
-    assert!(grant["expirationTime"].is_string(), "{grant}");
+    // RFC 3339 in whole seconds, as upstream writes it: 2026-12-01T06:33:24Z.
+    let expires = grant["expirationTime"].as_str().unwrap_or_default();
+    assert!(
+        expires.len() == 20 && expires.ends_with('Z') && expires.as_bytes()[10] == b'T',
+        "{grant}"
+    );
     assert!(
         grant.get("code").is_none(),
         "the code is not echoed: {grant}"
