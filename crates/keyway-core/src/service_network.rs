@@ -45,6 +45,10 @@ pub struct Reachability {
     pub remote_sites: Vec<skupper::SiteRecord>,
     /// Link name → remote site name, for links that are up.
     pub operational_links: BTreeMap<String, String>,
+    /// Site name → its id, for the sites of the network this one knows (Link `remoteSiteId`).
+    pub site_ids: BTreeMap<String, String>,
+    /// This site's id (its process's, as its links' hellos carry it); none offline.
+    pub site_id: Option<String>,
     /// Link name → why it is down.
     pub link_errors: BTreeMap<String, String>,
 }
@@ -483,6 +487,9 @@ pub fn statuses(
                 };
                 let mut v = ready_from(vec![configured(key), operational], generation, now);
                 if let Some(remote) = up {
+                    if let Some(id) = reach.site_ids.get(remote) {
+                        v["remoteSiteId"] = json!(id);
+                    }
                     v["remoteSiteName"] = json!(remote);
                 }
                 let _ = l;
@@ -532,7 +539,8 @@ fn site_status(
                 routing_key: c.routing_key.clone(),
                 ..Default::default()
             });
-        rec.connectors.push(format!("{}:{}", c.host, c.port));
+        // As upstream's site records: a connector by the host it reaches, a listener by name.
+        rec.connectors.push(c.host.clone());
     }
     for l in &res.plan.listeners {
         for k in l.selection.keys() {
@@ -542,18 +550,24 @@ fn site_status(
                     routing_key: k.to_string(),
                     ..Default::default()
                 });
-            rec.listeners.push(format!("{}:{}", l.host, l.port));
+            rec.listeners.push(l.id.name.clone());
         }
     }
     let links = index
         .of_kind(Kind::Link)
         .map(|l| skupper::LinkRecord {
             name: Some(l.key.name.clone()),
+            remote_site_id: reach
+                .operational_links
+                .get(&l.key.name)
+                .and_then(|remote| reach.site_ids.get(remote))
+                .cloned(),
             remote_site_name: reach.operational_links.get(&l.key.name).cloned(),
             operational: reach.operational_links.contains_key(&l.key.name),
         })
         .collect();
     let here = skupper::SiteRecord {
+        id: reach.site_id.clone(),
         name: Some(res.plan.site_name.clone()),
         platform: Some("keyway".into()),
         links,

@@ -84,6 +84,8 @@ pub struct LinkRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_site_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_site_name: Option<String>,
     #[serde(default, skip_serializing_if = "is_false")]
     pub operational: bool,

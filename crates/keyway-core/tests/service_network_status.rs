@@ -555,6 +555,16 @@ fn site_lists_only_keys_with_a_healthy_connector() {
             .collect::<Vec<_>>()
     };
     assert_eq!(services(&[]), ["cache:1", "db:2"]);
+    // As upstream's site records name them: a connector by its host, a listener by name.
+    let (_, st) = statuses(&index, None);
+    let db = &status_of(&st, Kind::Site, "west")["network"][0]["services"][1];
+    assert_eq!(
+        (&db["connectors"], &db["listeners"]),
+        (
+            &serde_json::json!(["127.0.0.1", "127.0.0.1"]),
+            &serde_json::json!(["l"])
+        )
+    );
     assert_eq!(services(&["c1"]), ["cache:1", "db:1"]);
     // No healthy connector: the key is only listened to here.
     assert_eq!(services(&["c1", "c2", "c3"]), ["db:0"]);

@@ -193,6 +193,10 @@ pub struct NetworkView {
     pub remote_sites: Vec<SiteRecord>,
     /// Link name → remote site, for links with a connection up.
     pub operational_links: BTreeMap<String, String>,
+    /// Site name → its id (per process, as in its hello), for every site this one knows.
+    pub site_ids: BTreeMap<String, String>,
+    /// This site's own id.
+    pub site_id: String,
     /// Link name → why it is not up.
     pub link_errors: BTreeMap<String, String>,
     /// Keys listened to anywhere else in the network.
@@ -425,7 +429,13 @@ impl Network {
     /// Status inputs: links, remote sites and their keys.
     pub fn observe(&self) -> NetworkView {
         let st = lock(&self.inner.state);
-        let mut view = NetworkView::default();
+        let mut view = NetworkView {
+            site_id: self.inner.id.clone(),
+            ..NetworkView::default()
+        };
+        for (site, adv) in st.db.map() {
+            view.site_ids.insert(site.clone(), adv.id.clone());
+        }
         for (name, ls) in &st.link_state {
             match ls.up.values().next() {
                 Some(remote) => {
@@ -466,6 +476,7 @@ impl Network {
                     .iter()
                     .map(|l| LinkRecord {
                         name: None,
+                        remote_site_id: st.db.get(&l.site).map(|a| a.id.clone()),
                         remote_site_name: Some(l.site.clone()),
                         operational: true,
                     })

@@ -294,6 +294,8 @@ impl Site {
             bind_errors,
             remote_sites: net.remote_sites,
             operational_links: net.operational_links,
+            site_ids: net.site_ids,
+            site_id: Some(net.site_id),
             link_errors: net.link_errors,
         };
         let now = cli::now();

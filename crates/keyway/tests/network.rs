@@ -116,6 +116,15 @@ fn listener_reaches_connector_two_hops_away() {
     let network = site["network"].as_array().expect("network");
     let at_c = network.iter().find(|s| s["name"] == "c").expect("c listed");
     assert_eq!(at_c["services"][0]["routingKey"], "svc", "{site}");
+    // Site ids, as upstream reports them: b's own record at b is the id a's Link names, and
+    // every record of a's network has one.
+    let b_site = b.status_of("Site", "b").expect("b's site status");
+    let b_id = &b_site["network"][0]["id"];
+    assert!(b_id.as_str().is_some_and(|id| !id.is_empty()), "{b_site}");
+    assert_eq!(&link["remoteSiteId"], b_id, "{link}");
+    assert!(network.iter().all(|s| s["id"].is_string()), "{site}");
+    let a_links = &network[0]["links"];
+    assert_eq!(&a_links[0]["remoteSiteId"], b_id, "{site}");
     // Many connections through two hops, each a full round trip.
     for _ in 0..50 {
         assert_eq!(who(listen).as_deref(), Ok("at-c"));
