@@ -522,6 +522,18 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)
             if site.spec.ha {
                 out.push(("spec.ha", "ignored: a keyway site is one process"));
             }
+            if site.spec.service_account.is_some() {
+                out.push((
+                    "spec.serviceAccount",
+                    "ignored: a standalone site runs as the user who starts it",
+                ));
+            }
+            if !site.spec.settings.is_empty() {
+                out.push((
+                    "spec.settings",
+                    "ignored: these tune Skupper's router and controller, which keyway does not run",
+                ));
+            }
         }
         Resource::RouterAccess(r) => {
             if r.spec.generate_tls_credentials {

@@ -233,6 +233,17 @@ pub struct CaPem {
     pub source: String,
 }
 
+/// The issuer Secret for a grant: its own `issuer`, else the Site's `defaultIssuer` (as upstream
+/// Skupper), else none (the RouterAccess Secret's `ca.key`).
+pub fn issuer_of<'a>(index: &'a Index, grant_issuer: Option<&'a str>) -> Option<&'a str> {
+    grant_issuer.or_else(|| {
+        index.of_kind(Kind::Site).find_map(|o| match &o.resource {
+            Resource::Site(s) => s.spec.default_issuer.as_deref(),
+            _ => None,
+        })
+    })
+}
+
 /// Finds the issuing CA: the grant's `spec.issuer` Secret (`tls.crt` + `tls.key`), else `ca.crt`
 /// + `ca.key` of the RouterAccess `tlsCredentials` Secret. The error says how to fix it.
 pub fn issuing_ca(
@@ -421,7 +432,11 @@ pub fn grant_status(
     let resolved = match ctx.router_access {
         None => Cond::pending("Resolved", "this site has no RouterAccess to link to"),
         Some(ra) => {
-            let issuer = issuing_ca(ctx.index, &ra.id, grant.spec.issuer.as_deref());
+            let issuer = issuing_ca(
+                ctx.index,
+                &ra.id,
+                issuer_of(ctx.index, grant.spec.issuer.as_deref()),
+            );
             let host = match ctx
                 .index
                 .resource(Kind::RouterAccess, &ra.id.namespace, &ra.id.name)

@@ -937,10 +937,17 @@ fn settings_without_effect_here_are_warnings() {
         ),
     )
     .unwrap();
+    std::fs::write(
+        dir.join("site.yaml"),
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: s\nspec:\n  serviceAccount: skupper\n  settings:\n    router-logging: debug\n",
+    )
+    .unwrap();
     let out = keyway(&["validate"], &dir);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
     for want in [
+        "spec.serviceAccount: ignored: a standalone site runs as the user who starts it",
+        "spec.settings: ignored: these tune Skupper's router",
         "spec.selector: ignored: spec.host is used",
         "spec.includeNotReadyPods: ignored: a standalone site has no pods",
         // Upstream Skupper ignores them too without tlsCredentials.

@@ -391,6 +391,33 @@ fn issue_without_a_ca_key_says_how_to_fix_it() {
         "/dev/null",
     ]);
     assert!(out.status.success(), "{}", text(&out));
+    // The Site's defaultIssuer stands in for --issuer, as upstream's does for a grant's issuer.
+    let site_file = dir.join("site.yaml");
+    let site_text = std::fs::read_to_string(&site_file).expect("read");
+    let site_doc = site_yaml("west");
+    assert!(site_text.starts_with(&site_doc));
+    std::fs::write(
+        &site_file,
+        site_text.replacen(
+            &site_doc,
+            &format!("{site_doc}spec:\n  defaultIssuer: link-ca\n"),
+            1,
+        ),
+    )
+    .expect("write");
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--name",
+        "dflt",
+        "-o",
+        "/dev/null",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    std::fs::write(&site_file, site_text).expect("write");
+    std::fs::remove_file(dir.join("accessgrant-dflt.yaml")).expect("rm");
     std::fs::remove_file(dir.join("issuers.yaml")).expect("rm");
     std::fs::remove_file(dir.join("accessgrant-ok.yaml")).expect("rm");
     // Without a RouterAccess at all.
