@@ -48,6 +48,18 @@ fn west(ca: &Ca, backend: &Backend) -> (SiteProc, u16) {
 /// `token issue` at `site`; waits until the running site serves the new grant. Returns the
 /// token file.
 fn issue(site: &SiteProc, name: &str, extra: &[&str]) -> PathBuf {
+    let token = issue_only(site, name, extra);
+    assert!(
+        eventually(Duration::from_secs(5), || site
+            .status_of("AccessGrant", name)
+            .is_some()),
+        "the site did not load AccessGrant {name}"
+    );
+    token
+}
+
+/// `token issue` at `site`, returning at once with the token file.
+fn issue_only(site: &SiteProc, name: &str, extra: &[&str]) -> PathBuf {
     let token = site.dir.join(format!("{name}.token.yaml"));
     let config = site.config_dir();
     let mut args = vec![
@@ -63,12 +75,6 @@ fn issue(site: &SiteProc, name: &str, extra: &[&str]) -> PathBuf {
     args.extend_from_slice(extra);
     let out = keyway(&args);
     assert!(out.status.success(), "token issue failed: {}", text(&out));
-    assert!(
-        eventually(Duration::from_secs(5), || site
-            .status_of("AccessGrant", name)
-            .is_some()),
-        "the site did not load AccessGrant {name}"
-    );
     token
 }
 
@@ -312,19 +318,7 @@ fn redeem_right_after_issue_waits_for_the_grant_to_load() {
     let ca = Ca::new("west-ca");
     let backend = Backend::start("at-west");
     let (west, _port) = west(&ca, &backend);
-    let token = west.dir.join("now.token.yaml");
-    let config = west.config_dir();
-    let out = keyway(&[
-        "token",
-        "issue",
-        "--config",
-        config.to_str().expect("utf8"),
-        "--name",
-        "now",
-        "-o",
-        token.to_str().expect("utf8"),
-    ]);
-    assert!(out.status.success(), "token issue failed: {}", text(&out));
+    let token = issue_only(&west, "now", &[]);
     let dir = redeemer_dir(&west.dir, "east-now");
     let out = redeem(&token, &dir, &[]);
     assert!(
