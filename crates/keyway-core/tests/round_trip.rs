@@ -87,8 +87,30 @@ fn round_trip(yaml: &str, kind: Kind) -> Resource {
 #[test]
 fn site() {
     round_trip(
-        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n  namespace: ns1\nspec:\n  linkAccess: none\n  settings:\n    name: west\n",
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\n  namespace: ns1\nspec:\n  linkAccess: none\n",
         Kind::Site,
+    );
+    // `settings` are read (and kept) but tune Skupper's router: a warning says so.
+    let load = load_file(
+        "in.yaml",
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: west\nspec:\n  settings:\n    name: west\n",
+    );
+    let Some(DocOutcome::Object(obj)) = load.outcomes.first() else {
+        panic!("{:?}", load.outcomes)
+    };
+    let Resource::Site(site) = &obj.resource else {
+        panic!("not a Site")
+    };
+    assert_eq!(
+        site.spec.settings.get("name").map(String::as_str),
+        Some("west")
+    );
+    let warnings: Vec<String> = load.warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "in.yaml:6: spec.settings: ignored: these tune Skupper's router and controller, which keyway does not run"
+        ]
     );
 }
 
