@@ -233,14 +233,20 @@ pub struct CaPem {
     pub source: String,
 }
 
-/// The issuer Secret for a grant: its own `issuer`, else the Site's `defaultIssuer` (as upstream
-/// Skupper), else none (the RouterAccess Secret's `ca.key`).
-pub fn issuer_of<'a>(index: &'a Index, grant_issuer: Option<&'a str>) -> Option<&'a str> {
+/// The issuer Secret for a grant in namespace `ns`: its own `issuer`, else the `defaultIssuer`
+/// of the Site in `ns` when that Secret exists (as upstream Skupper; upstream YAML names its
+/// default `skupper-site-ca`, which a keyway site may not have), else none (the RouterAccess
+/// Secret's `ca.key`).
+pub fn issuer_of<'a>(index: &'a Index, ns: &str, grant_issuer: Option<&'a str>) -> Option<&'a str> {
     grant_issuer.or_else(|| {
-        index.of_kind(Kind::Site).find_map(|o| match &o.resource {
-            Resource::Site(s) => s.spec.default_issuer.as_deref(),
-            _ => None,
-        })
+        index
+            .of_kind(Kind::Site)
+            .filter(|o| o.key.namespace == ns)
+            .find_map(|o| match &o.resource {
+                Resource::Site(s) => s.spec.default_issuer.as_deref(),
+                _ => None,
+            })
+            .filter(|name| index.resource(Kind::Secret, ns, name).is_some())
     })
 }
 
@@ -435,7 +441,7 @@ pub fn grant_status(
             let issuer = issuing_ca(
                 ctx.index,
                 &ra.id,
-                issuer_of(ctx.index, grant.spec.issuer.as_deref()),
+                issuer_of(ctx.index, &ra.id.namespace, grant.spec.issuer.as_deref()),
             );
             let host = match ctx
                 .index

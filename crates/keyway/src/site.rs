@@ -383,7 +383,11 @@ impl Site {
             let Some(ra) = current.resolution.plan.router_access.as_ref() else {
                 return Err(Refusal::new(503, "this site has no RouterAccess"));
             };
-            let issuer = grants::issuer_of(&current.index, grant.spec.issuer.as_deref());
+            let issuer = grants::issuer_of(
+                &current.index,
+                &ra.id.namespace,
+                grant.spec.issuer.as_deref(),
+            );
             let ca = grants::issuing_ca(&current.index, &ra.id, issuer);
             let ra_ca = grants::router_access_ca(&current.index, &ra.id);
             (

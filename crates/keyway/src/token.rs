@@ -90,7 +90,7 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
         );
     }
     // Prove now that the site can sign certificates, rather than at redemption time.
-    let issuer = grants::issuer_of(&compiled.index, args.issuer.as_deref());
+    let issuer = grants::issuer_of(&compiled.index, &ra.id.namespace, args.issuer.as_deref());
     let ca = match grants::issuing_ca(&compiled.index, &ra.id, issuer) {
         Ok(ca) => ca,
         Err(e) => return fail(INVALID, e),

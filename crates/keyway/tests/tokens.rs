@@ -474,6 +474,31 @@ fn a_failed_issue_leaves_no_grant() {
     ]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(grants(), 1);
+    // A Site's defaultIssuer naming a Secret this site lacks (upstream YAML names
+    // `skupper-site-ca`) falls back to the RouterAccess Secret's ca.key.
+    let site_file = dir.join("site.yaml");
+    let site_text = std::fs::read_to_string(&site_file).expect("read");
+    let site_doc = site_yaml("west");
+    std::fs::write(
+        &site_file,
+        site_text.replacen(
+            &site_doc,
+            &format!("{site_doc}spec:\n  defaultIssuer: skupper-site-ca\n"),
+            1,
+        ),
+    )
+    .expect("write");
+    let out = keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--name",
+        "u",
+        "-o",
+        "/dev/null",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
