@@ -551,6 +551,14 @@ fn unknown_kinds_and_fields_warn() {
             "typo.yaml:9: spec.stratgy: unknown field; ignored"
         ]
     );
+    // A short required name: any short key is "close" to it, so only a case slip is named.
+    let text = "apiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata:\n  name: g\nspec:\n  from: [{group: gateway.networking.k8s.io, kind: HTTPRoute, namespace: a}]\n  id: 1\n";
+    match &load_file("short.yaml", text).outcomes[0] {
+        DocOutcome::Rejected(e) => {
+            assert_eq!(e.to_string(), "short.yaml:5: spec.to: to is required")
+        }
+        other => panic!("want Rejected, got {other:?}"),
+    }
     // Fields not indented under `spec:`: the error says so, in YAML's terms, not Rust's.
     let text = "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: l\nspec:\nroutingKey: a\nhost: 127.0.0.1\nport: 9\n";
     let load = load_file("flat.yaml", text);

@@ -451,7 +451,7 @@ async fn a_name_nobody_serves_gets_a_tls_alert() {
     };
     for (sni, alert) in [
         (Some("b.example.com"), "UnrecognisedName"),
-        (None, "UnrecognisedName"),
+        (None, "HandshakeFailure"),
         (Some("b.pass.test"), "UnrecognisedName"),
         (Some("nocert.example.com"), "HandshakeFailure"),
     ] {

@@ -663,10 +663,12 @@ async fn forward(
     let upgrade = is_upgrade(&req);
     if upgrade && over_h2 {
         // An HTTP/2 backend would need extended CONNECT (RFC 8441) for what the client asks.
-        return full(
-            StatusCode::BAD_GATEWAY,
-            "the backend speaks HTTP/2 (appProtocol kubernetes.io/h2c): Upgrade cannot pass through to it",
-        );
+        let why = if rule.grpc {
+            "a gRPC backend speaks HTTP/2: Upgrade cannot pass through to it"
+        } else {
+            "the backend speaks HTTP/2 (appProtocol kubernetes.io/h2c): Upgrade cannot pass through to it"
+        };
+        return full(StatusCode::BAD_GATEWAY, why);
     }
     let client_upgrade = if upgrade {
         front::take_upgrade(&mut req)

@@ -881,7 +881,14 @@ async fn serve_tls(
     let cfg = config.load_full();
     let Some(l) = cfg.select(sni.as_deref(), |_| true) else {
         tracing::debug!(%peer, ?sni, "no listener for this server name: closing");
-        refuse_handshake(stream, UNRECOGNIZED_NAME).await;
+        // `unrecognized_name` answers a name the client sent (RFC 6066 §3); without one, no
+        // listener without a hostname can serve it.
+        let alert = if sni.is_some() {
+            UNRECOGNIZED_NAME
+        } else {
+            HANDSHAKE_FAILURE
+        };
+        refuse_handshake(stream, alert, deadline).await;
         return;
     };
     if l.tls_mode == Some(TlsMode::Passthrough) {
@@ -889,14 +896,14 @@ async fn serve_tls(
             Some(route) => tcp::forward(&ctx, route, buf, stream).await,
             None => {
                 tracing::debug!(%peer, ?sni, "no TLSRoute for this server name: closing");
-                refuse_handshake(stream, UNRECOGNIZED_NAME).await;
+                refuse_handshake(stream, UNRECOGNIZED_NAME, deadline).await;
             }
         }
         return;
     }
     if l.server_config.is_none() {
         tracing::debug!(%peer, ?sni, "the listener for this server name has no usable certificate: closing");
-        refuse_handshake(stream, HANDSHAKE_FAILURE).await;
+        refuse_handshake(stream, HANDSHAKE_FAILURE, deadline).await;
         return;
     }
     let acceptor = tokio_rustls::LazyConfigAcceptor::new(
@@ -943,17 +950,18 @@ async fn serve_tls(
 
 /// TLS alert `unrecognized_name` (RFC 6066 §3): no listener or route serves the name asked for.
 const UNRECOGNIZED_NAME: u8 = 112;
-/// TLS alert `handshake_failure` (RFC 8446 §6.2): the listener for the name has no certificate.
+/// TLS alert `handshake_failure` (RFC 8446 §6.2): the listener for the name has no certificate,
+/// or the client sent no name and every listener has a hostname.
 const HANDSHAKE_FAILURE: u8 = 40;
 
 /// Refuses a TLS client before any handshake with a fatal alert, so that it reports why
 /// ("unrecognized name") instead of a connection closed mid-handshake. Before the
 /// ServerHello an alert is a plaintext record (RFC 8446 §5.1).
-async fn refuse_handshake(mut stream: TcpStream, alert: u8) {
+async fn refuse_handshake(mut stream: TcpStream, alert: u8, deadline: tokio::time::Instant) {
     const FATAL: u8 = 2;
     const ALERT_RECORD: u8 = 21;
     let record = [ALERT_RECORD, 3, 3, 0, 2, FATAL, alert];
-    let _ = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+    let _ = tokio::time::timeout_at(deadline, async {
         let _ = stream.write_all(&record).await;
         let _ = stream.shutdown().await;
     })
