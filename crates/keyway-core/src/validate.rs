@@ -779,30 +779,33 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                     }
                 }
             }
-            let mut header_names = HashSet::new();
-            for (k, h) in m["headers"]
-                .as_array()
-                .map(Vec::as_slice)
-                .unwrap_or_default()
-                .iter()
-                .enumerate()
-            {
-                // The API server refuses a name listed twice (the list is keyed by name);
-                // names differing in case pass, and the data plane uses the first of them.
-                let name = h["name"].as_str().unwrap_or_default().to_string();
-                if !header_names.insert(name.clone()) {
-                    p.add(
-                        format!("{at}.matches[{j}].headers[{k}].name"),
-                        format!("header `{name}` is matched twice"),
-                    );
-                }
-            }
+            // The API server refuses a name listed twice (these lists are keyed by name);
+            // header names differing in case pass, and the data plane uses the first of them.
+            check_names_once(p, &m["headers"], &format!("{at}.matches[{j}].headers"), "header");
+            check_names_once(
+                p,
+                &m["queryParams"],
+                &format!("{at}.matches[{j}].queryParams"),
+                "query parameter",
+            );
         }
         check_timeouts(p, &at, &rule["timeouts"]);
         let filters = rule["filters"]
             .as_array()
             .map(Vec::as_slice)
             .unwrap_or_default();
+        for (k, f) in filters.iter().enumerate() {
+            for modifier in ["requestHeaderModifier", "responseHeaderModifier"] {
+                for list in ["set", "add"] {
+                    check_names_once(
+                        p,
+                        &f[modifier][list],
+                        &format!("{at}.filters[{k}].{modifier}.{list}"),
+                        "header",
+                    );
+                }
+            }
+        }
         let count = |t: &str| {
             filters
                 .iter()
@@ -1082,6 +1085,26 @@ pub fn parse_duration_nanos(text: &str) -> Option<u128> {
 }
 
 /// A regular expression as the data plane compiles it (whole-value match).
+/// A list keyed by `name` (listMapKey): the API server refuses a name given twice exactly.
+fn check_names_once(p: &mut Problems, list: &Value, at: &str, what: &str) {
+    let mut seen = HashSet::new();
+    for (k, item) in list
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        let name = item["name"].as_str().unwrap_or_default();
+        if !seen.insert(name) {
+            p.add(
+                format!("{at}[{k}].name"),
+                format!("{what} `{name}` is listed twice"),
+            );
+        }
+    }
+}
+
 fn check_regex(p: &mut Problems, path: &str, re: &str) {
     if let Err(e) = regex::Regex::new(&format!("^(?:{re})$")) {
         let why = e.to_string();

@@ -675,6 +675,24 @@ fn cases() -> Vec<Case> {
             "RequestHeaderModifier filter cannot be repeated",
         ),
         case(
+            "route-header-set-twice",
+            http_route(
+                "  - filters:\n    - type: RequestHeaderModifier\n      requestHeaderModifier:\n        set:\n        - {name: x-a, value: \"1\"}\n        - {name: x-a, value: \"2\"}\n",
+            ),
+            14,
+            "spec.rules[0].filters[0].requestHeaderModifier.set[1].name",
+            "header `x-a` is listed twice",
+        ),
+        case(
+            "route-query-param-matched-twice",
+            http_route(
+                "  - matches:\n    - queryParams:\n      - {name: q, value: \"1\"}\n      - {name: q, value: \"2\"}\n",
+            ),
+            12,
+            "spec.rules[0].matches[0].queryParams[1].name",
+            "query parameter `q` is listed twice",
+        ),
+        case(
             "route-redirect-with-backend-refs",
             http_route(
                 "  - backendRefs:\n    - {name: app, port: 80}\n    filters:\n    - type: RequestRedirect\n      requestRedirect: {scheme: https}\n",
