@@ -414,28 +414,33 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             }
         }
     }
-    let parsed = match Resource::from_value(kind, value) {
-        Ok(parsed) => parsed,
-        Err(e) => {
-            for path in e
-                .ignored
-                .iter()
-                .filter(|p| *p != "apiVersion" && *p != "kind")
-            {
-                load.warnings.push(err(
-                    path,
-                    "unknown field; ignored".into(),
-                    Some(key.clone()),
-                ));
-            }
+    // Unknown fields are warned whether or not the document converts: beside an error they
+    // often explain it (`stratgy:` for a missing `strategy`).
+    let (parsed, ignored) = match Resource::from_value(kind, value) {
+        Ok(parsed) => (Ok(parsed.resource), parsed.ignored),
+        Err(e) => (Err((e.path, e.message)), e.ignored),
+    };
+    for path in ignored
+        .iter()
+        .filter(|p| *p != "apiVersion" && *p != "kind")
+    {
+        load.warnings.push(err(
+            path,
+            "unknown field; ignored".into(),
+            Some(key.clone()),
+        ));
+    }
+    let resource = match parsed {
+        Ok(resource) => resource,
+        Err((path, message)) => {
             load.outcomes
-                .push(DocOutcome::Rejected(err(&e.path, e.message, Some(key))));
+                .push(DocOutcome::Rejected(err(&path, message, Some(key))));
             return;
         }
     };
     let object = LoadedObject {
         key,
-        resource: parsed.resource,
+        resource,
         origin: Origin {
             file: file.to_string(),
             line: doc.start_line,
@@ -444,14 +449,6 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         written_kind: kind_name,
         lines,
     };
-    for path in parsed
-        .ignored
-        .into_iter()
-        .filter(|p| p != "apiVersion" && p != "kind")
-    {
-        load.warnings
-            .push(object.error_at(&path, "unknown field; ignored"));
-    }
     for (path, why) in validate::ignored_settings(&object.resource) {
         load.warnings.push(object.error_at(path, why));
     }

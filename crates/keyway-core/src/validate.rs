@@ -781,7 +781,12 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
             }
             // The API server refuses a name listed twice (these lists are keyed by name);
             // header names differing in case pass, and the data plane uses the first of them.
-            check_names_once(p, &m["headers"], &format!("{at}.matches[{j}].headers"), "header");
+            check_names_once(
+                p,
+                &m["headers"],
+                &format!("{at}.matches[{j}].headers"),
+                "header",
+            );
             check_names_once(
                 p,
                 &m["queryParams"],

@@ -210,6 +210,14 @@ fn bad_regex(what: &str, e: regex::Error) -> String {
 
 /// Compiles an HTTPRoute match. A match that cannot be compiled (a bad regular expression) is
 /// an error the caller reports; the rest of the route still serves.
+/// Adds `(name, vm)` unless `name` is there already: of entries with one name, the first
+/// counts and later ones are ignored, as the Gateway API asks of header and query matches.
+fn push_first<N: PartialEq>(list: &mut Vec<(N, ValueMatch)>, name: N, vm: ValueMatch) {
+    if !list.iter().any(|(n, _)| *n == name) {
+        list.push((name, vm));
+    }
+}
+
 pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
     let path = match &m.path {
         None => PathMatch::Prefix(String::new()),
@@ -243,12 +251,8 @@ pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
             ),
             _ => ValueMatch::Exact(h.value.clone()),
         };
-        // Names differing only in case are one header: the first entry counts, later ones
-        // are ignored (HTTPHeaderMatch.name).
-        let name = header_name(&h.name)?;
-        if !headers.iter().any(|(n, _)| *n == name) {
-            headers.push((name, vm));
-        }
+        // Names differing only in case are one header (HTTPHeaderMatch.name).
+        push_first(&mut headers, header_name(&h.name)?, vm);
     }
     let mut query = Vec::new();
     for q in m.query_params.iter().flatten() {
@@ -259,9 +263,7 @@ pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
             _ => ValueMatch::Exact(q.value.clone()),
         };
         // A name given twice: the first entry counts (HTTPQueryParamMatch.name).
-        if !query.iter().any(|(n, _)| *n == q.name) {
-            query.push((q.name.clone(), vm));
-        }
+        push_first(&mut query, q.name.clone(), vm);
     }
     Ok(Match {
         grpc: (0, 0),
@@ -313,12 +315,8 @@ pub fn compile_grpc(m: &GrpcRouteRulesMatches) -> Result<Match, String> {
             ),
             _ => ValueMatch::Exact(h.value.clone()),
         };
-        // Names differing only in case are one header: the first entry counts, later ones
-        // are ignored (HTTPHeaderMatch.name).
-        let name = header_name(&h.name)?;
-        if !headers.iter().any(|(n, _)| *n == name) {
-            headers.push((name, vm));
-        }
+        // Names differing only in case are one header (HTTPHeaderMatch.name).
+        push_first(&mut headers, header_name(&h.name)?, vm);
     }
     let grpc = m.method.as_ref().map_or((0, 0), |mm| {
         (
