@@ -154,14 +154,35 @@ fn offline_status_reads_the_sites_state_and_names_what_it_cannot_find() {
     )
     .expect("write state");
     assert_eq!(conflicted(Some(&state)), ["team-1-ns"]);
-    let (code, out, err) = keyway(&[
-        "validate",
-        "--config",
-        config.to_str().unwrap_or_default(),
-        "--state",
-        state.to_str().unwrap_or_default(),
-    ]);
-    assert_eq!(code, 0, "{out}{err}");
+    // `validate --state` too: of two Listeners on one port, the one the site saw first keeps
+    // it, and the error names it.
+    let listener = |name: &str| {
+        format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: {name}\nspec:\n  routingKey: k\n  host: 127.0.0.1\n  port: 17999\n---\n"
+        )
+    };
+    std::fs::write(
+        config.join("listeners.yaml"),
+        listener("aaa") + &listener("zzz"),
+    )
+    .expect("write");
+    let validate = |state: Option<&std::path::Path>| {
+        let mut args = vec!["validate", "--config", config.to_str().unwrap_or_default()];
+        if let Some(s) = state {
+            args.extend(["--state", s.to_str().unwrap_or_default()]);
+        }
+        let (code, out, err) = keyway(&args);
+        assert_eq!(code, 1, "{out}{err}");
+        out
+    };
+    assert!(validate(None).contains("already used by Listener default/aaa"));
+    std::fs::write(
+        state.join("objects.json"),
+        r#"{"objects":{"Listener/default/zzz":{"firstSeen":"2020-01-01T00:00:00Z","generation":1,"specHash":"-"}}}"#,
+    )
+    .expect("write state");
+    assert!(validate(Some(&state)).contains("already used by Listener default/zzz"));
+    std::fs::remove_file(config.join("listeners.yaml")).expect("rm");
 
     // What offline status ignores, it says, as `validate` does.
     std::fs::write(
