@@ -72,6 +72,8 @@ pub enum NetError {
 pub(crate) struct Conn {
     pub id: u64,
     pub peer: String,
+    /// The peer's id (per process), from its hello.
+    pub peer_id: String,
     /// The Link's cost; changed in place when the Link's cost is edited (see `apply`).
     pub cost: AtomicU64,
     /// Present where this site is the HTTP/2 client: streams to the peer are opened here.
@@ -131,7 +133,8 @@ const RETIRE_UNREPLACED: Duration = Duration::from_secs(10);
 /// A Link's observed state: connections up (by id, with the remote site) and the last error.
 #[derive(Default)]
 struct LinkState {
-    up: BTreeMap<u64, String>,
+    /// Connection id → the peer's site name and id (from its hello).
+    up: BTreeMap<u64, (String, String)>,
     error: Option<String>,
 }
 
@@ -438,8 +441,11 @@ impl Network {
         }
         for (name, ls) in &st.link_state {
             match ls.up.values().next() {
-                Some(remote) => {
+                Some((remote, id)) => {
                     view.operational_links.insert(name.clone(), remote.clone());
+                    // The id of the process this link is connected to: the hello's, which an
+                    // advertisement of a restarted peer may not have caught up with yet.
+                    view.site_ids.insert(remote.clone(), id.clone());
                 }
                 None => {
                     view.link_errors.insert(
@@ -724,7 +730,8 @@ impl Inner {
         }
         if let Some(link) = &conn.link {
             let ls = st.link_state.entry(link.clone()).or_default();
-            ls.up.insert(conn.id, conn.peer.clone());
+            ls.up
+                .insert(conn.id, (conn.peer.clone(), conn.peer_id.clone()));
             ls.error = None;
         }
         let adjacency = conn.sender.is_some();

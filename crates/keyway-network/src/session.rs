@@ -431,11 +431,11 @@ where
     };
     ctl_send.send_data(hello.encode(), false)?;
     let mut decoder = Decoder::default();
-    let (peer, peer_cost) = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+    let (peer, peer_id, peer_cost) = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         loop {
             if let Some(msg) = decoder.next_message()? {
                 return match msg {
-                    Message::Hello { site, cost, .. } => Ok((site, cost)),
+                    Message::Hello { site, id, cost, .. } => Ok((site, id, cost)),
                     _ => Err(NetError::Peer("expected hello".into())),
                 };
             }
@@ -458,6 +458,7 @@ where
     let conn = Arc::new(Conn {
         id: inner.next_conn_id(),
         peer: peer.clone(),
+        peer_id,
         cost: AtomicU64::new(cost),
         sender,
         control,
