@@ -1089,7 +1089,6 @@ pub fn parse_duration_nanos(text: &str) -> Option<u128> {
     Some(total)
 }
 
-/// A regular expression as the data plane compiles it (whole-value match).
 /// A list keyed by `name` (listMapKey): the API server refuses a name given twice exactly.
 fn check_names_once(p: &mut Problems, list: &Value, at: &str, what: &str) {
     let mut seen = HashSet::new();
@@ -1110,6 +1109,7 @@ fn check_names_once(p: &mut Problems, list: &Value, at: &str, what: &str) {
     }
 }
 
+/// A regular expression as the data plane compiles it (whole-value match).
 fn check_regex(p: &mut Problems, path: &str, re: &str) {
     if let Err(e) = regex::Regex::new(&format!("^(?:{re})$")) {
         let why = e.to_string();

@@ -109,21 +109,16 @@ macro_rules! header_mod {
                 }
             }
         };
-        // Within `set`, and within `add`, names differing only in case are one header: the
-        // first entry counts and later ones are ignored (HTTPHeader.name).
-        let first = |list: &mut Vec<(HeaderName, HeaderValue)>,
-                     p: Option<(HeaderName, HeaderValue)>| {
-            if let Some((n, v)) = p
-                && !list.iter().any(|(seen, _)| *seen == n)
-            {
-                list.push((n, v));
-            }
-        };
+        // Within `set`, and within `add`, names differing only in case are one header.
         for s in m.set.iter().flatten() {
-            first(&mut out.set, pair(&s.name, &s.value));
+            if let Some((n, v)) = pair(&s.name, &s.value) {
+                super::route_match::push_first(&mut out.set, n, v);
+            }
         }
         for a in m.add.iter().flatten() {
-            first(&mut out.add, pair(&a.name, &a.value));
+            if let Some((n, v)) = pair(&a.name, &a.value) {
+                super::route_match::push_first(&mut out.add, n, v);
+            }
         }
         for r in m.remove.iter().flatten() {
             match HeaderName::from_bytes(r.as_bytes()) {

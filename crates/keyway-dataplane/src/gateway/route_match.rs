@@ -208,16 +208,17 @@ fn bad_regex(what: &str, e: regex::Error) -> String {
     format!("{what}: invalid regular expression: {e}")
 }
 
-/// Compiles an HTTPRoute match. A match that cannot be compiled (a bad regular expression) is
-/// an error the caller reports; the rest of the route still serves.
-/// Adds `(name, vm)` unless `name` is there already: of entries with one name, the first
-/// counts and later ones are ignored, as the Gateway API asks of header and query matches.
-fn push_first<N: PartialEq>(list: &mut Vec<(N, ValueMatch)>, name: N, vm: ValueMatch) {
+/// Adds `(name, value)` unless `name` is there already: of entries with one name, the first
+/// counts and later ones are ignored, as the Gateway API asks of header and query matches and
+/// of header modifiers (HTTPHeaderMatch, HTTPQueryParamMatch, HTTPHeader).
+pub(crate) fn push_first<N: PartialEq, V>(list: &mut Vec<(N, V)>, name: N, value: V) {
     if !list.iter().any(|(n, _)| *n == name) {
-        list.push((name, vm));
+        list.push((name, value));
     }
 }
 
+/// Compiles an HTTPRoute match. A match that cannot be compiled (a bad regular expression) is
+/// an error the caller reports; the rest of the route still serves.
 pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
     let path = match &m.path {
         None => PathMatch::Prefix(String::new()),
