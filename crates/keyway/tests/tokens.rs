@@ -386,31 +386,8 @@ fn issue_without_a_ca_key_says_how_to_fix_it() {
     ]);
     assert!(out.status.success(), "{}", text(&out));
     // The Site's defaultIssuer stands in for --issuer, as upstream's does for a grant's issuer.
-    let site_file = dir.join("site.yaml");
-    let site_text = std::fs::read_to_string(&site_file).expect("read");
-    let site_doc = site_yaml("west");
-    assert!(site_text.starts_with(&site_doc));
-    std::fs::write(
-        &site_file,
-        site_text.replacen(
-            &site_doc,
-            &format!("{site_doc}spec:\n  defaultIssuer: link-ca\n"),
-            1,
-        ),
-    )
-    .expect("write");
-    let out = keyway(&[
-        "token",
-        "issue",
-        "--config",
-        config,
-        "--name",
-        "dflt",
-        "-o",
-        "/dev/null",
-    ]);
+    let out = issue_with_default_issuer(&dir, "link-ca", "dflt");
     assert!(out.status.success(), "{}", text(&out));
-    std::fs::write(&site_file, site_text).expect("write");
     std::fs::remove_file(dir.join("accessgrant-dflt.yaml")).expect("rm");
     std::fs::remove_file(dir.join("issuers.yaml")).expect("rm");
     std::fs::remove_file(dir.join("accessgrant-ok.yaml")).expect("rm");
@@ -420,6 +397,28 @@ fn issue_without_a_ca_key_says_how_to_fix_it() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("RouterAccess"), "{}", text(&out));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `token issue -o /dev/null` for grant `name` in `dir`, whose `site.yaml` (the Site first)
+/// gets `spec.defaultIssuer: issuer` first.
+fn issue_with_default_issuer(dir: &Path, issuer: &str, name: &str) -> Output {
+    let site_file = dir.join("site.yaml");
+    let site_text = std::fs::read_to_string(&site_file).expect("read");
+    let site_doc = site_yaml("west");
+    assert!(site_text.starts_with(&site_doc));
+    let with_issuer = format!("{site_doc}spec:\n  defaultIssuer: {issuer}\n");
+    std::fs::write(&site_file, site_text.replacen(&site_doc, &with_issuer, 1)).expect("write");
+    let config = dir.to_str().expect("utf8");
+    keyway(&[
+        "token",
+        "issue",
+        "--config",
+        config,
+        "--name",
+        name,
+        "-o",
+        "/dev/null",
+    ])
 }
 
 /// `token issue` that fails leaves no grant behind (an unwritable `-o`), and a `--host` that is
@@ -476,28 +475,7 @@ fn a_failed_issue_leaves_no_grant() {
     assert_eq!(grants(), 1);
     // A Site's defaultIssuer naming a Secret this site lacks (upstream YAML names
     // `skupper-site-ca`) falls back to the RouterAccess Secret's ca.key.
-    let site_file = dir.join("site.yaml");
-    let site_text = std::fs::read_to_string(&site_file).expect("read");
-    let site_doc = site_yaml("west");
-    std::fs::write(
-        &site_file,
-        site_text.replacen(
-            &site_doc,
-            &format!("{site_doc}spec:\n  defaultIssuer: skupper-site-ca\n"),
-            1,
-        ),
-    )
-    .expect("write");
-    let out = keyway(&[
-        "token",
-        "issue",
-        "--config",
-        config,
-        "--name",
-        "u",
-        "-o",
-        "/dev/null",
-    ]);
+    let out = issue_with_default_issuer(&dir, "skupper-site-ca", "u");
     assert!(out.status.success(), "{}", text(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
