@@ -117,9 +117,8 @@ fn near_kind(api_version: &str, kind: &str) -> Option<String> {
         return None;
     }
     // The experimental group's one kind keyway reads, XListenerSet, is an alias of ListenerSet.
-    const X_GROUP: &str = "gateway.networking.x-k8s.io";
-    const X_VERSION: &str = "gateway.networking.x-k8s.io/v1alpha1";
-    if wanted == X_GROUP {
+    const X_VERSION: &str = crate::resource::XLISTENERSET_API_VERSION;
+    if wanted == group(X_VERSION) {
         if kind == "XListenerSet" {
             return Some(format!(
                 "{kind} is not read in {api_version}; keyway reads it as {X_VERSION}"

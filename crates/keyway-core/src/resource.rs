@@ -18,6 +18,9 @@ use serde_json::Value;
 
 use crate::skupper;
 
+/// The experimental group's one kind keyway reads, `XListenerSet`: an alias of ListenerSet.
+pub(crate) const XLISTENERSET_API_VERSION: &str = "gateway.networking.x-k8s.io/v1alpha1";
+
 macro_rules! kinds {
     ($( $kind:ident => $ty:ty, $name:literal, $api:literal, [$($alt:literal),*], $namespaced:literal; )*) => {
         /// A kind keyway understands. `XListenerSet` is read as [`Kind::ListenerSet`].
@@ -44,7 +47,7 @@ macro_rules! kinds {
 
             /// The kind for an `apiVersion` + `kind` pair, if keyway serves it.
             pub fn from_type(api_version: &str, kind: &str) -> Option<Kind> {
-                if kind == "XListenerSet" && api_version == "gateway.networking.x-k8s.io/v1alpha1" {
+                if kind == "XListenerSet" && api_version == XLISTENERSET_API_VERSION {
                     return Some(Kind::ListenerSet);
                 }
                 $(
