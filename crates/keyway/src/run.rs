@@ -101,7 +101,7 @@ pub fn run(
                 let mut check = tokio::time::interval(ROOT_CHECK);
                 loop {
                     tokio::select! {
-                        got = rx.recv() => if got.is_none() { return },
+                        got = rx.recv() => if got.is_none() || !watch::settle(&mut rx).await { return },
                         _ = hangup.recv() => {
                             tracing::info!("SIGHUP: reloading the config directory");
                         }

@@ -10,9 +10,29 @@ use notify::{EventKind, RecursiveMode};
 use notify_debouncer_full::{DebounceEventResult, new_debouncer};
 use tokio::sync::mpsc;
 
-/// Debounce window: long enough to coalesce an editor's save, short enough to stay well inside the
-/// 1 s reload budget of SPEC §7.
-const DEBOUNCE: Duration = Duration::from_millis(150);
+/// How long the watcher holds each file event, to pair renames and drop duplicates.
+const DEBOUNCE: Duration = Duration::from_millis(50);
+/// How long the files must stay unchanged before a reload reads them ([`settle`]): long enough
+/// to coalesce an editor's save or a file written in a few pieces.
+const QUIET: Duration = Duration::from_millis(150);
+/// The longest [`settle`] waits for the files to stop changing, so that a reload still comes
+/// within the 1 s budget of SPEC §7 while something writes without pause.
+const SETTLE_MAX: Duration = Duration::from_millis(600);
+
+/// Waits, after a change was reported on `rx`, until no other change has come for [`QUIET`]
+/// (but at most [`SETTLE_MAX`]), so that a file written in pieces is read once, whole.
+/// `notify-debouncer-full` alone releases each event once it is old enough, however many
+/// follow it. False when the watch has ended.
+pub async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
+    let first = tokio::time::Instant::now();
+    loop {
+        match tokio::time::timeout(QUIET, rx.recv()).await {
+            Ok(Some(())) if first.elapsed() < SETTLE_MAX => {}
+            Ok(None) => return false,
+            Ok(Some(())) | Err(_) => return true,
+        }
+    }
+}
 
 /// Starts watching; every debounced burst sends one `()`. The returned guard stops the watch.
 /// `root_gone` is set when the watched directory itself is removed: its watch is dead.
@@ -111,20 +131,16 @@ fn may_hold_manifests(root: &Path, path: &Path) -> bool {
 }
 
 /// Whether `path` (under `root`) is a dot-file or inside a dot-directory, which the loader
-/// skips. Except `..data` and the other `..`-names at the root: a Kubernetes ConfigMap or Secret
-/// volume keeps its files there and swaps them by re-pointing the `..data` symlink, which the
-/// manifests at the root link through.
+/// skips. Except `..data` and the other `..`-names, at any depth: a Kubernetes ConfigMap or
+/// Secret volume (mounted at the root or in a subdirectory) keeps its files there and swaps
+/// them by re-pointing the `..data` symlink, which the manifests beside it link through.
 fn is_hidden(root: &Path, path: &Path) -> bool {
     let Ok(relative) = path.strip_prefix(root) else {
         return false;
     };
-    let mut names = relative.components().filter_map(|c| c.as_os_str().to_str());
-    if names.next().is_some_and(|first| first.starts_with("..")) {
-        return false;
-    }
     relative.components().any(|c| {
         c.as_os_str()
             .to_str()
-            .is_some_and(|n| n.starts_with('.') && n != "." && n != "..")
+            .is_some_and(|n| n.starts_with('.') && !n.starts_with(".."))
     })
 }
