@@ -373,6 +373,36 @@ fn only_manifest_changes_reload() {
     assert_eq!(count(), started + 1, "one edit, one reload");
 }
 
+/// A file written in pieces, 100 ms apart (a script appending document by document): the site
+/// waits until the files stop changing and reads it once, whole. Read as each event aged, the
+/// first piece alone (a MultiKeyListener whose key has no Connector yet) was applied, and its
+/// port closed.
+#[test]
+fn a_file_written_in_pieces_is_read_once_whole() {
+    use std::io::Write;
+    let a = Backend::start("a");
+    let dir = temp_dir("pieces");
+    let port = free_port();
+    std::fs::write(dir.join("other.yaml"), connector("other", "key-x", a.port)).expect("write");
+    let site = Site::start(&dir);
+    let count = || reload_count(&site.get("/metrics").1);
+    let started = count();
+    let mut f = std::fs::File::create(dir.join("svc.yaml")).expect("create");
+    for piece in [
+        mkl("svc", port, &["key-a"]),
+        "---\n".to_string(),
+        connector("a", "key-a", a.port),
+    ] {
+        f.write_all(piece.as_bytes()).expect("write");
+        f.flush().expect("flush");
+        thread::sleep(Duration::from_millis(100));
+    }
+    drop(f);
+    wait_until("the whole file serves", || hello(port).is_ok());
+    thread::sleep(Duration::from_millis(1000));
+    assert_eq!(count(), started + 1, "one file, one reload");
+}
+
 /// A Kubernetes ConfigMap volume: the files live in a `..<timestamp>` directory, `..data`
 /// points at it, and each manifest at the root links through `..data`. An update writes a new
 /// directory and re-points `..data` in one rename; every event is on a dot-path. A FIFO and a
@@ -429,6 +459,38 @@ fn kubernetes_volume_updates_reload_and_odd_entries_are_skipped() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The same volume mounted in a subdirectory of the config dir (one ConfigMap per team, say):
+/// its `..data` swap is as much an edit as at the root.
+#[test]
+fn a_kubernetes_volume_in_a_subdirectory_reloads() {
+    use std::os::unix::fs::symlink;
+    let a = Backend::start("a");
+    let dir = temp_dir("configmap-sub");
+    let vol = dir.join("team-a");
+    std::fs::create_dir(&vol).expect("mkdir");
+    let (p1, p2) = (free_port(), free_port());
+    let version = |name: &str, port: u16| {
+        let v = vol.join(name);
+        std::fs::create_dir(&v).expect("mkdir");
+        let body = format!(
+            "{}---\n{}",
+            mkl("svc", port, &["key-a"]),
+            connector("a", "key-a", a.port)
+        );
+        std::fs::write(v.join("svc.yaml"), body).expect("write");
+    };
+    version("..2026_12_01_v1", p1);
+    symlink("..2026_12_01_v1", vol.join("..data")).expect("symlink");
+    symlink("..data/svc.yaml", vol.join("svc.yaml")).expect("symlink");
+    let _site = Site::start(&dir);
+    wait_until("the first version serves", || hello(p1).is_ok());
+    version("..2026_12_01_v2", p2);
+    symlink("..2026_12_01_v2", vol.join("..data_tmp")).expect("symlink");
+    std::fs::rename(vol.join("..data_tmp"), vol.join("..data")).expect("swap");
+    std::fs::remove_dir_all(vol.join("..2026_12_01_v1")).expect("rm");
+    wait_until("the second version serves", || hello(p2).is_ok());
 }
 
 /// A relative `--config` (like the default `./keyway.d`) is watched whatever the directories
