@@ -10,6 +10,7 @@ pub mod index;
 pub mod load;
 pub mod offline;
 pub mod plan;
+pub mod port_owners;
 pub mod reconcile;
 pub mod report;
 pub mod resource;

@@ -92,3 +92,53 @@ fn port_clashes_are_errors_of_the_later_claimant() {
         }
     }
 }
+
+/// The listener of a Gateway port a Listener holds is not programmed, offline as at a running
+/// site (the port is never in the plan), and its message names the Listener only to a Gateway
+/// of the same namespace (SPEC §4).
+#[test]
+fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neighbours() {
+    for (gateway_ns, says) in [
+        ("default", "port 8080 is already used by Listener default/l"),
+        (
+            "team-b",
+            "port 8080 is already used by an object in another namespace",
+        ),
+    ] {
+        let gw = gateway("gw", 0, &[], &[8080, 8081]).replace(
+            "  name: gw\n",
+            &format!("  name: gw\n  namespace: {gateway_ns}\n"),
+        );
+        let yaml = listener("l", "127.0.0.1", 8080) + &gw;
+        let mut state = ObjectState::default();
+        let c = keyway_core::offline::compile(&[load_file("a.yaml", &yaml)], &mut state, &at(100));
+        let ports: Vec<u16> = c.resolution.plan.gateways.gateways[0]
+            .ports
+            .iter()
+            .map(|p| p.port)
+            .collect();
+        assert_eq!(ports, [8081], "{gateway_ns}");
+        let key = keyway_core::ObjectKey::new(keyway_core::Kind::Gateway, gateway_ns, "gw");
+        let status = &c.statuses[&key];
+        let listeners = status["listeners"].as_array().expect("listeners");
+        for l in listeners {
+            let programmed = l["conditions"]
+                .as_array()
+                .expect("conditions")
+                .iter()
+                .find(|c| c["type"] == "Programmed")
+                .expect("Programmed");
+            let on_8080 = l["name"].as_str().is_some_and(|n| n.starts_with("l8080"));
+            assert_eq!(
+                programmed["status"],
+                if on_8080 { "False" } else { "True" },
+                "{l}"
+            );
+            if on_8080 {
+                assert_eq!(programmed["reason"], "PortUnavailable", "{l}");
+                assert_eq!(programmed["message"], says, "{l}");
+            }
+        }
+        assert!(!status.to_string().contains("default/l") || gateway_ns == "default");
+    }
+}

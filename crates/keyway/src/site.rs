@@ -13,6 +13,8 @@ use keyway_core::gateway::{
     GatewayResolver, mark_invalid_certificate, mark_port_unavailable, rederive_programmed,
 };
 use keyway_core::load::ConfigError;
+use keyway_core::offline::mark_taken_ports;
+use keyway_core::port_owners::{self, TakenPort};
 use keyway_core::report::{self, Filter};
 use keyway_core::service_network::{self, Reachability, Resolution};
 use keyway_core::{Index, Kind, ObjectKey, ObjectState, Reconciled, Resource, reconcile};
@@ -53,6 +55,8 @@ struct Current {
     gateway: GatewayResolver,
     /// Last status served, to keep condition transition times stable.
     last_status: BTreeMap<ObjectKey, Value>,
+    /// Gateway ports left out of the plan: the RouterAccess or a Listener holds them.
+    taken_ports: Vec<TakenPort>,
 }
 
 pub struct Site {
@@ -146,6 +150,7 @@ impl Site {
         let reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
         let mut resolution = service_network::resolve(&index);
         resolution.plan.gateways = current.gateway.update(&index, &cli::now()).plan.clone();
+        let taken_ports = port_owners::withhold_taken_ports(&mut resolution.plan);
         self.dataplane.apply(&resolution.plan);
         self.network.apply(&resolution.plan);
         // Like errors, a warning is logged when it appears, not again at every reload.
@@ -158,6 +163,7 @@ impl Site {
         current.objects = objects;
         current.reconciled = reconciled;
         current.resolution = resolution;
+        current.taken_ports = taken_ports;
         let errors = all_errors(&current);
         for e in &errors {
             if !previous_errors.contains(e) {
@@ -340,6 +346,7 @@ impl Site {
         if !obs.gateway_errors.is_empty() {
             rederive_programmed(&current.index, &mut statuses, &now_value);
         }
+        mark_taken_ports(&current.index, &mut statuses, &current.taken_ports, &now);
         for (key, status) in statuses.iter_mut() {
             if let Some(prev) = current.last_status.get(key) {
                 carry_transition_times(prev, status);
@@ -435,7 +442,8 @@ impl Site {
     }
 
     /// Ready once the first config is applied and every listener that should listen does;
-    /// never while draining.
+    /// never while draining. A listener that lost its port to another object by the rules
+    /// (a conflict the config must settle) does not hold the site back.
     pub fn ready(&self) -> Result<(), String> {
         if self.draining.load(Ordering::Acquire) {
             return Err("shutting down: draining open connections".into());
@@ -452,6 +460,7 @@ impl Site {
             .chain(
                 obs.gateway_errors
                     .iter()
+                    .filter(|e| !e.conflict)
                     .map(|e| format!("{} listener {}: {}", e.owner, e.listener, e.message)),
             )
             .collect();
@@ -473,6 +482,15 @@ fn all_errors(current: &Current) -> Vec<ConfigError> {
     {
         if !all.contains(p) {
             all.push(p.clone());
+        }
+    }
+    for e in current
+        .taken_ports
+        .iter()
+        .filter_map(|t| t.error(&current.index))
+    {
+        if !all.contains(&e) {
+            all.push(e);
         }
     }
     all

@@ -538,12 +538,61 @@ fn a_newcomer_never_takes_a_serving_port_from_another_gateway() {
         format!("apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: tenant, namespace: tenant}}\nspec:\n  parentRef: {{name: a-gw, namespace: default}}\n  listeners:\n  - {{name: l, protocol: HTTP, port: {port}, hostname: tenant.example}}\n"),
     )
     .expect("write");
+    // The tenant is not told which other namespace's Gateway holds the port (SPEC §4), and a
+    // conflict the config must settle does not take the site out of service.
     site.wait_for("/status", |_, body| {
-        body.contains("is already used by Gateway default/b-gw")
+        body.contains("is already used by an object in another namespace")
     });
+    assert!(!site.get("/status").1.contains("default/b-gw\""));
     for host in ["x", "tenant.example"] {
         assert_eq!(http_get(port, host, "/").0, 302, "{host}");
     }
+    assert_eq!(site.get("/readyz").0, 200, "{}", site.get("/readyz").1);
+}
+
+/// A Gateway never binds a port a skupper Listener holds, not even while the Listener's socket
+/// is closed because its key is unreachable; the Listener serves again once its key is back.
+/// Both the offline view and the running site say the Gateway's listener lost the port.
+#[test]
+fn a_gateway_never_takes_a_listeners_port_while_its_key_is_unreachable() {
+    let dir = temp_dir("listener-port");
+    let (port, dead) = (free_port(), free_port());
+    let be = HttpBackend::start("be");
+    let listener = |target: u16| {
+        format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: l1, namespace: a}}\nspec: {{routingKey: k, host: 127.0.0.1, port: {port}}}\n---\napiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata: {{name: c1, namespace: a}}\nspec:\n  routingKey: k\n  host: 127.0.0.1\n  port: {target}\n  settings: {{health-check-interval: 200ms, health-check-failures: \"2\"}}\n"
+        )
+    };
+    std::fs::write(dir.join("a.yaml"), listener(dead)).expect("write");
+    std::fs::write(
+        dir.join("b.yaml"),
+        format!("apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw-b, namespace: b}}\nspec:\n  gatewayClassName: keyway\n  listeners: [{{name: web, protocol: HTTP, port: {port}}}]\n"),
+    )
+    .expect("write");
+    let said = format!("port {port} is already used by an object in another namespace");
+    let offline = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "-o", "json", "--config"])
+        .arg(&dir)
+        .output()
+        .expect("keyway status");
+    assert!(String::from_utf8_lossy(&offline.stdout).contains(&said));
+    let site = Site::start(&dir, false);
+    site.wait_for("/status", |_, body| body.contains(&said));
+    site.wait_for("/status", |_, body| body.contains("No matching connectors"));
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(
+        http_get(port, "x", "/").0,
+        0,
+        "nothing serves the port meanwhile"
+    );
+    std::fs::write(dir.join("a.yaml"), listener(be.port)).expect("write");
+    assert!(
+        eventually(Duration::from_secs(5), || http_get(port, "x", "/")
+            .1
+            .contains("be")),
+        "{:?}",
+        http_get(port, "x", "/")
+    );
 }
 
 /// `spec.addresses` decides where a Gateway's ports are bound (status.addresses says so), and an

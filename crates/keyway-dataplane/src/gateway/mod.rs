@@ -298,6 +298,9 @@ pub struct ListenerError {
     /// The listener's certificate could not be used (a key that does not match its
     /// certificate, say), rather than its port.
     pub invalid_certificate: bool,
+    /// Another Gateway holds the port by the rules: a conflict in the config, not a failure
+    /// of the site.
+    pub conflict: bool,
 }
 
 /// State every gateway connection shares.
@@ -431,11 +434,9 @@ impl Gateways {
                     rejected.push(ListenerError {
                         owner: l.owner.clone(),
                         listener: l.name.clone(),
-                        message: format!(
-                            "port {} is already used by Gateway {}/{}",
-                            pb.port, owner.namespace, owner.name
-                        ),
+                        message: keyway_core::port_owners::taken_message(pb.port, owner, &l.owner),
                         invalid_certificate: false,
+                        conflict: true,
                     });
                 }
                 continue;
@@ -516,6 +517,7 @@ impl Gateways {
                         listener: listener.clone(),
                         message: e.clone(),
                         invalid_certificate: false,
+                        conflict: false,
                     });
                 }
             }
@@ -595,6 +597,7 @@ impl Gateways {
                             listener: l.name.clone(),
                             message,
                             invalid_certificate: true,
+                            conflict: false,
                         });
                     }
                     // Its hostname stays taken: a handshake for it is refused rather than
