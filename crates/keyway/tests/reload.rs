@@ -311,3 +311,23 @@ fn an_emptied_file_takes_effect_within_the_budget() {
         "applied after {took:?}: before it settled?"
     );
 }
+
+/// A keep-alive connection whose Gateway is deleted gets its 404 with `Connection: close`, and
+/// the connection ends: a pooled client connects again instead of getting 404s for good.
+#[test]
+fn a_keep_alive_connection_whose_gateway_is_gone_is_closed_after_its_404() {
+    let (dir, port, _site) = setup("gone");
+    let mut client = Client::connect(port);
+    assert_eq!(client.get("/"), "backend=one");
+    std::fs::remove_file(dir.join("gw.yaml")).expect("rm");
+    thread::sleep(Duration::from_secs(1));
+    write!(client.w, "GET / HTTP/1.1\r\nHost: x.test\r\n\r\n").expect("send");
+    let mut answer = String::new();
+    client
+        .r
+        .read_to_string(&mut answer)
+        .expect("the site closes the connection after its answer");
+    let lower = answer.to_ascii_lowercase();
+    assert!(lower.starts_with("http/1.1 404"), "{answer}");
+    assert!(lower.contains("connection: close"), "{answer}");
+}

@@ -142,7 +142,9 @@ async fn serve_h1(info: &Arc<ConnInfo>, conn: &Arc<Mutex<front::Conn>>, activity
                 return;
             }
         };
-        let shutting_down = *info.ctx.closing.borrow();
+        // A port no longer in the config (its listener moved or was deleted) serves nothing
+        // more: its keep-alive clients are told to reconnect rather than get 404s for good.
+        let shutting_down = *info.ctx.closing.borrow() || info.config.load().listeners.is_empty();
         let raw = info
             .raw_head
             .lock()
