@@ -91,10 +91,24 @@ async fn handle(
     site: Arc<Site>,
     req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
-    if req.method() != Method::GET {
-        return Ok(text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into()));
+    const PATHS: [&str; 5] = ["/status", "/config", "/metrics", "/healthz", "/readyz"];
+    let path = req.uri().path();
+    if !PATHS.contains(&path) {
+        return Ok(text(
+            StatusCode::NOT_FOUND,
+            "try /status, /config, /metrics, /healthz or /readyz\n".into(),
+        ));
     }
-    let response = match req.uri().path() {
+    // HEAD as GET without the body (RFC 9110 §9.3.2); hyper leaves the body out.
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n".into());
+        r.headers_mut().insert(
+            hyper::header::ALLOW,
+            hyper::header::HeaderValue::from_static("GET, HEAD"),
+        );
+        return Ok(r);
+    }
+    let response = match path {
         "/status" => json(site.status()),
         "/config" => json(site.config()),
         "/metrics" => {
@@ -132,18 +146,56 @@ fn json(v: serde_json::Value) -> Response<Full<Bytes>> {
 fn text(code: StatusCode, body: String) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = code;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     r
 }
 
 /// Fetches a path from a running site's admin endpoint (for `keyway status --admin`).
 pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
     use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr)
-        .map_err(|e| anyhow::anyhow!("cannot reach a keyway site at {addr}: {e}; is `keyway run` running with --admin {addr}?"))?;
-    stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+    let unreachable = |e: &dyn std::fmt::Display| {
+        anyhow::anyhow!(
+            "cannot reach a keyway site at {addr}: {e}; is `keyway run` running with --admin {addr}?"
+        )
+    };
+    let mut last = None;
+    let mut stream = None;
+    for a in std::net::ToSocketAddrs::to_socket_addrs(addr).map_err(|e| unreachable(&e))? {
+        match std::net::TcpStream::connect_timeout(&a, WAIT) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let mut stream = match (stream, last) {
+        (Some(s), _) => s,
+        (None, Some(e)) => return Err(unreachable(&e)),
+        (None, None) => return Err(unreachable(&"no address")),
+    };
+    stream.set_read_timeout(Some(WAIT))?;
+    stream.set_write_timeout(Some(WAIT))?;
+    let no_answer = |e: std::io::Error| {
+        let why = if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            format!("no answer within {} s", WAIT.as_secs())
+        } else {
+            e.to_string()
+        };
+        anyhow::anyhow!(
+            "{addr} accepted the connection but did not answer as a keyway admin endpoint ({why}); is --admin the address of `keyway run --admin`?"
+        )
+    };
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(no_answer)?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
+    stream.read_to_end(&mut raw).map_err(no_answer)?;
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text
         .split_once("\r\n\r\n")

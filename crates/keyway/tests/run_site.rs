@@ -548,6 +548,53 @@ fn admin_endpoint_closes_slow_and_idle_clients() {
     assert_eq!(site.get("/healthz").0, 200);
 }
 
+/// The admin endpoint speaks HTTP as a general-purpose server must (RFC 9110): HEAD is GET
+/// without a body, other methods get 405 with `Allow`, unknown paths 404 whatever the method,
+/// and every answer says its content type. `status --admin` pointed at something that accepts
+/// but never answers says so, with the address, instead of an OS error number.
+#[test]
+fn admin_endpoint_methods_and_a_silent_admin_address() {
+    let dir = temp_dir("admin-methods");
+    std::fs::write(dir.join("svc.yaml"), mkl("svc", free_port(), &["key-a"])).expect("write");
+    let site = Site::start(&dir);
+    let raw = |request: &str| {
+        let mut s = TcpStream::connect(&site.admin).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        s.write_all(request.as_bytes()).expect("send");
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer.to_ascii_lowercase()
+    };
+    let head = raw("HEAD /status HTTP/1.0\r\n\r\n");
+    assert!(head.starts_with("http/1.0 200"), "{head}");
+    assert!(head.contains("content-type: application/json"), "{head}");
+    assert!(
+        head.ends_with("\r\n\r\n"),
+        "a HEAD answer has no body: {head}"
+    );
+    let post = raw("POST /status HTTP/1.0\r\ncontent-length: 0\r\n\r\n");
+    assert!(post.starts_with("http/1.0 405"), "{post}");
+    assert!(post.contains("allow: get, head"), "{post}");
+    let nowhere = raw("POST /nowhere HTTP/1.0\r\ncontent-length: 0\r\n\r\n");
+    assert!(nowhere.starts_with("http/1.0 404"), "{nowhere}");
+    let healthz = raw("GET /healthz HTTP/1.0\r\n\r\n");
+    assert!(healthz.contains("content-type: text/plain"), "{healthz}");
+
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr").to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "--admin", &addr])
+        .output()
+        .expect("keyway status");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&addr) && err.contains("no answer within"),
+        "{err}"
+    );
+}
+
 /// A warning (here an unknown kind) is logged when it appears, not again at every reload.
 #[test]
 fn warnings_are_logged_once() {
