@@ -58,13 +58,24 @@ macro_rules! kinds {
                 None
             }
 
-            /// A kind by name, case-insensitively, also by plural and short names (CLI filters).
+            /// A kind by name, case-insensitively, also by plural and short names (CLI filters),
+            /// optionally qualified as kubectl takes it: `NAME.GROUP` or `NAME.VERSION.GROUP`
+            /// (`listeners.skupper.io`), where the group must be the kind's.
             pub fn parse_cli(text: &str) -> Option<Kind> {
                 let t = text.to_ascii_lowercase();
-                let t = t.split('.').next().unwrap_or_default();
+                let (t, qualifier) = match t.split_once('.') {
+                    Some((t, q)) => (t, Some(q)),
+                    None => (t.as_str(), None),
+                };
                 Kind::ALL.iter().copied().find(|k| {
                     let n = k.name().to_ascii_lowercase();
-                    t == n || t == format!("{n}s") || t == format!("{n}es") || k.short_names().contains(&t)
+                    let named = t == n
+                        || t == format!("{n}s")
+                        || t == format!("{n}es")
+                        || k.short_names().contains(&t);
+                    named && qualifier.is_none_or(|q| k.groups().iter().any(|g| {
+                        !g.is_empty() && (q == *g || q.split_once('.').is_some_and(|(_, rest)| rest == *g))
+                    }))
                 })
             }
         }
@@ -142,13 +153,28 @@ impl Kind {
             Kind::MultiKeyListener => &["mkl", "multikeylisteners"],
             Kind::GatewayClass => &["gc", "gatewayclasses"],
             Kind::Gateway => &["gtw", "gw"],
-            Kind::ListenerSet => &["ls", "xlistenerset", "xlistenersets"],
+            Kind::ListenerSet => &["lset", "ls", "xlistenerset", "xlistenersets"],
+            Kind::ReferenceGrant => &["refgrant"],
             Kind::Namespace => &["ns"],
             Kind::Service => &["svc"],
             Kind::AccessGrant => &["grant"],
             Kind::AccessToken => &["token"],
             Kind::RouterAccess => &["routeraccesses"],
             _ => &[],
+        }
+    }
+
+    /// The API groups a kind is written in (empty: the core group, which has no name to
+    /// qualify with). A ListenerSet may be written in the experimental group too.
+    fn groups(self) -> Vec<&'static str> {
+        let group = match self.api_version().split_once('/') {
+            Some((group, _)) => group,
+            None => "",
+        };
+        if self == Kind::ListenerSet {
+            vec![group, "gateway.networking.x-k8s.io"]
+        } else {
+            vec![group]
         }
     }
 
@@ -323,4 +349,43 @@ fn tidy_serde_message(msg: &str) -> String {
         out.push_str(" (nothing is written under it; are its fields indented beneath it?)");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Kind;
+
+    /// Kind names as kubectl takes them: singular, plural, short names (upstream's `lset`,
+    /// `refgrant`), any case, and qualified by the kind's own group only.
+    #[test]
+    fn kinds_by_the_names_kubectl_takes() {
+        for (text, want) in [
+            ("listener", Some(Kind::Listener)),
+            ("Listeners", Some(Kind::Listener)),
+            ("listeners.skupper.io", Some(Kind::Listener)),
+            ("listeners.v2alpha1.skupper.io", Some(Kind::Listener)),
+            ("listener.gateway.networking.k8s.io", None),
+            ("lset", Some(Kind::ListenerSet)),
+            (
+                "listenersets.gateway.networking.k8s.io",
+                Some(Kind::ListenerSet),
+            ),
+            (
+                "xlistenersets.gateway.networking.x-k8s.io",
+                Some(Kind::ListenerSet),
+            ),
+            ("refgrant", Some(Kind::ReferenceGrant)),
+            (
+                "referencegrants.gateway.networking.k8s.io",
+                Some(Kind::ReferenceGrant),
+            ),
+            ("svc", Some(Kind::Service)),
+            ("svc.foo.bar", None),
+            ("gateways.gateway.networking.k8s.io", Some(Kind::Gateway)),
+            ("mkl", Some(Kind::MultiKeyListener)),
+            ("nosuchkind", None),
+        ] {
+            assert_eq!(Kind::parse_cli(text), want, "{text}");
+        }
+    }
 }
