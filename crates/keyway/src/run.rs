@@ -91,6 +91,21 @@ pub fn run(
         }
         let admin = admin::start(admin_listener, site.clone())?;
         tracing::info!(config = %config.display(), admin = %admin, "site running");
+        // A condition's lastTransitionTime is when it changed, not when someone first asked:
+        // status is computed every second, asked for or not, so each change is stamped within
+        // a second of it.
+        let observer = {
+            let site = site.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(STATUS_EVERY);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                loop {
+                    tick.tick().await;
+                    let site = site.clone();
+                    let _ = tokio::task::spawn_blocking(move || site.status()).await;
+                }
+            })
+        };
 
         let reloader = {
             let site = site.clone();
@@ -156,6 +171,7 @@ pub fn run(
             std::process::exit(130);
         });
         reloader.abort();
+        observer.abort();
         site.start_draining();
         // Drain first: connections to keys at other sites still need the links.
         let left = site.dataplane.shutdown(drain).await;
@@ -289,6 +305,8 @@ fn check_state_outside_config(config: &std::path::Path, state: &std::path::Path)
 const ROOT_CHECK: Duration = Duration::from_secs(1);
 /// How soon a reload that could not read the config directory is tried again.
 const RELOAD_RETRY: Duration = Duration::from_millis(500);
+/// How often a running site computes its status unasked, to stamp condition transitions.
+const STATUS_EVERY: Duration = Duration::from_secs(1);
 
 /// Which directory `path` is (device and inode), or `None` while there is none.
 /// The birth time is part of it: a directory removed and made again (`rm -rf d && mkdir d`)

@@ -595,6 +595,47 @@ fn admin_endpoint_methods_and_a_silent_admin_address() {
     );
 }
 
+/// A condition's `lastTransitionTime` is when it changed, whether or not anyone asked for the
+/// status then: the Connector's workload stops, and the status read 3 s later says when.
+#[test]
+fn transition_times_are_when_conditions_changed_not_when_status_was_read() {
+    let a = Backend::start("a");
+    let dir = temp_dir("transitions");
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    std::fs::write(dir.join("svc.yaml"), mkl("svc", free_port(), &["key-a"])).expect("write");
+    let site = Site::spawn(&dir, None);
+    thread::sleep(Duration::from_millis(2500));
+    let seconds = |t: &str| {
+        t.parse::<keyway_core::jiff::Timestamp>()
+            .expect("RFC 3339")
+            .as_second()
+    };
+    let now = || keyway_core::jiff::Timestamp::now().as_second();
+    let stopped = now();
+    drop(a);
+    thread::sleep(Duration::from_secs(3));
+    let status = site.status();
+    let connector = status["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .find(|o| o["kind"] == "Connector")
+        .expect("connector");
+    let ready = connector["status"]["conditions"]
+        .as_array()
+        .expect("conditions")
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .expect("Ready");
+    assert_eq!(ready["status"], "False", "{ready}");
+    let changed = seconds(ready["lastTransitionTime"].as_str().expect("time"));
+    assert!(
+        changed >= stopped - 1 && changed <= stopped + 2,
+        "Ready changed at {changed}, the workload stopped at {stopped}, read at {}",
+        now()
+    );
+}
+
 /// A warning (here an unknown kind) is logged when it appears, not again at every reload.
 #[test]
 fn warnings_are_logged_once() {
