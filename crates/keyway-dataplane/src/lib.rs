@@ -293,6 +293,10 @@ impl DataPlane {
             Err(poisoned) => poisoned.into_inner(),
         };
         let mut next: HashMap<ObjectKey, ListenerHandle> = HashMap::new();
+        // Listeners that stop, or move to another address, and the new ones to start once
+        // those on their port have closed it.
+        let mut retiring: Vec<ListenerHandle> = Vec::new();
+        let mut starting = Vec::new();
         for lp in &plan.listeners {
             let acceptor = match &lp.tls {
                 None => None,
@@ -323,11 +327,8 @@ impl DataPlane {
                     next.insert(lp.id.clone(), handle);
                 }
                 old => {
-                    drop(old);
-                    next.insert(
-                        lp.id.clone(),
-                        ListenerHandle::start(self.shared.clone(), runtime, self.workers.clone()),
-                    );
+                    retiring.extend(old);
+                    starting.push((lp.id.clone(), runtime));
                 }
             }
         }
@@ -347,7 +348,22 @@ impl DataPlane {
                 self.shared.metrics.forget_listener(&label, &targets);
             }
         }
-        listeners.clear();
+        retiring.extend(listeners.drain().map(|(_, h)| h));
+        // A listener moving from 127.0.0.1 to 0.0.0.0 on its port, or taking the port another
+        // listener leaves, binds once the old socket is closed: bound at once, it found the
+        // port in use and was refused for its first retry's 100 ms.
+        for (id, runtime) in starting {
+            let port = runtime.plan.port;
+            let after = retiring
+                .iter()
+                .filter(|h| h.port == port)
+                .map(ListenerHandle::finished)
+                .collect();
+            let handle =
+                ListenerHandle::start(self.shared.clone(), runtime, self.workers.clone(), after);
+            next.insert(id, handle);
+        }
+        drop(retiring);
         *listeners = next;
         drop(listeners);
         drop(swapping);

@@ -60,35 +60,51 @@ pub struct ListenerHandle {
     pub runtime: Arc<ArcSwap<ListenerRuntime>>,
     pub state: Arc<ListenerState>,
     stop: watch::Sender<bool>,
+    /// Closed once the accept task has ended and its port is closed.
+    finished: watch::Receiver<()>,
 }
 
 impl ListenerHandle {
-    /// Starts the listener's accept task. With `workers`, the port is bound once per worker
-    /// thread and each accepts and serves its own connections (see [`crate::workers`]).
+    /// Starts the listener's accept task, once the listeners `after` (see [`Self::finished`])
+    /// have closed their ports (for at most a second). With `workers`, the port is bound once
+    /// per worker thread and each accepts and serves its own connections (see
+    /// [`crate::workers`]).
     pub fn start(
         shared: Arc<Shared>,
         runtime: ListenerRuntime,
         workers: Option<Arc<Workers>>,
+        after: Vec<watch::Receiver<()>>,
     ) -> Self {
         let host = runtime.plan.host.clone();
         let port = runtime.plan.port;
         let runtime = Arc::new(ArcSwap::from_pointee(runtime));
         let state = Arc::new(ListenerState::default());
         let (stop, stop_rx) = watch::channel(false);
-        tokio::spawn(accept_loop(
-            shared,
-            runtime.clone(),
-            state.clone(),
-            workers,
-            stop_rx,
-        ));
+        let (done, finished) = watch::channel(());
+        let task = accept_loop(shared, runtime.clone(), state.clone(), workers, stop_rx);
+        tokio::spawn(async move {
+            for mut closed in after {
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    while closed.changed().await.is_ok() {}
+                })
+                .await;
+            }
+            task.await;
+            drop(done);
+        });
         ListenerHandle {
             host,
             port,
             runtime,
             state,
             stop,
+            finished,
         }
+    }
+
+    /// What [`Self::start`] of a listener taking this one's port waits on.
+    pub fn finished(&self) -> watch::Receiver<()> {
+        self.finished.clone()
     }
 
     /// Stops accepting; connections already open run on.

@@ -636,6 +636,34 @@ fn transition_times_are_when_conditions_changed_not_when_status_was_read() {
     );
 }
 
+/// A listener moving from 127.0.0.1 to every address on its port binds once its old socket
+/// is closed: it never finds the port in use (it did, warned `cannot bind` and was refused for
+/// its first retry's 100 ms). With one worker and with two.
+#[test]
+fn a_listener_moving_to_every_address_on_its_port_never_finds_it_in_use() {
+    for threads in [1, 2] {
+        let a = Backend::start("a");
+        let dir = temp_dir(&format!("move-host-{threads}"));
+        let port = free_port();
+        std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+        std::fs::write(dir.join("svc.yaml"), mkl("svc", port, &["key-a"])).expect("write");
+        let site = Site::spawn(&dir, Some(threads));
+        site.wait_for("/readyz", |code, _| code == 200);
+        wait_until("serving", || hello(port).is_ok());
+        for host in ["0.0.0.0", "127.0.0.1", "0.0.0.0"] {
+            let before = reload_count(&site.get("/metrics").1);
+            site.write(
+                "svc.yaml",
+                &mkl("svc", port, &["key-a"]).replace("host: 127.0.0.1", &format!("host: {host}")),
+            );
+            site.wait_for("/metrics", |_, body| reload_count(body) > before);
+            wait_until("serving again", || hello(port).is_ok());
+        }
+        let log = std::fs::read_to_string(dir.join(".keyway.log")).expect("log");
+        assert!(!log.contains("cannot bind"), "{threads} thread(s): {log}");
+    }
+}
+
 /// A warning (here an unknown kind) is logged when it appears, not again at every reload.
 #[test]
 fn warnings_are_logged_once() {
