@@ -233,7 +233,9 @@ async fn parent_gone() {
 
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // notify logs at info each watch it cannot remove (every ConfigMap update does that):
+        // noise to an operator.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,notify=warn"));
     // Colours only on a terminal: a log file must not fill with escape codes.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()

@@ -139,7 +139,12 @@ impl Site {
                     );
                     *last = Some((why, std::time::Instant::now()));
                 }
+                drop(last);
                 metrics.reload_failures.inc();
+                // Counted as an error as long as it lasts, as `/status` lists it. (Not while
+                // holding `unreadable`: `status` takes `current` first.)
+                let known = all_errors(&lock(&self.current)).len();
+                metrics.config_errors.set(known as i64 + 1);
                 return false;
             }
         };
@@ -358,10 +363,13 @@ impl Site {
             &statuses,
             &Filter::default(),
         ));
-        let errors: Vec<String> = all_errors(&current)
+        let mut errors: Vec<String> = all_errors(&current)
             .iter()
             .map(ToString::to_string)
             .collect();
+        if let Some((why, _)) = lock(&self.unreadable).as_ref() {
+            errors.push(format!("{why} (the site keeps its running config)"));
+        }
         list["metadata"] = serde_json::json!({ "configErrors": errors });
         list
     }

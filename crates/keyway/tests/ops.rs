@@ -180,6 +180,11 @@ fn a_config_directory_moved_away_is_logged_once() {
     std::fs::rename(&dir, &moved).expect("mv away");
     thread::sleep(Duration::from_millis(2500));
     assert!(hello(port).is_ok(), "the running config was lost");
+    // `/status` and the error metric say so too, not the log alone.
+    let status = admin::get(&site.admin, "/status").1;
+    assert!(status.contains("keeps its running config"), "{status}");
+    let metrics = admin::get(&site.admin, "/metrics").1;
+    assert!(metrics.contains("keyway_config_errors 1"), "{metrics}");
     std::fs::rename(&moved, &dir).expect("mv back");
     let text = || std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
@@ -191,6 +196,9 @@ fn a_config_directory_moved_away_is_logged_once() {
     );
     let skipped = text().matches("reload skipped").count();
     assert_eq!(skipped, 1, "logged at every retry:\n{}", text());
+    let metrics = admin::get(&site.admin, "/metrics").1;
+    assert!(metrics.contains("keyway_config_errors 0"), "{metrics}");
+    assert!(!text().contains("unable to remove watch"), "{}", text());
     assert!(hello(port).is_ok());
     drop(site);
 }
