@@ -294,6 +294,7 @@ async fn accept_loop(
     }
     if let Some(s) = socket.take() {
         s.close().await;
+        tracing::info!(listener = %runtime.load().label, "stopped listening");
     }
     state.listening.store(false, Ordering::Release);
 }

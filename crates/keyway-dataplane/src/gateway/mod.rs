@@ -501,6 +501,9 @@ impl Gateways {
         drop(configs);
         self.metrics.forget_unused_routes();
         // Dropping the rest stops their accept loops.
+        for addr in ports.keys() {
+            tracing::info!(%addr, "gateway port no longer in the config: closed");
+        }
         *ports = next;
         drop(ports);
         *lock(&self.rejected) = rejected;
