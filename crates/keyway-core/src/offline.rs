@@ -52,12 +52,17 @@ impl Compiled {
     /// former hold are already out of the plan ([`port_owners`]).
     fn port_clashes(&self) -> Vec<ConfigError> {
         let plan = &self.resolution.plan;
-        let mut claims: Vec<(Vec<String>, u16, &ObjectKey, &str)> = Vec::new();
+        let mut claims: Vec<(Vec<String>, u16, &ObjectKey, String)> = Vec::new();
         if let Some(ra) = &plan.router_access {
-            claims.push((vec![ra.bind_host.clone()], ra.port, &ra.id, "spec.port"));
+            claims.push((
+                vec![ra.bind_host.clone()],
+                ra.port,
+                &ra.id,
+                "spec.port".into(),
+            ));
         }
         for l in &plan.listeners {
-            claims.push((vec![l.host.clone()], l.port, &l.id, "spec.port"));
+            claims.push((vec![l.host.clone()], l.port, &l.id, "spec.port".into()));
         }
         let mut gateways: Vec<_> = plan
             .gateways
@@ -73,7 +78,8 @@ impl Compiled {
                 g.addresses.iter().map(ToString::to_string).collect()
             };
             for p in &g.ports {
-                claims.push((hosts.clone(), p.port, &g.gateway, "spec.listeners"));
+                let path = port_owners::listener_path(&self.index, &g.gateway, p.port);
+                claims.push((hosts.clone(), p.port, &g.gateway, path));
             }
         }
         let mut errors = Vec::new();

@@ -8,7 +8,7 @@ use crate::index::Index;
 use crate::load::ConfigError;
 use crate::plan::Plan;
 use crate::reconcile::hosts_overlap;
-use crate::resource::ObjectKey;
+use crate::resource::{ObjectKey, Resource};
 
 /// A Gateway port withheld because the RouterAccess or a Listener holds it.
 #[derive(Clone, Debug, PartialEq)]
@@ -31,13 +31,30 @@ impl TakenPort {
     pub fn error(&self, index: &Index) -> Option<ConfigError> {
         let obj = index.get(&self.gateway)?;
         Some(obj.error_at(
-            "spec.listeners",
+            &listener_path(index, &self.gateway, self.port),
             format!(
                 "port {} is also wanted by {}: only one of them can bind it",
                 self.port, self.holder
             ),
         ))
     }
+}
+
+/// Where an error about `gateway`'s `port` is reported: its first listener on the port
+/// (`spec.listeners[j]`), or `spec.listeners` when only a ListenerSet brings the port.
+pub fn listener_path(index: &Index, gateway: &ObjectKey, port: u16) -> String {
+    let at = index.get(gateway).and_then(|o| match &o.resource {
+        Resource::Gateway(g) => g
+            .spec
+            .listeners
+            .iter()
+            .position(|l| l.port == i32::from(port)),
+        _ => None,
+    });
+    at.map_or_else(
+        || "spec.listeners".into(),
+        |j| format!("spec.listeners[{j}]"),
+    )
 }
 
 /// "port N is already used by …", naming `holder` only to an `owner` in its namespace.

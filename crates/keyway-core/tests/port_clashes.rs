@@ -43,7 +43,7 @@ fn cases() -> Vec<(&'static str, String, Vec<&'static str>)> {
         (
             "a Gateway on a Listener's port",
             listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &[], &[8080]),
-            vec!["Gateway/gw spec.listeners: port 8080 is also wanted by Listener default/l"],
+            vec!["Gateway/gw spec.listeners[0]: port 8080 is also wanted by Listener default/l"],
         ),
         (
             "different ports",
@@ -58,12 +58,14 @@ fn cases() -> Vec<(&'static str, String, Vec<&'static str>)> {
         (
             "a Gateway on an address a Listener on every address covers",
             listener("l", "0.0.0.0", 8080) + &gateway("gw", 0, &["10.0.0.5"], &[8080]),
-            vec!["Gateway/gw spec.listeners: port 8080 is also wanted by Listener default/l"],
+            vec!["Gateway/gw spec.listeners[0]: port 8080 is also wanted by Listener default/l"],
         ),
         (
             "two Gateways: the newer one is told",
             gateway("young", 50, &[], &[8080, 9090]) + &gateway("old", 10, &[], &[8080]),
-            vec!["Gateway/young spec.listeners: port 8080 is also wanted by Gateway default/old"],
+            vec![
+                "Gateway/young spec.listeners[0]: port 8080 is also wanted by Gateway default/old",
+            ],
         ),
         (
             "one Gateway with several listeners on a port",
