@@ -431,8 +431,13 @@ pub fn statuses(
                     configured(key),
                     Cond::ready_or_pending("Matched", has, "No matching listeners"),
                 ];
+                // A running site (one with an id) has health-checked the target, so the
+                // condition is always there, as Kubernetes keeps a condition it once set;
+                // offline, health is unknown and the condition left out.
                 if let Some(why) = reach.unhealthy_connectors.get(key) {
                     conds.push(Cond::error("Healthy", why));
+                } else if reach.site_id.is_some() {
+                    conds.push(Cond::ready("Healthy"));
                 }
                 let mut v = ready_from(conds, generation, now);
                 v["hasMatchingListener"] = json!(has);

@@ -275,6 +275,23 @@ fn remote_keys_match_too() {
     assert_eq!(status_of(&st, Kind::Connector, "c")["status"], "Ready");
 }
 
+/// A running site has health-checked every Connector: `Healthy` is always there, True while
+/// the target answers (conditions do not come and go). Offline it is unknown and left out.
+#[test]
+fn healthy_is_reported_by_a_running_site_only() {
+    let index = index_of(&connector("c", "db", 17002, ""));
+    let running = Reachability {
+        site_id: Some("id-1".into()),
+        ..Reachability::default()
+    };
+    let (_, st) = statuses(&index, Some(running));
+    let c = status_of(&st, Kind::Connector, "c");
+    assert_eq!(cond(c, "Healthy")["status"], "True", "{c}");
+    let (_, st) = statuses(&index, None);
+    let c = status_of(&st, Kind::Connector, "c");
+    assert!(!cond_types(c).contains(&"Healthy"), "{c}");
+}
+
 #[test]
 fn unhealthy_connector_and_bind_error() {
     let yaml = format!(
