@@ -28,6 +28,10 @@ pub struct StateEntry {
     pub first_seen: Time,
     pub generation: i64,
     pub spec_hash: String,
+    /// A MultiKeyListener's strategy field (`priorityFailover`, `weighted`): the kind may not
+    /// change, and `keyway validate --state` must know what it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
 }
 
 fn state_key(key: &ObjectKey) -> String {
@@ -144,23 +148,27 @@ pub fn reconcile(
         .cloned()
         .collect::<Vec<_>>()
     {
-        let (Some(Resource::MultiKeyListener(new)), Some(old)) =
-            (candidates.get(&key).map(|o| &o.resource), index.get(&key))
+        let Some(Resource::MultiKeyListener(new)) = candidates.get(&key).map(|o| &o.resource)
         else {
             continue;
         };
-        let Resource::MultiKeyListener(old_mkl) = &old.resource else {
-            continue;
+        // The version in force, else (offline: `validate --state`) what the state recorded.
+        let old = match index.get(&key).map(|o| &o.resource) {
+            Some(Resource::MultiKeyListener(old)) => {
+                old.spec.strategy.kinds().first().map(|k| k.field())
+            }
+            _ => before
+                .get(&key)
+                .and_then(|e| e.as_ref()?.strategy.as_deref()),
         };
-        let (new_kinds, old_kinds) = (new.spec.strategy.kinds(), old_mkl.spec.strategy.kinds());
-        if let (Some(n), Some(o)) = (new_kinds.first(), old_kinds.first())
-            && n.is_priority() != o.is_priority()
+        let new_kinds = new.spec.strategy.kinds();
+        if let (Some(n), Some(o)) = (new_kinds.first(), old)
+            && n.is_priority() != crate::skupper::StrategyKind::is_priority_field(o)
         {
             let err = candidates[&key].error_at(
                 "spec.strategy",
                 format!(
-                    "the strategy kind cannot change from {} to {}; delete and re-create the MultiKeyListener",
-                    o.field(),
+                    "the strategy kind cannot change from {o} to {}; delete and re-create the MultiKeyListener",
                     n.field()
                 ),
             );
@@ -272,10 +280,19 @@ fn stamp(obj: &mut LoadedObject, state: &mut ObjectState, now: &Time) {
             first_seen: now.clone(),
             generation: 1,
             spec_hash: hash.clone(),
+            strategy: None,
         });
     if entry.spec_hash != hash {
         entry.generation += 1;
         entry.spec_hash = hash;
+    }
+    if let Resource::MultiKeyListener(m) = &obj.resource {
+        entry.strategy = m
+            .spec
+            .strategy
+            .kinds()
+            .first()
+            .map(|k| k.field().to_string());
     }
     let meta = obj.resource.meta_mut();
     if meta.creation_timestamp.is_none() {

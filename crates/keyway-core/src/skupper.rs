@@ -252,6 +252,11 @@ impl StrategyKind {
         }
     }
 
+    /// Whether a strategy field name (`priorityFailover`, `priority`) is the priority strategy.
+    pub fn is_priority_field(field: &str) -> bool {
+        matches!(field, "priorityFailover" | "priority")
+    }
+
     /// `priority` and `priorityFailover` are one strategy under two names.
     pub fn is_priority(self) -> bool {
         matches!(

@@ -378,6 +378,34 @@ fn strategy_kind_cannot_change() {
     );
 }
 
+/// Offline (`keyway validate --state`, a fresh index over a running site's state) the change
+/// of strategy kind is refused too: the state records the kind in force.
+#[test]
+fn strategy_kind_change_is_refused_offline_from_the_state() {
+    let mut site = Site::default();
+    site.reload(&[("m.yaml", &mkl("m", 18000, PRIORITY))], 0);
+    let mut offline = Site {
+        index: Index::default(),
+        state: site.state.clone(),
+    };
+    let r = offline.reload(&[("m.yaml", &mkl("m", 18000, WEIGHTED))], 1);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert!(
+        r.errors[0]
+            .message
+            .contains("the strategy kind cannot change from priority to weighted"),
+        "{:?}",
+        r.errors
+    );
+    // The same kind under its other name is no change of kind.
+    let mut offline = Site {
+        index: Index::default(),
+        state: site.state.clone(),
+    };
+    let r = offline.reload(&[("m.yaml", &mkl("m", 18000, PRIORITY_FAILOVER))], 1);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+}
+
 #[test]
 fn a_rejected_version_does_not_advance_generation() {
     let mut site = Site::default();
