@@ -499,6 +499,12 @@ fn gateway_requests_are_counted_per_route_and_class() {
         4,
         "every reason has a series from the start:\n{m}"
     );
+    // Connections per Gateway port (SPEC §6): the 7 requests above and the WebSocket at least,
+    // each on its own connection, all closed now.
+    let address = format!("0.0.0.0:{gw}");
+    let conns = |name: &str| value(&m, name, &[("address", address.as_str())]);
+    assert!(conns("keyway_gateway_connections_total") >= 8.0, "{m}");
+    assert_eq!(conns("keyway_gateway_connections_active"), 0.0, "{m}");
 }
 
 /// A deleted route takes its series with it (requests, response classes, bytes): routes come

@@ -34,6 +34,7 @@ use keyway_core::gateway::plan::{
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use rustls::ServerConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -47,6 +48,9 @@ type Labels = Vec<(&'static str, String)>;
 
 /// Per-route metric families (SPEC §6), registered once in the data plane's registry.
 pub struct GatewayMetrics {
+    /// Connections accepted on a port, and open now, by bind address.
+    connections: Family<Labels, Counter>,
+    connections_active: Family<Labels, Gauge>,
     requests: Family<Labels, Counter>,
     responses: Family<Labels, Counter>,
     bytes: Family<Labels, Counter>,
@@ -61,11 +65,23 @@ pub struct GatewayMetrics {
 impl GatewayMetrics {
     fn new(m: &crate::metrics::Metrics) -> Self {
         let g = GatewayMetrics {
+            connections: Family::default(),
+            connections_active: Family::default(),
             requests: Family::default(),
             responses: Family::default(),
             bytes: Family::default(),
             routes: Mutex::default(),
         };
+        m.register(
+            "gateway_connections",
+            "Client connections accepted on a Gateway port, by bind address",
+            g.connections.clone(),
+        );
+        m.register(
+            "gateway_connections_active",
+            "Client connections open now on a Gateway port, by bind address",
+            g.connections_active.clone(),
+        );
         m.register(
             "gateway_requests",
             "HTTP/gRPC requests matched to a route, by route",
@@ -84,7 +100,9 @@ impl GatewayMetrics {
         g
     }
 
-    fn route(&self, route: &str) -> Arc<RouteMetrics> {
+    /// The series of one route. Request and response-class series only for HTTP and gRPC
+    /// routes: a TLS or TCP route has none (they would stay at 0).
+    fn route(&self, route: &str, http: bool) -> Arc<RouteMetrics> {
         {
             let mut routes = lock(&self.routes);
             routes.0.insert(route.to_string());
@@ -92,10 +110,18 @@ impl GatewayMetrics {
         }
         let l = |extra| route_labels(route, extra);
         // One family lookup per statement: the guard of `get_or_create` must not outlive it.
-        let requests = self.requests.get_or_create(&l(None)).clone();
+        let requests = if http {
+            self.requests.get_or_create(&l(None)).clone()
+        } else {
+            Counter::default()
+        };
         let mut classes = Vec::with_capacity(5);
         for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
-            classes.push(self.responses.get_or_create(&l(Some(("class", c)))).clone());
+            classes.push(if http {
+                self.responses.get_or_create(&l(Some(("class", c)))).clone()
+            } else {
+                Counter::default()
+            });
         }
         let bytes_in = self
             .bytes
@@ -111,6 +137,48 @@ impl GatewayMetrics {
             bytes_in,
             bytes_out,
         })
+    }
+}
+
+/// The connection series of one port.
+#[derive(Clone)]
+struct PortMetrics {
+    accepted: Counter,
+    active: Gauge,
+}
+
+impl PortMetrics {
+    /// Counts a connection accepted; the guard counts it closed when dropped.
+    fn open(&self) -> OpenConnection {
+        self.accepted.inc();
+        self.active.inc();
+        OpenConnection(self.active.clone())
+    }
+}
+
+/// An open Gateway connection, for `keyway_gateway_connections_active`.
+struct OpenConnection(Gauge);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl GatewayMetrics {
+    fn port(&self, addr: SocketAddr) -> PortMetrics {
+        let labels: Labels = vec![("address", addr.to_string())];
+        // One family lookup per statement (see `route`).
+        let accepted = self.connections.get_or_create(&labels).clone();
+        let active = self.connections_active.get_or_create(&labels).clone();
+        PortMetrics { accepted, active }
+    }
+
+    /// Removes a closed port's series.
+    fn forget_port(&self, addr: SocketAddr) {
+        let labels: Labels = vec![("address", addr.to_string())];
+        self.connections.remove(&labels);
+        self.connections_active.remove(&labels);
     }
 }
 
@@ -503,6 +571,7 @@ impl Gateways {
         // Dropping the rest stops their accept loops.
         for addr in ports.keys() {
             tracing::info!(%addr, "gateway port no longer in the config: closed");
+            self.metrics.forget_port(*addr);
         }
         *ports = next;
         drop(ports);
@@ -548,6 +617,7 @@ impl Gateways {
             addr,
             config.clone(),
             state.clone(),
+            self.metrics.port(addr),
             stop_rx,
         ));
         PortHandle {
@@ -637,7 +707,11 @@ impl Gateways {
                 "{}/{}/{}",
                 route.route.kind, route.route.namespace, route.route.name
             );
-            let metrics = self.metrics.route(&label);
+            let http = matches!(
+                route.rules.as_ref(),
+                RouteRules::Http(_) | RouteRules::Grpc(_)
+            );
+            let metrics = self.metrics.route(&label, http);
             let mut errors = Vec::new();
             match route.rules.as_ref() {
                 RouteRules::Http(rs) => {
@@ -736,6 +810,7 @@ async fn accept_loop(
     addr: SocketAddr,
     config: Arc<ArcSwap<PortConfig>>,
     state: Arc<PortState>,
+    metrics: PortMetrics,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut failures = 0u32;
@@ -780,7 +855,7 @@ async fn accept_loop(
             // until the port is dropped.
             let c = ctx.clone();
             let group = AcceptGroup::start(w, sockets, &addr.to_string(), move |s, peer| {
-                let guard = c.shared.tracker.track();
+                let guard = (c.shared.tracker.track(), metrics.open());
                 serve(c.clone(), config.clone(), s, peer, guard)
             });
             let _ = stop.wait_for(|s| *s).await;
@@ -793,7 +868,7 @@ async fn accept_loop(
         tokio::select! {
             accepted = socket.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let guard = ctx.shared.tracker.track();
+                    let guard = (ctx.shared.tracker.track(), metrics.open());
                     tokio::spawn(serve(ctx.clone(), config.clone(), stream, peer, guard));
                 }
                 Err(e) => {
@@ -817,7 +892,7 @@ async fn serve(
     config: Arc<ArcSwap<PortConfig>>,
     stream: TcpStream,
     peer: SocketAddr,
-    _guard: ConnectionTracker,
+    _guard: (ConnectionTracker, OpenConnection),
 ) {
     let _ = stream.set_nodelay(true);
     let family = config.load().family;
@@ -996,5 +1071,36 @@ fn push_entries(
             Ok(m) => entries.push(Entry { route, rule, m }),
             Err(e) => errors.push(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GatewayMetrics;
+
+    /// A TLS or TCP route has byte series only: requests and response classes would stay at 0.
+    #[test]
+    fn stream_routes_have_no_request_series() {
+        let m = crate::metrics::Metrics::default();
+        let g = GatewayMetrics::new(&m);
+        g.route("HTTPRoute/default/web", true);
+        g.route("TCPRoute/default/db", false);
+        let text = m.encode();
+        let lines = |route: &str, family: &str| {
+            text.lines()
+                .filter(|l| l.starts_with(family) && l.contains(route))
+                .count()
+        };
+        assert_eq!(
+            lines("HTTPRoute/default/web", "keyway_gateway_responses"),
+            5
+        );
+        assert_eq!(lines("HTTPRoute/default/web", "keyway_gateway_requests"), 1);
+        assert_eq!(lines("TCPRoute/default/db", "keyway_gateway_responses"), 0);
+        assert_eq!(lines("TCPRoute/default/db", "keyway_gateway_requests"), 0);
+        assert_eq!(
+            lines("TCPRoute/default/db", "keyway_gateway_stream_bytes"),
+            2
+        );
     }
 }
