@@ -14,7 +14,7 @@ use keyway_dataplane::{DataPlane, Options};
 use tokio::sync::mpsc;
 
 use crate::site::{Site, SiteGrants};
-use crate::{admin, watch};
+use crate::{admin, source, watch};
 
 pub fn run(
     config: PathBuf,
@@ -111,8 +111,14 @@ pub fn run(
             let site = site.clone();
             let config = config.clone();
             tokio::spawn(async move {
-                // Held for its effect: dropping it stops the watch.
-                let mut _watcher = Some(watcher);
+                // Dropping it stops the watch.
+                let mut watcher = Some(watcher);
+                let follow = |w: &mut Option<watch::Watch>, config: &std::path::Path| {
+                    if let Some(w) = w.as_mut() {
+                        w.follow(source::external_dirs(config));
+                    }
+                };
+                follow(&mut watcher, &config);
                 let mut check = tokio::time::interval(ROOT_CHECK);
                 loop {
                     tokio::select! {
@@ -130,10 +136,10 @@ pub fn run(
                                 continue;
                             }
                             root = now;
-                            _watcher = None;
+                            watcher = None;
                             if root.is_some() {
                                 match watch::watch(&config, tx.clone(), root_gone.clone()) {
-                                    Ok(w) => _watcher = Some(w),
+                                    Ok(w) => watcher = Some(w),
                                     Err(e) => {
                                         tracing::warn!("cannot watch the config directory again: {e:#}");
                                         root = None;
@@ -147,6 +153,8 @@ pub fn run(
                     while rx.try_recv().is_ok() {}
                     let site = site.clone();
                     let applied = tokio::task::spawn_blocking(move || site.reload()).await;
+                    // A symlink added or re-pointed: watch where it leads now.
+                    follow(&mut watcher, &config);
                     if !matches!(applied, Ok(true)) {
                         // The directory could not be read (out of descriptors, say): no file
                         // event may come again, so try again shortly.

@@ -41,6 +41,28 @@ pub fn manifest_files(dir: &Path) -> Result<Listing> {
     Ok(listing)
 }
 
+/// Directories outside `root` that hold manifests read through symlinks under it (a file or
+/// directory linked in from elsewhere): the watch of `root` does not see edits there, so they
+/// are watched too (see [`crate::watch::Watch::follow`]).
+pub fn external_dirs(root: &Path) -> Vec<PathBuf> {
+    let Ok(listing) = manifest_files(root) else {
+        return Vec::new();
+    };
+    let Ok(root) = std::fs::canonicalize(root) else {
+        return Vec::new();
+    };
+    let mut dirs: Vec<PathBuf> = listing
+        .files
+        .iter()
+        .filter_map(|f| std::fs::canonicalize(f).ok())
+        .filter_map(|f| f.parent().map(Path::to_path_buf))
+        .filter(|d| !d.starts_with(&root))
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
+}
+
 /// Records a directory as walked; false when it was already (a symlink cycle or a second link).
 fn mark_seen(dir: &Path, seen: &mut HashSet<(u64, u64)>) -> bool {
     use std::os::unix::fs::MetadataExt;

@@ -1,13 +1,13 @@
 //! Watches the config directory (recursively; editors replace files atomically, so the directory,
 //! not single files, is watched) and debounces bursts of events into one reload.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use notify::{EventKind, RecursiveMode};
-use notify_debouncer_full::{DebounceEventResult, new_debouncer};
+use notify_debouncer_full::{DebounceEventResult, Debouncer, new_debouncer};
 use tokio::sync::mpsc;
 
 /// How long the watcher holds each file event, to pair renames and drop duplicates.
@@ -34,13 +34,40 @@ pub async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
     }
 }
 
-/// Starts watching; every debounced burst sends one `()`. The returned guard stops the watch.
+/// A running watch of the config directory; dropping it stops the watch.
+pub struct Watch {
+    debouncer: Debouncer<notify::RecommendedWatcher, notify_debouncer_full::RecommendedCache>,
+    /// Directories outside the config directory watched for the manifests linked in from them.
+    external: Vec<PathBuf>,
+}
+
+impl Watch {
+    /// Watches exactly `dirs` (see [`crate::source::external_dirs`]) besides the config
+    /// directory: a symlink's target is edited where it lives, which the watch of the config
+    /// directory does not see.
+    pub fn follow(&mut self, dirs: Vec<PathBuf>) {
+        for gone in self.external.iter().filter(|d| !dirs.contains(d)) {
+            let _ = self.debouncer.unwatch(gone);
+        }
+        for new in dirs.iter().filter(|d| !self.external.contains(d)) {
+            if let Err(e) = self.debouncer.watch(new, RecursiveMode::NonRecursive) {
+                tracing::warn!(
+                    "cannot watch {} (manifests are linked in from there): {e}; changes there need a reload",
+                    new.display()
+                );
+            }
+        }
+        self.external = dirs;
+    }
+}
+
+/// Starts watching; every debounced burst sends one `()`.
 /// `root_gone` is set when the watched directory itself is removed: its watch is dead.
 pub fn watch(
     dir: &Path,
     tx: mpsc::UnboundedSender<()>,
     root_gone: Arc<AtomicBool>,
-) -> anyhow::Result<impl Drop + use<>> {
+) -> anyhow::Result<Watch> {
     // Events come with absolute paths: a relative root would never be their prefix.
     let root = std::path::absolute(dir)?;
     let watched = root.clone();
@@ -77,7 +104,10 @@ pub fn watch(
             },
         )?;
     watch_tree(&mut debouncer, &watched, true)?;
-    Ok(debouncer)
+    Ok(Watch {
+        debouncer,
+        external: Vec::new(),
+    })
 }
 
 /// Watches `dir` and everything under it. A subdirectory that cannot be watched (no permission)

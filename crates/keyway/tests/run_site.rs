@@ -493,6 +493,42 @@ fn a_kubernetes_volume_in_a_subdirectory_reloads() {
     wait_until("the second version serves", || hello(p2).is_ok());
 }
 
+/// Manifests linked in from outside the config directory (a file symlink present at start, a
+/// directory symlink added while running) are read through the links, and edits where they
+/// live apply as edits in the directory do.
+#[test]
+fn edits_behind_symlinks_from_outside_apply() {
+    use std::os::unix::fs::symlink;
+    let a = Backend::start("a");
+    let base = temp_dir("symlinked");
+    let (dir, outside, linked) = (base.join("conf"), base.join("outside"), base.join("team"));
+    for d in [&dir, &outside, &linked] {
+        std::fs::create_dir_all(d).expect("mkdir");
+    }
+    let (p1, p2, p3, p4) = (free_port(), free_port(), free_port(), free_port());
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    std::fs::write(outside.join("svc.yaml"), mkl("svc", p1, &["key-a"])).expect("write");
+    symlink(outside.join("svc.yaml"), dir.join("svc.yaml")).expect("symlink");
+    let _site = Site::start(&dir);
+    wait_until("the linked file serves", || hello(p1).is_ok());
+    // An editor's save where the file lives: write aside, rename over.
+    let save = |path: &Path, text: &str| {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, path).expect("rename");
+    };
+    save(&outside.join("svc.yaml"), &mkl("svc", p2, &["key-a"]));
+    wait_until("the edit of the linked file applies", || hello(p2).is_ok());
+    // A directory linked in while running, then edited where it lives.
+    std::fs::write(linked.join("team.yaml"), mkl("team", p3, &["key-a"])).expect("write");
+    symlink(&linked, dir.join("team")).expect("symlink");
+    wait_until("the linked directory serves", || hello(p3).is_ok());
+    save(&linked.join("team.yaml"), &mkl("team", p4, &["key-a"]));
+    wait_until("the edit in the linked directory applies", || {
+        hello(p4).is_ok()
+    });
+}
+
 /// A relative `--config` (like the default `./keyway.d`) is watched whatever the directories
 /// above it are called, dot-directories included.
 #[test]
