@@ -74,11 +74,13 @@ pub fn ready_from(conds: Vec<Cond>, generation: i64, now: &Time) -> Value {
     })
 }
 
-/// Keeps `lastTransitionTime` of conditions whose status did not change since `previous`, so a
-/// running site reports when something actually transitioned. Also for the conditions of each
+/// Keeps `lastTransitionTime` of conditions whose status did not change since `previous`, and
+/// stamps `now` on those whose status did, so a running site reports when something actually
+/// transitioned (a resolver's status may carry the time it was computed, before an
+/// observation such as a late bind flipped it). Also for the conditions of each
 /// Gateway/ListenerSet listener (matched by name) and each route parent (by parentRef).
-pub fn carry_transition_times(previous: &Value, next: &mut Value) {
-    carry_list(previous.get("conditions"), next.get_mut("conditions"));
+pub fn carry_transition_times(previous: &Value, next: &mut Value, now: &Value) {
+    carry_list(previous.get("conditions"), next.get_mut("conditions"), now);
     for (field, key) in [("listeners", "name"), ("parents", "parentRef")] {
         let (Some(prev), Some(list)) = (
             previous.get(field).and_then(Value::as_array),
@@ -89,13 +91,13 @@ pub fn carry_transition_times(previous: &Value, next: &mut Value) {
         for item in list {
             let Some(id) = item.get(key) else { continue };
             if let Some(p) = prev.iter().find(|p| p.get(key) == Some(id)) {
-                carry_list(p.get("conditions"), item.get_mut("conditions"));
+                carry_list(p.get("conditions"), item.get_mut("conditions"), now);
             }
         }
     }
 }
 
-fn carry_list(previous: Option<&Value>, next: Option<&mut Value>) {
+fn carry_list(previous: Option<&Value>, next: Option<&mut Value>, now: &Value) {
     let (Some(prev), Some(list)) = (
         previous.and_then(Value::as_array),
         next.and_then(Value::as_array_mut),
@@ -103,11 +105,12 @@ fn carry_list(previous: Option<&Value>, next: Option<&mut Value>) {
         return;
     };
     for cond in list {
-        let same = prev
-            .iter()
-            .find(|p| p["type"] == cond["type"] && p["status"] == cond["status"]);
-        if let Some(p) = same {
-            cond["lastTransitionTime"] = p["lastTransitionTime"].clone();
+        match prev.iter().find(|p| p["type"] == cond["type"]) {
+            Some(p) if p["status"] == cond["status"] => {
+                cond["lastTransitionTime"] = p["lastTransitionTime"].clone();
+            }
+            Some(_) => cond["lastTransitionTime"] = now.clone(),
+            None => {}
         }
     }
 }
@@ -131,10 +134,10 @@ mod tests {
             "listeners": [{"name": "b", "conditions": [cond("False", "t1")]}, {"name": "a", "conditions": [cond("True", "t1")]}],
             "parents": [{"parentRef": {"name": "gw"}, "conditions": [cond("False", "t1")]}, {"parentRef": {"name": "new"}, "conditions": [cond("True", "t1")]}],
         });
-        carry_transition_times(&previous, &mut next);
+        carry_transition_times(&previous, &mut next, &json!("now"));
         let at = |v: &Value| v["conditions"][0]["lastTransitionTime"].clone();
         assert_eq!(at(&next), "t0");
-        assert_eq!(at(&next["listeners"][0]), "t1", "b flipped");
+        assert_eq!(at(&next["listeners"][0]), "now", "b flipped");
         assert_eq!(at(&next["listeners"][1]), "t0", "a kept its status");
         assert_eq!(at(&next["parents"][0]), "t0");
         assert_eq!(at(&next["parents"][1]), "t1", "a new parent");

@@ -354,7 +354,7 @@ impl Site {
         mark_taken_ports(&current.index, &mut statuses, &current.taken_ports, &now);
         for (key, status) in statuses.iter_mut() {
             if let Some(prev) = current.last_status.get(key) {
-                carry_transition_times(prev, status);
+                carry_transition_times(prev, status, &now_value);
             }
         }
         current.last_status = statuses.clone();

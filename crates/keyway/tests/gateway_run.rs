@@ -320,7 +320,7 @@ fn http_route_to_multi_key_listener_fails_over_when_the_preferred_backend_dies()
 fn unbindable_port_is_reported_as_port_unavailable() {
     let dir = temp_dir("bind");
     let (port, skupper_port) = (free_port(), free_port());
-    let _squatter = TcpListener::bind(("0.0.0.0", port)).expect("squat");
+    let squatter = TcpListener::bind(("0.0.0.0", port)).expect("squat");
     let _squatter2 = TcpListener::bind(("127.0.0.1", skupper_port)).expect("squat");
     let be = HttpBackend::start("be");
     let mut yaml = service("svc", be.port);
@@ -368,6 +368,42 @@ fn unbindable_port_is_reported_as_port_unavailable() {
         .find(|c| c["type"] == "Programmed")
         .expect("Programmed");
     assert_eq!(programmed["status"], "False", "{programmed}");
+    // The port freed 2 s later: the Gateway's Programmed turns True, stamped when it did (not
+    // when the config was read, before the bind failed).
+    std::thread::sleep(Duration::from_secs(2));
+    let freed = keyway_core::jiff::Timestamp::now().as_second();
+    drop(squatter);
+    let body = site.wait_for("/status", |_, body| {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        v["items"].as_array().into_iter().flatten().any(|i| {
+            i["kind"] == "Gateway"
+                && i["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "Programmed" && c["status"] == "True")
+        })
+    });
+    let v: serde_json::Value = serde_json::from_str(&body).expect("status");
+    let gw = v["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|i| i["kind"] == "Gateway")
+        .expect("gateway");
+    let stamp = gw["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == "Programmed")
+        .and_then(|c| c["lastTransitionTime"].as_str())
+        .and_then(|t| t.parse::<keyway_core::jiff::Timestamp>().ok())
+        .expect("a time")
+        .as_second();
+    assert!(
+        stamp >= freed - 1,
+        "Programmed=True stamped {stamp}, the port freed at {freed}"
+    );
 }
 
 /// A listener whose certificate is missing still holds its hostname: a handshake for it is
