@@ -1,17 +1,14 @@
 //! Watches the config directory (recursively; editors replace files atomically, so the directory,
-//! not single files, is watched) and debounces bursts of events into one reload.
+//! not single files, is watched) and turns bursts of events into one reload ([`settle`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use notify::{EventKind, RecursiveMode};
-use notify_debouncer_full::{DebounceEventResult, Debouncer, new_debouncer};
+use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-/// How long the watcher holds each file event, to pair renames and drop duplicates.
-const DEBOUNCE: Duration = Duration::from_millis(50);
 /// How long the files must stay unchanged before a reload reads them ([`settle`]): long enough
 /// to coalesce an editor's save or a file written in a few pieces.
 const QUIET: Duration = Duration::from_millis(150);
@@ -20,9 +17,10 @@ const QUIET: Duration = Duration::from_millis(150);
 const SETTLE_MAX: Duration = Duration::from_millis(600);
 
 /// Waits, after a change was reported on `rx`, until no other change has come for [`QUIET`]
-/// (but at most [`SETTLE_MAX`]), so that a file written in pieces is read once, whole.
-/// `notify-debouncer-full` alone releases each event once it is old enough, however many
-/// follow it. False when the watch has ended.
+/// (but at most [`SETTLE_MAX`]), so that a file written in pieces is read once, whole, and a
+/// file rewritten without pause is still reloaded. (`notify-debouncer-full`, used before,
+/// released each event once it was old enough however many followed, and held a file replaced
+/// every 50 ms for as long as that went on.) False when the watch has ended.
 pub async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
     let first = tokio::time::Instant::now();
     loop {
@@ -36,7 +34,7 @@ pub async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
 
 /// A running watch of the config directory; dropping it stops the watch.
 pub struct Watch {
-    debouncer: Debouncer<notify::RecommendedWatcher, notify_debouncer_full::RecommendedCache>,
+    watcher: RecommendedWatcher,
     /// Directories outside the config directory watched for the manifests linked in from them.
     external: Vec<PathBuf>,
 }
@@ -47,10 +45,10 @@ impl Watch {
     /// directory does not see.
     pub fn follow(&mut self, dirs: Vec<PathBuf>) {
         for gone in self.external.iter().filter(|d| !dirs.contains(d)) {
-            let _ = self.debouncer.unwatch(gone);
+            let _ = self.watcher.unwatch(gone);
         }
         for new in dirs.iter().filter(|d| !self.external.contains(d)) {
-            if let Err(e) = self.debouncer.watch(new, RecursiveMode::NonRecursive) {
+            if let Err(e) = self.watcher.watch(new, RecursiveMode::NonRecursive) {
                 tracing::warn!(
                     "cannot watch {} (manifests are linked in from there): {e}; changes there need a reload",
                     new.display()
@@ -71,56 +69,41 @@ pub fn watch(
     // Events come with absolute paths: a relative root would never be their prefix.
     let root = std::path::absolute(dir)?;
     let watched = root.clone();
-    let mut debouncer =
-        new_debouncer(
-            DEBOUNCE,
-            None,
-            move |result: DebounceEventResult| match result {
-                Ok(events) => {
-                    if events
-                        .iter()
-                        .any(|e| matches!(e.kind, EventKind::Remove(_)) && e.paths.contains(&root))
-                    {
-                        root_gone.store(true, Ordering::Release);
-                    }
-                    // Dot-files are skipped by the loader, and our own state directory lives under the
-                    // config dir as `.keyway-state`: neither may trigger a reload.
-                    // Reading the directory or a file reports Access events (open/close): the
-                    // reload itself causes them, and they must not trigger the next one.
-                    let relevant = events.iter().any(|e| {
-                        !matches!(e.kind, EventKind::Access(_))
-                            && e.paths.iter().any(|p| may_hold_manifests(&root, p))
-                    });
-                    if relevant {
-                        let _ = tx.send(());
-                    }
+    let mut watcher =
+        notify::recommended_watcher(move |result: notify::Result<notify::Event>| match result {
+            Ok(event) => {
+                if matches!(event.kind, EventKind::Remove(_)) && event.paths.contains(&root) {
+                    root_gone.store(true, Ordering::Release);
                 }
-                Err(errors) => {
-                    for e in errors {
-                        tracing::warn!("config watch: {e}");
-                    }
+                // Dot-files are skipped by the loader, and our own state directory lives under
+                // the config dir as `.keyway-state`: neither may trigger a reload. Reading the
+                // directory or a file reports Access events (open/close): the reload itself
+                // causes them, and they must not trigger the next one.
+                let relevant = !matches!(event.kind, EventKind::Access(_))
+                    && event.paths.iter().any(|p| may_hold_manifests(&root, p));
+                if relevant {
                     let _ = tx.send(());
                 }
-            },
-        )?;
-    watch_tree(&mut debouncer, &watched, true)?;
+            }
+            Err(e) => {
+                tracing::warn!("config watch: {e}");
+                let _ = tx.send(());
+            }
+        })?;
+    watch_tree(&mut watcher, &watched, true)?;
     Ok(Watch {
-        debouncer,
+        watcher,
         external: Vec::new(),
     })
 }
 
 /// Watches `dir` and everything under it. A subdirectory that cannot be watched (no permission)
 /// is skipped with a warning rather than stopping the watch of the rest, as the loader skips it.
-fn watch_tree<W: notify::Watcher, C: notify_debouncer_full::FileIdCache>(
-    debouncer: &mut notify_debouncer_full::Debouncer<W, C>,
-    dir: &Path,
-    is_root: bool,
-) -> anyhow::Result<()> {
-    let Err(e) = debouncer.watch(dir, RecursiveMode::Recursive) else {
+fn watch_tree(watcher: &mut RecommendedWatcher, dir: &Path, is_root: bool) -> anyhow::Result<()> {
+    let Err(e) = watcher.watch(dir, RecursiveMode::Recursive) else {
         return Ok(());
     };
-    if let Err(e) = debouncer.watch(dir, RecursiveMode::NonRecursive) {
+    if let Err(e) = watcher.watch(dir, RecursiveMode::NonRecursive) {
         if is_root {
             return Err(e.into());
         }
@@ -138,7 +121,7 @@ fn watch_tree<W: notify::Watcher, C: notify_debouncer_full::FileIdCache>(
         let path = entry.path();
         let hidden = entry.file_name().to_string_lossy().starts_with('.');
         if !hidden && path.is_dir() {
-            watch_tree(debouncer, &path, false)?;
+            watch_tree(watcher, &path, false)?;
         }
     }
     Ok(())

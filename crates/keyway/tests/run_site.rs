@@ -403,6 +403,35 @@ fn a_file_written_in_pieces_is_read_once_whole() {
     assert_eq!(count(), started + 1, "one file, one reload");
 }
 
+/// A file replaced every 50 ms without pause (a generator writing aside and renaming over) is
+/// still reloaded within the 1 s budget while that goes on, not only once it stops.
+#[test]
+fn a_file_replaced_without_pause_is_reloaded_meanwhile() {
+    let a = Backend::start("a");
+    let dir = temp_dir("busy-writer");
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    let site = Site::start(&dir);
+    let count = || reload_count(&site.get("/metrics").1);
+    let started = count();
+    let port = free_port();
+    let writer = {
+        let dir = dir.clone();
+        thread::spawn(move || {
+            for _ in 0..50 {
+                let tmp = dir.join(".svc.yaml.tmp");
+                std::fs::write(&tmp, mkl("svc", port, &["key-a"])).expect("write");
+                std::fs::rename(&tmp, dir.join("svc.yaml")).expect("rename");
+                thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    thread::sleep(Duration::from_millis(1200));
+    let during = count();
+    writer.join().expect("writer");
+    assert!(during > started, "no reload in 1.2 s of writes");
+    assert!(hello(port).is_ok());
+}
+
 /// A Kubernetes ConfigMap volume: the files live in a `..<timestamp>` directory, `..data`
 /// points at it, and each manifest at the root links through `..data`. An update writes a new
 /// directory and re-points `..data` in one rename; every event is on a dot-path. A FIFO and a
