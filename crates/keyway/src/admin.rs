@@ -178,7 +178,6 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
         (None, Some(e)) => return Err(unreachable(&e)),
         (None, None) => return Err(unreachable(&"no address")),
     };
-    stream.set_read_timeout(Some(WAIT))?;
     stream.set_write_timeout(Some(WAIT))?;
     let no_answer = |e: std::io::Error| {
         let why = if matches!(
@@ -194,8 +193,23 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
         )
     };
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(no_answer)?;
+    // The whole answer within WAIT: a peer trickling bytes must not keep us for ever.
+    let deadline = std::time::Instant::now() + WAIT;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).map_err(no_answer)?;
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(no_answer(std::io::ErrorKind::TimedOut.into()));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(no_answer(e)),
+        }
+    }
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text
         .split_once("\r\n\r\n")
