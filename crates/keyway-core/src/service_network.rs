@@ -431,13 +431,24 @@ pub fn statuses(
                     configured(key),
                     Cond::ready_or_pending("Matched", has, "No matching listeners"),
                 ];
-                // A running site (one with an id) has health-checked the target, so the
-                // condition is always there, as Kubernetes keeps a condition it once set;
-                // offline, health is unknown and the condition left out.
+                // A running site (one with an id) health-checks every target it runs, so the
+                // condition stays there, as Kubernetes keeps a condition it once set: True
+                // while the target answers, or says that checks are off. Offline, and for a
+                // Connector not running (not configured), health is unknown and left out.
+                let running = res.plan.connectors.iter().find(|p| p.id == *key);
                 if let Some(why) = reach.unhealthy_connectors.get(key) {
                     conds.push(Cond::error("Healthy", why));
-                } else if reach.site_id.is_some() {
-                    conds.push(Cond::ready("Healthy"));
+                } else if let (Some(plan), Some(_)) = (running, &reach.site_id) {
+                    conds.push(if plan.health.enabled {
+                        Cond::ready("Healthy")
+                    } else {
+                        Cond::new(
+                            "Healthy",
+                            true,
+                            "NotChecked",
+                            "health checks are off (settings health-check: \"false\")",
+                        )
+                    });
                 }
                 let mut v = ready_from(conds, generation, now);
                 v["hasMatchingListener"] = json!(has);

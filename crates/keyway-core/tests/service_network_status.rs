@@ -290,6 +290,20 @@ fn healthy_is_reported_by_a_running_site_only() {
     let (_, st) = statuses(&index, None);
     let c = status_of(&st, Kind::Connector, "c");
     assert!(!cond_types(c).contains(&"Healthy"), "{c}");
+    // With checks off the condition says so.
+    let index = index_of(&connector(
+        "c",
+        "db",
+        17002,
+        "  settings: {health-check: \"false\"}\n",
+    ));
+    let running = Reachability {
+        site_id: Some("id-1".into()),
+        ..Reachability::default()
+    };
+    let (_, st) = statuses(&index, Some(running));
+    let c = status_of(&st, Kind::Connector, "c");
+    assert_eq!(cond(c, "Healthy")["reason"], "NotChecked", "{c}");
 }
 
 #[test]
