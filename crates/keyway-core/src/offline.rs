@@ -11,7 +11,7 @@ use crate::gateway::{self, GatewayResolution, mark_port_unavailable, rederive_pr
 use crate::index::Index;
 use crate::load::{ConfigError, FileLoad};
 use crate::port_owners::{self, TakenPort};
-use crate::reconcile::{ObjectState, Reconciled, hosts_overlap, precedence_of, reconcile};
+use crate::reconcile::{ObjectState, Reconciled, hosts_overlap, reconcile};
 use crate::resource::ObjectKey;
 use crate::service_network::{self, Reachability, Resolution};
 
@@ -23,7 +23,8 @@ pub struct Compiled {
     pub resolution: Resolution,
     pub gateway: GatewayResolution,
     pub statuses: BTreeMap<ObjectKey, Value>,
-    /// Gateway ports left out of the plan: the RouterAccess or a Listener holds them.
+    /// Gateway ports left out of the plan (the RouterAccess or a Listener holds them), and
+    /// those an older Gateway holds.
     pub taken_ports: Vec<TakenPort>,
 }
 
@@ -48,55 +49,33 @@ impl Compiled {
     /// Ports two objects want on overlapping addresses, which only one of them can bind:
     /// RouterAccess first, then Listeners and MultiKeyListeners (among themselves already
     /// settled when the files were read), then Gateways oldest first (a running site keeps a
-    /// port with the Gateway serving it). Each later claimant gets the error. Gateway ports the
-    /// former hold are already out of the plan ([`port_owners`]).
+    /// port with the Gateway serving it). Each later claimant gets the error; the Gateways'
+    /// losses are [`Compiled::taken_ports`] ([`port_owners`]).
     fn port_clashes(&self) -> Vec<ConfigError> {
         let plan = &self.resolution.plan;
-        let mut claims: Vec<(Vec<String>, u16, &ObjectKey, String)> = Vec::new();
-        if let Some(ra) = &plan.router_access {
-            claims.push((
-                vec![ra.bind_host.clone()],
-                ra.port,
-                &ra.id,
-                "spec.port".into(),
-            ));
-        }
-        for l in &plan.listeners {
-            claims.push((vec![l.host.clone()], l.port, &l.id, "spec.port".into()));
-        }
-        let mut gateways: Vec<_> = plan
-            .gateways
-            .gateways
+        let mut errors: Vec<ConfigError> = self
+            .taken_ports
             .iter()
-            .filter_map(|g| Some((precedence_of(self.index.get(&g.gateway)?), g)))
+            .filter_map(|t| t.error(&self.index))
             .collect();
-        gateways.sort_by(|a, b| a.0.cmp(&b.0));
-        for (_, g) in gateways {
-            let hosts: Vec<String> = if g.addresses.is_empty() {
-                vec!["0.0.0.0".into()]
-            } else {
-                g.addresses.iter().map(ToString::to_string).collect()
-            };
-            for p in &g.ports {
-                let path = port_owners::listener_path(&self.index, &g.gateway, p.port);
-                claims.push((hosts.clone(), p.port, &g.gateway, path));
-            }
-        }
-        let mut errors = Vec::new();
-        let taken = self.taken_ports.iter().filter_map(|t| t.error(&self.index));
-        for (i, (hosts, port, key, path)) in claims.iter().enumerate() {
-            let holder = claims[..i].iter().find(|(h, p, k, _)| {
-                p == port && k != key && h.iter().any(|a| hosts.iter().any(|b| hosts_overlap(a, b)))
-            });
-            if let (Some((_, _, holder, _)), Some(obj)) = (holder, self.index.get(key)) {
-                errors.push(obj.error_at(
-                    path,
-                    format!("port {port} is also wanted by {holder}: only one of them can bind it"),
-                ));
+        if let Some(ra) = &plan.router_access {
+            for l in &plan.listeners {
+                if l.port == ra.port
+                    && hosts_overlap(&l.host, &ra.bind_host)
+                    && let Some(obj) = self.index.get(&l.id)
+                {
+                    errors.push(obj.error_at(
+                        "spec.port",
+                        format!(
+                            "port {} is also wanted by {}: only one of them can bind it",
+                            l.port, ra.id
+                        ),
+                    ));
+                }
             }
         }
         let mut unique = Vec::new();
-        for e in taken.chain(errors) {
+        for e in errors {
             if !unique.contains(&e) {
                 unique.push(e);
             }
@@ -115,7 +94,11 @@ pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compi
     let gateway = gateway::resolve(&index, now);
     statuses.extend(gateway.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
     resolution.plan.gateways = gateway.plan.clone();
-    let taken_ports = port_owners::withhold_taken_ports(&mut resolution.plan);
+    let mut taken_ports = port_owners::withhold_taken_ports(&mut resolution.plan);
+    taken_ports.extend(port_owners::gateway_clashes(
+        &index,
+        &resolution.plan.gateways,
+    ));
     mark_taken_ports(&index, &mut statuses, &taken_ports, now);
     Compiled {
         index,

@@ -4,11 +4,13 @@
 //! port a Listener holds is never bound by the Gateway, not even while the Listener's socket is
 //! closed because none of its keys is reachable.
 
+use crate::gateway::GatewayPlan;
+use crate::gateway::plan::GatewayBind;
 use crate::index::Index;
 use crate::load::ConfigError;
 use crate::plan::Plan;
-use crate::reconcile::hosts_overlap;
-use crate::resource::{ObjectKey, Resource};
+use crate::reconcile::{hosts_overlap, precedence_of};
+use crate::resource::ObjectKey;
 
 /// A Gateway port withheld because the RouterAccess or a Listener holds it.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,11 +29,19 @@ impl TakenPort {
         taken_message(self.port, &self.holder, owner)
     }
 
-    /// The error `keyway validate` and the site's `configErrors` report on the Gateway.
+    /// The error `keyway validate` and the site's `configErrors` report: on the Gateway's
+    /// listener on the port, or on the ListenerSet's that brings it.
     pub fn error(&self, index: &Index) -> Option<ConfigError> {
-        let obj = index.get(&self.gateway)?;
+        let owners = std::iter::once(&self.gateway).chain(self.listeners.iter().map(|(o, _)| o));
+        let at = owners
+            .filter_map(|o| index.get(o))
+            .find_map(|obj| Some((obj, crate::gateway::listener_on_port(obj, self.port)?)));
+        let (obj, path) = match at {
+            Some((obj, j)) => (obj, format!("spec.listeners[{j}]")),
+            None => (index.get(&self.gateway)?, "spec.listeners".to_string()),
+        };
         Some(obj.error_at(
-            &listener_path(index, &self.gateway, self.port),
+            &path,
             format!(
                 "port {} is also wanted by {}: only one of them can bind it",
                 self.port, self.holder
@@ -40,29 +50,59 @@ impl TakenPort {
     }
 }
 
-/// Where an error about `gateway`'s `port` is reported: its first listener on the port
-/// (`spec.listeners[j]`), or `spec.listeners` when only a ListenerSet brings the port.
-pub fn listener_path(index: &Index, gateway: &ObjectKey, port: u16) -> String {
-    let at = index.get(gateway).and_then(|o| match &o.resource {
-        Resource::Gateway(g) => g
-            .spec
-            .listeners
-            .iter()
-            .position(|l| l.port == i32::from(port)),
-        _ => None,
-    });
-    at.map_or_else(
-        || "spec.listeners".into(),
-        |j| format!("spec.listeners[{j}]"),
-    )
-}
-
 /// "port N is already used by …", naming `holder` only to an `owner` in its namespace.
 pub fn taken_message(port: u16, holder: &ObjectKey, owner: &ObjectKey) -> String {
     if holder.namespace == owner.namespace {
         format!("port {port} is already used by {holder}")
     } else {
         format!("port {port} is already used by an object in another namespace")
+    }
+}
+
+/// Gateway ports another Gateway holds on an overlapping address, oldest Gateway first (first
+/// seen, then namespace/name), as `keyway validate` and `status --config` settle them. A running
+/// site settles them as it binds: the Gateway serving a port keeps it.
+pub fn gateway_clashes(index: &Index, gateways: &GatewayPlan) -> Vec<TakenPort> {
+    let mut ordered: Vec<_> = gateways
+        .gateways
+        .iter()
+        .filter_map(|g| Some((precedence_of(index.get(&g.gateway)?), g)))
+        .collect();
+    ordered.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut claimed: Vec<(Vec<String>, u16, &ObjectKey)> = Vec::new();
+    let mut taken = Vec::new();
+    for (_, g) in ordered {
+        let hosts = bind_hosts(g);
+        for pb in &g.ports {
+            let holder = claimed.iter().find(|(h, port, key)| {
+                *port == pb.port
+                    && *key != &g.gateway
+                    && h.iter().any(|a| hosts.iter().any(|b| hosts_overlap(a, b)))
+            });
+            match holder {
+                Some((_, _, holder)) => taken.push(TakenPort {
+                    gateway: g.gateway.clone(),
+                    port: pb.port,
+                    holder: (*holder).clone(),
+                    listeners: pb
+                        .listeners
+                        .iter()
+                        .map(|l| (l.owner.clone(), l.name.clone()))
+                        .collect(),
+                }),
+                None => claimed.push((hosts.clone(), pb.port, &g.gateway)),
+            }
+        }
+    }
+    taken
+}
+
+/// The addresses a Gateway binds its ports on (every address without `spec.addresses`).
+fn bind_hosts(g: &GatewayBind) -> Vec<String> {
+    if g.addresses.is_empty() {
+        vec!["0.0.0.0".into()]
+    } else {
+        g.addresses.iter().map(ToString::to_string).collect()
     }
 }
 
@@ -78,11 +118,7 @@ pub fn withhold_taken_ports(plan: &mut Plan) -> Vec<TakenPort> {
     }
     let mut taken = Vec::new();
     for gw in &mut plan.gateways.gateways {
-        let hosts: Vec<String> = if gw.addresses.is_empty() {
-            vec!["0.0.0.0".into()]
-        } else {
-            gw.addresses.iter().map(ToString::to_string).collect()
-        };
+        let hosts = bind_hosts(gw);
         let gateway = gw.gateway.clone();
         gw.ports.retain(|pb| {
             let holder = holders.iter().find(|(host, port, _)| {

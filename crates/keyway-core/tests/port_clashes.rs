@@ -144,3 +144,50 @@ fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neigh
         assert!(!status.to_string().contains("default/l") || gateway_ns == "default");
     }
 }
+
+/// Two Gateways on one port: offline status agrees with `validate` (the newer one's listeners
+/// are `PortUnavailable`), and a port only a ListenerSet brings is reported on that ListenerSet.
+#[test]
+fn gateway_port_clashes_show_in_offline_status_and_at_the_listener_that_brings_the_port() {
+    let ls = "apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata:\n  name: team\nspec:\n  parentRef: {name: young}\n  listeners:\n  - {name: extra, protocol: HTTP, port: 7070, hostname: c.example}\n---\n";
+    let young = gateway("young", 50, &[], &[8080]).replace(
+        "  gatewayClassName: keyway\n",
+        "  gatewayClassName: keyway\n  allowedListeners: {namespaces: {from: Same}}\n",
+    );
+    let yaml = gateway("old", 10, &[], &[8080, 7070]) + &young + ls;
+    let mut state = ObjectState::default();
+    let c = keyway_core::offline::compile(&[load_file("a.yaml", &yaml)], &mut state, &at(100));
+    let key = keyway_core::ObjectKey::new(keyway_core::Kind::Gateway, "default", "young");
+    let listeners = c.statuses[&key]["listeners"]
+        .as_array()
+        .expect("listeners")
+        .clone();
+    for l in &listeners {
+        let programmed = l["conditions"]
+            .as_array()
+            .expect("conditions")
+            .iter()
+            .find(|c| c["type"] == "Programmed")
+            .expect("Programmed")
+            .clone();
+        assert_eq!(programmed["reason"], "PortUnavailable", "{l}");
+        assert_eq!(
+            programmed["message"], "port 8080 is already used by Gateway default/old",
+            "{l}"
+        );
+    }
+    let errors: Vec<String> = c
+        .errors()
+        .iter()
+        .map(|e| {
+            let obj = e.object.as_ref().map(|k| format!("{}/{}", k.kind, k.name));
+            format!("{} {}: {}", obj.unwrap_or_default(), e.path, e.message)
+        })
+        .collect();
+    assert!(
+        errors.iter().any(|e| e.starts_with(
+            "ListenerSet/team spec.listeners[0]: port 7070 is also wanted by Gateway default/old"
+        )),
+        "{errors:#?}"
+    );
+}

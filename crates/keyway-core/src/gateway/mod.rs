@@ -328,6 +328,20 @@ fn cached<T>(
     Some((*next_version, value))
 }
 
+/// The index of the first listener on `port` that a Gateway or ListenerSet declares.
+pub(crate) fn listener_on_port(obj: &LoadedObject, port: u16) -> Option<usize> {
+    let port = i32::from(port);
+    match &obj.resource {
+        Resource::Gateway(g) => g.spec.listeners.iter().position(|l| l.port == port),
+        Resource::ListenerSet(ls) => ls
+            .spec
+            .listeners
+            .iter()
+            .position(|l| ListenerSpec::from_listener_set(l).port == port),
+        _ => None,
+    }
+}
+
 fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
     let specs: Vec<ListenerSpec> = match &obj.resource {
         Resource::Gateway(g) => g
