@@ -51,16 +51,34 @@ pub fn external_dirs(root: &Path) -> Vec<PathBuf> {
     let Ok(root) = std::fs::canonicalize(root) else {
         return Vec::new();
     };
-    let mut dirs: Vec<PathBuf> = listing
-        .files
-        .iter()
-        .filter_map(|f| std::fs::canonicalize(f).ok())
-        .filter_map(|f| f.parent().map(Path::to_path_buf))
-        .filter(|d| !d.starts_with(&root))
-        .collect();
+    let mut dirs = Vec::new();
+    for file in &listing.files {
+        link_dirs(file, &mut dirs);
+    }
+    dirs.retain(|d| !d.starts_with(&root));
     dirs.sort();
     dirs.dedup();
     dirs
+}
+
+/// The directory of every hop from `file` to what it finally names: a link to a ConfigMap
+/// volume's file elsewhere (`x.yaml -> ..data/x.yaml`) changes when `..data` is re-pointed in
+/// the directory of the intermediate link, not in the final file's.
+fn link_dirs(file: &Path, out: &mut Vec<PathBuf>) {
+    let mut hop = file.to_path_buf();
+    // As the kernel does, give up on a chain of more than 40 links.
+    for _ in 0..40 {
+        if let Some(dir) = hop.parent().and_then(|d| std::fs::canonicalize(d).ok()) {
+            out.push(dir);
+        }
+        let Ok(target) = std::fs::read_link(&hop) else {
+            break;
+        };
+        hop = match hop.parent() {
+            Some(dir) if target.is_relative() => dir.join(target),
+            _ => target,
+        };
+    }
 }
 
 /// Records a directory as walked; false when it was already (a symlink cycle or a second link).

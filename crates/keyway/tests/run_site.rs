@@ -556,6 +556,23 @@ fn edits_behind_symlinks_from_outside_apply() {
     wait_until("the edit in the linked directory applies", || {
         hello(p4).is_ok()
     });
+    // A link to a file of a ConfigMap volume mounted elsewhere: the volume's `..data` swap.
+    let (p5, p6) = (free_port(), free_port());
+    let volume = base.join("volume");
+    let version = |name: &str, port: u16| {
+        let v = volume.join(name);
+        std::fs::create_dir_all(&v).expect("mkdir");
+        std::fs::write(v.join("vol.yaml"), mkl("vol", port, &["key-a"])).expect("write");
+    };
+    version("..v1", p5);
+    symlink("..v1", volume.join("..data")).expect("symlink");
+    symlink("..data/vol.yaml", volume.join("vol.yaml")).expect("symlink");
+    symlink(volume.join("vol.yaml"), dir.join("vol.yaml")).expect("symlink");
+    wait_until("the volume's file serves", || hello(p5).is_ok());
+    version("..v2", p6);
+    symlink("..v2", volume.join("..data_tmp")).expect("symlink");
+    std::fs::rename(volume.join("..data_tmp"), volume.join("..data")).expect("swap");
+    wait_until("the volume's update applies", || hello(p6).is_ok());
 }
 
 /// A relative `--config` (like the default `./keyway.d`) is watched whatever the directories
