@@ -57,6 +57,8 @@ struct Current {
     last_status: BTreeMap<ObjectKey, Value>,
     /// Gateway ports left out of the plan: the RouterAccess or a Listener holds them.
     taken_ports: Vec<TakenPort>,
+    /// Gateway ports another Gateway holds, as the data plane settled them on the last apply.
+    gateway_conflicts: Vec<ConfigError>,
 }
 
 pub struct Site {
@@ -157,6 +159,7 @@ impl Site {
         resolution.plan.gateways = current.gateway.update(&index, &cli::now()).plan.clone();
         let taken_ports = port_owners::withhold_taken_ports(&mut resolution.plan);
         self.dataplane.apply(&resolution.plan);
+        let gateway_conflicts = conflict_errors(&index, &self.dataplane.observe().gateway_errors);
         self.network.apply(&resolution.plan);
         // Like errors, a warning is logged when it appears, not again at every reload.
         for w in &reconciled.warnings {
@@ -169,6 +172,7 @@ impl Site {
         current.reconciled = reconciled;
         current.resolution = resolution;
         current.taken_ports = taken_ports;
+        current.gateway_conflicts = gateway_conflicts;
         let errors = all_errors(&current);
         for e in &errors {
             if !previous_errors.contains(e) {
@@ -468,7 +472,7 @@ impl Site {
             .chain(
                 obs.gateway_errors
                     .iter()
-                    .filter(|e| !e.conflict)
+                    .filter(|e| e.conflict.is_none())
                     .map(|e| format!("{} listener {}: {}", e.owner, e.listener, e.message)),
             )
             .collect();
@@ -492,16 +496,42 @@ fn all_errors(current: &Current) -> Vec<ConfigError> {
             all.push(p.clone());
         }
     }
-    for e in current
+    let taken = current
         .taken_ports
         .iter()
-        .filter_map(|t| t.error(&current.index))
-    {
+        .filter_map(|t| t.error(&current.index));
+    for e in taken.chain(current.gateway_conflicts.iter().cloned()) {
         if !all.contains(&e) {
             all.push(e);
         }
     }
     all
+}
+
+/// The config errors of Gateway ports the data plane gave another Gateway (one per port), as
+/// `keyway validate` reports them.
+fn conflict_errors(
+    index: &Index,
+    errors: &[keyway_dataplane::gateway::ListenerError],
+) -> Vec<ConfigError> {
+    let mut out = Vec::new();
+    for e in errors {
+        let Some((port, holder)) = &e.conflict else {
+            continue;
+        };
+        let lost = TakenPort {
+            gateway: e.owner.clone(),
+            port: *port,
+            holder: holder.clone(),
+            listeners: Vec::new(),
+        };
+        if let Some(err) = lost.error(index)
+            && !out.contains(&err)
+        {
+            out.push(err);
+        }
+    }
+    out
 }
 
 /// One redemption by a running site; the error says whether retrying can help.

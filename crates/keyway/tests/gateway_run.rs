@@ -584,6 +584,14 @@ fn a_newcomer_never_takes_a_serving_port_from_another_gateway() {
         assert_eq!(http_get(port, host, "/").0, 302, "{host}");
     }
     assert_eq!(site.get("/readyz").0, 200, "{}", site.get("/readyz").1);
+    // The operator's view names it, as `keyway validate` does: a config error on the
+    // ListenerSet's listener.
+    let status: serde_json::Value = serde_json::from_str(&site.get("/status").1).expect("json");
+    let errors = status["metadata"]["configErrors"].to_string();
+    assert!(
+        errors.contains("ls.yaml") && errors.contains("also wanted by Gateway default/b-gw"),
+        "{errors}"
+    );
 }
 
 /// A Gateway never binds a port a skupper Listener holds, not even while the Listener's socket

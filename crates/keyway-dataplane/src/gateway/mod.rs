@@ -366,9 +366,9 @@ pub struct ListenerError {
     /// The listener's certificate could not be used (a key that does not match its
     /// certificate, say), rather than its port.
     pub invalid_certificate: bool,
-    /// Another Gateway holds the port by the rules: a conflict in the config, not a failure
-    /// of the site.
-    pub conflict: bool,
+    /// Another Gateway holds the port by the rules, (port, that Gateway): a conflict in the
+    /// config, not a failure of the site.
+    pub conflict: Option<(u16, ObjectKey)>,
 }
 
 /// State every gateway connection shares.
@@ -504,7 +504,7 @@ impl Gateways {
                         listener: l.name.clone(),
                         message: keyway_core::port_owners::taken_message(pb.port, owner, &l.owner),
                         invalid_certificate: false,
-                        conflict: true,
+                        conflict: Some((pb.port, (*owner).clone())),
                     });
                 }
                 continue;
@@ -589,7 +589,7 @@ impl Gateways {
                         listener: listener.clone(),
                         message: e.clone(),
                         invalid_certificate: false,
-                        conflict: false,
+                        conflict: None,
                     });
                 }
             }
@@ -670,7 +670,7 @@ impl Gateways {
                             listener: l.name.clone(),
                             message,
                             invalid_certificate: true,
-                            conflict: false,
+                            conflict: None,
                         });
                     }
                     // Its hostname stays taken: a handshake for it is refused rather than
