@@ -252,8 +252,13 @@ async fn accept_loop(
                 Err(e) => {
                     bind_failures += 1;
                     let msg = format!("cannot bind {}:{}: {e}", rt.plan.host, rt.plan.port);
-                    if bind_failures == 1 || bind_failures.is_multiple_of(30) {
+                    // The status says so at once; the log waits for a third failure (~200
+                    // ms): a port another object of the site gives up in the same reload (a
+                    // Gateway's) is free a moment later, which is no news to the operator.
+                    if bind_failures == 3 || bind_failures.is_multiple_of(30) {
                         tracing::warn!(listener = %rt.label, "{msg}");
+                    } else {
+                        tracing::debug!(listener = %rt.label, "{msg}");
                     }
                     state.set_error(Some(msg));
                     // Retry quickly at first (a port being released by a reload), then every second.
