@@ -746,6 +746,54 @@ async fn reload_on_a_keep_alive_connection(workers: Option<Workers>) {
     assert_eq!(dp.shutdown(IO_TIMEOUT).await, 0);
 }
 
+/// An HTTP/2 connection to a port the config no longer has gets its 404 and then GOAWAY, as
+/// an HTTP/1.x keep-alive connection gets `Connection: close`: the client connects again
+/// rather than getting 404s for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_connection_to_a_retired_port_gets_goaway_after_its_404() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let svc = service("svc", be);
+    let yaml = format!(
+        "{svc}{}{}",
+        gateway(&format!(
+            "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+        )),
+        http_route(
+            "r",
+            1,
+            "",
+            &tagged("[{path: {type: PathPrefix, value: /}}]", "one", "svc")
+        )
+    );
+    let dp = start(&yaml, port).await;
+    let s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(s),
+    )
+    .await
+    .expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    let req = || Request::get("http://x/").body(Empty::new()).expect("req");
+    let r = sender.send_request(req()).await.expect("first");
+    assert_eq!(r.status(), StatusCode::OK);
+    let _ = r.into_body().collect().await;
+    dp.apply(&compile(&svc));
+    let r = sender.send_request(req()).await.expect("second");
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let _ = r.into_body().collect().await;
+    let ended = tokio::time::timeout(Duration::from_secs(3), conn).await;
+    assert!(
+        matches!(ended, Ok(Ok(Ok(())))),
+        "the connection did not end after GOAWAY: {ended:?}"
+    );
+    drop(sender);
+    assert_eq!(dp.shutdown(IO_TIMEOUT).await, 0);
+}
+
 /// Awaits every future (spawned, so they run concurrently).
 async fn futures_join_all<F>(fs: impl Iterator<Item = F>) -> Vec<F::Output>
 where

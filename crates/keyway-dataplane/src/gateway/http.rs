@@ -170,11 +170,20 @@ async fn serve_h2<I: Io>(
     let requests = activity.clone();
     let peer = info.peer;
     let svc_info = info.clone();
+    let retired = Arc::new(tokio::sync::Notify::new());
+    let svc_retired = retired.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
         let info = svc_info.clone();
         let in_flight = requests.request();
+        let retired = svc_retired.clone();
         async move {
             let response = handle(&info, req.map(Body::Incoming)).await;
+            // A port no longer in the config serves nothing more: as an HTTP/1.x client is
+            // told `Connection: close`, this one gets GOAWAY and connects again rather than
+            // getting 404s for good.
+            if info.config.load().listeners.is_empty() {
+                retired.notify_one();
+            }
             Ok::<_, Infallible>(response.map(|body| body.holding(in_flight)))
         }
     });
@@ -192,6 +201,10 @@ async fn serve_h2<I: Io>(
         () = closed(&mut closing) => {
             // Shutting down: the requests in progress finish (GOAWAY), then the connection
             // ends.
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+        () = retired.notified() => {
             connection.as_mut().graceful_shutdown();
             let _ = connection.await;
         }
