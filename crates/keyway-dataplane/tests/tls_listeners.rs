@@ -301,6 +301,54 @@ async fn certificate_reload_keeps_open_connections() {
     );
 }
 
+/// A host name that changes hands (here the listener holding it is replaced by another, with
+/// its own certificate and routes): a keep-alive connection made under the old listener's
+/// certificate must not reach the new one's routes. Its next request gets 421 and the
+/// connection closes; a new connection gets the new certificate and routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_that_changes_hands_is_not_served_under_the_old_certificate() {
+    let ca = Ca::new("ca");
+    let (a, b) = (http_backend("A").await, http_backend("B").await);
+    let port = free_port();
+    let (one, two) = (ca.leaf(&["a.example.com"]), ca.leaf(&["a.example.com"]));
+    let yaml = |listener: &str, leaf: &Leaf, svc: std::net::SocketAddr| {
+        let mut y = secret_yaml("cert", leaf);
+        y.push_str(&service("svc", svc));
+        y.push_str(&gateway(&format!(
+            "  - {{name: {listener}, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert}}]}}}}\n"
+        )));
+        y.push_str(&http_route_to("r", listener, "svc"));
+        y
+    };
+    let dp = start(&yaml("team-one", &one, a), port).await;
+    let (mut t, der) = handshake(port, &ca, "a.example.com").await.expect("tls");
+    assert_eq!(der, common::cert(&one.cert_pem).to_vec());
+    let get = b"GET / HTTP/1.1\r\nhost: a.example.com\r\n\r\n";
+    t.write_all(get).await.expect("w");
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(IO_TIMEOUT, t.read(&mut buf))
+        .await
+        .expect("t")
+        .expect("r");
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("backend=A"));
+
+    dp.apply(&compile(&yaml("team-two", &two, b)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    t.write_all(get).await.expect("w");
+    let got = read_all(&mut t).await;
+    assert!(
+        got.starts_with("HTTP/1.1 421") && got.contains("connection: close"),
+        "the old certificate's connection is misdirected and closed: {got}"
+    );
+    assert!(!got.contains("backend=B"), "{got}");
+    let (mut t2, der2) = handshake(port, &ca, "a.example.com").await.expect("tls");
+    assert_eq!(der2, common::cert(&two.cert_pem).to_vec());
+    t2.write_all(b"GET / HTTP/1.1\r\nhost: a.example.com\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("w");
+    assert!(read_all(&mut t2).await.contains("backend=B"));
+}
+
 /// Clients that connect and stall (nothing, part of a record header, a whole ClientHello then
 /// nothing) are closed by the gateway, and no connection stays counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,6 +14,7 @@ use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use keyway_core::ObjectKey;
 use keyway_core::gateway::plan::{Backend, Protocol};
 
 use super::front;
@@ -32,8 +33,8 @@ struct ConnInfo {
     peer: SocketAddr,
     /// The client address as an X-Forwarded-For value, formatted once per connection.
     peer_ip: Option<HeaderValue>,
-    /// `None`: cleartext; `Some(sni)`: TLS, with the server name the client sent.
-    tls: Option<Option<String>>,
+    /// `None`: cleartext; else what its TLS handshake chose.
+    tls: Option<TlsSession>,
     /// The HTTP/1.1 backend connection kept between this connection's requests.
     upstream: Arc<Sticky>,
     /// The header lines of the response being returned to an HTTP/1.x client, when they came
@@ -42,6 +43,33 @@ struct ConnInfo {
     /// at a time, so what `forward` leaves here belongs to the response it returns; HTTP/2
     /// connections never use it.
     raw_head: Mutex<Option<h1::RawHeaders>>,
+}
+
+/// What a TLS connection got at its handshake.
+pub struct TlsSession {
+    /// The server name the client sent.
+    pub sni: Option<String>,
+    /// The listener whose certificate it was given: (owner, listener name).
+    pub listener: (ObjectKey, String),
+}
+
+impl ConnInfo {
+    /// Whether this connection should serve no more requests once the current one is answered:
+    /// its port is no longer in the config, or the listener whose certificate it was given no
+    /// longer holds its server name (another listener took the name, or it was deleted). Its
+    /// client then connects again, and gets what the port serves now.
+    fn stale(&self) -> bool {
+        let cfg = self.config.load();
+        cfg.listeners.is_empty() || self.tls.as_ref().is_some_and(|t| !holds_name(&cfg, t))
+    }
+}
+
+/// Whether the listener that gave `tls` its certificate still holds its server name.
+fn holds_name(cfg: &PortConfig, tls: &TlsSession) -> bool {
+    cfg.select(tls.sni.as_deref(), |l| {
+        l.tls_mode != Some(keyway_core::gateway::plan::TlsMode::Passthrough)
+    })
+    .is_some_and(|l| l.owner == tls.listener.0 && l.name == tls.listener.1)
 }
 
 /// How long an idle connection told to close (HTTP/2 GOAWAY) may take to finish.
@@ -54,7 +82,7 @@ pub async fn serve<I: Io>(
     config: Arc<ArcSwap<PortConfig>>,
     io: I,
     peer: SocketAddr,
-    tls: Option<Option<String>>,
+    tls: Option<TlsSession>,
 ) {
     let pool = ctx.pool.clone();
     let upstream = pool.sticky();
@@ -142,9 +170,10 @@ async fn serve_h1(info: &Arc<ConnInfo>, conn: &Arc<Mutex<front::Conn>>, activity
                 return;
             }
         };
-        // A port no longer in the config (its listener moved or was deleted) serves nothing
-        // more: its keep-alive clients are told to reconnect rather than get 404s for good.
-        let shutting_down = *info.ctx.closing.borrow() || info.config.load().listeners.is_empty();
+        // A port no longer in the config (its listener moved or was deleted), or a name whose
+        // certificate now comes from another listener, serves nothing more on this
+        // connection: its keep-alive client is told to reconnect.
+        let shutting_down = *info.ctx.closing.borrow() || info.stale();
         let raw = info
             .raw_head
             .lock()
@@ -178,10 +207,10 @@ async fn serve_h2<I: Io>(
         let retired = svc_retired.clone();
         async move {
             let response = handle(&info, req.map(Body::Incoming)).await;
-            // A port no longer in the config serves nothing more: as an HTTP/1.x client is
-            // told `Connection: close`, this one gets GOAWAY and connects again rather than
-            // getting 404s for good.
-            if info.config.load().listeners.is_empty() {
+            // A port no longer in the config, or a name now another listener's, serves
+            // nothing more here: as an HTTP/1.x client is told `Connection: close`, this one
+            // gets GOAWAY and connects again.
+            if info.stale() {
                 retired.notify_one();
             }
             Ok::<_, Infallible>(response.map(|body| body.holding(in_flight)))
@@ -474,10 +503,10 @@ async fn route(
     // handshake chose it): that of the server name, or without one (a client that sent none,
     // or an IP address) that of the listener without a hostname. Else 421, also for HTTP/2
     // connections reused across hosts.
-    if let Some(sni) = &info.tls
-        && sni.as_deref() != Some(&*host)
+    if let Some(tls) = &info.tls
+        && tls.sni.as_deref() != Some(&*host)
     {
-        let by_sni = cfg.select(sni.as_deref(), |l| {
+        let by_sni = cfg.select(tls.sni.as_deref(), |l| {
             l.tls_mode != Some(keyway_core::gateway::plan::TlsMode::Passthrough)
         });
         if !by_sni.is_some_and(|l| std::ptr::eq(l, listener)) {
@@ -489,6 +518,21 @@ async fn route(
                 ),
             ));
         }
+    }
+    // The name changed hands since the handshake (a ListenerSet that held it was deleted or
+    // lost it, a listener renamed): this connection carries the certificate of a listener
+    // that no longer serves it, and must not reach the new holder's routes. 421, and the
+    // connection closes after it, so the client connects again and gets the new certificate.
+    if let Some(tls) = &info.tls
+        && (listener.owner != tls.listener.0 || listener.name != tls.listener.1)
+    {
+        return Err((
+            Unrouted::Misdirected,
+            full(
+                StatusCode::MISDIRECTED_REQUEST,
+                "this connection's certificate is from a listener that no longer serves this host; connect again",
+            ),
+        ));
     }
     let view = route_match::Request {
         method: req.method(),

@@ -1020,7 +1020,11 @@ async fn serve_tls(
         Err(_) => return,
     };
     if l.protocol == Protocol::Https {
-        http::serve(ctx, config.clone(), tls, peer, Some(name)).await;
+        let session = http::TlsSession {
+            sni: name,
+            listener: (l.owner.clone(), l.name.clone()),
+        };
+        http::serve(ctx, config.clone(), tls, peer, Some(session)).await;
     } else {
         match tcp::by_sni(&l.streams, name.as_deref()) {
             Some(route) => tcp::forward(&ctx, route, Vec::new(), tls).await,
