@@ -181,6 +181,11 @@ impl Site {
         }
         metrics.config_errors.set(errors.len() as i64);
         metrics.reloads.inc();
+        // A reload that rejected an edit (or met a new conflict) failed in part, whatever else
+        // it applied.
+        if errors.iter().any(|e| !previous_errors.contains(e)) {
+            metrics.reload_failures.inc();
+        }
         if let Err(e) = state::save(&self.state_dir, &current.objects) {
             tracing::warn!("cannot save state: {e:#}");
         }
