@@ -139,6 +139,17 @@ fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neigh
             if on_8080 {
                 assert_eq!(programmed["reason"], "PortUnavailable", "{l}");
                 assert_eq!(programmed["message"], says, "{l}");
+                let accepted = l["conditions"]
+                    .as_array()
+                    .expect("conditions")
+                    .iter()
+                    .find(|c| c["type"] == "Accepted")
+                    .expect("Accepted");
+                assert_eq!(
+                    (&accepted["status"], &accepted["reason"]),
+                    (&"False".into(), &"PortUnavailable".into()),
+                    "{l}"
+                );
             }
         }
         assert!(!status.to_string().contains("default/l") || gateway_ns == "default");

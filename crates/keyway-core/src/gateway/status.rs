@@ -387,12 +387,17 @@ impl std::fmt::Debug for Statuses {
 
 /// Overrides a programmed listener's status with what the data plane saw: its port could not be
 /// bound, so it is `Programmed=False/PortUnavailable` (status never says healthy over a dead
-/// port). `status` is the rendered status of the listener's Gateway or ListenerSet.
+/// port), and `Accepted=False/PortUnavailable`, the reason's upstream home ("the Listener
+/// requests a port that cannot be used": in use, or held by another object). `status` is the
+/// rendered status of the listener's Gateway or ListenerSet.
 pub fn mark_port_unavailable(status: &mut Value, listener: &str, message: &str, now: &Value) {
     set_listener_conditions(
         status,
         listener,
-        &[("Programmed", "PortUnavailable")],
+        &[
+            ("Accepted", "PortUnavailable"),
+            ("Programmed", "PortUnavailable"),
+        ],
         message,
         now,
     );
