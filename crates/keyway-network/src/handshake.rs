@@ -174,6 +174,9 @@ impl Handshake {
                 ))));
             }
             Err(e) => {
+                // What rustls consumed before failing goes, as after any step: its deframer
+                // keeps offsets into this buffer for the next call.
+                self.discard(discard);
                 self.send_alert(conn).await;
                 return Err(e.into());
             }
@@ -203,9 +206,13 @@ impl Handshake {
         }
     }
 
+    /// After an error rustls hands out the alert it queued on the next call. That call gets the
+    /// same (unconsumed) input as any other: given an empty slice instead, rustls's deframer
+    /// indexed past its end on a malformed record (a panic on a peer's bytes).
     async fn send_alert(&mut self, conn: &mut impl Unbuffered) {
         let mut alert = Vec::new();
-        if let Ok(ConnectionState::EncodeTlsData(mut encode)) = conn.process(&mut []).state {
+        let status = conn.process(&mut self.incoming[..self.filled]);
+        if let Ok(ConnectionState::EncodeTlsData(mut encode)) = status.state {
             let _ = encode_into(&mut alert, |b| encode.encode(b));
         }
         if !alert.is_empty() {
@@ -260,6 +267,113 @@ fn encode_into(
                 out.truncate(start);
                 return Err(rustls::Error::General(e.to_string()).into());
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::net::TcpListener;
+
+    fn server_config() -> Arc<ServerConfig> {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["site.test".into()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        let der = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("der");
+        let config = ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], der)
+        .expect("config");
+        Arc::new(config)
+    }
+
+    /// Garbage shaped like handshake records, sent to the accepting side: the handshake fails
+    /// with an error and an alert goes back; nothing panics (an empty slice given to rustls after
+    /// its error made its deframer index out of range).
+    #[tokio::test]
+    async fn malformed_handshake_records_fail_without_a_panic() {
+        let config = server_config();
+        let mut inputs: Vec<Vec<u8>> = vec![
+            b"\x16\x03\x01\x00\x05AAAAA".to_vec(),
+            b"\x16\x03\x01\x00\x01\x01\x16\x03\x01\x00\x04\x00\x00\x00\x05".to_vec(),
+        ];
+        for seed in 0..40u64 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let len = rng.usize(1..200);
+            let mut v = vec![0x16, 0x03, 0x01, 0x00, len as u8];
+            v.extend((0..len).map(|_| rng.u8(..)));
+            inputs.push(v);
+        }
+        for input in inputs {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let config = config.clone();
+            let server = tokio::spawn(async move {
+                let (tcp, _) = listener.accept().await.expect("accept");
+                accept(config, tcp).await.map(|_| ())
+            });
+            let mut client = TcpStream::connect(addr).await.expect("connect");
+            client.write_all(&input).await.expect("write");
+            let _ = client.shutdown().await;
+            let outcome = tokio::time::timeout(Duration::from_secs(5), server)
+                .await
+                .expect("the handshake ended");
+            let result = outcome.unwrap_or_else(|e| panic!("panicked on {input:02x?}: {e}"));
+            assert!(
+                result.is_err(),
+                "garbage {input:02x?} completed a handshake"
+            );
+        }
+    }
+
+    /// The dialing side, answered with garbage records: an error, not a panic.
+    #[tokio::test]
+    async fn a_peer_answering_with_garbage_fails_the_dial_without_a_panic() {
+        let mut roots = rustls::RootCertStore::empty();
+        let key = rcgen::KeyPair::generate().expect("key");
+        let ca = rcgen::CertificateParams::new(vec!["site.test".into()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert");
+        roots.add(ca.der().clone()).expect("root");
+        let config = Arc::new(
+            ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::aws_lc_rs::default_provider(),
+            ))
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+        );
+        for seed in 0..20u64 {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            tokio::spawn(async move {
+                let (mut tcp, _) = listener.accept().await.expect("accept");
+                let mut hello = [0u8; 4096];
+                let _ = tcp.read(&mut hello).await;
+                let mut rng = fastrand::Rng::with_seed(seed);
+                let mut answer = vec![0x16, 0x03, 0x03, 0x00, 0x50];
+                answer.extend((0..0x50).map(|_| rng.u8(..)));
+                let _ = tcp.write_all(&answer).await;
+                let _ = tcp.read(&mut hello).await;
+            });
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            let name = ServerName::try_from("site.test").expect("name");
+            let dial = tokio::spawn(connect(config.clone(), name, tcp));
+            let outcome = tokio::time::timeout(Duration::from_secs(5), dial)
+                .await
+                .expect("the handshake ended");
+            let result = outcome.unwrap_or_else(|e| panic!("panicked (seed {seed}): {e}"));
+            assert!(result.is_err(), "garbage completed a handshake");
         }
     }
 }

@@ -234,7 +234,8 @@ struct Dial {
 }
 
 async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
-    let Dial { link, client, .. } = &dial;
+    let dial = Arc::new(dial);
+    let Dial { link, client, .. } = &*dial;
     let client = *client;
     let name = link.id.name.clone();
     let alpn = if client { ALPN_FORWARD } else { ALPN_REVERSE };
@@ -251,9 +252,17 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
     let mut backoff = BACKOFF_MIN;
     loop {
         let started = Instant::now();
-        let why = match dial_once(&inner, &dial, config.clone()).await {
-            Ok(()) => "connection closed by the peer".to_string(),
-            Err(e) => e.to_string(),
+        // Each attempt in a task of its own (aborted with this loop): a panic in it, a bug on
+        // some peer's bytes, ends that attempt as an error does, and the link still redials.
+        let attempt = tokio::spawn({
+            let (inner, dial, config) = (inner.clone(), dial.clone(), config.clone());
+            async move { dial_once(&inner, &dial, config).await }
+        });
+        let _abort = AbortAttempt(attempt.abort_handle());
+        let why = match attempt.await {
+            Ok(Ok(())) => "connection closed by the peer".to_string(),
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => format!("internal error (please report it): {e}"),
         };
         let why = match &own {
             Some(p) => format!("{why}; this site's link certificate would be refused: {p}"),
@@ -271,6 +280,15 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
         let jitter = Duration::from_millis(fastrand::u64(0..50));
         tokio::time::sleep(backoff + jitter).await;
         backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// Aborts a dial attempt's task when the link's loop ends (the Link deleted or replaced).
+struct AbortAttempt(tokio::task::AbortHandle);
+
+impl Drop for AbortAttempt {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
