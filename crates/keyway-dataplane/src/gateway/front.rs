@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
 use hyper::body::{Body as _, Frame, SizeHint};
-use hyper::header::{self, HeaderName, HeaderValue};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
@@ -325,6 +325,15 @@ impl HeadError {
     }
 }
 
+/// Whether `name` is on one line of digits alone.
+fn one_plain_value(map: &HeaderMap, name: HeaderName) -> bool {
+    let mut values = map.get_all(name).iter();
+    matches!(
+        (values.next(), values.next()),
+        (Some(v), None) if v.as_bytes().iter().all(u8::is_ascii_digit)
+    )
+}
+
 /// Parses the request head at the start of `buf` and removes it; `Ok(None)` if incomplete.
 pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
     let mut headers = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
@@ -369,6 +378,14 @@ pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
         map.remove(header::CONTENT_LENGTH);
         (ReadState::Chunked(h1::Chunked::default()), None)
     } else {
+        // RFC 9110 §8.6: a list of equal values (`5, 5`), or one value on several lines, is
+        // read as that value and forwarded as it, never as it came (a backend may reject it,
+        // or read it otherwise).
+        if let Some(n) = facts.content_length
+            && !one_plain_value(&map, header::CONTENT_LENGTH)
+        {
+            map.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
         let n = facts.content_length.unwrap_or(0);
         (ReadState::Length(n), facts.content_length)
     };
@@ -1004,6 +1021,30 @@ mod tests {
             ReadState::Failed => "failed".into(),
         };
         (p.keep_alive, body, p.expect_continue, p.wants_upgrade)
+    }
+
+    /// A Content-Length of equal values, listed or on several lines, is forwarded as one
+    /// value (RFC 9110 §8.6); a plain one as it came.
+    #[test]
+    fn listed_content_lengths_are_forwarded_as_one_value() {
+        for (raw, want) in [
+            ("POST / HTTP/1.1\r\nContent-Length: 5, 5\r\n\r\n", "5"),
+            (
+                "POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+                "5",
+            ),
+            ("POST / HTTP/1.1\r\nContent-Length: 7 , 7\r\n\r\n", "7"),
+            ("POST / HTTP/1.1\r\nContent-Length: 012\r\n\r\n", "012"),
+        ] {
+            let p = parse(raw).expect("valid").expect("complete");
+            let values: Vec<_> = p
+                .request
+                .headers()
+                .get_all(header::CONTENT_LENGTH)
+                .iter()
+                .collect();
+            assert_eq!(values, [want], "{raw:?}");
+        }
     }
 
     #[test]
