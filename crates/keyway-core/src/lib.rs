@@ -5,6 +5,7 @@
 //! That keeps every semantic rule testable with plain table tests.
 
 pub mod conditions;
+pub mod destinations;
 pub mod gateway;
 pub mod index;
 pub mod load;

@@ -366,6 +366,17 @@ impl Site {
                 carry_transition_times(prev, status, &now_value);
             }
         }
+        // Failovers and lost or regained keys show in the log too, within the second the
+        // status is computed in (and not at the first computation: nothing changed then).
+        for change in
+            keyway_core::destinations::destination_changes(&current.last_status, &statuses)
+        {
+            if change.degraded {
+                tracing::warn!("{}", change.message);
+            } else {
+                tracing::info!("{}", change.message);
+            }
+        }
         current.last_status = statuses.clone();
         let mut list = report::as_list(report::objects(
             &current.index,

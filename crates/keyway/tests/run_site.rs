@@ -255,6 +255,15 @@ fn connector_file_deleted_fails_over_and_back_keeping_live_connections() {
     });
     assert!(took < Duration::from_secs(1), "fail-back took {took:?}");
     assert!(echo(&mut live, "still here after fail-back"));
+    // Both show in the log, not only in the status.
+    let log = || std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    wait_until("the failover and the fail-back logged", || {
+        let log = log();
+        log.contains("MultiKeyListener default/backend: fails over to routing key backend-all")
+            && log.contains(
+                "MultiKeyListener default/backend: fails back to routing key backend-east",
+            )
+    });
 }
 
 #[test]

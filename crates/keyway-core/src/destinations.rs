@@ -1,0 +1,251 @@
+//! What changed, between two status computations, in where a site's listeners send new
+//! connections: a MultiKeyListener failing over or back, a listener left with no reachable
+//! key or given one again. The running site logs these, so that a failover shows in its log
+//! and not only in `/status`.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::resource::{Kind, ObjectKey};
+
+/// One change worth a log line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DestinationChange {
+    /// Service lost (failover, nothing reachable) rather than regained.
+    pub degraded: bool,
+    pub message: String,
+}
+
+/// The changes from `before` to `after` (statuses by object, as `service_network::statuses`
+/// renders them). Objects in only one of them (added, deleted) are not changes of destination.
+pub fn destination_changes(
+    before: &BTreeMap<ObjectKey, Value>,
+    after: &BTreeMap<ObjectKey, Value>,
+) -> Vec<DestinationChange> {
+    let mut out = Vec::new();
+    for (key, new) in after {
+        let Some(old) = before.get(key) else {
+            continue;
+        };
+        match key.kind {
+            Kind::MultiKeyListener => multi_key(key, old, new, &mut out),
+            Kind::Listener => {
+                let had = old["hasMatchingConnector"].as_bool();
+                let has = new["hasMatchingConnector"].as_bool();
+                match (had, has) {
+                    (Some(true), Some(false)) => out.push(DestinationChange {
+                        degraded: true,
+                        message: format!(
+                            "{key}: no connector of its routing key is reachable; new connections are refused until one is"
+                        ),
+                    }),
+                    (Some(false), Some(true)) => out.push(DestinationChange {
+                        degraded: false,
+                        message: format!("{key}: its routing key is reachable again"),
+                    }),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The strategy's fields, whichever its kind (`priorityFailover`, `priority`, `weighted`).
+fn strategy(status: &Value) -> Option<&Value> {
+    status["strategy"].as_object()?.values().next()
+}
+
+fn keys(strategy: &Value) -> Vec<&str> {
+    strategy["routingKeysReachable"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect()
+}
+
+fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<DestinationChange>) {
+    let (Some(old), Some(new)) = (strategy(old), strategy(new)) else {
+        return;
+    };
+    let (was, now) = (keys(old), keys(new));
+    if was == now {
+        return;
+    }
+    if now.is_empty() {
+        out.push(DestinationChange {
+            degraded: true,
+            message: format!(
+                "{key}: none of its routing keys is reachable; new connections are refused until one is"
+            ),
+        });
+        return;
+    }
+    let (active_was, active_now) = (
+        old["activeRoutingKey"].as_str(),
+        new["activeRoutingKey"].as_str(),
+    );
+    let change = match (active_was, active_now) {
+        // A priority strategy whose key in use changed.
+        (Some(a), Some(b)) if a != b => {
+            if !now.contains(&a) {
+                DestinationChange {
+                    degraded: true,
+                    message: format!(
+                        "{key}: fails over to routing key {b} for new connections ({a} is no longer available)"
+                    ),
+                }
+            } else if !was.contains(&b) {
+                DestinationChange {
+                    degraded: false,
+                    message: format!(
+                        "{key}: fails back to routing key {b} for new connections (reachable again; was {a})"
+                    ),
+                }
+            } else {
+                DestinationChange {
+                    degraded: false,
+                    message: format!(
+                        "{key}: new connections go to routing key {b} (was {a}; the key order changed)"
+                    ),
+                }
+            }
+        }
+        _ if was.is_empty() => DestinationChange {
+            degraded: false,
+            message: format!(
+                "{key}: routing keys reachable again ({}); new connections are accepted",
+                now.join(", ")
+            ),
+        },
+        _ => DestinationChange {
+            degraded: was.iter().any(|k| !now.contains(k)),
+            message: format!(
+                "{key}: reachable routing keys now {} (were {})",
+                now.join(", "),
+                was.join(", ")
+            ),
+        },
+    };
+    out.push(change);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn mkl(field: &str, reachable: &[&str], active: Option<&str>) -> Value {
+        let mut s = json!({ "routingKeysReachable": reachable });
+        if let Some(a) = active {
+            s["activeRoutingKey"] = json!(a);
+        }
+        json!({ "strategy": { field: s } })
+    }
+
+    fn one(before: Value, after: Value, kind: Kind) -> Vec<(bool, String)> {
+        let key = ObjectKey::new(kind, "default", "svc");
+        let b = BTreeMap::from([(key.clone(), before)]);
+        let a = BTreeMap::from([(key, after)]);
+        destination_changes(&b, &a)
+            .into_iter()
+            .map(|c| (c.degraded, c.message))
+            .collect()
+    }
+
+    #[test]
+    fn changes_of_destination() {
+        let pf = "priorityFailover";
+        let m = "MultiKeyListener default/svc";
+        type Case<'a> = (Value, Value, Kind, Vec<(bool, String)>);
+        let cases: Vec<Case> = vec![
+            // Failover: the key in use went away.
+            (
+                mkl(pf, &["east", "west"], Some("east")),
+                mkl(pf, &["west"], Some("west")),
+                Kind::MultiKeyListener,
+                vec![(true, format!("{m}: fails over to routing key west for new connections (east is no longer available)"))],
+            ),
+            // Fail-back: a preferred key returned.
+            (
+                mkl(pf, &["west"], Some("west")),
+                mkl(pf, &["east", "west"], Some("east")),
+                Kind::MultiKeyListener,
+                vec![(false, format!("{m}: fails back to routing key east for new connections (reachable again; was west)"))],
+            ),
+            // The key list reordered by an edit.
+            (
+                mkl("priority", &["east", "west"], Some("east")),
+                mkl("priority", &["west", "east"], Some("west")),
+                Kind::MultiKeyListener,
+                vec![(false, format!("{m}: new connections go to routing key west (was east; the key order changed)"))],
+            ),
+            // Nothing left, then back.
+            (
+                mkl(pf, &["west"], Some("west")),
+                mkl(pf, &[], None),
+                Kind::MultiKeyListener,
+                vec![(true, format!("{m}: none of its routing keys is reachable; new connections are refused until one is"))],
+            ),
+            (
+                mkl(pf, &[], None),
+                mkl(pf, &["west"], Some("west")),
+                Kind::MultiKeyListener,
+                vec![(false, format!("{m}: routing keys reachable again (west); new connections are accepted"))],
+            ),
+            // A backup key lost: the key in use stays.
+            (
+                mkl(pf, &["east", "west"], Some("east")),
+                mkl(pf, &["east"], Some("east")),
+                Kind::MultiKeyListener,
+                vec![(true, format!("{m}: reachable routing keys now east (were east, west)"))],
+            ),
+            // Weighted: the reachable set.
+            (
+                mkl("weighted", &["a", "b"], None),
+                mkl("weighted", &["a"], None),
+                Kind::MultiKeyListener,
+                vec![(true, format!("{m}: reachable routing keys now a (were a, b)"))],
+            ),
+            // No change, no line.
+            (
+                mkl(pf, &["east", "west"], Some("east")),
+                mkl(pf, &["east", "west"], Some("east")),
+                Kind::MultiKeyListener,
+                vec![],
+            ),
+            // A Listener's one key.
+            (
+                json!({"hasMatchingConnector": true}),
+                json!({"hasMatchingConnector": false}),
+                Kind::Listener,
+                vec![(true, "Listener default/svc: no connector of its routing key is reachable; new connections are refused until one is".into())],
+            ),
+            (
+                json!({"hasMatchingConnector": false}),
+                json!({"hasMatchingConnector": true}),
+                Kind::Listener,
+                vec![(false, "Listener default/svc: its routing key is reachable again".into())],
+            ),
+        ];
+        for (before, after, kind, want) in cases {
+            assert_eq!(
+                one(before.clone(), after.clone(), kind),
+                want,
+                "{before} -> {after}"
+            );
+        }
+    }
+
+    #[test]
+    fn objects_added_or_deleted_are_not_changes() {
+        let key = ObjectKey::new(Kind::MultiKeyListener, "default", "svc");
+        let status = mkl("priorityFailover", &["east"], Some("east"));
+        let some = BTreeMap::from([(key, status)]);
+        assert!(destination_changes(&BTreeMap::new(), &some).is_empty());
+        assert!(destination_changes(&some, &BTreeMap::new()).is_empty());
+    }
+}
