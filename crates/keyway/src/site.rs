@@ -158,6 +158,12 @@ impl Site {
         let mut resolution = service_network::resolve(&index);
         resolution.plan.gateways = current.gateway.update(&index, &cli::now()).plan.clone();
         let taken_ports = port_owners::withhold_taken_ports(&mut resolution.plan);
+        for line in keyway_core::gateway::plan::handovers(
+            &current.resolution.plan.gateways,
+            &resolution.plan.gateways,
+        ) {
+            tracing::warn!("{line}");
+        }
         self.dataplane.apply(&resolution.plan);
         let gateway_conflicts = conflict_errors(&index, &self.dataplane.observe().gateway_errors);
         self.network.apply(&resolution.plan);

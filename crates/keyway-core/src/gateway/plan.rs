@@ -249,3 +249,38 @@ mod duration_tests {
         assert_eq!(p("-1s"), None);
     }
 }
+
+/// Host names whose serving listener now belongs to another Gateway or ListenerSet than in
+/// `before` (a ListenerSet that held one deleted or outranked, a conflicting one promoted), on
+/// ports both plans serve: one line each, for the site's log. A name that changes hands takes
+/// its certificate and routes with it, so the operator hears of it.
+pub fn handovers(before: &GatewayPlan, after: &GatewayPlan) -> Vec<String> {
+    type Served<'a> = std::collections::BTreeMap<(&'a ObjectKey, u16, &'a str), &'a ListenerBind>;
+    fn served(plan: &GatewayPlan) -> Served<'_> {
+        let mut out = Served::new();
+        for g in &plan.gateways {
+            for p in &g.ports {
+                for l in &p.listeners {
+                    let host = l.hostname.as_deref().unwrap_or("");
+                    // The first in merge order holds a name (later ones lost it).
+                    out.entry((&g.gateway, p.port, host)).or_insert(l);
+                }
+            }
+        }
+        out
+    }
+    let (was, now) = (served(before), served(after));
+    now.iter()
+        .filter_map(|(at, l)| {
+            let old = was.get(at)?;
+            (old.owner != l.owner).then(|| {
+                let (gateway, port, host) = at;
+                let host = if host.is_empty() { "(any host)" } else { host };
+                format!(
+                    "{gateway} port {port}, {host}: now served by {} listener {} (was {} listener {})",
+                    l.owner, l.name, old.owner, old.name
+                )
+            })
+        })
+        .collect()
+}

@@ -493,6 +493,36 @@ fn older_listener_set_wins_then_name_breaks_ties() {
     assert_eq!(status(&r, GW, "infra", "gw")["attachedListenerSets"], 2);
 }
 
+/// A name that changes hands (its winner deleted, the loser promoted) is reported once, naming
+/// both; a new name, a deleted one and an unchanged one are not.
+#[test]
+fn handovers_name_the_old_and_new_holder() {
+    let host = Some("app.example.com");
+    let winner = listener_set("team-b", "zz-old", 1, "gw", &l("x", 80, "HTTP", host));
+    let loser = listener_set("team-a", "aa-new", 5, "gw", &l("x", 80, "HTTP", host));
+    let other = listener_set(
+        "team-c",
+        "c",
+        7,
+        "gw",
+        &l("lc", 80, "HTTP", Some("c.example.com")),
+    );
+    let plan = |y: &str| resolve(&index_of(y), &now()).plan;
+    let both = plan(&(base("from: All") + &winner + &loser + &other));
+    let promoted = plan(&(base("from: All") + &loser));
+    assert_eq!(
+        super::plan::handovers(&both, &promoted),
+        [
+            "Gateway infra/gw port 80, app.example.com: now served by ListenerSet team-a/aa-new listener x (was ListenerSet team-b/zz-old listener x)"
+        ]
+    );
+    assert!(super::plan::handovers(&both, &both).is_empty());
+    assert!(super::plan::handovers(&promoted, &both).len() == 1);
+    let only_other = plan(&(base("from: All") + &other));
+    assert!(super::plan::handovers(&both, &only_other).is_empty());
+    assert!(super::plan::handovers(&only_other, &both).is_empty());
+}
+
 #[test]
 fn mutually_conflicting_listeners_of_one_resource_all_lose_and_never_block() {
     // The schema forbids identical port/protocol/hostname within one resource; HTTPS and TLS
