@@ -104,6 +104,10 @@ pub(crate) fn start_access(
         // Accepted sessions go to the shared set: when the RouterAccess goes away or its CA
         // changes (a rotated CA revoking a site), the set is dropped and they end too.
         let mut throttle = keyway_dataplane::Throttle::default();
+        // Connections refused before they authenticate are anyone's to make: logged at most
+        // every 10 s with a count (each at debug level), so nobody who can reach the port
+        // decides how much this site logs.
+        let refusals = Arc::new(Refusals::default());
         loop {
             while lock(&sessions).try_join_next().is_some() {}
             let (tcp, peer) = match listener.accept().await {
@@ -118,6 +122,7 @@ pub(crate) fn start_access(
             };
             let inner = inner.clone();
             let config = config.clone();
+            let refusals = refusals.clone();
             lock(&sessions).spawn(async move {
                 let _ = tcp.set_nodelay(true);
                 // Nothing but the TLS handshake happens before the peer proves its identity.
@@ -127,11 +132,11 @@ pub(crate) fn start_access(
                     {
                         Ok(Ok(s)) => s,
                         Ok(Err(e)) => {
-                            tracing::warn!(%peer, "link refused: TLS handshake failed: {e}");
+                            refusals.log(peer, &format!("TLS handshake failed: {e}"));
                             return;
                         }
                         Err(_) => {
-                            tracing::warn!(%peer, "link refused: TLS handshake timed out");
+                            refusals.log(peer, "TLS handshake timed out");
                             return;
                         }
                     };
@@ -153,7 +158,7 @@ pub(crate) fn start_access(
                         return;
                     }
                     Err(why) => {
-                        tracing::warn!(%peer, "link refused: {why}");
+                        refusals.log(peer, &why.to_string());
                         return;
                     }
                 };
@@ -166,6 +171,25 @@ pub(crate) fn start_access(
         }
     });
     Ok((AbortOnDrop(task), socket))
+}
+
+/// Link connections refused before the peer authenticated, logged under a [`Throttle`].
+///
+/// [`Throttle`]: keyway_dataplane::Throttle
+#[derive(Default)]
+struct Refusals(Mutex<keyway_dataplane::Throttle>);
+
+impl Refusals {
+    fn log(&self, peer: std::net::SocketAddr, why: &str) {
+        match lock(&self.0).allow() {
+            Some(0) => tracing::warn!(%peer, "link refused: {why}"),
+            Some(unlogged) => tracing::warn!(
+                %peer,
+                "link refused: {why} (and {unlogged} more refused in the last seconds, logged at debug level)"
+            ),
+            None => tracing::debug!(%peer, "link refused: {why}"),
+        }
+    }
 }
 
 /// What an accepted connection on the RouterAccess port may do.

@@ -305,11 +305,17 @@ fn garbage_on_the_link_port_is_closed_without_harm() {
             connector_yaml("svc", "svc", backend.port),
         ],
     );
+    // Malformed handshake records (rustls panicked on these once), then a burst: the refusals
+    // are logged under a throttle, not one line each.
+    let burst = [&[0x16, 0x03, 0x01, 0x00, 0x05, b'A', b'A', b'A', b'A', b'A'][..]; 40];
     for garbage in [
         &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..],
         &[0x16, 0x03, 0x01, 0xff, 0xff, 0, 0, 0][..],
         &[0u8; 70_000][..],
-    ] {
+    ]
+    .into_iter()
+    .chain(burst)
+    {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(("127.0.0.1", b_port)).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(6)))
@@ -338,6 +344,13 @@ fn garbage_on_the_link_port_is_closed_without_harm() {
         .as_deref()
         == Ok("at-b")));
     assert!(b.get("/healthz").is_some());
+    let log = b.log();
+    assert!(!log.contains("panicked"), "{log}");
+    let refused = log.lines().filter(|l| l.contains("link refused")).count();
+    assert!(
+        (1..=3).contains(&refused),
+        "43 refusals in a few seconds make {refused} lines:\n{log}"
+    );
     drop(a);
 }
 
