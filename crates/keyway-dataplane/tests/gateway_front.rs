@@ -375,6 +375,25 @@ async fn authority_form_target_outside_connect_is_a_400() {
     assert!(heads(&mut rx).await.is_empty());
 }
 
+/// RFC 9112 §3.2.4: the asterisk-form is for OPTIONS only; and an absolute-form target of
+/// another scheme than http(s) is not routed as http. Both 400, nothing reaches a backend;
+/// `OPTIONS *` is a request like another (no route takes it here: 404).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asterisk_form_outside_options_and_foreign_schemes_are_a_400() {
+    let (be, mut rx) = recorder().await;
+    let (_dp, port) = gateway_with(be, ANY_HOST, Duration::from_secs(60)).await;
+    for req in [
+        &b"GET * HTTP/1.1\r\nHost: a\r\n\r\n"[..],
+        &b"GET ftp://a/p HTTP/1.1\r\nHost: a\r\n\r\n"[..],
+    ] {
+        let head = raw(port, req).await;
+        assert_eq!(status(&head), Some(400), "{head}");
+    }
+    let head = raw(port, b"OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n").await;
+    assert_ne!(status(&head), Some(400), "{head}");
+    assert!(heads(&mut rx).await.is_empty());
+}
+
 async fn h2_client(port: u16, window: u32) -> h2::client::SendRequest<Bytes> {
     let s = TcpStream::connect(("127.0.0.1", port))
         .await

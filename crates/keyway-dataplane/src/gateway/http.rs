@@ -441,6 +441,31 @@ async fn route(
             ),
         ));
     }
+    // RFC 9112 §3.2.4: the asterisk-form (`*`) is for a server-wide OPTIONS only.
+    if req.uri().path() == "*" && req.method() != Method::OPTIONS {
+        return Err((
+            Unrouted::Invalid,
+            full(
+                StatusCode::BAD_REQUEST,
+                "asterisk-form target outside OPTIONS",
+            ),
+        ));
+    }
+    // An absolute-form target names an http or https resource (RFC 9112 §3.2.2); another
+    // scheme is not for this gateway to route as if it were http.
+    if req
+        .uri()
+        .scheme_str()
+        .is_some_and(|s| !s.eq_ignore_ascii_case("http") && !s.eq_ignore_ascii_case("https"))
+    {
+        return Err((
+            Unrouted::Invalid,
+            full(
+                StatusCode::BAD_REQUEST,
+                "target with a scheme other than http or https",
+            ),
+        ));
+    }
     // RFC 9112 §6.1: a transfer coding the gateway does not understand is a 501. Only a lone
     // `chunked` (which hyper decodes) is; passed on, the backend would read a coded body as
     // the body itself.
