@@ -1761,7 +1761,15 @@ fn listener_problems(obj: &LoadedObject, j: usize, l: &ListenerIn, out: &mut Vec
     }
     let at = format!("spec.listeners[{j}]");
     if let Err(invalid) = &l.protocol {
-        out.push(obj.error_at(&format!("{at}.{}", invalid.field), &invalid.message));
+        // Unlike a rejected document (which keeps its last valid version), this one applies:
+        // say what that does, so the log does not read like a rejection.
+        out.push(obj.error_at(
+            &format!("{at}.{}", invalid.field),
+            format!(
+                "{}; applied: listener {} is not accepted ({}) and holds no port or host name",
+                invalid.message, l.spec.name, invalid.reason
+            ),
+        ));
     }
     if let Err(e) = &l.tls {
         out.push(obj.error_at(&format!("{at}.tls.certificateRefs"), e.to_string()));

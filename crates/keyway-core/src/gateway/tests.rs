@@ -582,6 +582,21 @@ fn gateway_with_conflicting_own_listeners_reports_listeners_not_valid() {
     assert_eq!(top(&r, GW, "infra", "gw", "Programmed"), yes("Programmed"));
 }
 
+/// An unsupported protocol is not a rejected document: the object applies, without that
+/// listener, and the error says so (it read like a rejection, whose last valid version stays).
+#[test]
+fn an_unsupported_protocol_says_the_rest_applies() {
+    let y = gateway("infra", "gw", "{}", &l("x", 80, "HTTPZ", None)) + &secret("infra", "cert");
+    let r = resolve(&index_of(&y), &now());
+    let messages: Vec<_> = r.problems.iter().map(|p| p.message.clone()).collect();
+    assert_eq!(
+        messages,
+        [
+            "protocol HTTPZ is not supported (HTTP, HTTPS, TLS, TCP); applied: listener x is not accepted (UnsupportedProtocol) and holds no port or host name"
+        ]
+    );
+}
+
 #[test]
 fn listener_validation_table() {
     let cases: &[(&str, &str, (&str, &str))] = &[
