@@ -278,7 +278,7 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
     let manifest = link_manifest(namespace, &name, &token, &url.host, &creds);
     write_private(&path, &manifest)?;
     eprintln!(
-        "Link {name} to site {} written to {}; the running site links within a second",
+        "Link {name} to site {} written to {}; a `keyway run` on this config directory links within a second (or as it starts)",
         creds.site,
         path.display()
     );
