@@ -431,6 +431,11 @@ fn status(
     for e in &errors {
         eprintln!("error: {e}");
     }
+    if matches!(source, Source::Offline(..)) && !errors.is_empty() {
+        eprintln!(
+            "note: this is what a site starting now would report; a running site keeps the last valid version of a rejected document, which only `keyway status --admin` shows"
+        );
+    }
     // A name that matches nothing is an error, as in kubectl: "No objects." would read as an
     // answer to a script that asked whether it exists.
     if let Some(name) = &filter.name

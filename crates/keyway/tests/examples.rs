@@ -182,6 +182,13 @@ fn offline_status_reads_the_sites_state_and_names_what_it_cannot_find() {
     )
     .expect("write state");
     assert!(validate(Some(&state)).contains("already used by Listener default/zzz"));
+    // Offline status with errors says it cannot show what a running site kept.
+    let (code, _, err) = keyway(&["status", "--config", config.to_str().unwrap_or_default()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("note: this is what a site starting now would report"),
+        "{err}"
+    );
     std::fs::remove_file(config.join("listeners.yaml")).expect("rm");
 
     // What offline status ignores, it says, as `validate` does.
