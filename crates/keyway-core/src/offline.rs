@@ -23,8 +23,8 @@ pub struct Compiled {
     pub resolution: Resolution,
     pub gateway: GatewayResolution,
     pub statuses: BTreeMap<ObjectKey, Value>,
-    /// Gateway ports left out of the plan (the RouterAccess or a Listener holds them), and
-    /// those an older Gateway holds.
+    /// Gateway ports left out of the plan (the RouterAccess or an older Listener holds them),
+    /// and those an older Gateway holds.
     pub taken_ports: Vec<TakenPort>,
 }
 
@@ -47,10 +47,11 @@ impl Compiled {
     }
 
     /// Ports two objects want on overlapping addresses, which only one of them can bind:
-    /// RouterAccess first, then Listeners and MultiKeyListeners (among themselves already
-    /// settled when the files were read), then Gateways oldest first (a running site keeps a
-    /// port with the Gateway serving it). Each later claimant gets the error; the Gateways'
-    /// losses are [`Compiled::taken_ports`] ([`port_owners`]).
+    /// RouterAccess first; Listeners and MultiKeyListeners among themselves are settled when
+    /// the files are read; between them and Gateways, and among Gateways, the oldest (a
+    /// running site keeps a port with what serves it). Each later claimant gets the error: the
+    /// Gateways' losses are [`Compiled::taken_ports`] ([`port_owners`]), a Listener's is among
+    /// the resolution's problems.
     fn port_clashes(&self) -> Vec<ConfigError> {
         let plan = &self.resolution.plan;
         let mut errors: Vec<ConfigError> = self
@@ -89,12 +90,13 @@ pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compi
     let mut index = Index::default();
     let reconciled = reconcile(&mut index, state, files, now);
     let mut resolution = service_network::resolve(&index);
+    let gateway = gateway::resolve(&index, now);
+    resolution.plan.gateways = gateway.plan.clone();
+    // Nothing serves yet: of a Listener and a Gateway on one port, the older keeps it.
+    let mut taken_ports = port_owners::settle_ports(&index, &mut resolution, None);
     let reach = Reachability::offline(&resolution);
     let mut statuses = service_network::statuses(&index, &resolution, &reach, now);
-    let gateway = gateway::resolve(&index, now);
     statuses.extend(gateway.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
-    resolution.plan.gateways = gateway.plan.clone();
-    let mut taken_ports = port_owners::withhold_taken_ports(&mut resolution.plan);
     taken_ports.extend(port_owners::gateway_clashes(
         &index,
         &resolution.plan.gateways,

@@ -1,8 +1,9 @@
 //! Who gets a port that objects of different kinds want on overlapping addresses: the
-//! RouterAccess, then Listeners and MultiKeyListeners, then Gateways. The running site and
-//! `keyway validate`/`status --config` decide it here alike, before anything binds: a Gateway
-//! port a Listener holds is never bound by the Gateway, not even while the Listener's socket is
-//! closed because none of its keys is reachable.
+//! RouterAccess first; between a Listener (or MultiKeyListener) and a Gateway, what serves the
+//! port, else the older. The running site and `keyway validate`/`status --config` decide it
+//! here alike, before anything binds: a Gateway port a Listener holds is never bound by the
+//! Gateway, not even while the Listener's socket is closed because none of its keys is
+//! reachable, and a Listener never takes a port a Gateway serves.
 
 use crate::gateway::GatewayPlan;
 use crate::gateway::plan::GatewayBind;
@@ -11,6 +12,7 @@ use crate::load::ConfigError;
 use crate::plan::Plan;
 use crate::reconcile::{hosts_overlap, precedence_of};
 use crate::resource::ObjectKey;
+use crate::service_network::Resolution;
 
 /// A Gateway port withheld because the RouterAccess or a Listener holds it.
 #[derive(Clone, Debug, PartialEq)]
@@ -106,39 +108,104 @@ fn bind_hosts(g: &GatewayBind) -> Vec<String> {
     }
 }
 
-/// Removes from `plan.gateways` every port the RouterAccess or a Listener/MultiKeyListener of
-/// `plan` wants on an overlapping address, and returns what was removed.
-pub fn withhold_taken_ports(plan: &mut Plan) -> Vec<TakenPort> {
-    let mut holders: Vec<(&str, u16, &ObjectKey)> = Vec::new();
-    if let Some(ra) = &plan.router_access {
-        holders.push((&ra.bind_host, ra.port, &ra.id));
-    }
-    for l in &plan.listeners {
-        holders.push((&l.host, l.port, &l.id));
-    }
+/// Settles the ports that the RouterAccess, Listeners and MultiKeyListeners, and Gateways want
+/// on overlapping addresses, before anything binds. The RouterAccess always keeps its port.
+/// Between a Listener (or MultiKeyListener) and a Gateway port, the one `serving` it (the plan
+/// the site runs now) keeps it, so a newcomer never takes a port from what serves; with
+/// neither serving (`keyway validate`, a site starting, both new), the older keeps it: the
+/// Listener's creation (first seen), against the oldest of the Gateway and ListenerSets whose
+/// listeners bring the port; on a tie, the Listener. A Gateway port that loses leaves the
+/// plan and is returned; a Listener that loses leaves the plan, not configured.
+pub fn settle_ports(
+    index: &Index,
+    resolution: &mut Resolution,
+    serving: Option<&Plan>,
+) -> Vec<TakenPort> {
+    let created = |key: &ObjectKey| {
+        index
+            .get(key)
+            .and_then(|o| o.resource.meta().creation_timestamp.clone())
+    };
+    let plan = &mut resolution.plan;
+    let listeners = &plan.listeners;
+    let router_access = plan
+        .router_access
+        .as_ref()
+        .map(|ra| (ra.bind_host.as_str(), ra.port, &ra.id));
     let mut taken = Vec::new();
+    // (Listener, Gateway, port) for each Listener that loses its port to a Gateway.
+    let mut lost: Vec<(ObjectKey, ObjectKey, u16)> = Vec::new();
     for gw in &mut plan.gateways.gateways {
         let hosts = bind_hosts(gw);
         let gateway = gw.gateway.clone();
+        let overlaps = |host: &str| hosts.iter().any(|h| hosts_overlap(h, host));
         gw.ports.retain(|pb| {
-            let holder = holders.iter().find(|(host, port, _)| {
-                *port == pb.port && hosts.iter().any(|h| hosts_overlap(h, host))
-            });
-            let Some((_, _, holder)) = holder else {
-                return true;
-            };
-            taken.push(TakenPort {
+            let taken_by = |holder: &ObjectKey| TakenPort {
                 gateway: gateway.clone(),
                 port: pb.port,
-                holder: (*holder).clone(),
+                holder: holder.clone(),
                 listeners: pb
                     .listeners
                     .iter()
                     .map(|l| (l.owner.clone(), l.name.clone()))
                     .collect(),
+            };
+            if let Some((host, port, id)) = router_access
+                && port == pb.port
+                && overlaps(host)
+            {
+                taken.push(taken_by(id));
+                return false;
+            }
+            let rivals: Vec<_> = listeners
+                .iter()
+                .filter(|l| l.port == pb.port && overlaps(&l.host))
+                .collect();
+            if rivals.is_empty() {
+                return true;
+            }
+            let port_serving = serving.is_some_and(|p| {
+                p.gateways
+                    .gateways
+                    .iter()
+                    .any(|g| g.gateway == gateway && g.ports.iter().any(|q| q.port == pb.port))
             });
-            false
+            let port_created = pb.listeners.iter().filter_map(|l| created(&l.owner)).min();
+            let keeps_its_port = |l: &&crate::plan::ListenerPlan| {
+                let serves = serving.is_some_and(|p| {
+                    p.listeners.iter().any(|s| {
+                        s.id == l.id && s.port == l.port && hosts_overlap(&s.host, &l.host)
+                    })
+                });
+                match (serves, port_serving) {
+                    (true, false) => true,
+                    (false, true) => false,
+                    _ => match (created(&l.id), &port_created) {
+                        (Some(a), Some(b)) => a <= *b,
+                        _ => true,
+                    },
+                }
+            };
+            if let Some(holder) = rivals.iter().copied().find(keeps_its_port) {
+                taken.push(taken_by(&holder.id));
+                return false;
+            }
+            lost.extend(
+                rivals
+                    .iter()
+                    .map(|l| (l.id.clone(), gateway.clone(), pb.port)),
+            );
+            true
         });
+    }
+    for (listener, gateway, port) in lost {
+        if let Some(obj) = index.get(&listener) {
+            resolution.withdraw_listener(
+                obj,
+                taken_message(port, &gateway, &listener),
+                format!("port {port} is also wanted by {gateway}: only one of them can bind it"),
+            );
+        }
     }
     taken
 }

@@ -243,6 +243,17 @@ pub fn resolve(index: &Index) -> Resolution {
     res
 }
 
+impl Resolution {
+    /// Takes a Listener or MultiKeyListener out of the plan: a Gateway keeps the port it wants
+    /// ([`crate::port_owners`]). It is not configured, saying `status` (which names other
+    /// namespaces' objects to nobody), and `error` is the config error at its `spec.port`.
+    pub fn withdraw_listener(&mut self, obj: &LoadedObject, status: String, error: String) {
+        self.plan.listeners.retain(|l| l.id != obj.key);
+        self.not_configured.insert(obj.key.clone(), status);
+        self.problems.push(obj.error_at("spec.port", error));
+    }
+}
+
 fn not_configured(obj: &LoadedObject, path: &str, msg: String, res: &mut Resolution) {
     let e = obj.error_at(path, msg);
     res.not_configured

@@ -40,24 +40,35 @@ fn gateway(name: &str, created: i64, addresses: &[&str], ports: &[u16]) -> Strin
 /// (case, manifests, expected errors as "kind/name path: fragment").
 fn cases() -> Vec<(&'static str, String, Vec<&'static str>)> {
     vec![
+        // The Listeners here are first seen at 100 (the compile's time).
         (
-            "a Gateway on a Listener's port",
-            listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &[], &[8080]),
+            "a Gateway newer than the Listener on its port",
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 200, &[], &[8080]),
             vec!["Gateway/gw spec.listeners[0]: port 8080 is also wanted by Listener default/l"],
         ),
         (
+            "a Gateway as old as the Listener: the Listener keeps the port",
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 100, &[], &[8080]),
+            vec!["Gateway/gw spec.listeners[0]: port 8080 is also wanted by Listener default/l"],
+        ),
+        (
+            "a Gateway older than the Listener keeps its port",
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &[], &[8080]),
+            vec!["Listener/l spec.port: port 8080 is also wanted by Gateway default/gw"],
+        ),
+        (
             "different ports",
-            listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &[], &[8081]),
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 200, &[], &[8081]),
             vec![],
         ),
         (
             "a Gateway bound to another address than the Listener",
-            listener("l", "127.0.0.1", 8080) + &gateway("gw", 0, &["10.0.0.5"], &[8080]),
+            listener("l", "127.0.0.1", 8080) + &gateway("gw", 200, &["10.0.0.5"], &[8080]),
             vec![],
         ),
         (
             "a Gateway on an address a Listener on every address covers",
-            listener("l", "0.0.0.0", 8080) + &gateway("gw", 0, &["10.0.0.5"], &[8080]),
+            listener("l", "0.0.0.0", 8080) + &gateway("gw", 200, &["10.0.0.5"], &[8080]),
             vec!["Gateway/gw spec.listeners[0]: port 8080 is also wanted by Listener default/l"],
         ),
         (
@@ -107,7 +118,7 @@ fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neigh
             "port 8080 is already used by an object in another namespace",
         ),
     ] {
-        let gw = gateway("gw", 0, &[], &[8080, 8081]).replace(
+        let gw = gateway("gw", 200, &[], &[8080, 8081]).replace(
             "  name: gw\n",
             &format!("  name: gw\n  namespace: {gateway_ns}\n"),
         );
@@ -201,4 +212,35 @@ fn gateway_port_clashes_show_in_offline_status_and_at_the_listener_that_brings_t
         )),
         "{errors:#?}"
     );
+}
+
+/// A Listener that loses its port to an older Gateway is not configured: out of the plan, its
+/// status saying why (naming the Gateway only to its own namespace), the error at its port.
+#[test]
+fn a_listener_newer_than_a_gateway_port_is_not_configured() {
+    for (listener_ns, says) in [
+        ("default", "port 8080 is already used by Gateway default/gw"),
+        (
+            "team-b",
+            "port 8080 is already used by an object in another namespace",
+        ),
+    ] {
+        let l = listener("l", "127.0.0.1", 8080).replace(
+            "  name: l\n",
+            &format!("  name: l\n  namespace: {listener_ns}\n"),
+        );
+        let yaml = l + &gateway("gw", 0, &[], &[8080]);
+        let mut state = ObjectState::default();
+        let c = keyway_core::offline::compile(&[load_file("a.yaml", &yaml)], &mut state, &at(100));
+        assert!(c.resolution.plan.listeners.is_empty(), "{listener_ns}");
+        let ports: Vec<u16> = c.resolution.plan.gateways.gateways[0]
+            .ports
+            .iter()
+            .map(|p| p.port)
+            .collect();
+        assert_eq!(ports, [8080]);
+        let key = keyway_core::ObjectKey::new(keyway_core::Kind::Listener, listener_ns, "l");
+        let status = c.statuses[&key].to_string();
+        assert!(status.contains(says), "{status}");
+    }
 }

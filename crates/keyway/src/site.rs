@@ -157,7 +157,10 @@ impl Site {
         let reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
         let mut resolution = service_network::resolve(&index);
         resolution.plan.gateways = current.gateway.update(&index, &cli::now()).plan.clone();
-        let taken_ports = port_owners::withhold_taken_ports(&mut resolution.plan);
+        // What serves keeps its port: a Listener or Gateway added (or edited) onto it later
+        // does not take it.
+        let taken_ports =
+            port_owners::settle_ports(&index, &mut resolution, Some(&current.resolution.plan));
         for line in keyway_core::gateway::plan::handovers(
             &current.resolution.plan.gateways,
             &resolution.plan.gateways,

@@ -594,6 +594,52 @@ fn a_newcomer_never_takes_a_serving_port_from_another_gateway() {
     );
 }
 
+/// A skupper Listener added onto a port a Gateway serves, or an older Listener edited onto it,
+/// does not take it: the Gateway goes on answering, and the Listener is not configured, with
+/// the error at its own file (it was the Gateway's, and the Gateway lost the port).
+#[test]
+fn a_listener_never_takes_a_serving_gateways_port() {
+    let dir = temp_dir("gateway-keeps-port");
+    let (port, other) = (free_port(), free_port());
+    let gateway = format!(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {{name: l, protocol: HTTP, port: {port}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: gw.example, statusCode: 302}}}}]\n"
+    );
+    let listener = |name: &str, port: u16| {
+        format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: {name}}}\nspec: {{routingKey: k, host: 127.0.0.1, port: {port}}}\n"
+        )
+    };
+    std::fs::write(dir.join("gw.yaml"), gateway).expect("write");
+    std::fs::write(dir.join("old.yaml"), listener("old", other)).expect("write");
+    let site = Site::start(&dir, false);
+    assert!(eventually(Duration::from_secs(5), || http_get(
+        port, "x", "/"
+    )
+    .0 == 302));
+    for (file, name) in [("new.yaml", "new"), ("old.yaml", "old")] {
+        std::fs::write(dir.join(file), listener(name, port)).expect("write");
+        let said = format!("{file}:4: spec.port: port {port} is also wanted by Gateway default/gw");
+        site.wait_for("/status", |_, body| body.contains(&said));
+        let status: serde_json::Value = serde_json::from_str(&site.get("/status").1).expect("json");
+        let item = status["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|i| i["kind"] == "Listener" && i["metadata"]["name"] == name)
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            item["status"].to_string().contains(&format!(
+                "port {port} is already used by Gateway default/gw"
+            )),
+            "{item}"
+        );
+        assert_eq!(http_get(port, "x", "/").0, 302, "the Gateway still serves");
+        std::fs::remove_file(dir.join("new.yaml")).ok();
+    }
+    assert!(!site.get("/status").1.contains("also wanted by Listener"));
+}
+
 /// A Gateway never binds a port a skupper Listener holds, not even while the Listener's socket
 /// is closed because its key is unreachable; the Listener serves again once its key is back.
 /// Both the offline view and the running site say the Gateway's listener lost the port.
