@@ -158,7 +158,7 @@ pub(crate) fn start_access(
                         return;
                     }
                     Err(why) => {
-                        refusals.log(peer, &why.to_string());
+                        refusals.log(peer, why);
                         return;
                     }
                 };

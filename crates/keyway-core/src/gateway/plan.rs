@@ -228,28 +228,6 @@ pub fn parse_gateway_duration_ms(text: &str) -> Option<u64> {
     Some(total)
 }
 
-#[cfg(test)]
-mod duration_tests {
-    use super::parse_gateway_duration_ms as p;
-
-    #[test]
-    fn gateway_durations() {
-        assert_eq!(p("10s"), Some(10_000));
-        assert_eq!(p("500ms"), Some(500));
-        assert_eq!(p("1h30m"), Some(5_400_000));
-        assert_eq!(p("1m1s1ms"), Some(61_001));
-        assert_eq!(p(""), None);
-        assert_eq!(p("10"), None);
-        assert_eq!(p("s"), None);
-        assert_eq!(p("1x"), None);
-        assert_eq!(p("0s"), Some(0));
-        assert_eq!(p("1h1m1s1ms"), Some(3_661_001));
-        assert_eq!(p("1h1m1s1ms1ms"), None, "at most four units");
-        assert_eq!(p("123456s"), None, "at most five digits");
-        assert_eq!(p("-1s"), None);
-    }
-}
-
 /// Host names whose serving listener now belongs to another Gateway or ListenerSet than in
 /// `before` (a ListenerSet that held one deleted or outranked, a conflicting one promoted), on
 /// ports both plans serve: one line each, for the site's log. A name that changes hands takes
@@ -283,4 +261,26 @@ pub fn handovers(before: &GatewayPlan, after: &GatewayPlan) -> Vec<String> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod duration_tests {
+    use super::parse_gateway_duration_ms as p;
+
+    #[test]
+    fn gateway_durations() {
+        assert_eq!(p("10s"), Some(10_000));
+        assert_eq!(p("500ms"), Some(500));
+        assert_eq!(p("1h30m"), Some(5_400_000));
+        assert_eq!(p("1m1s1ms"), Some(61_001));
+        assert_eq!(p(""), None);
+        assert_eq!(p("10"), None);
+        assert_eq!(p("s"), None);
+        assert_eq!(p("1x"), None);
+        assert_eq!(p("0s"), Some(0));
+        assert_eq!(p("1h1m1s1ms"), Some(3_661_001));
+        assert_eq!(p("1h1m1s1ms1ms"), None, "at most four units");
+        assert_eq!(p("123456s"), None, "at most five digits");
+        assert_eq!(p("-1s"), None);
+    }
 }
