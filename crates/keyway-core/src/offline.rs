@@ -112,8 +112,8 @@ pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compi
     }
 }
 
-/// Marks the listeners of `taken` ports `Programmed=False/PortUnavailable` in `statuses`, as
-/// the running site reports them.
+/// Marks the listeners of `taken` ports `Accepted=False` and `Programmed=False` with reason
+/// `PortUnavailable` in `statuses`, as the running site reports them.
 pub fn mark_taken_ports(
     index: &Index,
     statuses: &mut BTreeMap<ObjectKey, Value>,

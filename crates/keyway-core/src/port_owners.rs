@@ -5,6 +5,7 @@
 //! Gateway, not even while the Listener's socket is closed because none of its keys is
 //! reachable, and a Listener never takes a port a Gateway serves.
 
+use crate::Time;
 use crate::gateway::GatewayPlan;
 use crate::gateway::plan::GatewayBind;
 use crate::index::Index;
@@ -14,7 +15,7 @@ use crate::reconcile::{hosts_overlap, precedence_of};
 use crate::resource::ObjectKey;
 use crate::service_network::Resolution;
 
-/// A Gateway port withheld because the RouterAccess or a Listener holds it.
+/// A Gateway port withheld because the RouterAccess, a Listener or another Gateway keeps it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TakenPort {
     pub gateway: ObjectKey,
@@ -109,101 +110,127 @@ fn bind_hosts(g: &GatewayBind) -> Vec<String> {
 }
 
 /// Settles the ports that the RouterAccess, Listeners and MultiKeyListeners, and Gateways want
-/// on overlapping addresses, before anything binds. The RouterAccess always keeps its port.
-/// Between a Listener (or MultiKeyListener) and a Gateway port, the one `serving` it (the plan
-/// the site runs now) keeps it, so a newcomer never takes a port from what serves; with
-/// neither serving (`keyway validate`, a site starting, both new), the older keeps it: the
-/// Listener's creation (first seen), against the oldest of the Gateway and ListenerSets whose
-/// listeners bring the port; on a tie, the Listener. A Gateway port that loses leaves the
-/// plan and is returned; a Listener that loses leaves the plan, not configured.
+/// on overlapping addresses, before anything binds, in one pass over every claim: the
+/// RouterAccess first, then what `serving` (the plan the site runs now) binds on the same
+/// address and port, then the older (a Listener's creation, first seen; a Gateway port's, the
+/// oldest of the Gateway and ListenerSets whose listeners bring it), a Listener before a
+/// Gateway on a tie, then by kind, namespace and name. A claim loses to a claim granted before
+/// it on an overlapping address, so a newcomer never takes a port from what serves, and a
+/// claim that lost blocks nothing. A Gateway port that loses leaves the plan and is returned;
+/// a Listener that loses leaves the plan, not configured. Without `serving` (`keyway
+/// validate`, a site's first reload) age alone decides.
 pub fn settle_ports(
     index: &Index,
     resolution: &mut Resolution,
     serving: Option<&Plan>,
 ) -> Vec<TakenPort> {
+    struct Claim {
+        /// A Listener's index in the plan, or a Gateway's and its port's.
+        at: (usize, Option<usize>),
+        holder: ObjectKey,
+        hosts: Vec<String>,
+        port: u16,
+        order: (bool, bool, Option<Time>, u8, ObjectKey),
+    }
     let created = |key: &ObjectKey| {
         index
             .get(key)
             .and_then(|o| o.resource.meta().creation_timestamp.clone())
     };
-    let plan = &mut resolution.plan;
-    let listeners = &plan.listeners;
-    let router_access = plan
-        .router_access
-        .as_ref()
-        .map(|ra| (ra.bind_host.as_str(), ra.port, &ra.id));
-    let mut taken = Vec::new();
-    // (Listener, Gateway, port) for each Listener that loses its port to a Gateway.
-    let mut lost: Vec<(ObjectKey, ObjectKey, u16)> = Vec::new();
-    for gw in &mut plan.gateways.gateways {
-        let hosts = bind_hosts(gw);
-        let gateway = gw.gateway.clone();
-        let overlaps = |host: &str| hosts.iter().any(|h| hosts_overlap(h, host));
-        gw.ports.retain(|pb| {
-            let taken_by = |holder: &ObjectKey| TakenPort {
-                gateway: gateway.clone(),
-                port: pb.port,
-                holder: holder.clone(),
-                listeners: pb
-                    .listeners
-                    .iter()
-                    .map(|l| (l.owner.clone(), l.name.clone()))
-                    .collect(),
-            };
-            if let Some((host, port, id)) = router_access
-                && port == pb.port
-                && overlaps(host)
-            {
-                taken.push(taken_by(id));
-                return false;
-            }
-            let rivals: Vec<_> = listeners
+    let plan = &resolution.plan;
+    let mut claims = Vec::new();
+    for (i, l) in plan.listeners.iter().enumerate() {
+        let serves = serving.is_some_and(|p| {
+            p.listeners
                 .iter()
-                .filter(|l| l.port == pb.port && overlaps(&l.host))
-                .collect();
-            if rivals.is_empty() {
-                return true;
-            }
-            let port_serving = serving.is_some_and(|p| {
-                p.gateways
-                    .gateways
-                    .iter()
-                    .any(|g| g.gateway == gateway && g.ports.iter().any(|q| q.port == pb.port))
-            });
-            let port_created = pb.listeners.iter().filter_map(|l| created(&l.owner)).min();
-            let keeps_its_port = |l: &&crate::plan::ListenerPlan| {
-                let serves = serving.is_some_and(|p| {
-                    p.listeners.iter().any(|s| {
-                        s.id == l.id && s.port == l.port && hosts_overlap(&s.host, &l.host)
-                    })
-                });
-                match (serves, port_serving) {
-                    (true, false) => true,
-                    (false, true) => false,
-                    _ => match (created(&l.id), &port_created) {
-                        (Some(a), Some(b)) => a <= *b,
-                        _ => true,
-                    },
-                }
-            };
-            if let Some(holder) = rivals.iter().copied().find(keeps_its_port) {
-                taken.push(taken_by(&holder.id));
-                return false;
-            }
-            lost.extend(
-                rivals
-                    .iter()
-                    .map(|l| (l.id.clone(), gateway.clone(), pb.port)),
-            );
-            true
+                .any(|s| s.id == l.id && s.port == l.port && s.host == l.host)
+        });
+        let at = created(&l.id);
+        claims.push(Claim {
+            at: (i, None),
+            holder: l.id.clone(),
+            hosts: vec![l.host.clone()],
+            port: l.port,
+            order: (!serves, at.is_none(), at, 0, l.id.clone()),
         });
     }
-    for (listener, gateway, port) in lost {
+    for (g, gw) in plan.gateways.gateways.iter().enumerate() {
+        let hosts = bind_hosts(gw);
+        for (j, pb) in gw.ports.iter().enumerate() {
+            let serves = serving.is_some_and(|p| {
+                p.gateways.gateways.iter().any(|s| {
+                    s.gateway == gw.gateway
+                        && bind_hosts(s) == hosts
+                        && s.ports.iter().any(|q| q.port == pb.port)
+                })
+            });
+            let at = pb.listeners.iter().filter_map(|l| created(&l.owner)).min();
+            claims.push(Claim {
+                at: (g, Some(j)),
+                holder: gw.gateway.clone(),
+                hosts: hosts.clone(),
+                port: pb.port,
+                order: (!serves, at.is_none(), at, 1, gw.gateway.clone()),
+            });
+        }
+    }
+    claims.sort_by(|a, b| a.order.cmp(&b.order));
+    let mut granted: Vec<(&[String], u16, &ObjectKey)> = Vec::new();
+    let router_access = plan.router_access.as_ref().map(|ra| [ra.bind_host.clone()]);
+    if let (Some(ra), Some(hosts)) = (&plan.router_access, &router_access) {
+        granted.push((hosts, ra.port, &ra.id));
+    }
+    // (claim, the holder it lost to)
+    let mut lost: Vec<(&Claim, ObjectKey)> = Vec::new();
+    for c in &claims {
+        let blocker = granted.iter().find(|(hosts, port, holder)| {
+            *port == c.port
+                && **holder != c.holder
+                && hosts
+                    .iter()
+                    .any(|a| c.hosts.iter().any(|b| hosts_overlap(a, b)))
+        });
+        match blocker {
+            Some((_, _, holder)) => lost.push((c, (*holder).clone())),
+            None => granted.push((&c.hosts, c.port, &c.holder)),
+        }
+    }
+    let mut taken = Vec::new();
+    let mut withdrawn: Vec<(ObjectKey, u16, ObjectKey)> = Vec::new();
+    let mut dropped_ports: Vec<(usize, usize)> = Vec::new();
+    for (c, holder) in lost {
+        match c.at {
+            (g, Some(j)) => {
+                let gw = &plan.gateways.gateways[g];
+                taken.push(TakenPort {
+                    gateway: gw.gateway.clone(),
+                    port: c.port,
+                    holder,
+                    listeners: gw.ports[j]
+                        .listeners
+                        .iter()
+                        .map(|l| (l.owner.clone(), l.name.clone()))
+                        .collect(),
+                });
+                dropped_ports.push((g, j));
+            }
+            (_, None) => withdrawn.push((c.holder.clone(), c.port, holder)),
+        }
+    }
+    for (g, gw) in resolution.plan.gateways.gateways.iter_mut().enumerate() {
+        let mut j = 0;
+        gw.ports.retain(|_| {
+            let keep = !dropped_ports.contains(&(g, j));
+            j += 1;
+            keep
+        });
+    }
+    for (listener, port, holder) in withdrawn {
         if let Some(obj) = index.get(&listener) {
             resolution.withdraw_listener(
                 obj,
-                taken_message(port, &gateway, &listener),
-                format!("port {port} is also wanted by {gateway}: only one of them can bind it"),
+                taken_message(port, &holder, &listener),
+                format!("port {port} is also wanted by {holder}: only one of them can bind it"),
             );
         }
     }

@@ -57,6 +57,20 @@ fn cases() -> Vec<(&'static str, String, Vec<&'static str>)> {
             vec!["Listener/l spec.port: port 8080 is also wanted by Gateway default/gw"],
         ),
         (
+            "a Listener that lost to one Gateway blocks no other",
+            gateway("a", 0, &["10.0.0.5"], &[8080])
+                + &listener("l", "0.0.0.0", 8080)
+                + &gateway("b", 200, &["10.0.0.6"], &[8080]),
+            vec!["Listener/l spec.port: port 8080 is also wanted by Gateway default/a"],
+        ),
+        (
+            "a Gateway port that lost to an older Gateway takes nothing from a Listener",
+            gateway("a", 0, &["10.0.0.5"], &[8080])
+                + &gateway("b", 50, &[], &[8080])
+                + &listener("l", "127.0.0.1", 8080),
+            vec!["Gateway/b spec.listeners[0]: port 8080 is also wanted by Gateway default/a"],
+        ),
+        (
             "different ports",
             listener("l", "127.0.0.1", 8080) + &gateway("gw", 200, &[], &[8081]),
             vec![],
@@ -133,6 +147,18 @@ fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neigh
         assert_eq!(ports, [8081], "{gateway_ns}");
         let key = keyway_core::ObjectKey::new(keyway_core::Kind::Gateway, gateway_ns, "gw");
         let status = &c.statuses[&key];
+        // Some of its listeners are not accepted: the Gateway says so, as for any invalid one.
+        let accepted = status["conditions"]
+            .as_array()
+            .expect("conditions")
+            .iter()
+            .find(|c| c["type"] == "Accepted")
+            .expect("Accepted");
+        assert_eq!(
+            (&accepted["status"], &accepted["reason"]),
+            (&"True".into(), &"ListenersNotValid".into()),
+            "{status}"
+        );
         let listeners = status["listeners"].as_array().expect("listeners");
         for l in listeners {
             let programmed = l["conditions"]

@@ -55,7 +55,8 @@ struct Current {
     gateway: GatewayResolver,
     /// Last status served, to keep condition transition times stable.
     last_status: BTreeMap<ObjectKey, Value>,
-    /// Gateway ports left out of the plan: the RouterAccess or a Listener holds them.
+    /// Gateway ports left out of the plan: the RouterAccess, a Listener or another Gateway
+    /// keeps them ([`port_owners::settle_ports`]).
     taken_ports: Vec<TakenPort>,
     /// Gateway ports another Gateway holds, as the data plane settled them on the last apply.
     gateway_conflicts: Vec<ConfigError>,

@@ -463,6 +463,50 @@ pub fn rederive_programmed(
             demote(status, "Invalid");
         }
     }
+    // A listener whose port is unavailable is not accepted: its Gateway or ListenerSet says
+    // so as the resolver says it of listeners it refused itself.
+    for (key, status) in statuses.iter_mut() {
+        let gateway = match key.kind {
+            Kind::Gateway => true,
+            Kind::ListenerSet => false,
+            _ => continue,
+        };
+        let flags: Vec<bool> = status["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|l| {
+                l["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "Accepted" && c["status"] == "True")
+            })
+            .collect();
+        if flags.is_empty() || flags.iter().all(|a| *a) {
+            continue;
+        }
+        let none = !flags.iter().any(|a| *a);
+        let (accepted, message) = match (gateway, none) {
+            (true, true) => (false, "no listener of this Gateway is valid"),
+            (true, false) => (
+                true,
+                "some listeners are invalid or conflict with each other; see status.listeners",
+            ),
+            (false, true) => (false, "no listener is valid"),
+            (false, false) => continue,
+        };
+        for c in status["conditions"].as_array_mut().into_iter().flatten() {
+            if c["type"] == "Accepted" && c["status"] == "True" {
+                if !accepted {
+                    c["status"] = Value::from("False");
+                    c["lastTransitionTime"] = now.clone();
+                }
+                c["reason"] = Value::from("ListenersNotValid");
+                c["message"] = Value::from(message);
+            }
+        }
+    }
 }
 
 /// Overrides a listener's status when the data plane could not use its certificate (a key that
