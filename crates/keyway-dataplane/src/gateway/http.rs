@@ -35,6 +35,9 @@ struct ConnInfo {
     peer_ip: Option<HeaderValue>,
     /// `None`: cleartext; else what its TLS handshake chose.
     tls: Option<TlsSession>,
+    /// Set when a request found its server name held by another listener than the one whose
+    /// certificate this connection got (see [`route`]): the connection then closes.
+    handed_over: std::sync::atomic::AtomicBool,
     /// The HTTP/1.1 backend connection kept between this connection's requests.
     upstream: Arc<Sticky>,
     /// The header lines of the response being returned to an HTTP/1.x client, when they came
@@ -55,21 +58,14 @@ pub struct TlsSession {
 
 impl ConnInfo {
     /// Whether this connection should serve no more requests once the current one is answered:
-    /// its port is no longer in the config, or the listener whose certificate it was given no
-    /// longer holds its server name (another listener took the name, or it was deleted). Its
-    /// client then connects again, and gets what the port serves now.
+    /// its port is no longer in the config, or a request found that the listener whose
+    /// certificate it was given no longer holds its server name (another listener took the
+    /// name). Its client then connects again, and gets what the port serves now. (A flag set
+    /// by [`route`], which looks the listener up anyway: no second lookup per request.)
     fn stale(&self) -> bool {
-        let cfg = self.config.load();
-        cfg.listeners.is_empty() || self.tls.as_ref().is_some_and(|t| !holds_name(&cfg, t))
+        self.handed_over.load(std::sync::atomic::Ordering::Relaxed)
+            || self.config.load().listeners.is_empty()
     }
-}
-
-/// Whether the listener that gave `tls` its certificate still holds its server name.
-fn holds_name(cfg: &PortConfig, tls: &TlsSession) -> bool {
-    cfg.select(tls.sni.as_deref(), |l| {
-        l.tls_mode != Some(keyway_core::gateway::plan::TlsMode::Passthrough)
-    })
-    .is_some_and(|l| l.owner == tls.listener.0 && l.name == tls.listener.1)
 }
 
 /// How long an idle connection told to close (HTTP/2 GOAWAY) may take to finish.
@@ -98,6 +94,7 @@ pub async fn serve<I: Io>(
         peer,
         peer_ip: HeaderValue::from_str(&peer.ip().to_string()).ok(),
         tls,
+        handed_over: std::sync::atomic::AtomicBool::new(false),
         upstream: upstream.clone(),
         raw_head: Mutex::new(None),
     });
@@ -551,6 +548,8 @@ async fn route(
     if let Some(tls) = &info.tls
         && (listener.owner != tls.listener.0 || listener.name != tls.listener.1)
     {
+        info.handed_over
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         return Err((
             Unrouted::Misdirected,
             full(
