@@ -132,11 +132,11 @@ pub(crate) fn start_access(
                     {
                         Ok(Ok(s)) => s,
                         Ok(Err(e)) => {
-                            refusals.log(peer, &format!("TLS handshake failed: {e}"));
+                            refusals.log(peer, &format!("link refused: TLS handshake failed: {e}"));
                             return;
                         }
                         Err(_) => {
-                            refusals.log(peer, "TLS handshake timed out");
+                            refusals.log(peer, "link refused: TLS handshake timed out");
                             return;
                         }
                     };
@@ -152,13 +152,14 @@ pub(crate) fn start_access(
                             tracing::warn!(%peer, "token redemption refused: no grant handler");
                             return;
                         };
+                        // No client certificate is needed to get here: throttled as well.
                         if let Err(e) = grant::serve(handler, tls).await {
-                            tracing::warn!(%peer, "token redemption connection: {e}");
+                            refusals.log(peer, &format!("token redemption connection: {e}"));
                         }
                         return;
                     }
                     Err(why) => {
-                        refusals.log(peer, why);
+                        refusals.log(peer, &format!("link refused: {why}"));
                         return;
                     }
                 };
@@ -180,14 +181,14 @@ pub(crate) fn start_access(
 struct Refusals(Mutex<keyway_dataplane::Throttle>);
 
 impl Refusals {
-    fn log(&self, peer: std::net::SocketAddr, why: &str) {
+    fn log(&self, peer: std::net::SocketAddr, what: &str) {
         match lock(&self.0).allow() {
-            Some(0) => tracing::warn!(%peer, "link refused: {why}"),
+            Some(0) => tracing::warn!(%peer, "{what}"),
             Some(unlogged) => tracing::warn!(
                 %peer,
-                "link refused: {why} (and {unlogged} more refused in the last seconds, logged at debug level)"
+                "{what} (and {unlogged} more refusals in the last seconds, logged at debug level)"
             ),
-            None => tracing::debug!(%peer, "link refused: {why}"),
+            None => tracing::debug!(%peer, "{what}"),
         }
     }
 }
