@@ -37,6 +37,14 @@ fn gateway(name: &str, created: i64, addresses: &[&str], ports: &[u16]) -> Strin
     y + "---\n"
 }
 
+/// The condition of type `t` among `of`'s conditions.
+fn condition<'a>(of: &'a serde_json::Value, t: &str) -> &'a serde_json::Value {
+    of["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == t))
+        .unwrap_or_else(|| panic!("no {t} condition in {of}"))
+}
+
 /// (case, manifests, expected errors as "kind/name path: fragment").
 fn cases() -> Vec<(&'static str, String, Vec<&'static str>)> {
     vec![
@@ -148,12 +156,7 @@ fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neigh
         let key = keyway_core::ObjectKey::new(keyway_core::Kind::Gateway, gateway_ns, "gw");
         let status = &c.statuses[&key];
         // Some of its listeners are not accepted: the Gateway says so, as for any invalid one.
-        let accepted = status["conditions"]
-            .as_array()
-            .expect("conditions")
-            .iter()
-            .find(|c| c["type"] == "Accepted")
-            .expect("Accepted");
+        let accepted = condition(status, "Accepted");
         assert_eq!(
             (&accepted["status"], &accepted["reason"]),
             (&"True".into(), &"ListenersNotValid".into()),
@@ -161,12 +164,7 @@ fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neigh
         );
         let listeners = status["listeners"].as_array().expect("listeners");
         for l in listeners {
-            let programmed = l["conditions"]
-                .as_array()
-                .expect("conditions")
-                .iter()
-                .find(|c| c["type"] == "Programmed")
-                .expect("Programmed");
+            let programmed = condition(l, "Programmed");
             let on_8080 = l["name"].as_str().is_some_and(|n| n.starts_with("l8080"));
             assert_eq!(
                 programmed["status"],
@@ -176,12 +174,7 @@ fn a_gateway_listener_on_a_listeners_port_is_not_programmed_and_names_only_neigh
             if on_8080 {
                 assert_eq!(programmed["reason"], "PortUnavailable", "{l}");
                 assert_eq!(programmed["message"], says, "{l}");
-                let accepted = l["conditions"]
-                    .as_array()
-                    .expect("conditions")
-                    .iter()
-                    .find(|c| c["type"] == "Accepted")
-                    .expect("Accepted");
+                let accepted = condition(l, "Accepted");
                 assert_eq!(
                     (&accepted["status"], &accepted["reason"]),
                     (&"False".into(), &"PortUnavailable".into()),
@@ -211,13 +204,7 @@ fn gateway_port_clashes_show_in_offline_status_and_at_the_listener_that_brings_t
         .expect("listeners")
         .clone();
     for l in &listeners {
-        let programmed = l["conditions"]
-            .as_array()
-            .expect("conditions")
-            .iter()
-            .find(|c| c["type"] == "Programmed")
-            .expect("Programmed")
-            .clone();
+        let programmed = condition(l, "Programmed");
         assert_eq!(programmed["reason"], "PortUnavailable", "{l}");
         assert_eq!(
             programmed["message"], "port 8080 is already used by Gateway default/old",
