@@ -349,6 +349,61 @@ async fn a_name_that_changes_hands_is_not_served_under_the_old_certificate() {
     assert!(read_all(&mut t2).await.contains("backend=B"));
 }
 
+/// The same over HTTP/2: the request after the handover gets 421, then GOAWAY ends the
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_whose_name_changed_hands_gets_421_then_goaway() {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let ca = Ca::new("ca");
+    let (a, b) = (http_backend("A").await, http_backend("B").await);
+    let port = free_port();
+    let leaf = ca.leaf(&["a.example.com"]);
+    let yaml = |listener: &str, svc: std::net::SocketAddr| {
+        let mut y = secret_yaml("cert", &leaf);
+        y.push_str(&service("svc", svc));
+        y.push_str(&gateway(&format!(
+            "  - {{name: {listener}, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert}}]}}}}\n"
+        )));
+        y.push_str(&http_route_to("r", listener, "svc"));
+        y
+    };
+    let dp = start(&yaml("team-one", a), port).await;
+    let mut config = (*client_config(&ca, true)).clone();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = common::connect(port).await.expect("connect");
+    let name = ServerName::try_from("a.example.com").expect("name");
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .expect("tls");
+    let (mut sender, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    let req = || {
+        hyper::Request::get("https://a.example.com/")
+            .body(Empty::new())
+            .expect("req")
+    };
+    let r = sender.send_request(req()).await.expect("first");
+    let body = r.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!(body, "backend=A\n");
+    dp.apply(&compile(&yaml("team-two", b)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = sender.send_request(req()).await.expect("second");
+    assert_eq!(r.status(), hyper::StatusCode::MISDIRECTED_REQUEST);
+    let _ = r.into_body().collect().await;
+    let ended = tokio::time::timeout(Duration::from_secs(3), conn).await;
+    assert!(
+        matches!(ended, Ok(Ok(Ok(())))),
+        "the connection did not end after GOAWAY: {ended:?}"
+    );
+}
+
 /// Clients that connect and stall (nothing, part of a record header, a whole ClientHello then
 /// nothing) are closed by the gateway, and no connection stays counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
