@@ -71,8 +71,9 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
                     };
                     let site = site.clone();
                     tokio::spawn(async move {
-                        let service =
-                            hyper::service::service_fn(move |req| handle(site.clone(), req));
+                        let service = hyper::service::service_fn(move |req| {
+                            handle(site.clone(), local.ip().is_loopback(), req)
+                        });
                         let connection = hyper::server::conn::http1::Builder::new()
                             .timer(hyper_util::rt::TokioTimer::new())
                             .header_read_timeout(HEADER_TIMEOUT)
@@ -89,9 +90,19 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
 
 async fn handle(
     site: Arc<Site>,
+    loopback: bool,
     req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     const PATHS: [&str; 5] = ["/status", "/config", "/metrics", "/healthz", "/readyz"];
+    // On a loopback address the endpoint is for this machine's tools, which name it by address
+    // or `localhost`. A name a web page controls, resolved to 127.0.0.1 (DNS rebinding), would
+    // let the page's script read /status and /config: refused.
+    if loopback && !local_host(&req) {
+        return Ok(text(
+            StatusCode::FORBIDDEN,
+            "this admin endpoint listens on a loopback address and answers requests for an IP address or localhost only (DNS rebinding protection)\n".into(),
+        ));
+    }
     let path = req.uri().path();
     if !PATHS.contains(&path) {
         return Ok(text(
@@ -154,6 +165,27 @@ fn text(code: StatusCode, body: String) -> Response<Full<Bytes>> {
 }
 
 /// Fetches a path from a running site's admin endpoint (for `keyway status --admin`).
+/// Whether the request names this machine: its Host (or absolute target) is an IP address or
+/// `localhost`, or it names nothing (HTTP/1.0 without Host).
+fn local_host<B>(req: &Request<B>) -> bool {
+    let host = match req.uri().host() {
+        Some(h) => h.to_string(),
+        None => match req.headers().get(hyper::header::HOST) {
+            None => return true,
+            Some(v) => match v.to_str() {
+                Ok(v) => v
+                    .parse::<hyper::http::uri::Authority>()
+                    .map_or_else(|_| String::new(), |a| a.host().to_string()),
+                Err(_) => return false,
+            },
+        },
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.parse::<std::net::IpAddr>().is_ok()
+        || host.eq_ignore_ascii_case("localhost")
+        || host.eq_ignore_ascii_case("localhost.")
+}
+
 pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
     use std::io::{Read, Write};
     const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -192,7 +224,12 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
             "{addr} accepted the connection but did not answer as a keyway admin endpoint ({why}); is --admin the address of `keyway run --admin`?"
         )
     };
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(no_answer)?;
+    // The address connected to, not the name given: a loopback endpoint answers only requests
+    // for an address or localhost.
+    let host = stream
+        .peer_addr()
+        .map_or_else(|_| addr.to_string(), |a| a.to_string());
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").map_err(no_answer)?;
     // The whole answer within WAIT: a peer trickling bytes must not keep us for ever.
     let deadline = std::time::Instant::now() + WAIT;
     let mut raw = Vec::new();

@@ -680,6 +680,27 @@ fn admin_endpoint_methods_and_an_admin_address_that_never_answers() {
     assert!(nowhere.starts_with("http/1.0 404"), "{nowhere}");
     let healthz = raw("GET /healthz HTTP/1.0\r\n\r\n");
     assert!(healthz.contains("content-type: text/plain"), "{healthz}");
+    // On loopback, a request for another name (a page's DNS rebinding) is refused; an address
+    // or localhost is served.
+    let port = site.admin.rsplit(':').next().unwrap_or_default();
+    for (host, code) in [
+        ("evil.example".to_string(), "403"),
+        (format!("evil.example:{port}"), "403"),
+        (format!("localhost:{port}"), "200"),
+        (site.admin.clone(), "200"),
+    ] {
+        let got = raw(&format!(
+            "GET /status HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        ));
+        assert!(
+            got.starts_with(&format!("http/1.1 {code}")),
+            "{host}: {got}"
+        );
+    }
+    let absolute = raw(
+        "GET http://evil.example/config HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    );
+    assert!(absolute.starts_with("http/1.1 403"), "{absolute}");
 
     // Something that answers a status line, then a byte every half second, for ever.
     let trickler = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");

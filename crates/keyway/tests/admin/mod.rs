@@ -16,7 +16,7 @@ pub use free_port::free_port;
 pub fn get(addr: &str, path: &str) -> (u16, String) {
     exchange(
         TcpStream::connect(addr),
-        &format!("GET {path} HTTP/1.0\r\nHost: admin\r\n\r\n"),
+        &format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n"),
         Duration::from_secs(3),
     )
 }
