@@ -92,15 +92,11 @@ pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compi
     let mut resolution = service_network::resolve(&index);
     let gateway = gateway::resolve(&index, now);
     resolution.plan.gateways = gateway.plan.clone();
-    // Nothing serves yet: of a Listener and a Gateway on one port, the older keeps it.
-    let mut taken_ports = port_owners::settle_ports(&index, &mut resolution, None);
+    // Nothing serves yet: of two claims on one port (Listener, Gateway), the older keeps it.
+    let taken_ports = port_owners::settle_ports(&index, &mut resolution, None);
     let reach = Reachability::offline(&resolution);
     let mut statuses = service_network::statuses(&index, &resolution, &reach, now);
     statuses.extend(gateway.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
-    taken_ports.extend(port_owners::gateway_clashes(
-        &index,
-        &resolution.plan.gateways,
-    ));
     mark_taken_ports(&index, &mut statuses, &taken_ports, now);
     Compiled {
         index,

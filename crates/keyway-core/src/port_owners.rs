@@ -6,12 +6,11 @@
 //! reachable, and a Listener never takes a port a Gateway serves.
 
 use crate::Time;
-use crate::gateway::GatewayPlan;
 use crate::gateway::plan::GatewayBind;
 use crate::index::Index;
 use crate::load::ConfigError;
 use crate::plan::Plan;
-use crate::reconcile::{hosts_overlap, precedence_of};
+use crate::reconcile::hosts_overlap;
 use crate::resource::ObjectKey;
 use crate::service_network::Resolution;
 
@@ -60,44 +59,6 @@ pub fn taken_message(port: u16, holder: &ObjectKey, owner: &ObjectKey) -> String
     } else {
         format!("port {port} is already used by an object in another namespace")
     }
-}
-
-/// Gateway ports another Gateway holds on an overlapping address, oldest Gateway first (first
-/// seen, then namespace/name), as `keyway validate` and `status --config` settle them. A running
-/// site settles them as it binds: the Gateway serving a port keeps it.
-pub fn gateway_clashes(index: &Index, gateways: &GatewayPlan) -> Vec<TakenPort> {
-    let mut ordered: Vec<_> = gateways
-        .gateways
-        .iter()
-        .filter_map(|g| Some((precedence_of(index.get(&g.gateway)?), g)))
-        .collect();
-    ordered.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut claimed: Vec<(Vec<String>, u16, &ObjectKey)> = Vec::new();
-    let mut taken = Vec::new();
-    for (_, g) in ordered {
-        let hosts = bind_hosts(g);
-        for pb in &g.ports {
-            let holder = claimed.iter().find(|(h, port, key)| {
-                *port == pb.port
-                    && *key != &g.gateway
-                    && h.iter().any(|a| hosts.iter().any(|b| hosts_overlap(a, b)))
-            });
-            match holder {
-                Some((_, _, holder)) => taken.push(TakenPort {
-                    gateway: g.gateway.clone(),
-                    port: pb.port,
-                    holder: (*holder).clone(),
-                    listeners: pb
-                        .listeners
-                        .iter()
-                        .map(|l| (l.owner.clone(), l.name.clone()))
-                        .collect(),
-                }),
-                None => claimed.push((hosts.clone(), pb.port, &g.gateway)),
-            }
-        }
-    }
-    taken
 }
 
 /// The addresses a Gateway binds its ports on (every address without `spec.addresses`).

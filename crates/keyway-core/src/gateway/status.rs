@@ -418,13 +418,7 @@ pub fn rederive_programmed(
             .as_array()
             .into_iter()
             .flatten()
-            .any(|l| {
-                l["conditions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c["type"] == "Programmed" && c["status"] == "True")
-            })
+            .any(|l| condition_true(l, "Programmed"))
     };
     let demote = |status: &mut Value, reason: &str| {
         for c in status["conditions"].as_array_mut().into_iter().flatten() {
@@ -475,13 +469,7 @@ pub fn rederive_programmed(
             .as_array()
             .into_iter()
             .flatten()
-            .map(|l| {
-                l["conditions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c["type"] == "Accepted" && c["status"] == "True")
-            })
+            .map(|l| condition_true(l, "Accepted"))
             .collect();
         if flags.is_empty() || flags.iter().all(|a| *a) {
             continue;
@@ -507,6 +495,15 @@ pub fn rederive_programmed(
             }
         }
     }
+}
+
+/// Whether `of` (a rendered status, or a listener entry of one) has condition `t` True.
+fn condition_true(of: &Value, t: &str) -> bool {
+    of["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == t && c["status"] == "True")
 }
 
 /// Overrides a listener's status when the data plane could not use its certificate (a key that
