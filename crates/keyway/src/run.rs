@@ -113,9 +113,13 @@ pub fn run(
             tokio::spawn(async move {
                 // Dropping it stops the watch.
                 let mut watcher = Some(watcher);
+                // A directory watched only now may have changed since the files were read (a
+                // ConfigMap volume's `..data` swapped right after its link appeared): read again.
                 let follow = |w: &mut Option<watch::Watch>, config: &std::path::Path| {
-                    if let Some(w) = w.as_mut() {
-                        w.follow(source::external_dirs(config));
+                    if let Some(w) = w.as_mut()
+                        && w.follow(source::external_dirs(config))
+                    {
+                        let _ = tx.send(());
                     }
                 };
                 follow(&mut watcher, &config);

@@ -42,20 +42,24 @@ pub struct Watch {
 impl Watch {
     /// Watches exactly `dirs` (see [`crate::source::external_dirs`]) besides the config
     /// directory: a symlink's target is edited where it lives, which the watch of the config
-    /// directory does not see.
-    pub fn follow(&mut self, dirs: Vec<PathBuf>) {
+    /// directory does not see. True when a directory is newly watched: what changed there
+    /// between the last read and the start of its watch was seen by neither, so read again.
+    pub fn follow(&mut self, dirs: Vec<PathBuf>) -> bool {
+        let mut started = false;
         for gone in self.external.iter().filter(|d| !dirs.contains(d)) {
             let _ = self.watcher.unwatch(gone);
         }
         for new in dirs.iter().filter(|d| !self.external.contains(d)) {
-            if let Err(e) = self.watcher.watch(new, RecursiveMode::NonRecursive) {
-                tracing::warn!(
+            match self.watcher.watch(new, RecursiveMode::NonRecursive) {
+                Ok(()) => started = true,
+                Err(e) => tracing::warn!(
                     "cannot watch {} (manifests are linked in from there): {e}; changes there need a reload",
                     new.display()
-                );
+                ),
             }
         }
         self.external = dirs;
+        started
     }
 }
 
