@@ -87,6 +87,19 @@ impl Compiled {
 
 /// Compiles `files` from scratch (no previous index), stamping times from `state` or `now`.
 pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compiled {
+    compile_checking_addresses(files, state, now, |_, _| None)
+}
+
+/// [`compile`], asking `bind_error` of every Listener's and MultiKeyListener's `host:port`
+/// why a site could not bind it (a name that does not resolve, an address not on this host):
+/// those are reported not Configured, as the running site reports them. The caller does the
+/// lookups; this crate does no I/O.
+pub fn compile_checking_addresses(
+    files: &[FileLoad],
+    state: &mut ObjectState,
+    now: &Time,
+    bind_error: impl Fn(&str, u16) -> Option<String>,
+) -> Compiled {
     let mut index = Index::default();
     let reconciled = reconcile(&mut index, state, files, now);
     let mut resolution = service_network::resolve(&index);
@@ -94,7 +107,13 @@ pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compi
     resolution.plan.gateways = gateway.plan.clone();
     // Nothing serves yet: of two claims on one port (Listener, Gateway), the older keeps it.
     let taken_ports = port_owners::settle_ports(&index, &mut resolution, None);
-    let reach = Reachability::offline(&resolution);
+    let mut reach = Reachability::offline(&resolution);
+    for l in &resolution.plan.listeners {
+        if let Some(e) = bind_error(&l.host, l.port) {
+            let message = format!("cannot bind {}:{}: {e}", l.host, l.port);
+            reach.bind_errors.insert(l.id.clone(), message);
+        }
+    }
     let mut statuses = service_network::statuses(&index, &resolution, &reach, now);
     statuses.extend(gateway.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
     mark_taken_ports(&index, &mut statuses, &taken_ports, now);

@@ -284,7 +284,31 @@ pub fn compile_dir(config: &Path, state_dir: &Path) -> Result<Compiled> {
     )?;
     let files = source::load_dir(config)?;
     let mut objects = state::load(state_dir)?;
-    Ok(offline::compile(&files, &mut objects, &now()))
+    Ok(offline::compile_checking_addresses(
+        &files,
+        &mut objects,
+        &now(),
+        local_address_error,
+    ))
+}
+
+/// Why a Listener on `host` could not bind, found as a site would find it, without taking its
+/// port: the name is looked up, and an ephemeral port bound on each address until one is
+/// local (a running site may hold the port itself).
+fn local_address_error(host: &str, _port: u16) -> Option<String> {
+    use std::net::ToSocketAddrs;
+    let addrs = match (host, 0).to_socket_addrs() {
+        Ok(addrs) => addrs,
+        Err(e) => return Some(e.to_string()),
+    };
+    let mut last = None;
+    for addr in addrs {
+        match std::net::TcpListener::bind(addr) {
+            Ok(_) => return None,
+            Err(e) => last = Some(e.to_string()),
+        }
+    }
+    Some(last.unwrap_or_else(|| "could not resolve to any address".into()))
 }
 
 fn validate(config: &Path, state_dir: &Path) -> Result<ExitCode> {

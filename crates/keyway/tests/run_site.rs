@@ -1101,3 +1101,54 @@ fn second_site_on_the_same_port_reports_it_unavailable() {
     second.wait_for("/readyz", |code, _| code == 200);
     assert_eq!(hello(port).expect("connect").0, "two");
 }
+
+/// A listener on an address this host does not have: the running site reports it not
+/// Configured, and `status --config` (offline) says the same, not Ready.
+#[test]
+fn an_address_not_on_this_host_is_reported_offline_as_the_site_reports_it() {
+    let a = Backend::start("a");
+    let dir = temp_dir("foreign-address");
+    let port = free_port();
+    std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
+    // 192.0.2.1 (TEST-NET-1) is on no host.
+    let foreign = mkl("far", port, &["key-a"]).replace("127.0.0.1", "192.0.2.1");
+    std::fs::write(dir.join("far.yaml"), foreign).expect("write");
+    std::fs::write(dir.join("near.yaml"), mkl("near", free_port(), &["key-a"])).expect("write");
+    let message_of = |list: &serde_json::Value, name: &str| {
+        let item = list["items"]
+            .as_array()
+            .and_then(|items| items.iter().find(|i| i["metadata"]["name"] == name))
+            .cloned()
+            .unwrap_or_default();
+        (
+            item["status"]["status"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            item["status"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        )
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "-o", "json", "--config"])
+        .arg(&dir)
+        .output()
+        .expect("status --config");
+    let offline: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let (state, message) = message_of(&offline, "far");
+    assert_eq!(state, "Error", "offline: {message}");
+    let want = format!("cannot bind 192.0.2.1:{port}: ");
+    assert!(message.starts_with(&want), "offline: {message}");
+    assert_eq!(message_of(&offline, "near").0, "Ready");
+
+    // Not ready (/readyz says why), but serving the rest.
+    let site = Site::spawn(&dir, None);
+    site.wait_for("/status", |_, body| {
+        body.contains(&format!("cannot bind 192.0.2.1:{port}"))
+    });
+    let live = site.status();
+    assert_eq!(message_of(&live, "far"), (state, message));
+    assert_eq!(message_of(&live, "near").0, "Ready");
+}
