@@ -579,7 +579,11 @@ where
         Err(e) => e.to_string(),
     });
     drop(registration);
-    result
+    // The accepting side knows its peer only by socket address: name the site in what it logs.
+    match (&conn.link, result) {
+        (None, Err(e)) => Err(NetError::Peer(format!("site {peer}: {e}"))),
+        (_, result) => result,
+    }
 }
 
 /// Control messages waiting for the peer's flow-control window: they are handed to h2 only as
