@@ -143,6 +143,9 @@ struct State {
     seq: u64,
     local_keys: Vec<String>,
     listening: Vec<String>,
+    /// Shutting down: advertised with no keys and no links, so that no new traffic comes
+    /// here or through here while open connections drain.
+    draining: bool,
     conns: HashMap<u64, Arc<Conn>>,
     db: db::Db,
     /// When a peer's advertisement last did not fit in `db` was logged (at most every 10 s).
@@ -230,6 +233,7 @@ impl Network {
                 site: "default".into(),
                 seq,
                 local_keys: Vec::new(),
+                draining: false,
                 listening: Vec::new(),
                 conns: HashMap::new(),
                 db: db::Db::default(),
@@ -503,6 +507,18 @@ impl Network {
     }
 
     /// Closes every link and the RouterAccess port.
+    /// The site is shutting down: every other site stops sending new connections to its keys
+    /// and routes around it (a site in the middle of a path included, where other paths exist),
+    /// while connections already open, through it too, run on over its links until
+    /// [`Network::shutdown`].
+    pub fn start_draining(&self) {
+        let mut st = lock(&self.inner.state);
+        if !st.draining {
+            st.draining = true;
+            self.inner.originate(&mut st);
+        }
+    }
+
     pub fn shutdown(&self) {
         let (links, access) = {
             let mut st = lock(&self.inner.state);
@@ -530,7 +546,7 @@ impl Inner {
         st.seq = st.seq.saturating_add(1);
         let mut links: BTreeMap<String, u64> = BTreeMap::new();
         for c in st.conns.values() {
-            if c.sender.is_some() {
+            if c.sender.is_some() && !st.draining {
                 let c_cost = c.cost.load(Ordering::Relaxed);
                 let cost = links.entry(c.peer.clone()).or_insert(c_cost);
                 *cost = (*cost).min(c_cost);
@@ -540,7 +556,11 @@ impl Inner {
             origin: st.site.clone(),
             id: self.id.clone(),
             seq: st.seq,
-            keys: st.local_keys.clone(),
+            keys: if st.draining {
+                Vec::new()
+            } else {
+                st.local_keys.clone()
+            },
             listening: st.listening.clone(),
             links: links
                 .into_iter()

@@ -474,9 +474,11 @@ impl Site {
         serde_json::to_value(&lock(&self.current).resolution.plan).unwrap_or(Value::Null)
     }
 
-    /// Marks the site as shutting down: `/readyz` answers 503 from now on.
+    /// Marks the site as shutting down: `/readyz` answers 503 from now on, and the network
+    /// routes new connections elsewhere.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
+        self.network.start_draining();
     }
 
     /// Ready once the first config is applied and every listener that should listen does;

@@ -171,6 +171,87 @@ fn failover_when_a_site_is_killed_and_fail_back_when_it_returns() {
     drop(a);
 }
 
+/// A site in the middle of the cheapest path shuts down gracefully (SIGTERM) while a
+/// connection through it is open: new connections take the other path at once, and the open
+/// one runs on through the draining site.
+#[test]
+fn a_draining_transit_site_is_routed_around_and_keeps_open_connections() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let backend = Backend::start("at-c");
+    let c = start_site(
+        "c",
+        &ca,
+        &[
+            router_access_yaml(c_port, "link-tls"),
+            connector_yaml("svc", "svc", backend.port),
+        ],
+    );
+    let b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            link_yaml("to-c", c_port, 1, "link-tls"),
+        ],
+    );
+    // a – b – c costs 2, the direct a – c link 5: traffic goes through b.
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 1, "link-tls"),
+            link_yaml("to-c", c_port, 5, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-c")
+            && a.sites_in_network() == 3),
+        "a did not converge: {:?}",
+        who(listen)
+    );
+    // Once a's routes know b's links, a new connection goes through b.
+    let mut held = None;
+    let opened = eventually(Duration::from_secs(10), || {
+        let conn = greet(listen, Duration::from_secs(5));
+        let relayed = eventually(Duration::from_secs(1), || {
+            let metrics = b.get("/metrics").unwrap_or_default();
+            metrics
+                .lines()
+                .filter(|l| l.starts_with("keyway_link_streams_active{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+                >= 2.0
+        });
+        held = Some(conn);
+        relayed
+    });
+    assert!(opened, "no connection went through b");
+    let (mut held, mut held_reader, _) = held.expect("held connection");
+
+    let probes = probe(listen, Duration::from_secs(2));
+    std::thread::sleep(Duration::from_millis(300));
+    b.signal("-TERM");
+    let results = probes.join().expect("probe");
+    let (took, failures) = settle(&results, Duration::from_millis(300), "at-c");
+    println!("rerouted around a draining site after {took:?}, {failures} failed");
+    assert!(
+        took.is_some_and(|t| t < Duration::from_millis(500)),
+        "{took:?}: {:?}",
+        results.iter().filter(|r| r.1.is_err()).collect::<Vec<_>>()
+    );
+    assert_eq!(failures, 0);
+    assert_eq!(
+        echo(&mut held, &mut held_reader, "still here\n").as_deref(),
+        Ok("still here\n"),
+        "the connection open through b was cut"
+    );
+    drop(c);
+}
+
 /// A hung site (SIGSTOP: its sockets stay open but nothing answers) is detected by the HTTP/2
 /// PING keepalive within 3 s, and its keys fail over.
 #[test]
