@@ -51,6 +51,8 @@ pub struct Reachability {
     pub site_id: Option<String>,
     /// Link name → why it is down.
     pub link_errors: BTreeMap<String, String>,
+    /// Why the network may not see this site as configured: another live site has its name.
+    pub name_conflict: Option<String>,
 }
 
 impl Reachability {
@@ -603,11 +605,11 @@ fn site_status(
     };
     let mut network = vec![here];
     network.extend(reach.remote_sites.iter().cloned());
-    let mut v = ready_from(
-        vec![Cond::ready("Configured"), Cond::ready("Running")],
-        generation,
-        now,
-    );
+    let running = match &reach.name_conflict {
+        Some(why) => Cond::error("Running", why),
+        None => Cond::ready("Running"),
+    };
+    let mut v = ready_from(vec![Cond::ready("Configured"), running], generation, now);
     v["sitesInNetwork"] = json!(network.len());
     v["network"] = serde_json::to_value(&network).unwrap_or(Value::Null);
     v

@@ -516,6 +516,20 @@ fn site_and_link_status() {
     let site = status_of(&st, Kind::Site, "west");
     assert_eq!(site["sitesInNetwork"], 2);
     assert_eq!(site["network"][0]["links"][0]["remoteSiteName"], "east");
+
+    // Another live site has this site's name: the Site says so.
+    let mut reach = Reachability::offline(&service_network::resolve(&index));
+    reach.name_conflict = Some("another live site in the network has this site's name".into());
+    let (_, st) = statuses(&index, Some(reach));
+    let site = status_of(&st, Kind::Site, "west");
+    assert_eq!(cond(site, "Running")["status"], "False", "{site}");
+    assert_eq!(site["status"], "Error", "{site}");
+    assert!(
+        site["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("this site's name")),
+        "{site}"
+    );
 }
 
 /// A MultiKeyListener that serves nothing (its port not bound, its Secret missing) has no

@@ -154,6 +154,9 @@ struct State {
     /// again ahead of us is a second live site of the same name, not a previous run.
     superseded: BTreeSet<String>,
     duplicate_logged: Option<Instant>,
+    /// When an advertisement of another site under this site's name, not moved past, last
+    /// came, and its number: the network holds that site's record in place of ours.
+    duplicate_seen: Option<(Instant, u64)>,
     unreachable_since: HashMap<String, Instant>,
     routes: BTreeMap<String, Route>,
     remote_entries: Vec<(String, String, u64)>,
@@ -209,6 +212,8 @@ pub struct NetworkView {
     pub listened_keys: BTreeSet<String>,
     /// A RouterAccess whose port could not be bound.
     pub bind_errors: BTreeMap<ObjectKey, String>,
+    /// Another live site advertises this site's name (see [`NAME_RECLAIM_AFTER`]).
+    pub name_conflict: Option<String>,
 }
 
 pub struct Network {
@@ -240,6 +245,7 @@ impl Network {
                 db_full_logged: None,
                 superseded: BTreeSet::new(),
                 duplicate_logged: None,
+                duplicate_seen: None,
                 unreachable_since: HashMap::new(),
                 routes: BTreeMap::new(),
                 remote_entries: Vec::new(),
@@ -498,6 +504,12 @@ impl Network {
         if let Some((key, e)) = &st.access_error {
             view.bind_errors.insert(key.clone(), e.clone());
         }
+        if st.duplicate_seen.is_some() {
+            view.name_conflict = Some(format!(
+                "another live site in the network has this site's name {}: site names must be unique; rename one of them",
+                st.site
+            ));
+        }
         view
     }
 
@@ -594,6 +606,8 @@ impl Inner {
                 self.originate(&mut st);
             } else {
                 let now = Instant::now();
+                let seq = st.duplicate_seen.map_or(adv.seq, |(_, s)| s.max(adv.seq));
+                st.duplicate_seen = Some((now, seq));
                 if st
                     .duplicate_logged
                     .is_none_or(|t| now.duration_since(t) > Duration::from_secs(10))
@@ -854,7 +868,17 @@ fn flood(st: &State, adv: &Advertisement, except: Option<u64>) {
     }
 }
 
-/// Re-advertises when the set of healthy local keys changes, and ages out unreachable sites.
+/// How long after the last advertisement of another live site under this site's name this
+/// site advertises again past it. While both run, each takes the name back at most this often
+/// (and both log an error); once the other has stopped, the name comes back to this one.
+const NAME_RECLAIM_AFTER: Duration = if cfg!(test) {
+    Duration::from_secs(1)
+} else {
+    Duration::from_secs(10)
+};
+
+/// Re-advertises when the set of healthy local keys changes, or to take back this site's name
+/// from another site that used it, and ages out unreachable sites.
 async fn refresh_loop(inner: Weak<Inner>) {
     let Some(mut changes) = inner.upgrade().map(|i| i.dataplane.registry().subscribe()) else {
         return;
@@ -868,7 +892,17 @@ async fn refresh_loop(inner: Weak<Inner>) {
         let Some(inner) = inner.upgrade() else { return };
         let keys = inner.dataplane.registry().local_reachable_keys();
         let mut st = lock(&inner.state);
-        if st.local_keys != keys {
+        // Another site under our name has gone quiet (it stopped, most likely): the network
+        // still holds its record in place of ours, with its keys and links, until we
+        // advertise past it.
+        if let Some((seen, seq)) = st.duplicate_seen
+            && seen.elapsed() >= NAME_RECLAIM_AFTER
+        {
+            st.duplicate_seen = None;
+            st.seq = st.seq.max(seq).max(clock_ms());
+            st.local_keys = keys;
+            inner.originate(&mut st);
+        } else if st.local_keys != keys {
             st.local_keys = keys;
             inner.originate(&mut st);
         } else {

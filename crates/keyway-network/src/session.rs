@@ -1041,6 +1041,38 @@ mod linked_in_memory {
         );
     }
 
+    async fn until(limit_secs: u64, done: impl Fn() -> bool) {
+        let start = std::time::Instant::now();
+        while !done() {
+            assert!(
+                start.elapsed() < Duration::from_secs(limit_secs),
+                "timed out"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A second site under a live site's name, that then stops: the network's record of the
+    /// name goes back to the first site (its keys were gone from the network meanwhile), whose
+    /// status says why while the other runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_site_takes_its_name_back_from_one_that_stopped() {
+        let (w1, east) = (site("west"), site("east"));
+        let _l1 = link(&w1, &east, 1);
+        let id_at_east = || lock(&east.inner.state).db.get("west").map(|a| a.id.clone());
+        until(5, || id_at_east().as_ref() == Some(&w1.inner.id)).await;
+        let w2 = site("west");
+        let l2 = link(&w2, &east, 1);
+        until(5, || w1.observe().name_conflict.is_some()).await;
+        assert_eq!(id_at_east().as_ref(), Some(&w2.inner.id));
+        drop(l2);
+        drop(w2);
+        until(10, || {
+            id_at_east().as_ref() == Some(&w1.inner.id) && w1.observe().name_conflict.is_none()
+        })
+        .await;
+    }
+
     /// A `cost` message from the dialer (its Link's cost was edited) changes the cost both ends
     /// advertise for the link, on the same connections.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -327,6 +327,7 @@ impl Site {
             site_ids: net.site_ids,
             site_id: Some(net.site_id),
             link_errors: net.link_errors,
+            name_conflict: net.name_conflict,
         };
         let now = cli::now();
         let mut statuses =
