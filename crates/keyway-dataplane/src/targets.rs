@@ -428,13 +428,38 @@ impl Registry {
         v
     }
 
-    /// Records a failed data connection: the target is unhealthy at once (SPEC §3.1).
-    /// With health checks turned off there is no checker to bring the target back, so it stays
-    /// usable and only the error is recorded (the connect still moves on to the next choice).
-    pub fn connect_failed(&self, target: &Target, error: &str) {
-        if !target.health_check.enabled || target.remote.is_some() {
+    /// Records a failed data connection: the target is unhealthy at once (SPEC §3.1). With
+    /// health checks turned off no checker would notice its return, so it is out of use for
+    /// [`EJECTION`] only and then tried again by the next connection (passive health).
+    pub fn connect_failed(self: &Arc<Self>, target: &Arc<Target>, error: &str) {
+        if target.remote.is_some() {
             if let Ok(mut e) = target.last_error.lock() {
                 *e = Some(error.to_string());
+            }
+            return;
+        }
+        if !target.health_check.enabled {
+            // Counts ejections: only the latest one's timer brings the target back.
+            let ejection = target
+                .failures
+                .fetch_add(1, Ordering::AcqRel)
+                .wrapping_add(1);
+            let why = format!(
+                "{error} (health checks are off: tried again in {} s)",
+                EJECTION.as_secs()
+            );
+            self.set_health(target, Health::Unhealthy, Some(why));
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let (registry, target) = (Arc::downgrade(self), target.clone());
+                runtime.spawn(async move {
+                    tokio::time::sleep(EJECTION).await;
+                    if let Some(registry) = registry.upgrade()
+                        && !target.is_retired()
+                        && target.failures.load(Ordering::Acquire) == ejection
+                    {
+                        registry.set_health(&target, Health::Healthy, None);
+                    }
+                });
             }
             return;
         }
@@ -446,7 +471,7 @@ impl Registry {
 
     /// A connection to `target` failed in TLS (or its handshake timed out): a failed connect,
     /// and its health checks now check TLS too (see `Target::tls_suspect`).
-    pub fn tls_failed(&self, target: &Target, error: &str) {
+    pub fn tls_failed(self: &Arc<Self>, target: &Arc<Target>, error: &str) {
         target.tls_suspect.store(true, Ordering::Release);
         self.connect_failed(target, error);
     }
@@ -483,6 +508,10 @@ impl Drop for Registry {
         self.stop();
     }
 }
+
+/// How long a target whose health checks are off stays out of use after a connection to it
+/// failed (see [`Registry::connect_failed`]).
+const EJECTION: Duration = Duration::from_secs(5);
 
 /// Probes a target with a TCP connect every interval. A success makes it healthy at once; it
 /// turns unhealthy after `failures` consecutive failures (or at once when its state is unknown).

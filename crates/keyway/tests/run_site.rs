@@ -307,6 +307,58 @@ fn dead_backend_costs_no_client_error_and_recovers() {
     });
 }
 
+/// A target with health checks off is still taken out of use when a connection to it fails
+/// (the MultiKeyListener moves to its next key and says so), and tried again a few seconds later.
+#[test]
+fn a_target_without_health_checks_is_set_aside_after_a_failed_connect() {
+    let east_port = free_port();
+    let all = Backend::start("all");
+    let dir = temp_dir("unchecked");
+    let port = free_port();
+    std::fs::write(
+        dir.join("mkl.yaml"),
+        mkl("backend", port, &["backend-east", "backend-all"]),
+    )
+    .expect("write");
+    let unchecked = format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata: {{name: east}}\nspec:\n  routingKey: backend-east\n  host: 127.0.0.1\n  port: {east_port}\n  settings: {{health-check: \"false\"}}\n"
+    );
+    std::fs::write(
+        dir.join("c.yaml"),
+        format!(
+            "{unchecked}---\n{}",
+            connector("all", "backend-all", all.port)
+        ),
+    )
+    .expect("write");
+    let site = Site::start(&dir);
+    // Nothing listens for east: the first connection tries it, then goes on to backend-all.
+    assert_eq!(hello(port).expect("connect").0, "all");
+    let active = || {
+        let status = site.status();
+        status["items"]
+            .as_array()
+            .and_then(|items| items.iter().find(|i| i["kind"] == "MultiKeyListener"))
+            .map(|m| m["status"]["strategy"]["priorityFailover"]["activeRoutingKey"].clone())
+            .unwrap_or_default()
+    };
+    wait_until("the MultiKeyListener moves to backend-all", || {
+        active() == "backend-all"
+    });
+    let body = site.get("/status").1;
+    assert!(
+        body.contains("health checks are off: tried again in 5 s"),
+        "{body}"
+    );
+    let _east = Backend::start_on("east", east_port);
+    let back = Instant::now();
+    wait_until("east is tried again", || {
+        hello(port).map(|(w, _)| w == "east").unwrap_or(false)
+    });
+    println!("east used again after {:?}", back.elapsed());
+    assert_eq!(active(), "backend-east");
+}
+
 #[test]
 fn twenty_reloads_keep_live_connections_and_bad_files_keep_last_valid() {
     let a = Backend::start("a");
