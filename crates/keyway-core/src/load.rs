@@ -88,7 +88,7 @@ pub enum DocOutcome {
 pub struct FileLoad {
     pub file: String,
     pub outcomes: Vec<DocOutcome>,
-    /// Warnings about accepted objects (unknown fields).
+    /// Warnings about accepted objects (upstream fields keyway does not read).
     pub warnings: Vec<ConfigError>,
 }
 
@@ -413,27 +413,48 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             }
         }
     }
-    // Unknown fields are warned whether or not the document converts: beside an error they
-    // often explain it (`stratgy:` for a missing `strategy`).
+    // A field only the experimental channel of Gateway API has is upstream's, not a slip.
+    let unknown_upstream = crate::resource::unknown_to_experimental_channel(kind, &value);
     let (parsed, ignored) = match Resource::from_value(kind, value) {
         Ok(parsed) => (Ok(parsed.resource), parsed.ignored),
         Err(e) => (Err((e.path, e.message)), e.ignored),
     };
+    // As `kubectl apply` validates (strictly): an unknown field, most often a misspelt one
+    // (`hostName`, `parentRef`), rejects the document, so the version in force keeps serving
+    // instead of one that silently means something else. Reported whether or not the document
+    // converts: beside an error they often explain it (`stratgy:` for a missing `strategy`).
+    let mut unknown = Vec::new();
     for path in ignored
         .iter()
         .filter(|p| *p != "apiVersion" && *p != "kind")
     {
-        load.warnings.push(err(
-            path,
-            "unknown field; ignored".into(),
-            Some(key.clone()),
-        ));
+        if unknown_upstream.as_ref().is_some_and(|u| !u.contains(path)) {
+            load.warnings.push(err(
+                path,
+                "a field of Gateway API's experimental channel, which keyway does not read; ignored"
+                    .into(),
+                Some(key.clone()),
+            ));
+        } else {
+            unknown.push(path.clone());
+        }
     }
+    let failed_at = parsed.as_ref().err().map(|(path, _)| path.clone());
+    let unknown: Vec<DocOutcome> = unknown
+        .iter()
+        .filter(|p| failed_at.as_ref() != Some(*p))
+        .map(|p| DocOutcome::Rejected(err(p, "unknown field".into(), Some(key.clone()))))
+        .collect();
     let resource = match parsed {
-        Ok(resource) => resource,
+        Ok(resource) if unknown.is_empty() => resource,
+        Ok(_) => {
+            load.outcomes.extend(unknown);
+            return;
+        }
         Err((path, message)) => {
             load.outcomes
                 .push(DocOutcome::Rejected(err(&path, message, Some(key))));
+            load.outcomes.extend(unknown);
             return;
         }
     };

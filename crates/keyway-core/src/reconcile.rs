@@ -43,7 +43,7 @@ fn state_key(key: &ObjectKey) -> String {
 pub struct Reconciled {
     /// Rejected documents and cross-object rule violations.
     pub errors: Vec<ConfigError>,
-    /// Unknown kinds and unknown fields.
+    /// Unknown kinds, and upstream fields keyway does not read.
     pub warnings: Vec<ConfigError>,
     /// Objects added, changed or deleted.
     pub changed: BTreeSet<ObjectKey>,

@@ -153,7 +153,7 @@ impl Kind {
             Kind::MultiKeyListener => &["mkl", "multikeylisteners"],
             Kind::GatewayClass => &["gc", "gatewayclasses"],
             Kind::Gateway => &["gtw", "gw"],
-            Kind::ListenerSet => &["lset", "ls", "xlistenerset", "xlistenersets"],
+            Kind::ListenerSet => &["lset", "ls", "xls", "xlistenerset", "xlistenersets"],
             Kind::ReferenceGrant => &["refgrant"],
             Kind::Namespace => &["ns"],
             Kind::Service => &["svc"],
@@ -223,7 +223,7 @@ impl fmt::Display for ObjectKey {
     }
 }
 
-/// A typed object plus the fields the types did not know (reported as warnings).
+/// A typed object plus the fields the types did not know (unknown fields).
 #[derive(Debug)]
 pub struct Parsed {
     pub resource: Resource,
@@ -349,6 +349,31 @@ fn tidy_serde_message(msg: &str) -> String {
         out.push_str(" (nothing is written under it; are its fields indented beneath it?)");
     }
     out
+}
+
+fn ignored_by<T: serde::de::DeserializeOwned>(value: &Value) -> Vec<String> {
+    let mut ignored = Vec::new();
+    let _ =
+        serde_ignored::deserialize::<_, _, T>(value.clone(), |path| ignored.push(path_text(&path)));
+    ignored
+}
+
+/// For a Gateway API kind, the fields of `value` unknown even to the experimental channel of
+/// Gateway API: keyway reads the standard channel, so a field only the experimental channel
+/// has (`retry` on an HTTPRoute rule) is upstream's, not a misspelling. `None` for other kinds.
+pub fn unknown_to_experimental_channel(kind: Kind, value: &Value) -> Option<Vec<String>> {
+    use gateway_api::apis::experimental as x;
+    Some(match kind {
+        Kind::GatewayClass => ignored_by::<x::gatewayclasses::GatewayClass>(value),
+        Kind::Gateway => ignored_by::<x::gateways::Gateway>(value),
+        Kind::ListenerSet => ignored_by::<x::listenersets::ListenerSet>(value),
+        Kind::HTTPRoute => ignored_by::<x::httproutes::HttpRoute>(value),
+        Kind::GRPCRoute => ignored_by::<x::grpcroutes::GrpcRoute>(value),
+        Kind::TLSRoute => ignored_by::<x::tlsroutes::TlsRoute>(value),
+        Kind::TCPRoute => ignored_by::<x::tcproutes::TcpRoute>(value),
+        Kind::ReferenceGrant => ignored_by::<x::referencegrants::ReferenceGrant>(value),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

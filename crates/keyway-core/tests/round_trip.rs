@@ -461,8 +461,10 @@ fn multi_document_files() {
     assert_eq!(objs[1].lines.line_of("spec.port"), 21);
 }
 
+/// An unknown kind is a warning; an unknown field rejects its document, as `kubectl apply`
+/// (strict field validation) does: a misspelt field must not silently change what it means.
 #[test]
-fn unknown_kinds_and_fields_warn() {
+fn unknown_kinds_warn_and_unknown_fields_reject() {
     let load: FileLoad = load_file(
         "mixed.yaml",
         "apiVersion: example.com/v1\nkind: Widget\nmetadata:\n  name: w\n---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: a\nspec:\n  routingKey: a\n  host: 127.0.0.1\n  port: 1\n  colour: blue\n",
@@ -475,12 +477,13 @@ fn unknown_kinds_and_fields_warn() {
         }
         other => panic!("want Ignored, got {other:?}"),
     }
-    assert!(matches!(load.outcomes[1], DocOutcome::Object(_)));
-    assert_eq!(load.warnings.len(), 1, "{:?}", load.warnings);
-    assert_eq!(
-        load.warnings[0].to_string(),
-        "mixed.yaml:14: spec.colour: unknown field; ignored"
-    );
+    match &load.outcomes[1] {
+        DocOutcome::Rejected(e) => {
+            assert_eq!(e.to_string(), "mixed.yaml:14: spec.colour: unknown field")
+        }
+        other => panic!("want Rejected, got {other:?}"),
+    }
+    assert!(load.warnings.is_empty(), "{:?}", load.warnings);
     // A kind keyway reads, in a version it does not or misspelt, is rejected, not ignored:
     // ignoring it would delete the object a running site has from that file.
     for (api, kind, message) in [
@@ -543,12 +546,19 @@ fn unknown_kinds_and_fields_warn() {
         ),
         other => panic!("want Rejected, got {other:?}"),
     }
-    let warnings: Vec<String> = load.warnings.iter().map(ToString::to_string).collect();
+    let errors: Vec<String> = load
+        .outcomes
+        .iter()
+        .filter_map(|o| match o {
+            DocOutcome::Rejected(e) => Some(e.to_string()),
+            _ => None,
+        })
+        .collect();
     assert_eq!(
-        warnings,
+        errors,
         [
-            "typo.yaml:8: spec.setings: unknown field; ignored",
-            "typo.yaml:9: spec.stratgy: unknown field; ignored"
+            "typo.yaml:9: spec.stratgy: strategy is required (is `stratgy` a misspelling of it?)",
+            "typo.yaml:8: spec.setings: unknown field",
         ]
     );
     // A short required name: any short key is "close" to it, so only a case slip is named.

@@ -701,6 +701,30 @@ fn cases() -> Vec<Case> {
             "spec.rules[0].filters",
             "RequestRedirect filter must not be used together with backendRefs",
         ),
+        // --- Unknown fields: rejected, as `kubectl apply` rejects them ------------------------
+        case(
+            "gateway-listener-misspelt-hostname",
+            gateway(
+                "  - name: web\n    port: 18080\n    protocol: HTTP\n    hostName: a.example.com\n",
+            ),
+            11,
+            "spec.listeners[0].hostName",
+            "unknown field",
+        ),
+        case(
+            "route-parent-ref-singular",
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata:\n  name: r\nspec:\n  parentRef:\n  - name: g\n",
+            6,
+            "spec.parentRef",
+            "unknown field",
+        ),
+        case(
+            "mkl-unknown-field",
+            mkl("  strategy:\n    priorityFailover:\n      routingKeys: [a]\n  colour: blue\n"),
+            11,
+            "spec.colour",
+            "unknown field",
+        ),
         case(
             "route-redirect-status-code",
             http_route(
