@@ -9,14 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use keyway_core::{Kind, ObjectKey};
 use keyway_dataplane::DataPlane;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-
-fn connector_id(name: &str) -> ObjectKey {
-    ObjectKey::new(Kind::Connector, "default", name)
-}
 
 /// A workload that accepts TCP (so the TCP health check passes) but never answers a TLS
 /// ClientHello: a hung process, a plaintext service behind a TLS connector, a stuck sidecar.

@@ -67,6 +67,11 @@ pub fn listener_id(name: &str) -> ObjectKey {
     ObjectKey::new(Kind::Listener, "default", name)
 }
 
+#[allow(dead_code)]
+pub fn connector_id(name: &str) -> ObjectKey {
+    ObjectKey::new(Kind::Connector, "default", name)
+}
+
 pub fn mkl_id(name: &str) -> ObjectKey {
     ObjectKey::new(Kind::MultiKeyListener, "default", name)
 }
