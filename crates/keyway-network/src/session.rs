@@ -54,6 +54,8 @@ const PING_EVERY: Duration = Duration::from_millis(500);
 const PING_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// How often a Link that keeps failing the same way is logged again (see `link_loop`).
+const REPEAT_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// The connections a RouterAccess accepted. They outlive its accept task when only its
 /// certificate changes (same CA), and are all ended when the last holder drops the set.
@@ -275,6 +277,10 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
     // we would see is a closed connection: say what is wrong with ours.
     let own = tls::link_certificate_problem(&link.tls);
     let mut backoff = BACKOFF_MIN;
+    // A peer that stays away is redialed every few seconds: its failure is logged when it
+    // changes, and the same failure again at most every REPEAT_LOG_EVERY (debug meanwhile).
+    let mut logged: Option<(String, Instant)> = None;
+    let mut unlogged = 0u32;
     loop {
         let started = Instant::now();
         // Each attempt in a task of its own (aborted with this loop): a panic in it, a bug on
@@ -297,7 +303,22 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
             // Replaced by a later start of the Link, which reports its own state.
             return;
         }
-        tracing::warn!(link = %name, endpoint = %format!("{}:{}", link.host, link.port), "link down: {why}");
+        let endpoint = format!("{}:{}", link.host, link.port);
+        let repeat = logged
+            .as_ref()
+            .is_some_and(|(last, at)| *last == why && at.elapsed() < REPEAT_LOG_EVERY);
+        if repeat {
+            unlogged += 1;
+            tracing::debug!(link = %name, %endpoint, "link down: {why}");
+        } else {
+            if unlogged > 0 {
+                tracing::warn!(link = %name, %endpoint, "link down: {why} (and {unlogged} more times since it was last logged)");
+            } else {
+                tracing::warn!(link = %name, %endpoint, "link down: {why}");
+            }
+            unlogged = 0;
+            logged = Some((why.clone(), Instant::now()));
+        }
         inner.link_failed(&name, why);
         if started.elapsed() > Duration::from_secs(10) {
             backoff = BACKOFF_MIN;

@@ -369,6 +369,11 @@ fn link_with_the_wrong_ca_is_refused_and_status_says_why() {
         "nothing reachable: the port is closed"
     );
     assert!(b.log().contains("link refused"), "{}", b.log());
+    // a keeps redialing (backoff up to 2 s) on both of the Link's connections; the same
+    // failure is logged once per connection, not per attempt.
+    std::thread::sleep(Duration::from_secs(4));
+    let downs = a.log().matches("link down").count();
+    assert!(downs <= 2, "{downs} lines: {}", a.log());
 }
 
 /// Garbage on the inter-router port closes that connection; the site carries on serving links.
