@@ -330,6 +330,22 @@ fn tidy_serde_message(msg: &str) -> String {
             msg.trim_end_matches('.')
         );
     }
+    // A number too large (or negative) for its field: say what fits rather than "expected an
+    // integer" about what is one.
+    if let Some(rest) = msg.strip_prefix("invalid value: integer `")
+        && let Some((number, expected)) = rest.split_once("`, expected ")
+    {
+        let range = match expected {
+            "i64" => Some(format!("{}..={}", i64::MIN, i64::MAX)),
+            "i32" => Some(format!("{}..={}", i32::MIN, i32::MAX)),
+            "u32" => Some(format!("0..={}", u32::MAX)),
+            "u16" => Some(format!("0..={}", u16::MAX)),
+            _ => None,
+        };
+        if let Some(range) = range {
+            return format!("{number} is out of range (the field takes {range})");
+        }
+    }
     let mut out = msg
         .replace("expected i64", "expected an integer")
         .replace("expected i32", "expected an integer")

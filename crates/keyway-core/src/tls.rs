@@ -142,11 +142,12 @@ pub fn secret_value(secret: &Secret, key: &str) -> Option<Vec<u8>> {
 }
 
 /// Whether `key` can sign and belongs to the first certificate of `chain`, as rustls will
-/// check when it serves them (same provider as the data plane: aws-lc-rs).
+/// check when it serves them (same provider as the data plane: aws-lc-rs). An error names the
+/// Secret key at fault (`tls.crt` or `tls.key`) and says why.
 pub fn check_key_pair(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
-) -> Result<(), String> {
+) -> Result<(), (&'static str, String)> {
     let provider = rustls::crypto::aws_lc_rs::default_provider();
     match rustls::sign::CertifiedKey::from_der(chain.clone(), key.clone_key(), &provider) {
         Ok(_) => Ok(()),
@@ -160,15 +161,23 @@ pub fn check_key_pair(
                 )
                 .is_ok()
             });
-            Err(match later {
-                Some((i, _)) => format!(
-                    "the private key belongs to certificate {} of tls.crt, not the first: tls.crt must start with the certificate of tls.key, then its intermediates",
-                    i + 1
-                ),
-                None => "the private key does not belong to the certificate in tls.crt".into(),
-            })
+            Err((
+                "tls.key",
+                match later {
+                    Some((i, _)) => format!(
+                        "the private key belongs to certificate {} of tls.crt, not the first: tls.crt must start with the certificate of tls.key, then its intermediates",
+                        i + 1
+                    ),
+                    None => "the private key does not belong to the certificate in tls.crt".into(),
+                },
+            ))
         }
-        Err(e) => Err(format!("the private key cannot be used: {e}")),
+        // The certificate's PEM decoded, but not as a certificate (a character changed in it).
+        Err(rustls::Error::InvalidCertificate(e)) => Err((
+            "tls.crt",
+            format!("the first certificate cannot be read ({e:?}): is its PEM damaged?"),
+        )),
+        Err(e) => Err(("tls.key", format!("the private key cannot be used: {e}"))),
     }
 }
 

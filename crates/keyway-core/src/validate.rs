@@ -459,9 +459,9 @@ fn check_secret(p: &mut Problems, s: &k8s_openapi::api::core::v1::Secret) {
             // the last valid version of the Secret stays in force.
             Ok(key) => {
                 if let Some(Ok(chain)) = get("tls.crt").map(|c| crate::tls::parse_certificates(&c))
-                    && let Err(e) = crate::tls::check_key_pair(chain, key)
+                    && let Err((at, e)) = crate::tls::check_key_pair(chain, key)
                 {
-                    p.add(field("tls.key"), e);
+                    p.add(field(at), e);
                 }
             }
         }

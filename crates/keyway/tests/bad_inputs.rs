@@ -225,6 +225,15 @@ fn cases() -> Vec<Case> {
             "expected an integer",
         ),
         case(
+            "mkl-weight-beyond-any-integer",
+            mkl(
+                "  strategy:\n    weighted:\n      routingKeys:\n        a: 18446744073709551615\n",
+            ),
+            11,
+            "spec.strategy.weighted.routingKeys.a",
+            "18446744073709551615 is out of range (the field takes",
+        ),
+        case(
             "link-port-not-a-number",
             skupper(
                 "Link",
@@ -551,6 +560,18 @@ fn cases() -> Vec<Case> {
             18,
             "stringData.tls.key",
             "the private key does not belong to the certificate in tls.crt",
+        ),
+        case(
+            "secret-tls-crt-damaged",
+            format!(
+                "apiVersion: v1\nkind: Secret\nmetadata:\n  name: s\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
+                // One character changed: still PEM, no longer a certificate.
+                indent(&CERT.replacen("MIIBdDCCARmg", "MIIBdDCCAZmg", 1), 4),
+                indent(OTHER_KEY, 4)
+            ),
+            7,
+            "stringData.tls.crt",
+            "the first certificate cannot be read (BadEncoding): is its PEM damaged?",
         ),
         case(
             "secret-tls-key-garbage",
