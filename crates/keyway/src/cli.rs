@@ -102,6 +102,31 @@ enum Command {
     /// Link sites with one-time tokens (AccessGrant / AccessToken), as `skupper token`.
     #[command(subcommand)]
     Token(TokenCommand),
+    /// Start a site's config directory, as `skupper site create`.
+    #[command(subcommand)]
+    Site(SiteCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum SiteCommand {
+    /// Write a Site into a new config directory; with --enable-link-access also a RouterAccess
+    /// and its Secret (a new CA and this site's certificate), ready for `keyway token issue`.
+    Create {
+        /// The site's name (unique in its network).
+        name: String,
+        /// Config directory (created if missing).
+        #[arg(long, default_value = "./keyway.d")]
+        config: PathBuf,
+        /// Accept links from other sites (an inter-router RouterAccess).
+        #[arg(long)]
+        enable_link_access: bool,
+        /// The name or address other sites dial to reach this one (with --enable-link-access).
+        #[arg(long)]
+        host: Option<String>,
+        /// The inter-router port.
+        #[arg(long, default_value_t = 55671)]
+        port: u16,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -239,6 +264,19 @@ pub fn main() -> ExitCode {
         Command::Token(TokenCommand::Redeem { file, config, name }) => {
             token::redeem(&file, &config, name)
         }
+        Command::Site(SiteCommand::Create {
+            name,
+            config,
+            enable_link_access,
+            host,
+            port,
+        }) => crate::site_create::create(crate::site_create::CreateArgs {
+            name,
+            config,
+            link_access: enable_link_access,
+            host,
+            port,
+        }),
         Command::Demo { port_base, keep } => crate::demo::run(port_base, keep),
     };
     match result {

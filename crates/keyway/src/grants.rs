@@ -318,18 +318,7 @@ pub fn issue_client_cert(
     params.distinguished_name.push(DnType::CommonName, site);
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let ymd = |t: Timestamp| {
-        let d = t.to_zoned(keyway_core::jiff::tz::TimeZone::UTC).date();
-        (
-            i32::from(d.year()),
-            d.month().unsigned_abs(),
-            d.day().unsigned_abs(),
-        )
-    };
-    let (y, m, d) = ymd(now - SignedDuration::from_hours(24));
-    params.not_before = rcgen::date_time_ymd(y, m, d);
-    let (y, m, d) = ymd(now);
-    params.not_after = rcgen::date_time_ymd(y + 5, m, d.min(28));
+    set_validity(&mut params, now, 5);
     let key = KeyPair::generate().map_err(|e| format!("key generation: {e}"))?;
     let cert = params
         .signed_by(&key, &issuer)
@@ -341,6 +330,22 @@ pub fn issue_client_cert(
         )
     })?;
     Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// Makes a certificate valid from yesterday (some clocks lag) for `years`.
+pub fn set_validity(params: &mut CertificateParams, now: Timestamp, years: i32) {
+    let ymd = |t: Timestamp| {
+        let d = t.to_zoned(keyway_core::jiff::tz::TimeZone::UTC).date();
+        (
+            i32::from(d.year()),
+            d.month().unsigned_abs(),
+            d.day().unsigned_abs(),
+        )
+    };
+    let (y, m, d) = ymd(now - SignedDuration::from_hours(24));
+    params.not_before = rcgen::date_time_ymd(y, m, d);
+    let (y, m, d) = ymd(now);
+    params.not_after = rcgen::date_time_ymd(y + years, m, d.min(28));
 }
 
 /// Whether certificates the CA issues will be accepted on the RouterAccess port: its clients

@@ -8,6 +8,7 @@ mod demo;
 mod grants;
 mod run;
 mod site;
+mod site_create;
 mod source;
 mod state;
 mod token;

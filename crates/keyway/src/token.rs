@@ -333,7 +333,7 @@ pub fn link_manifest(
     )
 }
 
-fn indent(pem: &str) -> String {
+pub(crate) fn indent(pem: &str) -> String {
     pem.lines().map(|l| format!("    {l}\n")).collect()
 }
 

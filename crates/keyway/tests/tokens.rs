@@ -682,3 +682,83 @@ fn a_running_site_redeems_tokens_in_its_config_dir() {
     assert_eq!(read("clash-secret.yaml"), secret);
     assert!(!east.config_dir().join("link-clash.yaml").exists());
 }
+
+/// `keyway site create` makes both sites' config directories, with a new CA at the one that
+/// accepts links: a token issued there and redeemed at the other links them, and traffic flows,
+/// with no certificate made by hand.
+#[test]
+fn sites_made_by_site_create_link_with_a_token() {
+    let _s = serial();
+    let base = std::env::temp_dir().join(format!("keyway-site-create-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (west_dir, east_dir) = (base.join("west"), base.join("east"));
+    let (west_config, east_config) = (west_dir.join("config"), east_dir.join("config"));
+    let port = free_port().to_string();
+    let create_west = [
+        "site",
+        "create",
+        "west",
+        "--config",
+        west_config.to_str().expect("utf8"),
+        "--enable-link-access",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port,
+    ];
+    let out = keyway(&create_west);
+    assert!(out.status.success(), "{}", text(&out));
+    // It makes new sites only: nothing is overwritten.
+    let again = keyway(&create_west);
+    assert_eq!(again.status.code(), Some(1), "{}", text(&again));
+    assert!(text(&again).contains("exists"), "{}", text(&again));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(west_config.join("link-access.yaml"))
+            .expect("link-access.yaml")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "private keys readable by others");
+    }
+    let out = keyway(&[
+        "site",
+        "create",
+        "east",
+        "--config",
+        east_config.to_str().expect("utf8"),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = keyway(&["site", "create", "East_1", "--config", "/nonexistent/x"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+
+    let backend = Backend::start("at-west");
+    write_file(
+        &west_config,
+        "db.yaml",
+        &connector_yaml("db", "db", backend.port),
+    );
+    let listen = free_port();
+    write_file(&east_config, "db.yaml", &listener_yaml("db", "db", listen));
+    let west = SiteProc::start_in("west", &west_dir);
+    let east = SiteProc::start_in("east", &east_dir);
+    assert!(
+        eventually(Duration::from_secs(5), || west
+            .status_of("RouterAccess", "skupper-router")
+            .is_some_and(|s| s["status"] == "Ready")),
+        "{:?}",
+        west.status_of("RouterAccess", "skupper-router")
+    );
+    let token = issue(&west, "to-west", &[]);
+    let out = redeem(&token, &east.config_dir(), &[]);
+    assert!(out.status.success(), "redeem failed: {}", text(&out));
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-west")),
+        "no traffic over the link: {:?}\nwest log:\n{}\neast log:\n{}",
+        who(listen),
+        west.log(),
+        east.log()
+    );
+    let _ = std::fs::remove_dir_all(&base);
+}

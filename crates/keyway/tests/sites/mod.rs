@@ -235,6 +235,19 @@ impl SiteProc {
         site
     }
 
+    /// Starts a site on `dir`'s existing `config` directory (made by `keyway site create`, say).
+    #[allow(dead_code)]
+    pub fn start_in(name: &str, dir: &Path) -> SiteProc {
+        let mut site = SiteProc {
+            name: name.to_string(),
+            dir: dir.to_path_buf(),
+            admin: free_port(),
+            child: None,
+        };
+        site.spawn();
+        site
+    }
+
     pub fn config_dir(&self) -> PathBuf {
         self.dir.join("config")
     }

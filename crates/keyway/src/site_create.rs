@@ -1,0 +1,130 @@
+//! `keyway site create`: a new site's config directory, as `skupper site create` makes one. With
+//! link access it also writes a RouterAccess and its Secret holding a fresh CA and the site's
+//! certificate, so `keyway token issue` works at once and no one writes certificates by hand.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use keyway_core::jiff::Timestamp;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+
+use crate::cli::INVALID;
+use crate::grants::set_validity;
+use crate::token::{indent, write_private};
+
+/// Skupper's names for the inter-router RouterAccess and its Secret.
+const ROUTER_ACCESS: &str = "skupper-router";
+const SERVER_SECRET: &str = "skupper-site-server";
+
+pub struct CreateArgs {
+    pub name: String,
+    pub config: PathBuf,
+    pub link_access: bool,
+    /// The name or address other sites dial.
+    pub host: Option<String>,
+    pub port: u16,
+}
+
+pub fn create(args: CreateArgs) -> Result<ExitCode> {
+    if !keyway_core::validate::is_dns_label(&args.name) {
+        eprintln!(
+            "error: site name {:?}: lower-case letters, digits and '-', at most 63, starting and ending with a letter or digit",
+            args.name
+        );
+        return Ok(ExitCode::from(INVALID));
+    }
+    let host = match (&args.host, args.link_access) {
+        (Some(h), true) => Some(h.as_str()),
+        (None, true) => {
+            eprintln!(
+                "error: --enable-link-access needs --host: the name or address other sites dial to reach this one"
+            );
+            return Ok(ExitCode::from(INVALID));
+        }
+        (Some(_), false) => {
+            eprintln!("error: --host is for --enable-link-access");
+            return Ok(ExitCode::from(INVALID));
+        }
+        (None, false) => None,
+    };
+    std::fs::create_dir_all(&args.config)
+        .with_context(|| format!("cannot create {}", args.config.display()))?;
+    let site_file = args.config.join("site.yaml");
+    let access_file = args.config.join("link-access.yaml");
+    for file in [&site_file, &access_file] {
+        if std::fs::symlink_metadata(file).is_ok() {
+            eprintln!(
+                "error: {} exists; site create writes a new site's files only",
+                file.display()
+            );
+            return Ok(ExitCode::from(INVALID));
+        }
+    }
+    // Written first: a failure below leaves no half-made site behind it.
+    let access = match host {
+        Some(host) => Some(link_access_manifest(host, args.port)?),
+        None => None,
+    };
+    let site = format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: {}\n",
+        args.name
+    );
+    if let Some(access) = &access {
+        // Holds the CA's and the site's private keys: owner only.
+        write_private(&access_file, access)?;
+    }
+    std::fs::write(&site_file, site)
+        .with_context(|| format!("cannot write {}", site_file.display()))?;
+    println!("wrote {}", site_file.display());
+    if access.is_some() {
+        println!(
+            "wrote {} (RouterAccess {ROUTER_ACCESS} on port {}, Secret {SERVER_SECRET} with a new CA)",
+            access_file.display(),
+            args.port
+        );
+        println!(
+            "next: keyway run --config {0}; then keyway token issue --config {0} -o site.token.yaml, and redeem it at the other site",
+            args.config.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The RouterAccess for the inter-router role on `port` (all addresses), and its Secret: a new
+/// CA (kept as `ca.crt` and `ca.key`, so tokens can be issued) and this site's certificate for
+/// `host`, signed by it, for serving links and for authenticating as a client.
+fn link_access_manifest(host: &str, port: u16) -> Result<String> {
+    let now = Timestamp::now();
+    let ca_key = KeyPair::generate().context("key generation")?;
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name
+        .push(DnType::CommonName, format!("keyway link CA for {host}"));
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    set_validity(&mut ca, now, 10);
+    let ca_cert = ca.self_signed(&ca_key).context("signing the CA")?;
+    let issuer = Issuer::new(ca, ca_key);
+
+    let key = KeyPair::generate().context("key generation")?;
+    let mut site = CertificateParams::new(vec![host.to_string()])
+        .with_context(|| format!("{host:?} is not a host name or address"))?;
+    site.distinguished_name.push(DnType::CommonName, host);
+    site.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    site.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    set_validity(&mut site, now, 5);
+    let cert = site.signed_by(&key, &issuer).context("signing")?;
+    Ok(format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: {ROUTER_ACCESS}\nspec:\n  tlsCredentials: {SERVER_SECRET}\n  roles:\n  - name: inter-router\n    port: {port}\n  subjectAlternativeNames:\n  - {host}\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {SERVER_SECRET}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}  ca.key: |\n{}",
+        indent(&cert.pem()),
+        indent(&key.serialize_pem()),
+        indent(&ca_cert.pem()),
+        indent(&issuer.key().serialize_pem()),
+    ))
+}
