@@ -157,6 +157,12 @@ struct State {
     /// When an advertisement of another site under this site's name, not moved past, last
     /// came, and its number: the network holds that site's record in place of ours.
     duplicate_seen: Option<(Instant, u64)>,
+    /// Times this site took its name back, and when it last did: each time it waits twice as
+    /// long, so two live sites of one name hand it back and forth ever more rarely.
+    reclaims: u32,
+    reclaimed_at: Option<Instant>,
+    /// This site's links as they are, for its own routes: while draining it advertises none.
+    own_links: Vec<Adjacency>,
     unreachable_since: HashMap<String, Instant>,
     routes: BTreeMap<String, Route>,
     remote_entries: Vec<(String, String, u64)>,
@@ -246,6 +252,9 @@ impl Network {
                 superseded: BTreeSet::new(),
                 duplicate_logged: None,
                 duplicate_seen: None,
+                reclaims: 0,
+                reclaimed_at: None,
+                own_links: Vec::new(),
                 unreachable_since: HashMap::new(),
                 routes: BTreeMap::new(),
                 remote_entries: Vec::new(),
@@ -518,7 +527,6 @@ impl Network {
         lock(&self.inner.state).routes.clone()
     }
 
-    /// Closes every link and the RouterAccess port.
     /// The site is shutting down: every other site stops sending new connections to its keys
     /// and routes around it (a site in the middle of a path included, where other paths exist),
     /// while connections already open, through it too, run on over its links until
@@ -531,6 +539,7 @@ impl Network {
         }
     }
 
+    /// Closes every link and the RouterAccess port.
     pub fn shutdown(&self) {
         let (links, access) = {
             let mut st = lock(&self.inner.state);
@@ -558,12 +567,16 @@ impl Inner {
         st.seq = st.seq.saturating_add(1);
         let mut links: BTreeMap<String, u64> = BTreeMap::new();
         for c in st.conns.values() {
-            if c.sender.is_some() && !st.draining {
+            if c.sender.is_some() {
                 let c_cost = c.cost.load(Ordering::Relaxed);
                 let cost = links.entry(c.peer.clone()).or_insert(c_cost);
                 *cost = (*cost).min(c_cost);
             }
         }
+        st.own_links = links
+            .into_iter()
+            .map(|(site, cost)| Adjacency { site, cost })
+            .collect();
         let adv = Advertisement {
             origin: st.site.clone(),
             id: self.id.clone(),
@@ -574,10 +587,11 @@ impl Inner {
                 st.local_keys.clone()
             },
             listening: st.listening.clone(),
-            links: links
-                .into_iter()
-                .map(|(site, cost)| Adjacency { site, cost })
-                .collect(),
+            links: if st.draining {
+                Vec::new()
+            } else {
+                st.own_links.clone()
+            },
         };
         let _ = st.db.insert(adv.clone(), true);
         flood(st, &adv, None);
@@ -594,7 +608,8 @@ impl Inner {
         }
         let mut st = lock(&self.state);
         if adv.origin == st.site {
-            if adv.id == self.id || adv.seq < st.seq {
+            // A site shutting down leaves its name to whoever has it (its own next run, say).
+            if adv.id == self.id || adv.seq < st.seq || st.draining {
                 return;
             }
             // Another id ahead of us under our name. The first time, an echo of a previous
@@ -606,6 +621,13 @@ impl Inner {
                 self.originate(&mut st);
             } else {
                 let now = Instant::now();
+                // Long after the last clash, a new one starts the waits afresh.
+                if st
+                    .reclaimed_at
+                    .is_some_and(|t| now.duration_since(t) > NAME_RECLAIM_MAX * 2)
+                {
+                    st.reclaims = 0;
+                }
                 let seq = st.duplicate_seen.map_or(adv.seq, |(_, s)| s.max(adv.seq));
                 st.duplicate_seen = Some((now, seq));
                 if st
@@ -638,7 +660,16 @@ impl Inner {
 
     /// Routes from the link-state database; pushes changed remote targets to the data plane.
     fn recompute(&self, st: &mut State) {
-        st.routes = graph::routes(&st.site, st.db.map());
+        st.routes = if st.draining {
+            // Others route around us now; this site's own open work still routes over its links.
+            let mut db = st.db.map().clone();
+            if let Some(me) = db.get_mut(&st.site) {
+                me.links = st.own_links.clone();
+            }
+            graph::routes(&st.site, &db)
+        } else {
+            graph::routes(&st.site, st.db.map())
+        };
         let now = Instant::now();
         let me = st.site.clone();
         let unreachable: Vec<String> = st
@@ -869,13 +900,16 @@ fn flood(st: &State, adv: &Advertisement, except: Option<u64>) {
 }
 
 /// How long after the last advertisement of another live site under this site's name this
-/// site advertises again past it. While both run, each takes the name back at most this often
-/// (and both log an error); once the other has stopped, the name comes back to this one.
+/// site advertises again past it, the first time; once the other has stopped, the name comes
+/// back to this one. While both run (and both log an error), each waits twice as long as the
+/// time before, up to [`NAME_RECLAIM_MAX`], so the name changes hands ever more rarely.
 const NAME_RECLAIM_AFTER: Duration = if cfg!(test) {
     Duration::from_secs(1)
 } else {
     Duration::from_secs(10)
 };
+
+const NAME_RECLAIM_MAX: Duration = Duration::from_secs(640);
 
 /// Re-advertises when the set of healthy local keys changes, or to take back this site's name
 /// from another site that used it, and ages out unreachable sites.
@@ -895,10 +929,16 @@ async fn refresh_loop(inner: Weak<Inner>) {
         // Another site under our name has gone quiet (it stopped, most likely): the network
         // still holds its record in place of ours, with its keys and links, until we
         // advertise past it.
+        let wait = NAME_RECLAIM_AFTER
+            .saturating_mul(1 << st.reclaims.min(16))
+            .min(NAME_RECLAIM_MAX);
         if let Some((seen, seq)) = st.duplicate_seen
-            && seen.elapsed() >= NAME_RECLAIM_AFTER
+            && seen.elapsed() >= wait
+            && !st.draining
         {
             st.duplicate_seen = None;
+            st.reclaims = st.reclaims.saturating_add(1);
+            st.reclaimed_at = Some(Instant::now());
             st.seq = st.seq.max(seq).max(clock_ms());
             st.local_keys = keys;
             inner.originate(&mut st);

@@ -304,15 +304,21 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
             return;
         }
         let endpoint = format!("{}:{}", link.host, link.port);
-        let repeat = logged
+        // An attempt that outlived a handshake was up for a while: its end is news.
+        if started.elapsed() > HANDSHAKE_TIMEOUT + Duration::from_secs(1) {
+            logged = None;
+            unlogged = 0;
+        }
+        let same = logged.as_ref().is_some_and(|(last, _)| *last == why);
+        let recent = logged
             .as_ref()
-            .is_some_and(|(last, at)| *last == why && at.elapsed() < REPEAT_LOG_EVERY);
-        if repeat {
+            .is_some_and(|(_, at)| at.elapsed() < REPEAT_LOG_EVERY);
+        if same && recent {
             unlogged += 1;
             tracing::debug!(link = %name, %endpoint, "link down: {why}");
         } else {
-            if unlogged > 0 {
-                tracing::warn!(link = %name, %endpoint, "link down: {why} (and {unlogged} more times since it was last logged)");
+            if same && unlogged > 0 {
+                tracing::warn!(link = %name, %endpoint, "link down: {why} (failed so {unlogged} more times since last logged)");
             } else {
                 tracing::warn!(link = %name, %endpoint, "link down: {why}");
             }
@@ -1092,6 +1098,34 @@ mod linked_in_memory {
             id_at_east().as_ref() == Some(&w1.inner.id) && w1.observe().name_conflict.is_none()
         })
         .await;
+    }
+
+    /// A draining site advertises no links and no keys (others route around it), while its own
+    /// routes still use its links (its open work still reaches other sites), and it does not
+    /// take its name back from a site that ran under it meanwhile (its own next run, say).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_draining_site_keeps_its_routes_and_leaves_its_name() {
+        let (w1, east) = (site("west"), site("east"));
+        let _l1 = link(&w1, &east, 1);
+        let id_at_east = || lock(&east.inner.state).db.get("west").map(|a| a.id.clone());
+        until(5, || id_at_east().as_ref() == Some(&w1.inner.id)).await;
+        let w2 = site("west");
+        let l2 = link(&w2, &east, 1);
+        until(5, || w1.observe().name_conflict.is_some()).await;
+        drop(l2);
+        drop(w2);
+        w1.start_draining();
+        assert!(lock(&w1.inner.state).routes.contains_key("east"));
+        // Past the first reclaim wait (1 s here) and a refresh tick (5 s): still not taken.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_ne!(id_at_east().as_ref(), Some(&w1.inner.id));
+        assert!(lock(&w1.inner.state).routes.contains_key("east"));
+        let advertised = lock(&w1.inner.state)
+            .db
+            .get("west")
+            .cloned()
+            .expect("own record");
+        assert!(advertised.links.is_empty() && advertised.keys.is_empty());
     }
 
     /// A `cost` message from the dialer (its Link's cost was edited) changes the cost both ends
