@@ -316,6 +316,14 @@ pub fn check_config_dir(config: &Path, hint: &str) -> Result<()> {
 
 /// Compiles a directory offline, reading (never writing) its state directory.
 pub fn compile_dir(config: &Path, state_dir: &Path) -> Result<Compiled> {
+    compile_dir_with(config, state_dir, |_, _| None)
+}
+
+fn compile_dir_with(
+    config: &Path,
+    state_dir: &Path,
+    bind_error: impl Fn(&str, u16) -> Option<String>,
+) -> Result<Compiled> {
     check_config_dir(
         config,
         "pass --config DIR, or --admin ADDR to ask a running site",
@@ -326,8 +334,21 @@ pub fn compile_dir(config: &Path, state_dir: &Path) -> Result<Compiled> {
         &files,
         &mut objects,
         &now(),
-        local_address_error,
+        bind_error,
     ))
+}
+
+/// What `status --config` shows: the directory compiled as a site on this host would run it,
+/// with the Listeners whose host it could not bind (each host looked up once).
+fn compile_dir_for_status(config: &Path, state_dir: &Path) -> Result<Compiled> {
+    let checked = std::cell::RefCell::new(std::collections::HashMap::new());
+    compile_dir_with(config, state_dir, |host, port| {
+        checked
+            .borrow_mut()
+            .entry(host.to_string())
+            .or_insert_with(|| local_address_error(host, port))
+            .clone()
+    })
 }
 
 /// Why a Listener on `host` could not bind, found as a site would find it, without taking its
@@ -468,7 +489,7 @@ fn status(
             (items, errors)
         }
         Source::Offline(config, state_dir) => {
-            let mut compiled = compile_dir(config, state_dir)?;
+            let mut compiled = compile_dir_for_status(config, state_dir)?;
             // As `validate` does: an ignored document or field may be why an object is missing.
             for w in &compiled.reconciled.warnings {
                 eprintln!("warning: {w}");
