@@ -38,6 +38,10 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(INVALID));
     }
     let host = match (&args.host, args.link_access) {
+        (Some(h), true) if !is_host(h) => {
+            eprintln!("error: --host {h:?} is not a DNS name or an IP address");
+            return Ok(ExitCode::from(INVALID));
+        }
         (Some(h), true) => Some(h.as_str()),
         (None, true) => {
             eprintln!(
@@ -51,20 +55,27 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
         }
         (None, false) => None,
     };
-    std::fs::create_dir_all(&args.config)
-        .with_context(|| format!("cannot create {}", args.config.display()))?;
-    let site_file = args.config.join("site.yaml");
-    let access_file = args.config.join("link-access.yaml");
-    for file in [&site_file, &access_file] {
-        if std::fs::symlink_metadata(file).is_ok() {
+    // A new site's directory only: beside other manifests its Site or RouterAccess could clash
+    // with one already there.
+    if let Ok(entries) = std::fs::read_dir(&args.config) {
+        let manifest = entries.flatten().find(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            !name.starts_with('.') && keyway_core::load::is_manifest_file(&name)
+        });
+        if let Some(m) = manifest {
             eprintln!(
-                "error: {} exists; site create writes a new site's files only",
-                file.display()
+                "error: {} already holds manifests ({}); site create starts a new site's config directory",
+                args.config.display(),
+                m.file_name().to_string_lossy()
             );
             return Ok(ExitCode::from(INVALID));
         }
     }
-    // Written first: a failure below leaves no half-made site behind it.
+    std::fs::create_dir_all(&args.config)
+        .with_context(|| format!("cannot create {}", args.config.display()))?;
+    let site_file = args.config.join("site.yaml");
+    let access_file = args.config.join("link-access.yaml");
+    // Made before anything is written: a failure leaves no half-made site behind.
     let access = match host {
         Some(host) => Some(link_access_manifest(host, args.port)?),
         None => None,
@@ -77,8 +88,10 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
         // Holds the CA's and the site's private keys: owner only.
         write_private(&access_file, access)?;
     }
-    std::fs::write(&site_file, site)
-        .with_context(|| format!("cannot write {}", site_file.display()))?;
+    if let Err(e) = std::fs::write(&site_file, site) {
+        let _ = std::fs::remove_file(&access_file);
+        return Err(e).with_context(|| format!("cannot write {}", site_file.display()));
+    }
     println!("wrote {}", site_file.display());
     if access.is_some() {
         println!(
@@ -92,6 +105,17 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A DNS name (letters, digits, '-', dot-separated labels) or an IP address: what goes into the
+/// certificate and, unquoted, into the YAML.
+fn is_host(host: &str) -> bool {
+    host.parse::<std::net::IpAddr>().is_ok()
+        || (host.len() <= 253
+            && host
+                .to_ascii_lowercase()
+                .split('.')
+                .all(keyway_core::validate::is_dns_label))
 }
 
 /// The RouterAccess for the inter-router role on `port` (all addresses), and its Secret: a new

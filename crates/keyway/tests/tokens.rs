@@ -711,7 +711,11 @@ fn sites_made_by_site_create_link_with_a_token() {
     // It makes new sites only: nothing is overwritten.
     let again = keyway(&create_west);
     assert_eq!(again.status.code(), Some(1), "{}", text(&again));
-    assert!(text(&again).contains("exists"), "{}", text(&again));
+    assert!(
+        text(&again).contains("already holds manifests"),
+        "{}",
+        text(&again)
+    );
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
@@ -731,6 +735,19 @@ fn sites_made_by_site_create_link_with_a_token() {
     assert!(out.status.success(), "{}", text(&out));
     let out = keyway(&["site", "create", "East_1", "--config", "/nonexistent/x"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let bad_host = base.join("bad-host");
+    let out = keyway(&[
+        "site",
+        "create",
+        "north",
+        "--config",
+        bad_host.to_str().expect("utf8"),
+        "--enable-link-access",
+        "--host",
+        "a: b",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(!bad_host.join("site.yaml").exists());
 
     let backend = Backend::start("at-west");
     write_file(
