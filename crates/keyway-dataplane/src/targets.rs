@@ -439,6 +439,13 @@ impl Registry {
             return;
         }
         if !target.health_check.enabled {
+            // Nothing could bring it back without a runtime for the timer: not set aside then.
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                if let Ok(mut e) = target.last_error.lock() {
+                    *e = Some(error.to_string());
+                }
+                return;
+            };
             // Counts ejections: only the latest one's timer brings the target back.
             let ejection = target
                 .failures
@@ -449,18 +456,16 @@ impl Registry {
                 EJECTION.as_secs()
             );
             self.set_health(target, Health::Unhealthy, Some(why));
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let (registry, target) = (Arc::downgrade(self), target.clone());
-                runtime.spawn(async move {
-                    tokio::time::sleep(EJECTION).await;
-                    if let Some(registry) = registry.upgrade()
-                        && !target.is_retired()
-                        && target.failures.load(Ordering::Acquire) == ejection
-                    {
-                        registry.set_health(&target, Health::Healthy, None);
-                    }
-                });
-            }
+            let (registry, target) = (Arc::downgrade(self), target.clone());
+            runtime.spawn(async move {
+                tokio::time::sleep(EJECTION).await;
+                if let Some(registry) = registry.upgrade()
+                    && !target.is_retired()
+                    && target.failures.load(Ordering::Acquire) == ejection
+                {
+                    registry.set_health(&target, Health::Healthy, None);
+                }
+            });
             return;
         }
         target
