@@ -749,16 +749,6 @@ async fn serve_stream(
     if req.method() != Method::CONNECT {
         return refuse(respond, StatusCode::NOT_FOUND, "only CONNECT streams");
     }
-    // A site shutting down takes no new streams (the origin tries its next choice) and waits
-    // for the ones it carries, as for its own listeners' connections.
-    if inner.dataplane.is_draining() {
-        return refuse(
-            respond,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "site shutting down",
-        );
-    }
-    let _tracked = inner.dataplane.track_connection();
     let decoded = |name| header(&req, name).and_then(crate::protocol::header_decode);
     let (Some(key), Some(site)) = (decoded(H_KEY), decoded(H_SITE)) else {
         return refuse(
@@ -767,6 +757,18 @@ async fn serve_stream(
             "routing key and site required",
         );
     };
+    // A site shutting down takes no new streams for its own targets (the origin tries its next
+    // choice) and waits for the ones it carries, as for its own listeners' connections. A
+    // stream passing through is still relayed: it was sent before its origin heard that this
+    // site no longer carries traffic, and refused it would fail, with no other path tried.
+    if inner.dataplane.is_draining() && site == inner.site() {
+        return refuse(
+            respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "site shutting down",
+        );
+    }
+    let _tracked = inner.dataplane.track_connection();
     let hops: u8 = header(&req, H_HOPS)
         .and_then(|h| h.parse().ok())
         .unwrap_or(0)
