@@ -14,7 +14,7 @@ use rcgen::{
 
 use crate::cli::INVALID;
 use crate::grants::set_validity;
-use crate::token::{indent, write_private};
+use crate::token::{indent, write_private, yaml_str};
 
 /// Skupper's names for the inter-router RouterAccess and its Secret.
 const ROUTER_ACCESS: &str = "skupper-router";
@@ -57,19 +57,21 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
     };
     // A new site's directory only: beside other manifests its Site or RouterAccess could clash
     // with one already there.
-    if let Ok(entries) = std::fs::read_dir(&args.config) {
-        let manifest = entries.flatten().find(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            !name.starts_with('.') && keyway_core::load::is_manifest_file(&name)
-        });
-        if let Some(m) = manifest {
-            eprintln!(
-                "error: {} already holds manifests ({}); site create starts a new site's config directory",
-                args.config.display(),
-                m.file_name().to_string_lossy()
-            );
-            return Ok(ExitCode::from(INVALID));
-        }
+    // (Every manifest a site would read, in subdirectories too.)
+    if args.config.is_dir()
+        && let Ok(listing) = crate::source::manifest_files(&args.config)
+        && let Some(m) = listing.files.first()
+    {
+        eprintln!(
+            "error: {} already holds manifests ({}); site create starts a new site's config directory",
+            args.config.display(),
+            m.display()
+        );
+        return Ok(ExitCode::from(INVALID));
+    }
+    if args.link_access && args.port == 0 {
+        eprintln!("error: --port must be 1 to 65535");
+        return Ok(ExitCode::from(INVALID));
     }
     std::fs::create_dir_all(&args.config)
         .with_context(|| format!("cannot create {}", args.config.display()))?;
@@ -82,7 +84,7 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
     };
     let site = format!(
         "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: {}\n",
-        args.name
+        yaml_str(&args.name)
     );
     if let Some(access) = &access {
         // Holds the CA's and the site's private keys: owner only.
@@ -110,12 +112,12 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
 /// A DNS name (letters, digits, '-', dot-separated labels) or an IP address: what goes into the
 /// certificate and, unquoted, into the YAML.
 fn is_host(host: &str) -> bool {
+    let lower = host.to_ascii_lowercase();
     host.parse::<std::net::IpAddr>().is_ok()
         || (host.len() <= 253
-            && host
-                .to_ascii_lowercase()
-                .split('.')
-                .all(keyway_core::validate::is_dns_label))
+            && lower.split('.').all(keyway_core::validate::is_dns_label)
+            // All digits (`1.2.3.999`) is a mistyped address, not a name.
+            && !lower.split('.').all(|l| l.bytes().all(|b| b.is_ascii_digit())))
 }
 
 /// The RouterAccess for the inter-router role on `port` (all addresses), and its Secret: a new
@@ -144,8 +146,14 @@ fn link_access_manifest(host: &str, port: u16) -> Result<String> {
     ];
     set_validity(&mut site, now, 5);
     let cert = site.signed_by(&key, &issuer).context("signing")?;
+    // An IPv6 address is dialed over IPv6: bind all addresses of both families.
+    let bind = match host.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V6(_)) => "  bindHost: \"::\"\n",
+        _ => "",
+    };
+    let host = yaml_str(host);
     Ok(format!(
-        "apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: {ROUTER_ACCESS}\nspec:\n  tlsCredentials: {SERVER_SECRET}\n  roles:\n  - name: inter-router\n    port: {port}\n  subjectAlternativeNames:\n  - {host}\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {SERVER_SECRET}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}  ca.key: |\n{}",
+        "apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: {ROUTER_ACCESS}\nspec:\n  tlsCredentials: {SERVER_SECRET}\n{bind}  roles:\n  - name: inter-router\n    port: {port}\n  subjectAlternativeNames:\n  - {host}\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {SERVER_SECRET}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}  ca.crt: |\n{}  ca.key: |\n{}",
         indent(&cert.pem()),
         indent(&key.serialize_pem()),
         indent(&ca_cert.pem()),

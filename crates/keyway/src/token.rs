@@ -132,15 +132,22 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
     let code = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(random_bytes(24)?);
     let created = cli::now().0;
     let mut grant = format!(
-        "apiVersion: skupper.io/v2alpha1\nkind: AccessGrant\nmetadata:\n  name: {name}\n  namespace: {namespace}\n  creationTimestamp: \"{created}\"\nspec:\n  redemptionsAllowed: {}\n  expirationWindow: {}\n  code: {code}\n",
-        args.redemptions, args.expiry
+        "apiVersion: skupper.io/v2alpha1\nkind: AccessGrant\nmetadata:\n  name: {}\n  namespace: {}\n  creationTimestamp: \"{created}\"\nspec:\n  redemptionsAllowed: {}\n  expirationWindow: {}\n  code: {}\n",
+        yaml_str(&name),
+        yaml_str(&namespace),
+        args.redemptions,
+        yaml_str(&args.expiry),
+        yaml_str(&code)
     );
     if let Some(issuer) = &args.issuer {
-        grant.push_str(&format!("  issuer: {issuer}\n"));
+        grant.push_str(&format!("  issuer: {}\n", yaml_str(issuer)));
     }
     let url = GrantUrl::format(&host, ra.port, &namespace, &name);
     let token = format!(
-        "apiVersion: skupper.io/v2alpha1\nkind: AccessToken\nmetadata:\n  name: {name}\nspec:\n  url: {url}\n  code: {code}\n  ca: |\n{}",
+        "apiVersion: skupper.io/v2alpha1\nkind: AccessToken\nmetadata:\n  name: {}\nspec:\n  url: {}\n  code: {}\n  ca: |\n{}",
+        yaml_str(&name),
+        yaml_str(&url),
+        yaml_str(&code),
         indent(&ca_pem)
     );
     let grant_path = args.config.join(format!("accessgrant-{name}.yaml"));
@@ -322,15 +329,22 @@ pub fn link_manifest(
     creds: &grant::Credentials,
 ) -> String {
     let cost = token.spec.link_cost.filter(|c| *c > 0).unwrap_or(1);
+    let (name, namespace, host) = (yaml_str(name), yaml_str(namespace), yaml_str(host));
     format!(
         "# Link to site {remote}, from redeeming {token_url}\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: {name}\n  namespace: {namespace}\nspec:\n  tlsCredentials: {name}\n  cost: {cost}\n  endpoints:\n  - name: inter-router\n    host: {host}\n    port: \"{port}\"\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{crt}  tls.key: |\n{key}  ca.crt: |\n{ca}",
-        remote = creds.site,
-        token_url = token.spec.url,
+        remote = creds.site.replace('\n', " "),
+        token_url = token.spec.url.replace('\n', " "),
         port = creds.port,
         crt = indent(&creds.cert),
         key = indent(&creds.key),
         ca = indent(&creds.ca),
     )
+}
+
+/// `s` as a YAML double-quoted scalar (JSON's string syntax is valid YAML): a name such as
+/// `yes`, `null` or `123`, or a host such as `::1`, written plain, would read as another type.
+pub(crate) fn yaml_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
 }
 
 pub(crate) fn indent(pem: &str) -> String {

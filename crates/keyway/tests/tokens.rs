@@ -103,6 +103,7 @@ fn code_of(token: &Path) -> String {
     t.lines()
         .find_map(|l| l.trim().strip_prefix("code: "))
         .expect("code")
+        .trim_matches('"')
         .to_string()
 }
 
@@ -628,7 +629,7 @@ fn a_running_site_redeems_tokens_in_its_config_dir() {
         &east.config_dir(),
         "bad-token.yaml",
         &original
-            .replace("name: auto", "name: bad")
+            .replace("name: \"auto\"", "name: \"bad\"")
             .replace(&code, "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"),
     );
     write_file(&east.config_dir(), "token.yaml", &original);
@@ -748,6 +749,36 @@ fn sites_made_by_site_create_link_with_a_token() {
     ]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(!bad_host.join("site.yaml").exists());
+    // Names and hosts YAML would read as other types are written quoted; an IPv6 host gets an
+    // IPv6 bind address.
+    let numeric = base.join("numeric");
+    let out = keyway(&[
+        "site",
+        "create",
+        "123",
+        "--config",
+        numeric.to_str().expect("utf8"),
+        "--enable-link-access",
+        "--host",
+        "::1",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = keyway(&["validate", "--config", numeric.to_str().expect("utf8")]);
+    assert!(out.status.success(), "{}", text(&out));
+    let access = std::fs::read_to_string(numeric.join("link-access.yaml")).expect("written");
+    assert!(access.contains("bindHost: \"::\""), "{access}");
+    // Manifests in a subdirectory count: the directory is not a new site's.
+    let nested = base.join("nested");
+    std::fs::create_dir_all(nested.join("team")).expect("mkdir");
+    write_file(&nested.join("team"), "site.yaml", &site_yaml("other"));
+    let out = keyway(&[
+        "site",
+        "create",
+        "s",
+        "--config",
+        nested.to_str().expect("utf8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
 
     let backend = Backend::start("at-west");
     write_file(
