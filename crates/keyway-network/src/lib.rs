@@ -179,6 +179,9 @@ struct State {
     /// while the old task, aborted, may still hold it).
     access: Option<RunningAccess>,
     access_error: Option<(ObjectKey, String)>,
+    /// The RouterAccess that could not start (its port taken, by another process or by the
+    /// previous RouterAccess's socket not yet closed): tried again now and then.
+    access_wanted: Option<RouterAccessPlan>,
 }
 
 pub(crate) struct Inner {
@@ -264,6 +267,7 @@ impl Network {
                 link_state: BTreeMap::new(),
                 access: None,
                 access_error: None,
+                access_wanted: None,
             }),
             next_conn: AtomicU64::new(1),
             runtime: tokio::runtime::Handle::current(),
@@ -318,6 +322,7 @@ impl Network {
         if !same_access {
             let old = st.access.take();
             st.access_error = None;
+            st.access_wanted = None;
             if let Some(ra) = &plan.router_access {
                 let bound = old
                     .as_ref()
@@ -344,8 +349,17 @@ impl Network {
                         })
                     }
                     Err(e) => {
-                        tracing::error!(router_access = %ra.id.name, "{e}");
+                        tracing::error!(router_access = %ra.id.name, "{e}; trying again");
                         st.access_error = Some((ra.id.clone(), e.to_string()));
+                        st.access_wanted = Some(ra.clone());
+                        // The old socket closes as its aborted task ends: soon.
+                        let weak = Arc::downgrade(inner);
+                        inner.runtime.spawn(async move {
+                            tokio::time::sleep(ACCESS_RETRY_SOON).await;
+                            if let Some(inner) = weak.upgrade() {
+                                inner.retry_access();
+                            }
+                        });
                     }
                 }
             }
@@ -826,6 +840,36 @@ impl Inner {
         }
     }
 
+    /// Starts the RouterAccess that could not start before, if it still cannot run.
+    fn retry_access(self: &Arc<Self>) {
+        let mut st = lock(&self.state);
+        let Some(ra) = st.access_wanted.clone() else {
+            return;
+        };
+        if st.access.is_some() {
+            st.access_wanted = None;
+            return;
+        }
+        let sessions = session::Sessions::default();
+        match session::start_access(self, &ra, None, sessions.clone()) {
+            Ok((task, socket)) => {
+                tracing::info!(router_access = %ra.id.name, "inter-router port bound");
+                st.access = Some(RunningAccess {
+                    plan: ra,
+                    _task: task,
+                    socket,
+                    sessions,
+                });
+                st.access_error = None;
+                st.access_wanted = None;
+            }
+            Err(e) => {
+                tracing::debug!(router_access = %ra.id.name, "{e}");
+                st.access_error = Some((ra.id.clone(), e.to_string()));
+            }
+        }
+    }
+
     /// Records why a Link's dial failed (kept until a connection of the link is up).
     fn link_failed(&self, link: &str, why: String) {
         let mut st = lock(&self.state);
@@ -911,6 +955,9 @@ const NAME_RECLAIM_AFTER: Duration = if cfg!(test) {
 
 const NAME_RECLAIM_MAX: Duration = Duration::from_secs(640);
 
+/// When a RouterAccess that could not bind is tried again first (then at every refresh tick).
+const ACCESS_RETRY_SOON: Duration = Duration::from_millis(300);
+
 /// Re-advertises when the set of healthy local keys changes, or to take back this site's name
 /// from another site that used it, and ages out unreachable sites.
 async fn refresh_loop(inner: Weak<Inner>) {
@@ -924,6 +971,7 @@ async fn refresh_loop(inner: Weak<Inner>) {
             _ = tick.tick() => {}
         }
         let Some(inner) = inner.upgrade() else { return };
+        inner.retry_access();
         let keys = inner.dataplane.registry().local_reachable_keys();
         let mut st = lock(&inner.state);
         // Another site under our name has gone quiet (it stopped, most likely): the network

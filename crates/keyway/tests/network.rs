@@ -560,6 +560,47 @@ fn reissued_router_access_certificates_keep_the_port() {
     }
 }
 
+/// A RouterAccess moved to another bind address on the same port: the old socket still holds
+/// the port for a moment, so the first bind fails; it is tried again, and the link comes back.
+#[test]
+fn a_router_access_moved_to_another_bind_address_binds_again() {
+    let _serial = serial();
+    let LinkedPair {
+        ca,
+        b_port,
+        listen,
+        connector,
+        a,
+        b,
+        _backend,
+    } = linked_pair();
+    let moved = [
+        site_yaml("b"),
+        ca.secret_yaml("link-tls"),
+        router_access_yaml(b_port, "link-tls").replace("bindHost: 127.0.0.1", "bindHost: \"::\""),
+        connector.clone(),
+    ];
+    write_file(&b.config_dir(), "site.yaml", &moved.join("---\n"));
+    assert!(
+        eventually(Duration::from_secs(10), || b
+            .log()
+            .matches("accepting links")
+            .count()
+            > 1),
+        "the RouterAccess did not start again: {}",
+        b.log()
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-b")),
+        "the link did not come back: {}\n{}",
+        a.log(),
+        b.log()
+    );
+    let access = b.status_of("RouterAccess", "access").expect("status");
+    assert_eq!(access["status"], "Ready", "{access}");
+}
+
 /// Sites link over IPv6 (RouterAccess `bindHost: "::1"`, Link endpoint host `::1`) and carry
 /// traffic between a Listener and a Connector that are IPv6 too.
 #[test]
