@@ -335,7 +335,11 @@ impl Network {
                     .filter(|o| !renamed && o.plan.tls.ca == ra.tls.ca)
                     .map(|o| o.sessions.clone());
                 if kept.is_some() {
-                    tracing::info!(router_access = %ra.id.name, "RouterAccess certificate replaced; links accepted under the old one stay");
+                    let what = match &old {
+                        Some(o) if o.plan.tls == ra.tls => "changed",
+                        _ => "certificate replaced",
+                    };
+                    tracing::info!(router_access = %ra.id.name, "RouterAccess {what}; links accepted under the old one stay");
                 }
                 let sessions = kept.unwrap_or_default();
                 drop(old);
