@@ -413,8 +413,12 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             }
         }
     }
-    // A field only the experimental channel of Gateway API has is upstream's, not a slip.
-    let unknown_upstream = crate::resource::unknown_to_experimental_channel(kind, &value);
+    // Kept for the rare document with an unknown field: a field only the experimental channel
+    // of Gateway API has is upstream's, not a slip (checked only then).
+    let original = kind
+        .api_version()
+        .starts_with("gateway.")
+        .then(|| value.clone());
     let (parsed, ignored) = match Resource::from_value(kind, value) {
         Ok(parsed) => (Ok(parsed.resource), parsed.ignored),
         Err(e) => (Err((e.path, e.message)), e.ignored),
@@ -423,6 +427,12 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
     // (`hostName`, `parentRef`), rejects the document, so the version in force keeps serving
     // instead of one that silently means something else. Reported whether or not the document
     // converts: beside an error they often explain it (`stratgy:` for a missing `strategy`).
+    let unknown_upstream = match &original {
+        Some(value) if ignored.iter().any(|p| p != "apiVersion" && p != "kind") => {
+            crate::resource::unknown_to_experimental_channel(kind, value)
+        }
+        _ => None,
+    };
     let mut unknown = Vec::new();
     for path in ignored
         .iter()
