@@ -4,7 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
-use crate::protocol::Advertisement;
+use crate::protocol::{Adjacency, Advertisement};
 
 /// The best path from this site to another.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,7 +19,13 @@ pub struct Route {
 /// exists when `u` advertises `v` (u can open streams to v); the path's first hop is always one
 /// of `me`'s own advertised neighbours. Ties go to the lexically smaller next hop, so every run
 /// picks the same path.
-pub fn routes(me: &str, db: &HashMap<String, Advertisement>) -> BTreeMap<String, Route> {
+/// Least-cost routes from `me` over `db`, leaving `me` by `own_links` (what this site has,
+/// which is what it advertises except while it drains).
+pub fn routes(
+    me: &str,
+    own_links: &[Adjacency],
+    db: &HashMap<String, Advertisement>,
+) -> BTreeMap<String, Route> {
     let mut best: HashMap<&str, (u64, &str)> = HashMap::new();
     let mut heap = BinaryHeap::new();
     let mut done: HashMap<&str, ()> = HashMap::new();
@@ -31,8 +37,15 @@ pub fn routes(me: &str, db: &HashMap<String, Advertisement>) -> BTreeMap<String,
         if site != me {
             best.insert(site, (cost, hop));
         }
-        let Some(adv) = db.get(site) else { continue };
-        for link in &adv.links {
+        let links = if site == me {
+            own_links
+        } else {
+            match db.get(site) {
+                Some(adv) => adv.links.as_slice(),
+                None => continue,
+            }
+        };
+        for link in links {
             if done.contains_key(link.site.as_str()) {
                 continue;
             }
@@ -57,7 +70,6 @@ pub fn routes(me: &str, db: &HashMap<String, Advertisement>) -> BTreeMap<String,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::Adjacency;
 
     fn adv(origin: &str, links: &[(&str, u64)]) -> (String, Advertisement) {
         (
@@ -88,7 +100,7 @@ mod tests {
             adv("c", &[("b", 1), ("a", 5)]),
         ]
         .into();
-        let r = routes("a", &db);
+        let r = routes("a", &db["a"].links, &db);
         assert_eq!(
             r["b"],
             Route {
@@ -114,11 +126,11 @@ mod tests {
             adv("d", &[("b", 1)]),
         ]
         .into();
-        let r = routes("a", &db);
+        let r = routes("a", &db["a"].links, &db);
         assert_eq!(r.len(), 1);
         assert!(!r.contains_key("d"));
         // A neighbour whose advertisement has not arrived yet is still one hop away.
         let db: HashMap<_, _> = [adv("a", &[("b", 3)])].into();
-        assert_eq!(routes("a", &db)["b"].cost, 3);
+        assert_eq!(routes("a", &db["a"].links, &db)["b"].cost, 3);
     }
 }

@@ -678,16 +678,9 @@ impl Inner {
 
     /// Routes from the link-state database; pushes changed remote targets to the data plane.
     fn recompute(&self, st: &mut State) {
-        st.routes = if st.draining {
-            // Others route around us now; this site's own open work still routes over its links.
-            let mut db = st.db.map().clone();
-            if let Some(me) = db.get_mut(&st.site) {
-                me.links = st.own_links.clone();
-            }
-            graph::routes(&st.site, &db)
-        } else {
-            graph::routes(&st.site, st.db.map())
-        };
+        // Our own links as they are: while draining we advertise none, yet our open work
+        // still routes over them.
+        st.routes = graph::routes(&st.site, &st.own_links, st.db.map());
         let now = Instant::now();
         let me = st.site.clone();
         let unreachable: Vec<String> = st
