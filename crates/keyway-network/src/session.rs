@@ -1081,20 +1081,33 @@ mod linked_in_memory {
         }
     }
 
-    /// A second site under a live site's name, that then stops: the network's record of the
-    /// name goes back to the first site (its keys were gone from the network meanwhile), whose
-    /// status says why while the other runs.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_site_takes_its_name_back_from_one_that_stopped() {
+    /// `west` linked to `east`, then a second `west` (with its link, dropped together) whose
+    /// advertisements took the name at `east`, once the first has seen it twice.
+    async fn name_clash() -> (
+        Network,
+        Network,
+        Vec<AbortOnDrop>,
+        (Vec<AbortOnDrop>, Network),
+    ) {
         let (w1, east) = (site("west"), site("east"));
-        let _l1 = link(&w1, &east, 1);
+        let l1 = link(&w1, &east, 1);
         let id_at_east = || lock(&east.inner.state).db.get("west").map(|a| a.id.clone());
         until(5, || id_at_east().as_ref() == Some(&w1.inner.id)).await;
         let w2 = site("west");
         let l2 = link(&w2, &east, 1);
         until(5, || w1.observe().name_conflict.is_some()).await;
-        assert_eq!(id_at_east().as_ref(), Some(&w2.inner.id));
-        drop(l2);
+        // The second's link first: dropped in this order, it ends before its site.
+        (w1, east, l1, (l2, w2))
+    }
+
+    /// A second site under a live site's name, that then stops: the network's record of the
+    /// name goes back to the first site (its keys were gone from the network meanwhile), whose
+    /// status says why while the other runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_site_takes_its_name_back_from_one_that_stopped() {
+        let (w1, east, _l1, w2) = name_clash().await;
+        let id_at_east = || lock(&east.inner.state).db.get("west").map(|a| a.id.clone());
+        assert_eq!(id_at_east().as_ref(), Some(&w2.1.inner.id));
         drop(w2);
         until(10, || {
             id_at_east().as_ref() == Some(&w1.inner.id) && w1.observe().name_conflict.is_none()
@@ -1107,14 +1120,8 @@ mod linked_in_memory {
     /// take its name back from a site that ran under it meanwhile (its own next run, say).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_draining_site_keeps_its_routes_and_leaves_its_name() {
-        let (w1, east) = (site("west"), site("east"));
-        let _l1 = link(&w1, &east, 1);
+        let (w1, east, _l1, w2) = name_clash().await;
         let id_at_east = || lock(&east.inner.state).db.get("west").map(|a| a.id.clone());
-        until(5, || id_at_east().as_ref() == Some(&w1.inner.id)).await;
-        let w2 = site("west");
-        let l2 = link(&w2, &east, 1);
-        until(5, || w1.observe().name_conflict.is_some()).await;
-        drop(l2);
         drop(w2);
         w1.start_draining();
         assert!(lock(&w1.inner.state).routes.contains_key("east"));
