@@ -174,6 +174,23 @@ pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
+/// Whether `key` is likely a slip for the field `field`: the same but for case, or (for names
+/// long enough that short ones are not all close to each other) within two edits.
+pub(crate) fn close_to(key: &str, field: &str) -> bool {
+    key != field
+        && (key.eq_ignore_ascii_case(field) || (field.len() >= 4 && edit_distance(key, field) <= 2))
+}
+
+/// A top-level key of `value` that looks like a slip for `field` when `field` itself is absent
+/// (`spce:` for `spec:`): then what follows from the missing field is reported there instead.
+fn top_level_slip(value: &Value, field: &str) -> Option<String> {
+    let map = value.as_object()?;
+    if map.contains_key(field) {
+        return None;
+    }
+    map.keys().find(|k| close_to(k, field)).cloned()
+}
+
 impl FileLoad {
     /// A file that could not be read at all: one unidentified rejection, so nothing it held is deleted.
     pub fn unreadable(file: &str, message: &str) -> Self {
@@ -348,11 +365,16 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         .unwrap_or_default()
         .to_string();
     if name.is_empty() {
-        load.outcomes.push(DocOutcome::Rejected(err(
-            "metadata.name",
-            "metadata.name is required".into(),
-            None,
-        )));
+        let rejected = match top_level_slip(&doc.value, "metadata") {
+            Some(slip) => err(
+                &slip,
+                "unknown field: is it a misspelling of `metadata`? (metadata.name is required)"
+                    .into(),
+                None,
+            ),
+            None => err("metadata.name", "metadata.name is required".into(), None),
+        };
+        load.outcomes.push(DocOutcome::Rejected(rejected));
         return;
     }
     let namespace = doc
@@ -367,6 +389,7 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
     // Normalize what a typed conversion must not trip over: the canonical apiVersion/kind (for
     // XListenerSet and older versions), the defaulted namespace, and no input status.
     let mut value = doc.value;
+    let spec_slip = top_level_slip(&value, "spec");
     if let Value::Object(map) = &mut value {
         map.insert(
             "apiVersion".into(),
@@ -449,11 +472,28 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             unknown.push(path.clone());
         }
     }
+    // A misspelt `spec:` (`spce:`): the document has no spec, so whatever the spec needed
+    // ("spec.routingKey is required", at the top of the document) follows from the slip;
+    // the slip is what to report.
+    let spec_slip = spec_slip.filter(|slip| unknown.contains(slip));
+    let parsed = match (parsed, &spec_slip) {
+        (Err((path, _)), Some(_)) if path == "spec" || path.starts_with("spec.") => {
+            Err((String::new(), String::new()))
+        }
+        (parsed, _) => parsed,
+    };
     let failed_at = parsed.as_ref().err().map(|(path, _)| path.clone());
     let unknown: Vec<DocOutcome> = unknown
         .iter()
         .filter(|p| failed_at.as_ref() != Some(*p))
-        .map(|p| DocOutcome::Rejected(err(p, "unknown field".into(), Some(key.clone()))))
+        .map(|p| {
+            let message = if spec_slip.as_ref() == Some(p) {
+                "unknown field: is it a misspelling of `spec`?".into()
+            } else {
+                "unknown field".into()
+            };
+            DocOutcome::Rejected(err(p, message, Some(key.clone())))
+        })
         .collect();
     let resource = match parsed {
         Ok(resource) if unknown.is_empty() => resource,
@@ -462,8 +502,11 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             return;
         }
         Err((path, message)) => {
-            load.outcomes
-                .push(DocOutcome::Rejected(err(&path, message, Some(key))));
+            // An empty message: an error that the slip reported below explains.
+            if !message.is_empty() {
+                load.outcomes
+                    .push(DocOutcome::Rejected(err(&path, message, Some(key))));
+            }
             load.outcomes.extend(unknown);
             return;
         }

@@ -268,10 +268,7 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>
                 let parent = path.rsplit_once('.').map_or("", |(p, _)| p);
                 let slip = ignored.iter().find_map(|p| {
                     let (p_parent, key) = p.rsplit_once('.').unwrap_or(("", p.as_str()));
-                    // Short names are all close to each other: only case tells there.
-                    let close = key.eq_ignore_ascii_case(field)
-                        || (field.len() >= 4 && crate::load::edit_distance(key, field) <= 2);
-                    (p_parent == parent && close).then_some(key)
+                    (p_parent == parent && crate::load::close_to(key, field)).then_some(key)
                 });
                 if let Some(key) = slip {
                     message = format!("{field} is required (is `{key}` a misspelling of it?)");

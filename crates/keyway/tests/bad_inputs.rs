@@ -739,6 +739,28 @@ fn cases() -> Vec<Case> {
             "spec.parentRef",
             "unknown field",
         ),
+        // A misspelt `spec:` or `metadata:` is the one error, not what its absence implies.
+        case(
+            "listener-misspelt-spec",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: l\nspce:\n  routingKey: k\n  host: 127.0.0.1\n  port: 18099\n",
+            5,
+            "spce",
+            "unknown field: is it a misspelling of `spec`?",
+        ),
+        case(
+            "route-capitalised-spec",
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata:\n  name: r\nSpec:\n  parentRefs:\n  - name: g\n",
+            5,
+            "Spec",
+            "unknown field: is it a misspelling of `spec`?",
+        ),
+        case(
+            "connector-misspelt-metadata",
+            "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetdata:\n  name: c\nspec:\n  routingKey: k\n  host: 127.0.0.1\n  port: 18099\n",
+            3,
+            "metdata",
+            "unknown field: is it a misspelling of `metadata`? (metadata.name is required)",
+        ),
         case(
             "mkl-unknown-field",
             mkl("  strategy:\n    priorityFailover:\n      routingKeys: [a]\n  colour: blue\n"),
