@@ -350,9 +350,11 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             && !v.is_string()
             && !v.is_null()
         {
+            let found = v.to_string();
+            let hint = crate::resource::quote_hint(&found).unwrap_or_default();
             load.outcomes.push(DocOutcome::Rejected(err(
                 &format!("metadata.{field}"),
-                format!("metadata.{field} must be a string, found {v}"),
+                format!("metadata.{field} must be a string, found {found}{hint}"),
                 None,
             )));
             return;

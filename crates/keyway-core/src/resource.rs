@@ -361,7 +361,44 @@ fn tidy_serde_message(msg: &str) -> String {
     if out.starts_with("invalid type: null, expected an object") {
         out.push_str(" (nothing is written under it; are its fields indented beneath it?)");
     }
+    if out.ends_with("expected a string")
+        && let Some(hint) = out.strip_prefix("invalid type: ").and_then(quote_hint)
+    {
+        out.push_str(hint);
+    }
     out
+}
+
+/// For a string field given another scalar (`routingKey: yes` arrives as `true`): YAML read an
+/// unquoted word or number as something else, and quoting it is the fix. `found` starts with
+/// the type found (serde's "boolean `true`…", or "true" as JSON writes it).
+pub(crate) fn quote_hint(found: &str) -> Option<&'static str> {
+    if found.starts_with("boolean") || found.starts_with("true") || found.starts_with("false") {
+        Some(
+            " (YAML reads an unquoted yes, no, on, off, y, n, true or false as a boolean: quote the value)",
+        )
+    } else if [
+        "integer",
+        "floating point",
+        "-",
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "6",
+        "7",
+        "8",
+        "9",
+    ]
+    .iter()
+    .any(|p| found.starts_with(p))
+    {
+        Some(" (YAML reads an unquoted number as a number: quote the value)")
+    } else {
+        None
+    }
 }
 
 fn ignored_by<T: serde::de::DeserializeOwned>(value: &Value) -> Vec<String> {

@@ -761,6 +761,28 @@ fn cases() -> Vec<Case> {
             "metdata",
             "unknown field: is it a misspelling of `metadata`? (metadata.name is required)",
         ),
+        // An unquoted word YAML reads as a boolean, or a number, where a string belongs.
+        case(
+            "connector-routing-key-yes",
+            "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: c\nspec:\n  routingKey: yes\n  host: 127.0.0.1\n  port: 18099\n",
+            6,
+            "spec.routingKey",
+            "invalid type: boolean `true`, expected a string (YAML reads an unquoted yes, no, on, off, y, n, true or false as a boolean: quote the value)",
+        ),
+        case(
+            "listener-routing-key-number",
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: l\nspec:\n  routingKey: 8080\n  host: 127.0.0.1\n  port: 18099\n",
+            6,
+            "spec.routingKey",
+            "(YAML reads an unquoted number as a number: quote the value)",
+        ),
+        case(
+            "connector-name-y",
+            "apiVersion: skupper.io/v2alpha1\nkind: Connector\nmetadata:\n  name: y\nspec:\n  routingKey: k\n  host: 127.0.0.1\n  port: 18099\n",
+            4,
+            "metadata.name",
+            "metadata.name must be a string, found true (YAML reads an unquoted yes, no, on, off, y, n, true or false as a boolean: quote the value)",
+        ),
         case(
             "mkl-unknown-field",
             mkl("  strategy:\n    priorityFailover:\n      routingKeys: [a]\n  colour: blue\n"),
