@@ -478,12 +478,10 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
     // ("spec.routingKey is required", at the top of the document) follows from the slip;
     // the slip is what to report.
     let spec_slip = spec_slip.filter(|slip| unknown.contains(slip));
-    let parsed = match (parsed, &spec_slip) {
-        (Err((path, _)), Some(_)) if path == "spec" || path.starts_with("spec.") => {
-            Err((String::new(), String::new()))
-        }
-        (parsed, _) => parsed,
-    };
+    let explained_by_slip = spec_slip.is_some()
+        && parsed
+            .as_ref()
+            .is_err_and(|(path, _)| path == "spec" || path.starts_with("spec."));
     let failed_at = parsed.as_ref().err().map(|(path, _)| path.clone());
     let unknown: Vec<DocOutcome> = unknown
         .iter()
@@ -504,8 +502,7 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             return;
         }
         Err((path, message)) => {
-            // An empty message: an error that the slip reported below explains.
-            if !message.is_empty() {
+            if !explained_by_slip {
                 load.outcomes
                     .push(DocOutcome::Rejected(err(&path, message, Some(key))));
             }

@@ -377,23 +377,9 @@ pub(crate) fn quote_hint(found: &str) -> Option<&'static str> {
         Some(
             " (YAML reads an unquoted yes, no, on, off, y, n, true or false as a boolean: quote the value)",
         )
-    } else if [
-        "integer",
-        "floating point",
-        "-",
-        "0",
-        "1",
-        "2",
-        "3",
-        "4",
-        "5",
-        "6",
-        "7",
-        "8",
-        "9",
-    ]
-    .iter()
-    .any(|p| found.starts_with(p))
+    } else if found.starts_with("integer")
+        || found.starts_with("floating point")
+        || found.starts_with(|c: char| c == '-' || c.is_ascii_digit())
     {
         Some(" (YAML reads an unquoted number as a number: quote the value)")
     } else {

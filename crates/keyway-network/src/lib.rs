@@ -343,28 +343,16 @@ impl Network {
                 }
                 let sessions = kept.unwrap_or_default();
                 drop(old);
-                match session::start_access(inner, ra, bound, sessions.clone()) {
-                    Ok((task, socket)) => {
-                        st.access = Some(RunningAccess {
-                            plan: ra.clone(),
-                            _task: task,
-                            socket,
-                            sessions,
-                        })
-                    }
-                    Err(e) => {
-                        tracing::error!(router_access = %ra.id.name, "{e}; trying again");
-                        st.access_error = Some((ra.id.clone(), e.to_string()));
-                        st.access_wanted = Some(ra.clone());
-                        // The old socket closes as its aborted task ends: soon.
-                        let weak = Arc::downgrade(inner);
-                        inner.runtime.spawn(async move {
-                            tokio::time::sleep(ACCESS_RETRY_SOON).await;
-                            if let Some(inner) = weak.upgrade() {
-                                inner.retry_access();
-                            }
-                        });
-                    }
+                if let Err(e) = inner.start_access(&mut st, ra, bound, sessions) {
+                    tracing::error!(router_access = %ra.id.name, "{e}; trying again");
+                    // The old socket closes as its aborted task ends: soon.
+                    let weak = Arc::downgrade(inner);
+                    inner.runtime.spawn(async move {
+                        tokio::time::sleep(ACCESS_RETRY_SOON).await;
+                        if let Some(inner) = weak.upgrade() {
+                            inner.retry_access();
+                        }
+                    });
                 }
             }
         }
@@ -837,6 +825,36 @@ impl Inner {
         }
     }
 
+    /// Starts `ra` (on `bound`, the socket of the RouterAccess it replaces, if that one had
+    /// the same address). If it cannot start, why is kept for its status and it stays wanted,
+    /// for [`Inner::retry_access`].
+    fn start_access(
+        self: &Arc<Self>,
+        st: &mut State,
+        ra: &RouterAccessPlan,
+        bound: Option<Arc<std::net::TcpListener>>,
+        sessions: session::Sessions,
+    ) -> Result<(), NetError> {
+        match session::start_access(self, ra, bound, sessions.clone()) {
+            Ok((task, socket)) => {
+                st.access = Some(RunningAccess {
+                    plan: ra.clone(),
+                    _task: task,
+                    socket,
+                    sessions,
+                });
+                st.access_error = None;
+                st.access_wanted = None;
+                Ok(())
+            }
+            Err(e) => {
+                st.access_error = Some((ra.id.clone(), e.to_string()));
+                st.access_wanted = Some(ra.clone());
+                Err(e)
+            }
+        }
+    }
+
     /// Starts the RouterAccess that could not start before, if it still cannot run.
     fn retry_access(self: &Arc<Self>) {
         let mut st = lock(&self.state);
@@ -847,23 +865,9 @@ impl Inner {
             st.access_wanted = None;
             return;
         }
-        let sessions = session::Sessions::default();
-        match session::start_access(self, &ra, None, sessions.clone()) {
-            Ok((task, socket)) => {
-                tracing::info!(router_access = %ra.id.name, "inter-router port bound");
-                st.access = Some(RunningAccess {
-                    plan: ra,
-                    _task: task,
-                    socket,
-                    sessions,
-                });
-                st.access_error = None;
-                st.access_wanted = None;
-            }
-            Err(e) => {
-                tracing::debug!(router_access = %ra.id.name, "{e}");
-                st.access_error = Some((ra.id.clone(), e.to_string()));
-            }
+        match self.start_access(&mut st, &ra, None, session::Sessions::default()) {
+            Ok(()) => tracing::info!(router_access = %ra.id.name, "inter-router port bound"),
+            Err(e) => tracing::debug!(router_access = %ra.id.name, "{e}"),
         }
     }
 

@@ -516,46 +516,48 @@ fn removing_a_router_access_ends_its_links() {
     );
 }
 
+impl LinkedPair {
+    /// Writes b's config again with `access` as its RouterAccess, and waits until b has
+    /// started accepting links more than `starts` times and the link carries traffic again.
+    fn rewrite_router_access(&self, access: String, starts: usize, what: &str) {
+        let config = [
+            site_yaml("b"),
+            self.ca.secret_yaml("link-tls"),
+            access,
+            self.connector.clone(),
+        ];
+        write_file(&self.b.config_dir(), "site.yaml", &config.join("---\n"));
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                self.b.log().matches("accepting links").count() > starts
+            }),
+            "{what}: the RouterAccess did not start again: {}",
+            self.b.log()
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || who(self.listen).as_deref()
+                == Ok("at-b")),
+            "{what}: the link did not come back: {}\n{}",
+            self.a.log(),
+            self.b.log()
+        );
+    }
+}
+
 /// Re-issuing the RouterAccess's certificate restarts the port on the same address: the new
 /// accept task takes over the bound socket instead of racing the old one for the address (a
 /// lost race used to leave the port unbound until the next change), and links come back.
 #[test]
 fn reissued_router_access_certificates_keep_the_port() {
     let _serial = serial();
-    let LinkedPair {
-        ca,
-        b_port,
-        listen,
-        connector,
-        a,
-        b,
-        _backend,
-    } = linked_pair();
+    let pair = linked_pair();
     for round in 1..=6 {
-        let reissued = [
-            site_yaml("b"),
-            ca.secret_yaml("link-tls"),
-            router_access_yaml(b_port, "link-tls"),
-            connector.clone(),
-        ];
-        write_file(&b.config_dir(), "site.yaml", &reissued.join("---\n"));
+        let access = router_access_yaml(pair.b_port, "link-tls");
+        pair.rewrite_router_access(access, round, &format!("round {round}"));
         assert!(
-            eventually(Duration::from_secs(10), || {
-                b.log().matches("accepting links").count() > round
-            }),
-            "round {round}: no restart: {}",
-            b.log()
-        );
-        assert!(
-            !b.log().contains("cannot bind"),
+            !pair.b.log().contains("cannot bind"),
             "round {round}: {}",
-            b.log()
-        );
-        assert!(
-            eventually(Duration::from_secs(10), || who(listen).as_deref()
-                == Ok("at-b")),
-            "round {round}: the link did not come back: {}",
-            a.log()
+            pair.b.log()
         );
     }
 }
@@ -565,38 +567,11 @@ fn reissued_router_access_certificates_keep_the_port() {
 #[test]
 fn a_router_access_moved_to_another_bind_address_binds_again() {
     let _serial = serial();
-    let LinkedPair {
-        ca,
-        b_port,
-        listen,
-        connector,
-        a,
-        b,
-        _backend,
-    } = linked_pair();
-    let moved = [
-        site_yaml("b"),
-        ca.secret_yaml("link-tls"),
-        router_access_yaml(b_port, "link-tls").replace("bindHost: 127.0.0.1", "bindHost: \"::\""),
-        connector.clone(),
-    ];
-    write_file(&b.config_dir(), "site.yaml", &moved.join("---\n"));
-    assert!(
-        eventually(Duration::from_secs(10), || b
-            .log()
-            .matches("accepting links")
-            .count()
-            > 1),
-        "the RouterAccess did not start again: {}",
-        b.log()
-    );
-    assert!(
-        eventually(Duration::from_secs(10), || who(listen).as_deref()
-            == Ok("at-b")),
-        "the link did not come back: {}\n{}",
-        a.log(),
-        b.log()
-    );
+    let pair = linked_pair();
+    let moved = router_access_yaml(pair.b_port, "link-tls")
+        .replace("bindHost: 127.0.0.1", "bindHost: \"::\"");
+    pair.rewrite_router_access(moved, 1, "moved");
+    let b = &pair.b;
     let access = b.status_of("RouterAccess", "access").expect("status");
     assert_eq!(access["status"], "Ready", "{access}");
 }
