@@ -179,7 +179,12 @@ pub fn tables_width(items: &[Value], width: usize) -> String {
         let mut rows: Vec<Vec<String>> = vec![columns.iter().map(|(h, _)| h.to_string()).collect()];
         for item in list {
             if kind == "MultiKeyListener" {
-                rows.extend(mkl_rows(item, &columns));
+                let keys = mkl_keys(item).into_iter().map(|(k, r, u)| vec![k, r, u]);
+                let parts = [KEY, REACHABLE, IN_USE];
+                rows.extend(rows_per_part(item, &columns, &parts, keys.collect()));
+            } else if kind == "Site" {
+                let parts = [NETWORK_SITE, PATH, KEYS_THERE];
+                rows.extend(rows_per_part(item, &columns, &parts, network_sites(item)));
             } else {
                 rows.push(columns.iter().map(|(_, f)| f(item)).collect());
             }
@@ -202,6 +207,11 @@ const KEY: &str = "ROUTING KEYS";
 const REACHABLE: &str = "REACHABLE";
 const IN_USE: &str = "IN USE";
 
+/// Site columns filled per site of the network: where each key is reachable, and by which path.
+const NETWORK_SITE: &str = "NETWORK SITE";
+const PATH: &str = "PATH (COST)";
+const KEYS_THERE: &str = "KEYS THERE";
+
 /// Listener conflicts of a Gateway or ListenerSet, else why it is not accepted.
 const CONFLICTS: &str = "CONFLICTS / REASON";
 
@@ -210,7 +220,8 @@ const CUTTABLE: &[&str] = &[
     "MESSAGE",
     "ROUTING KEY",
     CONFLICTS,
-    "KEYS REACHABLE AT",
+    KEYS_THERE,
+    PATH,
     "HOSTNAMES",
     "PARENTS",
     "CONTROLLER",
@@ -236,7 +247,7 @@ fn columns_for(kind: &str) -> Vec<Column> {
             }),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
-        // One row per routing key, in spec order; see `mkl_rows`.
+        // One row per routing key, in spec order; see `rows_per_part`.
         "MultiKeyListener" => vec![
             ("STATUS", status_word),
             ("HOST:PORT", host_port),
@@ -246,10 +257,13 @@ fn columns_for(kind: &str) -> Vec<Column> {
             (IN_USE, |_| String::new()),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],
+        // One row per site of the network, this one first; see `rows_per_part`.
         "Site" => vec![
             ("STATUS", status_word),
             ("SITES", |v| s(&v["status"]["sitesInNetwork"])),
-            ("KEYS REACHABLE AT", keys_by_site),
+            (NETWORK_SITE, |_| String::new()),
+            (PATH, |_| String::new()),
+            (KEYS_THERE, |_| String::new()),
         ],
         "Link" => vec![
             ("STATUS", status_word),
@@ -313,18 +327,34 @@ fn status_word(v: &Value) -> String {
     s(&v["status"]["status"])
 }
 
-/// `key@site` for every key a site of the network has connectors for.
-fn keys_by_site(v: &Value) -> String {
-    let mut out = Vec::new();
-    for site in v["status"]["network"].as_array().into_iter().flatten() {
-        let name = s(&site["name"]);
-        for svc in site["services"].as_array().into_iter().flatten() {
-            if svc["connectors"].as_array().is_some_and(|c| !c.is_empty()) {
-                out.push(format!("{}@{name}", s(&svc["routingKey"])));
-            }
-        }
-    }
-    out.join(", ")
+/// Per site of the network, the reporting site first: (name, path with its cost, keys it has
+/// connectors for).
+fn network_sites(v: &Value) -> Vec<Vec<String>> {
+    let sites = v["status"]["network"].as_array().into_iter().flatten();
+    sites
+        .enumerate()
+        .map(|(i, site)| {
+            let hops: Vec<String> = site["path"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(s)
+                .collect();
+            let path = match (i, hops.is_empty()) {
+                (0, _) => "(this site)".to_string(),
+                (_, true) => String::new(),
+                (_, false) => format!("{} ({})", hops.join(" -> "), s(&site["cost"])),
+            };
+            let keys: Vec<String> = site["services"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|svc| svc["connectors"].as_array().is_some_and(|c| !c.is_empty()))
+                .map(|svc| s(&svc["routingKey"]))
+                .collect();
+            vec![s(&site["name"]), path, keys.join(", ")]
+        })
+        .collect()
 }
 
 fn s(v: &Value) -> String {
@@ -421,29 +451,38 @@ fn mkl_keys(v: &Value) -> Vec<(String, String, String)> {
     }
 }
 
-/// The rows of one MultiKeyListener: its first key on the object's row, each further key on a
-/// row of its own under it.
-fn mkl_rows(v: &Value, columns: &[Column]) -> Vec<Vec<String>> {
+/// The rows of an object with one row per part (a MultiKeyListener's keys, a Site's network):
+/// the first part on the object's row, each further part on a row of its own under it, its
+/// cells in the `part_columns`.
+fn rows_per_part(
+    v: &Value,
+    columns: &[Column],
+    part_columns: &[&str],
+    parts: Vec<Vec<String>>,
+) -> Vec<Vec<String>> {
     let first: Vec<String> = columns.iter().map(|(_, f)| f(v)).collect();
-    let at = |h: &str| columns.iter().position(|(c, _)| *c == h);
-    let (Some(k), Some(r), Some(u)) = (at(KEY), at(REACHABLE), at(IN_USE)) else {
+    let at: Option<Vec<usize>> = part_columns
+        .iter()
+        .map(|h| columns.iter().position(|(c, _)| c == h))
+        .collect();
+    let Some(at) = at else {
         return vec![first];
     };
-    let keys = mkl_keys(v);
-    if keys.is_empty() {
+    if parts.is_empty() {
         return vec![first];
     }
-    keys.into_iter()
+    parts
+        .into_iter()
         .enumerate()
-        .map(|(i, (key, up, used))| {
+        .map(|(i, cells)| {
             let mut row = if i == 0 {
                 first.clone()
             } else {
                 vec![String::new(); columns.len()]
             };
-            row[k] = key;
-            row[r] = up;
-            row[u] = used;
+            for (&c, cell) in at.iter().zip(cells) {
+                row[c] = cell;
+            }
             row
         })
         .collect()
@@ -825,6 +864,60 @@ mod table_tests {
             !none.contains("yes"),
             "nothing reachable, nothing in use: {none}"
         );
+    }
+
+    #[test]
+    fn site_shows_each_network_site_with_its_path_cost_and_keys() {
+        let v = json!({
+            "kind": "Site",
+            "metadata": {"name": "a"},
+            "status": {"status": "Ready", "sitesInNetwork": 3, "network": [
+                {"name": "a", "services": [{"routingKey": "web", "connectors": ["127.0.0.1"]}]},
+                {"name": "b", "path": ["b"], "cost": 1,
+                 "services": [{"routingKey": "web", "listeners": ["front"]}]},
+                {"name": "c", "path": ["b", "c"], "cost": 3, "services": [
+                    {"routingKey": "db", "connectors": ["10.0.0.1"]},
+                    {"routingKey": "web", "connectors": ["10.0.0.2"]}
+                ]}
+            ]}
+        });
+        let out = tables(&[v]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], "Sites:");
+        assert_eq!(
+            cells(lines[1]),
+            [
+                "NAME",
+                "STATUS",
+                "SITES",
+                "NETWORK SITE",
+                "PATH (COST)",
+                "KEYS THERE"
+            ]
+        );
+        let col = |row: usize, h: &str| field(lines[1], lines[row], h);
+        assert_eq!(col(2, "NAME"), "a");
+        assert_eq!(col(2, "SITES"), "3");
+        let rows: Vec<[String; 3]> = (2..5)
+            .map(|r| {
+                [
+                    col(r, "NETWORK SITE"),
+                    col(r, "PATH (COST)"),
+                    col(r, "KEYS THERE"),
+                ]
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ["a", "(this site)", "web"],
+                ["b", "b (1)", ""],
+                ["c", "b -> c (3)", "db, web"],
+            ]
+            .map(|r| r.map(String::from)),
+            "{out}"
+        );
+        assert_eq!(col(3, "NAME"), "", "continuation rows are blank: {out}");
     }
 
     #[test]

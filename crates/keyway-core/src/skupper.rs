@@ -76,6 +76,13 @@ pub struct SiteRecord {
     pub links: Vec<LinkRecord>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub services: Vec<ServiceRecord>,
+    /// keyway's addition: the sites that traffic from the reporting site crosses to reach this
+    /// one, along the least-cost path, ending with this one (empty for the reporting site).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub path: Vec<String>,
+    /// keyway's addition: the cost of that path, the sum of its links' costs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

@@ -13,30 +13,28 @@ pub struct Route {
     pub cost: u64,
     /// The neighbour to hand the stream to.
     pub next_hop: String,
+    /// The sites the path crosses after this one, ending with the destination (for status).
+    pub path: Vec<String>,
 }
 
-/// Least-cost routes from `me` to every site reachable over advertised links. An edge `u → v`
-/// exists when `u` advertises `v` (u can open streams to v); the path's first hop is always one
-/// of `me`'s own advertised neighbours. Ties go to the lexically smaller next hop, so every run
-/// picks the same path.
-/// Least-cost routes from `me` over `db`, leaving `me` by `own_links` (what this site has,
-/// which is what it advertises except while it drains).
+/// Least-cost routes from `me` to every site reachable over advertised links, leaving `me` by
+/// `own_links` (what this site has, which is what it advertises except while it drains). An edge
+/// `u → v` exists when `u` advertises `v` (u can open streams to v). Ties go to the lexically
+/// smaller next hop, so every run picks the same path.
 pub fn routes(
     me: &str,
     own_links: &[Adjacency],
     db: &HashMap<String, Advertisement>,
 ) -> BTreeMap<String, Route> {
-    let mut best: HashMap<&str, (u64, &str)> = HashMap::new();
+    // site → (cost, first hop, previous site on the path)
+    let mut best: HashMap<&str, (u64, &str, &str)> = HashMap::new();
     let mut heap = BinaryHeap::new();
-    let mut done: HashMap<&str, ()> = HashMap::new();
-    heap.push(Reverse((0u64, me, "")));
-    while let Some(Reverse((cost, site, hop))) = heap.pop() {
-        if done.insert(site, ()).is_some() {
+    heap.push(Reverse((0u64, me, "", "")));
+    while let Some(Reverse((cost, site, hop, prev))) = heap.pop() {
+        if best.contains_key(site) {
             continue;
         }
-        if site != me {
-            best.insert(site, (cost, hop));
-        }
+        best.insert(site, (cost, hop, prev));
         let links = if site == me {
             own_links
         } else {
@@ -46,21 +44,33 @@ pub fn routes(
             }
         };
         for link in links {
-            if done.contains_key(link.site.as_str()) {
+            if best.contains_key(link.site.as_str()) {
                 continue;
             }
             let next = cost.saturating_add(link.cost.max(1));
             let first = if site == me { link.site.as_str() } else { hop };
-            heap.push(Reverse((next, link.site.as_str(), first)));
+            heap.push(Reverse((next, link.site.as_str(), first, site)));
         }
     }
-    best.into_iter()
-        .map(|(site, (cost, hop))| {
+    let path_to = |to: &str| {
+        let mut path = vec![to.to_string()];
+        let mut site = to;
+        while let Some(&(_, _, prev)) = best.get(site).filter(|b| b.2 != me) {
+            path.push(prev.to_string());
+            site = prev;
+        }
+        path.reverse();
+        path
+    };
+    best.iter()
+        .filter(|(site, _)| **site != me)
+        .map(|(site, (cost, hop, _))| {
             (
                 site.to_string(),
                 Route {
-                    cost,
+                    cost: *cost,
                     next_hop: hop.to_string(),
+                    path: path_to(site),
                 },
             )
         })
@@ -105,14 +115,16 @@ mod tests {
             r["b"],
             Route {
                 cost: 1,
-                next_hop: "b".into()
+                next_hop: "b".into(),
+                path: vec!["b".into()],
             }
         );
         assert_eq!(
             r["c"],
             Route {
                 cost: 2,
-                next_hop: "b".into()
+                next_hop: "b".into(),
+                path: vec!["b".into(), "c".into()],
             }
         );
     }
@@ -132,5 +144,24 @@ mod tests {
         // A neighbour whose advertisement has not arrived yet is still one hop away.
         let db: HashMap<_, _> = [adv("a", &[("b", 3)])].into();
         assert_eq!(routes("a", &db["a"].links, &db)["b"].cost, 3);
+    }
+
+    #[test]
+    fn a_path_names_every_site_it_crosses() {
+        // a–b–c–d chain with a costly shortcut a–d and a cheap detour b–e–d.
+        let db: HashMap<_, _> = [
+            adv("a", &[("b", 1), ("d", 10)]),
+            adv("b", &[("a", 1), ("c", 2), ("e", 1)]),
+            adv("c", &[("b", 2), ("d", 2)]),
+            adv("e", &[("b", 1), ("d", 1)]),
+            adv("d", &[("c", 2), ("e", 1), ("a", 10)]),
+        ]
+        .into();
+        let r = routes("a", &db["a"].links, &db);
+        assert_eq!(r["d"].path, ["b", "e", "d"]);
+        assert_eq!(r["d"].cost, 3);
+        assert_eq!(r["c"].path, ["b", "c"]);
+        assert_eq!(r["b"].path, ["b"]);
+        assert!(!r.contains_key("a"), "no route to itself");
     }
 }

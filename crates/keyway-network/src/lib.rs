@@ -480,7 +480,7 @@ impl Network {
                 }
             }
         }
-        for site in st.routes.keys() {
+        for (site, route) in &st.routes {
             let Some(adv) = st.db.get(site) else { continue };
             view.listened_keys.extend(adv.listening.iter().cloned());
             let mut services: BTreeMap<&str, ServiceRecord> = BTreeMap::new();
@@ -513,6 +513,8 @@ impl Network {
                     })
                     .collect(),
                 services: services.into_values().collect(),
+                path: route.path.clone(),
+                cost: Some(route.cost),
                 ..Default::default()
             });
         }

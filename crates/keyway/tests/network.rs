@@ -2,6 +2,7 @@
 
 mod sites;
 
+use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -116,6 +117,24 @@ fn listener_reaches_connector_two_hops_away() {
     let network = site["network"].as_array().expect("network");
     let at_c = network.iter().find(|s| s["name"] == "c").expect("c listed");
     assert_eq!(at_c["services"][0]["routingKey"], "svc", "{site}");
+    // By which path: c is reached over b, two links of cost 1.
+    assert_eq!(at_c["path"], serde_json::json!(["b", "c"]), "{site}");
+    assert_eq!(at_c["cost"], 2, "{site}");
+    let table = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args([
+            "status",
+            "--admin",
+            &format!("127.0.0.1:{}", a.admin),
+            "Site",
+        ])
+        .output()
+        .expect("keyway status");
+    let table = String::from_utf8_lossy(&table.stdout);
+    let row_of_c = table.lines().find(|l| l.contains("b -> c (2)"));
+    assert!(
+        row_of_c.is_some_and(|l| l.trim_end().ends_with("svc")),
+        "keyway status shows where svc is reachable and by which path:\n{table}"
+    );
     // Site ids, as upstream reports them: b's own record at b is the id a's Link names, and
     // every record of a's network has one.
     let b_site = b.status_of("Site", "b").expect("b's site status");
