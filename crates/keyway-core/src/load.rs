@@ -116,6 +116,26 @@ fn near_kind(api_version: &str, kind: &str) -> Option<String> {
     if UNSERVED_KINDS.contains(&kind) {
         return None;
     }
+    // A kind keyway reads written under another of the groups keyway reads (a ListenerSet under
+    // skupper.io, a Listener under gateway.networking.k8s.io): a slip, where under a group
+    // keyway does not read (Istio's Gateway) it is another project's kind of the same name.
+    let read_here = |k: &Kind| k.groups().contains(&wanted.as_str());
+    if Kind::ALL.iter().any(read_here)
+        && let Some(k) = Kind::ALL
+            .iter()
+            .find(|k| k.name().eq_ignore_ascii_case(kind) && !read_here(k))
+    {
+        let group = if wanted.is_empty() {
+            "the core group"
+        } else {
+            &wanted
+        };
+        return Some(format!(
+            "{kind} is not a kind of {group} ({api_version}); keyway reads {} as {}",
+            k.name(),
+            k.api_version()
+        ));
+    }
     // The experimental group's one kind keyway reads, XListenerSet, is an alias of ListenerSet.
     const X_VERSION: &str = crate::resource::XLISTENERSET_API_VERSION;
     if wanted == group(X_VERSION) {

@@ -166,7 +166,7 @@ impl Kind {
 
     /// The API groups a kind is written in (empty: the core group, which has no name to
     /// qualify with). A ListenerSet may be written in the experimental group too.
-    fn groups(self) -> Vec<&'static str> {
+    pub(crate) fn groups(self) -> Vec<&'static str> {
         let group = match self.api_version().split_once('/') {
             Some((group, _)) => group,
             None => "",

@@ -160,6 +160,12 @@ fn an_unparseable_document_deletes_nothing() {
     let r = site.reload(&[("a.yaml", &slipped)], 1);
     assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
     assert_eq!(port_of(site.get(Kind::Listener, "web")), 8080);
+    // So is a kind keyway reads written under another of its groups.
+    let slipped =
+        listener("web", "8081").replace("skupper.io/v2alpha1", "gateway.networking.k8s.io/v1");
+    let r = site.reload(&[("a.yaml", &slipped)], 2);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert_eq!(port_of(site.get(Kind::Listener, "web")), 8080);
 
     // An unreadable directory deletes nothing under it, and only under it.
     let mut site = Site::default();

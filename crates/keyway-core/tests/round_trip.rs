@@ -527,6 +527,32 @@ fn unknown_kinds_warn_and_unknown_fields_reject() {
             "XListenerSet",
             "XListenerSet is not read in gateway.networking.x-k8s.io/v1; keyway reads it as gateway.networking.x-k8s.io/v1alpha1",
         ),
+        // A kind of one of keyway's groups under another of them.
+        (
+            "skupper.io/v2alpha1",
+            "ListenerSet",
+            "ListenerSet is not a kind of skupper.io (skupper.io/v2alpha1); keyway reads ListenerSet as gateway.networking.k8s.io/v1",
+        ),
+        (
+            "gateway.networking.k8s.io/v1",
+            "Listener",
+            "Listener is not a kind of gateway.networking.k8s.io (gateway.networking.k8s.io/v1); keyway reads Listener as skupper.io/v2alpha1",
+        ),
+        (
+            "v1",
+            "ListenerSet",
+            "ListenerSet is not a kind of the core group (v1); keyway reads ListenerSet as gateway.networking.k8s.io/v1",
+        ),
+        (
+            "gateway.networking.x-k8s.io/v1alpha1",
+            "Gateway",
+            "Gateway is not a kind of gateway.networking.x-k8s.io (gateway.networking.x-k8s.io/v1alpha1); keyway reads Gateway as gateway.networking.k8s.io/v1",
+        ),
+        (
+            "skupper.io/v2alpha1",
+            "secret",
+            "secret is not a kind of skupper.io (skupper.io/v2alpha1); keyway reads Secret as v1",
+        ),
     ] {
         let text = format!("apiVersion: {api}\nkind: {kind}\nmetadata:\n  name: a\n");
         let load = load_file("slip.yaml", &text);
@@ -535,6 +561,15 @@ fn unknown_kinds_warn_and_unknown_fields_reject() {
             other => panic!("{api} {kind}: want Rejected, got {other:?}"),
         }
     }
+    // Another project's kind of the same name, under a group keyway does not read, is not
+    // keyway's to judge.
+    let text = "apiVersion: networking.istio.io/v1\nkind: Gateway\nmetadata:\n  name: a\n";
+    let load = load_file("istio.yaml", text);
+    assert!(
+        matches!(&load.outcomes[0], DocOutcome::Ignored(_)),
+        "{:?}",
+        load.outcomes
+    );
     // A required field spelled wrong: the error names the unknown key beside it, and the
     // document's unknown fields are still reported, each at its own line.
     let text = "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: m\nspec:\n  host: 127.0.0.1\n  port: 9000\n  setings: 1\n  stratgy:\n    priorityFailover:\n      routingKeys: [a]\n";

@@ -509,6 +509,13 @@ fn cases() -> Vec<Case> {
             "kind is required",
         ),
         case(
+            "kind-under-another-group",
+            "apiVersion: skupper.io/v2alpha1\nkind: ListenerSet\nmetadata:\n  name: x\nspec: {}\n",
+            2,
+            "kind",
+            "ListenerSet is not a kind of skupper.io (skupper.io/v2alpha1); keyway reads ListenerSet as gateway.networking.k8s.io/v1",
+        ),
+        case(
             "missing-metadata-name",
             "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  namespace: foo\nspec: {}\n",
             3,
