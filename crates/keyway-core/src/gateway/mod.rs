@@ -151,11 +151,12 @@ pub struct GatewayResolver {
     /// Gateways and ListenerSets that appeared this run, and those gone that were never ours:
     /// routes naming them change between "no such parent" and "another controller's".
     appeared: Vec<ObjectKey>,
-    /// GRPCRoutes with a result: the listeners they attached to are the only ones where an
-    /// HTTPRoute and a GRPCRoute can conflict.
-    grpc_routes: HashSet<ObjectKey>,
-    /// Per route: the listeners (owner slot, listener) where it lost an HTTPRoute/GRPCRoute
-    /// hostname conflict, in slot order.
+    /// GRPCRoutes, TCPRoutes and TLSRoutes with a result: the listeners they attached to are
+    /// the only ones where routes can conflict (an HTTPRoute with a GRPCRoute by hostname, a
+    /// TCPRoute with another, a TLSRoute with another by hostname).
+    contending: HashSet<ObjectKey>,
+    /// Per route: the listeners (owner slot, listener) where it lost a route conflict, in slot
+    /// order.
     conflicted: HashMap<ObjectKey, Vec<(usize, usize)>>,
     out: GatewayResolution,
 }
@@ -537,7 +538,7 @@ impl GatewayResolver {
             self.route_objs.clear();
             self.by_target.clear();
             self.merges.clear();
-            self.grpc_routes.clear();
+            self.contending.clear();
         }
         // Slots of Gateways and ListenerSets; the keys of those gone.
         let mut gone_owners: Vec<ObjectKey> = Vec::new();
@@ -831,7 +832,7 @@ impl GatewayResolver {
         for key in gone {
             self.route_inputs.remove(&key);
             self.route_problems.remove(&key);
-            self.grpc_routes.remove(&key);
+            self.contending.remove(&key);
             if let Some(rr) = self.route_results.remove(&key) {
                 for (owner, _, _) in &rr.attaches {
                     dirty_slots.push(*owner);
@@ -1004,10 +1005,10 @@ impl GatewayResolver {
                 live_of_parents.push(serving);
             }
             rendered.push(obj.key.clone());
-            if rin.kind == Kind::GRPCRoute {
-                self.grpc_routes.insert(obj.key.clone());
+            if matches!(rin.kind, Kind::GRPCRoute | Kind::TCPRoute | Kind::TLSRoute) {
+                self.contending.insert(obj.key.clone());
             } else {
-                self.grpc_routes.remove(&obj.key);
+                self.contending.remove(&obj.key);
             }
             for (s, _, _) in &attaches {
                 dirty_slots.push(*s);
@@ -1240,11 +1241,14 @@ impl GatewayResolver {
         &self.out
     }
 
-    /// HTTPRoutes and GRPCRoutes on one listener whose hostnames overlap: the older route (then
-    /// the first by namespace/name) wins, the other is not served there, and a parentRef that
-    /// lost on every serving listener it matched is `Accepted=False/Conflicted` (GRPCRoute
-    /// spec, `hostnames`). A losing route never blocks another. Puts the status of every route
-    /// in `rendered` and of every route whose losses changed; dirties the slots involved.
+    /// Routes that cannot share a listener: an HTTPRoute and a GRPCRoute whose hostnames
+    /// overlap (GRPCRoute spec, `hostnames`), two TCPRoutes (a TCP listener forwards each
+    /// connection to one route), two TLSRoutes with the same hostnames (a passthrough listener
+    /// routes by SNI alone). The older route (then the first by namespace/name) wins, the other
+    /// is not served there, and a parentRef that lost on every serving listener it matched is
+    /// `Accepted=False/Conflicted`. A TLSRoute loses only when every hostname it has there is
+    /// taken. A losing route never blocks another. Puts the status of every route in
+    /// `rendered` and of every route whose losses changed; dirties the slots involved.
     fn settle_kind_conflicts(
         &mut self,
         mut rendered: Vec<ObjectKey>,
@@ -1252,7 +1256,7 @@ impl GatewayResolver {
         now: &Time,
     ) {
         let contested: HashSet<(usize, usize)> = self
-            .grpc_routes
+            .contending
             .iter()
             .filter_map(|k| self.route_results.get(k))
             .flat_map(|rr| rr.attaches.iter().map(|(s, l, _)| (*s, *l)))
@@ -1273,7 +1277,6 @@ impl GatewayResolver {
                 .into_iter()
                 .flatten()
                 .filter_map(|k| self.route_results.get(k))
-                .filter(|rr| matches!(rr.rin.kind, Kind::HTTPRoute | Kind::GRPCRoute))
             {
                 for (s, l, h) in &rr.attaches {
                     if *s == slot && contested.contains(&(*s, *l)) {
@@ -1289,20 +1292,40 @@ impl GatewayResolver {
                     .cmp(&precedence_ref(&b.0.obj))
                     .then_with(|| a.0.obj.key.cmp(&b.0.obj.key))
             });
-            // Hostnames taken by the winners so far: HTTPRoutes', GRPCRoutes'.
+            // Taken by the winners so far: HTTPRoutes' and GRPCRoutes' hostnames, whether a
+            // TCPRoute is served, TLSRoutes' hostnames ("" for a route without any).
             let (mut http, mut grpc) = (hostname::Taken::default(), hostname::Taken::default());
+            let mut tcp = false;
+            let mut tls: HashSet<&str> = HashSet::default();
             for (rr, hosts) in routes {
-                let (mine, other) = if rr.rin.kind == Kind::GRPCRoute {
-                    (&mut grpc, &http)
-                } else {
-                    (&mut http, &grpc)
+                let loses = match rr.rin.kind {
+                    Kind::HTTPRoute | Kind::GRPCRoute => {
+                        let (mine, other) = if rr.rin.kind == Kind::GRPCRoute {
+                            (&mut grpc, &http)
+                        } else {
+                            (&mut http, &grpc)
+                        };
+                        let loses = other.overlaps(hosts);
+                        if !loses {
+                            mine.insert(hosts);
+                        }
+                        loses
+                    }
+                    Kind::TCPRoute => std::mem::replace(&mut tcp, true),
+                    Kind::TLSRoute if hosts.is_empty() => !tls.insert(""),
+                    Kind::TLSRoute => {
+                        let mut any_new = false;
+                        for h in hosts {
+                            any_new |= tls.insert(h);
+                        }
+                        !any_new
+                    }
+                    _ => false,
                 };
-                if other.overlaps(hosts) {
+                if loses {
                     lost.entry(rr.obj.key.clone())
                         .or_default()
                         .push((slot, listener));
-                } else {
-                    mine.insert(hosts);
                 }
             }
         }
@@ -1335,18 +1358,19 @@ impl GatewayResolver {
                         && losses.is_some_and(|l| live.iter().all(|x| l.contains(x)));
                     let mut p = p.clone();
                     if beaten && let Some(c) = p.conditions.first_mut() {
-                        let other = if rr.rin.kind == Kind::GRPCRoute {
-                            "an HTTPRoute"
-                        } else {
-                            "a GRPCRoute"
+                        let other = match rr.rin.kind {
+                            Kind::GRPCRoute => "an HTTPRoute with overlapping hostnames",
+                            Kind::TCPRoute => "another TCPRoute (one per listener)",
+                            Kind::TLSRoute => "another TLSRoute with the same hostnames",
+                            _ => "a GRPCRoute with overlapping hostnames",
                         };
                         *c = C::new(
                             "Accepted",
                             false,
                             "Conflicted",
                             format!(
-                                "{other} with overlapping hostnames takes precedence on the \
-                                 listeners this parentRef matches (the older route wins)"
+                                "{other} takes precedence on the listeners this parentRef \
+                                 matches (the older route wins)"
                             ),
                         );
                     }

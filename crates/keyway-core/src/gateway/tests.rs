@@ -2042,6 +2042,84 @@ fn http_and_grpc_routes_with_overlapping_hostnames_accept_the_older() {
     assert_eq!(bound_routes(&r), ["g1", "h0"]);
 }
 
+/// Routes a stream listener cannot serve side by side: a second TCPRoute on a TCP listener (a
+/// connection goes to one route), a TLSRoute all of whose hostnames an older TLSRoute has on a
+/// passthrough listener (SNI picks one route). The older (then the first by namespace/name)
+/// wins; the loser is `Accepted=False/Conflicted`, neither served nor counted; a route that
+/// still has a hostname of its own is accepted; deleting the winners promotes the next.
+#[test]
+fn tcp_and_tls_routes_that_cannot_share_a_listener_accept_the_older() {
+    let route = |kind: &str, name: &str, created: u32, section: &str, hostnames: &str| {
+        let hostnames = if hostnames.is_empty() {
+            String::new()
+        } else {
+            format!("  hostnames: {hostnames}\n")
+        };
+        format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1alpha2\nkind: {kind}\nmetadata: {{name: {name}, namespace: infra, creationTimestamp: \"2024-01-01T00:00:{created:02}Z\"}}\nspec:\n  parentRefs: [{{name: gw, sectionName: {section}}}]\n{hostnames}  rules:\n  - backendRefs: [{{name: app, port: 80}}]\n"
+        )
+    };
+    let base = vec![
+        gateway(
+            "infra",
+            "gw",
+            "from: None",
+            &(l("tcp", 9000, "TCP", None) + &l("tls", 9443, "TLS", None)),
+        ),
+        svc("infra", "app"),
+    ];
+    let tcp = |name, created| route("TCPRoute", name, created, "tcp", "");
+    let tls = |name, created, hosts| route("TLSRoute", name, created, "tls", hosts);
+    let winners = vec![tcp("t1", 10), tls("s1", 10, "[a.example.com]")];
+    let rest = vec![
+        // Younger than t1, though first by name.
+        tcp("t0", 20),
+        // As old as t1: the name decides.
+        tcp("t2", 10),
+        tls("s2", 20, "[a.example.com]"),
+        // b.example.com is its own: accepted.
+        tls("s3", 30, "[a.example.com, b.example.com]"),
+        tls("s4", 40, "[b.example.com]"),
+        // A wildcard is another hostname than the names it covers.
+        tls("s5", 50, "[\"*.example.com\"]"),
+    ];
+    let all = [base.clone(), winners, rest.clone()].concat();
+    let without_winners = [base, rest].concat();
+    let r = assert_incremental(&[all.clone(), without_winners.clone(), all.clone()]);
+    let accepted = |r: &GatewayResolution, kind, name| route_cond(r, kind, name, "Accepted");
+    for (kind, name, want) in [
+        (Kind::TCPRoute, "t1", yes("Accepted")),
+        (Kind::TCPRoute, "t0", no("Conflicted")),
+        (Kind::TCPRoute, "t2", no("Conflicted")),
+        (Kind::TLSRoute, "s1", yes("Accepted")),
+        (Kind::TLSRoute, "s2", no("Conflicted")),
+        (Kind::TLSRoute, "s3", yes("Accepted")),
+        (Kind::TLSRoute, "s4", no("Conflicted")),
+        (Kind::TLSRoute, "s5", yes("Accepted")),
+    ] {
+        assert_eq!(accepted(&r, kind, name), want, "{kind} {name}");
+    }
+    assert_eq!(bound_routes(&r), ["s1", "s3", "s5", "t1"]);
+    let attached = |r: &GatewayResolution, l| {
+        listener(r, Kind::Gateway, "infra", "gw", l)["attachedRoutes"].clone()
+    };
+    assert_eq!(attached(&r, "tcp"), 1);
+    assert_eq!(attached(&r, "tls"), 3);
+    let message =
+        &status(&r, Kind::TCPRoute, "infra", "t0")["parents"][0]["conditions"][0]["message"];
+    assert_eq!(
+        message,
+        "another TCPRoute (one per listener) takes precedence on the listeners this parentRef matches (the older route wins)"
+    );
+
+    let r = assert_incremental(&[all, without_winners]);
+    assert_eq!(accepted(&r, Kind::TCPRoute, "t2"), yes("Accepted"));
+    assert_eq!(accepted(&r, Kind::TCPRoute, "t0"), no("Conflicted"));
+    assert_eq!(accepted(&r, Kind::TLSRoute, "s2"), yes("Accepted"));
+    assert_eq!(accepted(&r, Kind::TLSRoute, "s4"), no("Conflicted"));
+    assert_eq!(bound_routes(&r), ["s2", "s3", "s5", "t2"]);
+}
+
 /// A route whose parent is another class's Gateway gets no status from keyway (nor errors for
 /// its backends); one whose parent does not exist is `NoMatchingParent`. Each change between the
 /// two, and to and from a Gateway of ours, updates the route incrementally as a fresh resolve.
