@@ -316,18 +316,21 @@ pub fn check_config_dir(config: &Path, hint: &str) -> Result<()> {
 
 /// Compiles a directory offline, reading (never writing) its state directory.
 pub fn compile_dir(config: &Path, state_dir: &Path) -> Result<Compiled> {
-    compile_dir_with(config, state_dir, |_, _| None)
+    compile_dir_with(
+        config,
+        state_dir,
+        "pass --config DIR, the directory that holds the site's manifests",
+        |_, _| None,
+    )
 }
 
 fn compile_dir_with(
     config: &Path,
     state_dir: &Path,
+    hint: &str,
     bind_error: impl Fn(&str, u16) -> Option<String>,
 ) -> Result<Compiled> {
-    check_config_dir(
-        config,
-        "pass --config DIR, or --admin ADDR to ask a running site",
-    )?;
+    check_config_dir(config, hint)?;
     let files = source::load_dir(config)?;
     let mut objects = state::load(state_dir)?;
     Ok(offline::compile_checking_addresses(
@@ -342,7 +345,8 @@ fn compile_dir_with(
 /// with the Listeners whose host it could not bind (each host looked up once).
 fn compile_dir_for_status(config: &Path, state_dir: &Path) -> Result<Compiled> {
     let checked = std::cell::RefCell::new(std::collections::HashMap::new());
-    compile_dir_with(config, state_dir, |host, port| {
+    let hint = "pass --config DIR, or --admin ADDR to ask a running site";
+    compile_dir_with(config, state_dir, hint, |host, port| {
         checked
             .borrow_mut()
             .entry(host.to_string())

@@ -1083,6 +1083,27 @@ fn valid_directory_exits_0() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A config directory that is not there: each command says so and offers only flags it has.
+#[test]
+fn a_missing_config_directory_is_named_with_a_fix() {
+    let dir = temp_dir("missing-config").join("nowhere");
+    let out = keyway(&["validate"], &dir);
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("does not exist; pass --config DIR,") && !stderr.contains("--admin"),
+        "validate has no --admin: {stderr}"
+    );
+    let out = keyway(&["status"], &dir);
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("or --admin ADDR to ask a running site"),
+        "{stderr}"
+    );
+    if let Some(parent) = dir.parent() {
+        let _ = std::fs::remove_dir_all(parent);
+    }
+}
+
 /// `keyway status ... | head`: the reader going away ends the command quietly, without a
 /// panic message (the output here is far larger than a pipe holds).
 #[test]
