@@ -157,7 +157,21 @@ impl Site {
         let mut objects = current.objects.clone();
         let reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
         let mut resolution = service_network::resolve(&index);
-        resolution.plan.gateways = current.gateway.update(&index, &cli::now()).plan.clone();
+        let conflicts_before = current.gateway.resolution().listener_conflicts.clone();
+        let gateway = current.gateway.update(&index, &cli::now());
+        resolution.plan.gateways = gateway.plan.clone();
+        // A listener that loses a conflict is status, not a config error, but the operator
+        // hears of it once: a team's new listener is not served.
+        for c in &gateway.listener_conflicts {
+            if !conflicts_before.contains(c) {
+                tracing::warn!(
+                    "{} listener {}: {}: not served; the listener that holds its port and hostname serves on",
+                    c.owner,
+                    c.listener,
+                    c.reason
+                );
+            }
+        }
         // What serves keeps its port: a Listener or Gateway added (or edited) onto it later
         // does not take it.
         let taken_ports =
@@ -191,7 +205,7 @@ impl Site {
         }
         metrics.config_errors.set(errors.len() as i64);
         metrics.reloads.inc();
-        // A reload that rejected an edit (or met a new conflict) failed in part, whatever else
+        // A reload that rejected an edit (or found a port taken) failed in part, whatever else
         // it applied.
         if errors.iter().any(|e| !previous_errors.contains(e)) {
             metrics.reload_failures.inc();

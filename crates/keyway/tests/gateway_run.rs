@@ -594,6 +594,42 @@ fn a_newcomer_never_takes_a_serving_port_from_another_gateway() {
     );
 }
 
+/// A newer ListenerSet asking for a port and hostname the Gateway serves loses (status, not a
+/// config error): the site logs it once, as it appears, and the Gateway's listener serves on.
+#[test]
+fn a_listener_that_loses_a_conflict_is_logged_once_and_the_winner_serves_on() {
+    let dir = temp_dir("conflict-log");
+    let port = free_port();
+    let gateway = format!(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: All}}}}\n  listeners:\n  - {{name: web, protocol: HTTP, port: {port}, hostname: app.example}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: served-by-gw.example, statusCode: 302}}}}]\n"
+    );
+    std::fs::write(dir.join("gw.yaml"), gateway).expect("write");
+    let site = Site::start(&dir, true);
+    std::fs::write(
+        dir.join("ls.yaml"),
+        format!("apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: tenant, namespace: tenant}}\nspec:\n  parentRef: {{name: gw, namespace: default}}\n  listeners:\n  - {{name: mine, protocol: HTTP, port: {port}, hostname: app.example}}\n"),
+    )
+    .expect("write");
+    site.wait_for("/status", |_, body| body.contains("HostnameConflict"));
+    let (code, _) = http_get(port, "app.example", "/");
+    assert_eq!(code, 302, "the Gateway's listener serves on");
+    // Another reload: the conflict is not news, and is not logged again.
+    std::fs::write(dir.join("other.yaml"), service("other", 1)).expect("write");
+    site.wait_for("/status", |_, body| body.contains("\"other\""));
+    let log = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("ListenerSet tenant/tenant listener mine: HostnameConflict"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(lines[0].contains("WARN"), "{log}");
+    let metrics = site.get("/metrics").1;
+    assert!(
+        metrics.contains("keyway_config_errors 0"),
+        "a lost conflict is status, not a config error: {metrics}"
+    );
+}
+
 /// A skupper Listener added onto a port a Gateway serves, or an older Listener edited onto it,
 /// does not take it: the Gateway goes on answering, and the Listener is not configured, with
 /// the error at its own file (it was the Gateway's, and the Gateway lost the port).

@@ -66,6 +66,18 @@ pub struct GatewayResolution {
     pub statuses: Statuses,
     /// Invalid listeners, unresolvable certificates and backends, located at the field.
     pub problems: Vec<ConfigError>,
+    /// Listeners that lost a conflict (SPEC §4), in owner order: status, not config errors,
+    /// but a site logs each one that appears.
+    pub listener_conflicts: Vec<ListenerConflict>,
+}
+
+/// A listener of a Gateway or ListenerSet that lost a conflict and is not served.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenerConflict {
+    pub owner: ObjectKey,
+    pub listener: String,
+    /// `HostnameConflict` or `ProtocolConflict`.
+    pub reason: &'static str,
 }
 
 /// Gateways of a class keyway does not serve, as warnings: nothing is wrong with them, but a
@@ -1238,6 +1250,22 @@ impl GatewayResolver {
         problems.sort();
         problems.dedup();
         self.out.problems = problems;
+        self.out.listener_conflicts = owners
+            .iter()
+            .flat_map(|o| {
+                o.standings
+                    .iter()
+                    .zip(o.listeners.iter())
+                    .filter_map(|(s, l)| match s {
+                        Standing::Conflicted(c) => Some(ListenerConflict {
+                            owner: o.obj.key.clone(),
+                            listener: l.spec.name.clone(),
+                            reason: c.reason(),
+                        }),
+                        _ => None,
+                    })
+            })
+            .collect();
         &self.out
     }
 

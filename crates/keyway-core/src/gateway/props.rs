@@ -277,6 +277,10 @@ pub(super) fn assert_incremental(steps: &[Vec<String>]) -> GatewayResolution {
             incremental.problems, fresh.problems,
             "problems differ at step {step}"
         );
+        assert_eq!(
+            incremental.listener_conflicts, fresh.listener_conflicts,
+            "listener conflicts differ at step {step}"
+        );
         last = fresh;
     }
     last

@@ -1717,6 +1717,15 @@ fn regression_hostname_conflict_leaves_exactly_one_winner() {
         .filter(|ns| lcond(&r, LS, ns, "ls", "x", "Accepted") == yes("Accepted"))
         .collect();
     assert_eq!(winners, vec!["team-c"]); // the oldest
+    // The losers, as the site logs them, in precedence order.
+    let lost: Vec<(String, &str, &str)> = r
+        .listener_conflicts
+        .iter()
+        .map(|c| (c.owner.to_string(), c.listener.as_str(), c.reason))
+        .collect();
+    let want =
+        ["team-b", "team-a"].map(|ns| (format!("ListenerSet {ns}/ls"), "x", "HostnameConflict"));
+    assert_eq!(lost, want);
 }
 
 #[test]
