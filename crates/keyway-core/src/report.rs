@@ -268,9 +268,10 @@ fn columns_for(kind: &str) -> Vec<Column> {
         "Link" => vec![
             ("STATUS", status_word),
             ("REMOTE SITE", |v| s(&v["status"]["remoteSiteName"])),
-            ("COST", |v| match &v["spec"]["cost"] {
-                Value::Null => "1".into(),
-                cost => s(cost),
+            // As it runs: unset and 0 count as 1 (see `validate::ignored_settings`).
+            ("COST", |v| match v["spec"]["cost"].as_i64() {
+                None | Some(0) => "1".into(),
+                Some(_) => s(&v["spec"]["cost"]),
             }),
             ("MESSAGE", |v| s(&v["status"]["message"])),
         ],

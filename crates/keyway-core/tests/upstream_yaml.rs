@@ -229,6 +229,32 @@ spec:
     );
 }
 
+/// A Link with `cost: 0` runs as cost 1 (the least a hop costs); a warning says so, so that
+/// `keyway status` showing cost 1 surprises nobody.
+#[test]
+fn link_cost_zero_is_not_silently_raised() {
+    let yaml = "\
+apiVersion: skupper.io/v2alpha1
+kind: Link
+metadata:
+  name: to-east
+spec:
+  cost: 0
+  tlsCredentials: link-creds
+  endpoints:
+  - {name: inter-router, host: 127.0.0.1, port: \"55671\"}
+";
+    let load = load_file("link.yaml", yaml);
+    let warning = load.warnings.iter().find(|w| w.path == "spec.cost");
+    assert!(
+        warning.is_some_and(|w| w.message.ends_with("cost 0 counts as 1")),
+        "{:?}",
+        load.warnings
+    );
+    let load = load_file("link.yaml", &yaml.replace("cost: 0", "cost: 2"));
+    assert!(load.warnings.is_empty(), "{:?}", load.warnings);
+}
+
 /// Skupper `RouterAccess.spec.generateTlsCredentials: true` asks for the Secret to be generated;
 /// keyway never generates it, so the RouterAccess fails with "Secret not found" and nothing says
 /// the field was ignored.
