@@ -535,13 +535,11 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)
                 ));
             }
         }
-        Resource::Link(link) => {
-            if link.spec.cost == Some(0) {
-                out.push((
-                    "spec.cost",
-                    "a link costs at least 1 (a free hop would make paths of any length tie): cost 0 counts as 1",
-                ));
-            }
+        Resource::Link(link) if link.spec.cost == Some(0) => {
+            out.push((
+                "spec.cost",
+                "a link costs at least 1 (a free hop would make paths of any length tie): cost 0 counts as 1",
+            ));
         }
         Resource::RouterAccess(r) => {
             if r.spec.generate_tls_credentials {
