@@ -382,6 +382,9 @@ fn validate(config: &Path, state_dir: &Path) -> Result<ExitCode> {
     for w in keyway_core::gateway::foreign_class_warnings(&compiled.index) {
         eprintln!("warning: {w}");
     }
+    for w in unbindable_hosts(&compiled) {
+        eprintln!("warning: {w}");
+    }
     let mut errors = compiled.errors();
     errors.extend(certificate_errors(&compiled));
     for e in &errors {
@@ -403,6 +406,30 @@ fn validate(config: &Path, state_dir: &Path) -> Result<ExitCode> {
         );
         Ok(ExitCode::from(INVALID))
     }
+}
+
+/// Listeners whose host is no address of this machine (a name that does not resolve, as
+/// `host: example-01` in the MultiKeyListener proposal): valid config, which may be meant for
+/// another machine, so a warning saying what a site started here would report.
+fn unbindable_hosts(compiled: &Compiled) -> Vec<keyway_core::ConfigError> {
+    let mut checked: std::collections::HashMap<&str, Option<String>> = Default::default();
+    let mut out = Vec::new();
+    for l in &compiled.resolution.plan.listeners {
+        let why = checked
+            .entry(l.host.as_str())
+            .or_insert_with(|| local_address_error(&l.host, l.port));
+        if let (Some(why), Some(obj)) = (why, compiled.index.get(&l.id)) {
+            out.push(obj.error_at(
+                "spec.host",
+                format!(
+                    "{} cannot be bound on this machine ({why}); a site started here reports this {} not Configured (use an IP address of the machine, or a name that resolves to one)",
+                    l.host,
+                    l.id.kind.name()
+                ),
+            ));
+        }
+    }
+    out
 }
 
 /// Terminating listeners whose certificates would not serve (a key that does not belong to its

@@ -57,6 +57,26 @@ fn every_example_validates() {
     }
 }
 
+/// The MultiKeyListener proposal's example, verbatim: valid, but `host: example-01` is no address
+/// of this machine, so `validate` warns of what a site here would report.
+#[test]
+fn the_proposal_example_validates_with_a_warning_about_its_host() {
+    let dir = std::env::temp_dir().join(format!("keyway-seed-000-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let seed = "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata:\n  name: ex01\nspec:\n  host: example-01\n  port: 8000\n  strategy:\n    priorityFailover:\n      routingKeys:\n      - backend-us-east-1\n      - backend-us-east-2\n      - backend-all\n";
+    std::fs::write(dir.join("ex01.yaml"), seed).expect("write");
+    let (code, out, err) = keyway(&["validate", "--config", dir.to_str().unwrap_or_default()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let want = format!(
+        "warning: {}:6: spec.host: example-01 cannot be bound on this machine (",
+        dir.join("ex01.yaml").display()
+    );
+    assert!(err.contains(&want), "{err}");
+    assert!(err.contains("not Configured"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn quickstart_priority_listener_fails_over_to_the_next_key() {
     let list = status_json("quickstart", "mkl");
