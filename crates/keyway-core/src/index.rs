@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::load::LoadedObject;
+use crate::load::{LoadedObject, Origin};
 use crate::resource::{Kind, ObjectKey, Resource};
 
 /// All objects in force, keyed by kind/namespace/name. Cloning is cheap (shared entries), so a
@@ -12,6 +12,9 @@ use crate::resource::{Kind, ObjectKey, Resource};
 #[derive(Clone, Debug, Default)]
 pub struct Index {
     objects: BTreeMap<ObjectKey, Arc<LoadedObject>>,
+    /// Objects with no version in force whose document was rejected, with where: a reference
+    /// to one says it is not valid rather than not found.
+    rejected: BTreeMap<ObjectKey, Origin>,
 }
 
 impl Index {
@@ -55,6 +58,31 @@ impl Index {
     /// Every object of one kind, in key order (namespace, then name).
     pub fn of_kind(&self, kind: Kind) -> impl Iterator<Item = &Arc<LoadedObject>> {
         self.objects.values().filter(move |o| o.key.kind == kind)
+    }
+
+    /// Records the objects whose document was rejected and that have no version in force.
+    pub fn set_rejected(&mut self, rejected: BTreeMap<ObjectKey, Origin>) {
+        self.rejected = rejected;
+    }
+
+    /// Where the rejected document of an object not in force is, if it has one.
+    pub fn rejected(&self, key: &ObjectKey) -> Option<&Origin> {
+        self.rejected.get(key)
+    }
+
+    /// The rejected objects of one kind not in force, in key order, with where.
+    pub fn rejected_of_kind(&self, kind: Kind) -> impl Iterator<Item = (&ObjectKey, &Origin)> {
+        self.rejected.iter().filter(move |(k, _)| k.kind == kind)
+    }
+
+    /// What a reference to `kind namespace/name`, which is not in force, says: that its
+    /// document was rejected (and where), or that there is none.
+    pub fn absence(&self, kind: Kind, namespace: &str, name: &str) -> String {
+        let key = ObjectKey::new(kind, namespace, name);
+        match self.rejected.get(&key) {
+            Some(at) => format!("{kind} {namespace}/{name} is not valid (see the error at {at})"),
+            None => format!("{kind} {namespace}/{name} not found"),
+        }
     }
 
     /// The typed resource under a key.

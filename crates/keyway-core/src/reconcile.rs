@@ -262,6 +262,18 @@ pub fn reconcile(
             out.changed.insert(key);
         }
     }
+    let mut not_in_force = BTreeMap::new();
+    for e in &out.errors {
+        if let Some(key) = &e.object
+            && rejected.contains(key)
+            && index.get(key).is_none()
+        {
+            not_in_force
+                .entry(key.clone())
+                .or_insert_with(|| e.origin.clone());
+        }
+    }
+    index.set_rejected(not_in_force);
     out.errors.sort();
     out.errors.dedup();
     out.warnings.sort();

@@ -359,7 +359,7 @@ fn secret_material(
     let found = index.resource(Kind::Secret, &obj.key.namespace, name);
     let result = match found {
         Some(Resource::Secret(secret)) => tls::material_from_secret(secret, need_key),
-        _ => Err(format!("Secret {}/{} not found", obj.key.namespace, name)),
+        _ => Err(index.absence(Kind::Secret, &obj.key.namespace, name)),
     };
     result.map_err(|msg| {
         let e = obj.error_at("spec.tlsCredentials", msg);

@@ -133,6 +133,9 @@ pub struct GatewayResolver {
     one_shot: bool,
     run: u64,
     next_version: u64,
+    /// Secrets not in force whose document was rejected: a listener naming one says so, and
+    /// is looked at again when that changes.
+    rejected_secrets: BTreeMap<ObjectKey, crate::load::Origin>,
     /// Every object listener and route inputs depend on (Secrets, grants, backends, namespaces,
     /// classes), in index order, to find which changed.
     deps: Vec<Arc<LoadedObject>>,
@@ -511,6 +514,19 @@ impl GatewayResolver {
                     _ => drop_all = true,
                 }
             }
+        }
+        let rejected_secrets: BTreeMap<ObjectKey, crate::load::Origin> = index
+            .rejected_of_kind(Kind::Secret)
+            .map(|(k, at)| (k.clone(), at.clone()))
+            .collect();
+        if rejected_secrets != self.rejected_secrets {
+            let before = std::mem::take(&mut self.rejected_secrets);
+            for k in before.keys().chain(rejected_secrets.keys()) {
+                if before.get(k) != rejected_secrets.get(k) {
+                    secrets.insert((k.namespace.clone(), k.name.clone()));
+                }
+            }
+            self.rejected_secrets = rejected_secrets;
         }
         self.deps = dep_objs.iter().map(|o| Arc::clone(o)).collect();
         let mut stale_routes: Vec<ObjectKey> = Vec::new();

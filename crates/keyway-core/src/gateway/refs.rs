@@ -275,7 +275,7 @@ impl<'a> World<'a> {
             }
             let material = match self.index.resource(Kind::Secret, ns, &r.name) {
                 Some(Resource::Secret(secret)) => tls::material_from_secret(secret, true),
-                _ => Err(format!("Secret {ns}/{} not found", r.name)),
+                _ => Err(self.index.absence(Kind::Secret, ns, &r.name)),
             };
             out.push(material.map_err(RefError::InvalidCertificateRef)?);
         }

@@ -1728,6 +1728,59 @@ fn regression_hostname_conflict_leaves_exactly_one_winner() {
     assert_eq!(lost, want);
 }
 
+/// A certificate Secret whose document was rejected (and has no valid version) is named as not
+/// valid, with where, rather than as missing; a fresh resolve and a long-lived one agree at each
+/// step as it is deleted, fixed and broken again (a broken edit keeps the fixed version).
+#[test]
+fn a_rejected_certificate_secret_is_not_valid_rather_than_not_found() {
+    let gw = gateway(
+        "infra",
+        "gw",
+        "from: None",
+        &l("tls", 443, "HTTPS", Some("a.example.com")),
+    );
+    let bad = "apiVersion: v1\nkind: Secret\nmetadata: {name: cert, namespace: infra}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: nope\n  tls.key: nope\n";
+    let good = secret("infra", "cert");
+    let mut index = Index::default();
+    let mut state = ObjectState::default();
+    let mut resolver = GatewayResolver::default();
+    let resolved = |r: &GatewayResolution| {
+        let l = listener(r, Kind::Gateway, "infra", "gw", "tls");
+        let c = l["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "ResolvedRefs"))
+            .cloned()
+            .unwrap_or_default();
+        format!(
+            "{} {}",
+            c["status"].as_str().unwrap_or(""),
+            c["message"].as_str().unwrap_or("")
+        )
+    };
+    let steps: [(Option<&str>, &str); 4] = [
+        (
+            Some(bad),
+            "False Secret infra/cert is not valid (see the error at s.yaml:6)",
+        ),
+        (None, "False Secret infra/cert not found"),
+        (Some(&good), "True "),
+        (Some(bad), "True "),
+    ];
+    for (step, (secret, want)) in steps.into_iter().enumerate() {
+        let mut loads = vec![load_file("gw.yaml", &gw)];
+        loads.extend(secret.map(|s| load_file("s.yaml", s)));
+        reconcile(&mut index, &mut state, &loads, &now());
+        let incremental = resolver.update(&index, &now()).clone();
+        let fresh = resolve(&index, &now());
+        assert!(
+            resolved(&fresh).starts_with(want),
+            "step {step}: {}",
+            resolved(&fresh)
+        );
+        assert_eq!(resolved(&incremental), resolved(&fresh), "step {step}");
+    }
+}
+
 #[test]
 fn regression_same_is_evaluated_against_the_listener_sets_namespace() {
     let y = base("from: All")
