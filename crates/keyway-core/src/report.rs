@@ -105,6 +105,24 @@ pub fn objects(
         }
         items.push((&obj.key, v));
     }
+    // The built-in GatewayClass has a status but no object: shown as the object it stands for.
+    let builtin = ObjectKey::new(Kind::GatewayClass, "", crate::gateway::BUILTIN_CLASS);
+    if let Some(status) = statuses.get(&builtin)
+        && index.get(&builtin).is_none()
+        && filter.matches(&builtin)
+    {
+        let v = json!({
+            "apiVersion": Kind::GatewayClass.api_version(),
+            "kind": "GatewayClass",
+            "metadata": {"name": builtin.name},
+            "spec": {
+                "controllerName": crate::gateway::CONTROLLER_NAME,
+                "description": "built in: Gateways of this class are served without a GatewayClass object",
+            },
+            "status": status,
+        });
+        items.push((&builtin, v));
+    }
     items.sort_by(|a, b| a.0.cmp(b.0));
     items.into_iter().map(|(_, v)| v).collect()
 }

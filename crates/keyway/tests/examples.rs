@@ -291,3 +291,26 @@ fn xlistenerset_listener_status_carries_the_port() {
     assert_eq!(items.len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The built-in `keyway` class is listed, Accepted, while a Gateway uses it without a
+/// GatewayClass object; a config with no Gateway lists no class.
+#[test]
+fn the_builtin_gateway_class_is_listed_while_a_gateway_uses_it() {
+    let list = status_json("listenerset", "gatewayclass");
+    let items = list["items"].as_array().expect("items");
+    assert_eq!(items.len(), 1, "{list:#}");
+    let class = &items[0];
+    assert_eq!(class["metadata"]["name"], "keyway", "{class:#}");
+    assert_eq!(
+        class["spec"]["controllerName"],
+        "keyway.io/gateway-controller"
+    );
+    let accepted = class["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Accepted"))
+        .expect("Accepted condition");
+    assert_eq!(accepted["status"], "True", "{class:#}");
+
+    let none = status_json("quickstart", "gatewayclass");
+    assert_eq!(none["items"].as_array().map(Vec::len), Some(0), "{none:#}");
+}

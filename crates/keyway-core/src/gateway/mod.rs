@@ -591,6 +591,20 @@ impl GatewayResolver {
                 self.out.statuses.put(&c.key, model, now);
             }
         }
+        // The built-in class has a status, as an object of its own would, while a Gateway uses
+        // it and no GatewayClass object of its name exists: `keyway status gatewayclass` lists it.
+        let builtin = ObjectKey::new(Kind::GatewayClass, "", BUILTIN_CLASS);
+        let builtin_listed = index.get(&builtin).is_none()
+            && gateways.iter().any(|g| {
+                matches!(&g.resource, Resource::Gateway(gw) if gw.spec.gateway_class_name == BUILTIN_CLASS)
+            });
+        if builtin_listed {
+            self.out
+                .statuses
+                .put(&builtin, Model::Class { generation: 1 }, now);
+        } else if index.get(&builtin).is_none() {
+            self.out.statuses.remove(&builtin);
+        }
 
         let merges = &mut self.merges;
         merges.retain(|k, (obj, _)| index.get(k).is_some_and(|now| Arc::ptr_eq(now, obj)));
@@ -1250,6 +1264,9 @@ impl GatewayResolver {
         if drop_all {
             // Caches were dropped, so deletions cannot be told from them: sweep the models.
             let mut alive: HashSet<&ObjectKey> = class_keys.iter().copied().collect();
+            if builtin_listed {
+                alive.insert(&builtin);
+            }
             alive.extend(owners.iter().map(|o| &o.obj.key));
             alive.extend(self.route_results.keys());
             removed.extend(
