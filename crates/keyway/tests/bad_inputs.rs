@@ -287,6 +287,13 @@ fn cases() -> Vec<Case> {
             "host is required",
         ),
         case(
+            "connector-selector-without-host",
+            skupper("Connector", "  routingKey: a\n  selector: app=db\n  port: 9\n"),
+            7,
+            "spec.selector",
+            "selector needs Kubernetes pods; a standalone site needs spec.host",
+        ),
+        case(
             "link-missing-endpoints",
             skupper("Link", "  cost: 1\n"),
             5,
