@@ -71,6 +71,19 @@ async fn https_get(port: u16, ca: &Ca, sni: &str, host: &str) -> std::io::Result
     Ok(read_all(&mut t).await)
 }
 
+/// `GET /headers` over TLS with its own header lines (`\r\n`-terminated); the whole response.
+async fn https_request(port: u16, ca: &Ca, sni: &str, head: &str) -> std::io::Result<String> {
+    let tcp = common::connect(port).await?;
+    let connector = tokio_rustls::TlsConnector::from(client_config(ca, true));
+    let name = ServerName::try_from(sni.to_string()).expect("name");
+    let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp))
+        .await
+        .map_err(|_| std::io::Error::other("handshake timed out"))??;
+    t.write_all(format!("GET /headers HTTP/1.1\r\n{head}connection: close\r\n\r\n").as_bytes())
+        .await?;
+    Ok(read_all(&mut t).await)
+}
+
 /// One HTTPS listener for `a.example.com` on `port` (certificate from `ca`), routing to a
 /// backend that answers `backend=A`.
 async fn https_a(ca: &Ca, port: u16) -> String {
@@ -84,7 +97,8 @@ async fn https_a(ca: &Ca, port: u16) -> String {
     yaml
 }
 
-/// A backend that answers any HTTP request with `backend=<name>`.
+/// A backend that answers any HTTP request with `backend=<name>` (and the request's headers,
+/// one `h:name=value` line each, for `/headers`).
 async fn http_backend(name: &'static str) -> std::net::SocketAddr {
     use http_body_util::Full;
     use hyper::service::service_fn;
@@ -96,11 +110,19 @@ async fn http_backend(name: &'static str) -> std::net::SocketAddr {
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
             tokio::spawn(async move {
-                let svc = service_fn(move |_req| async move {
-                    Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                        bytes::Bytes::from(format!("backend={name}\n")),
-                    )))
-                });
+                let svc = service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| async move {
+                        let mut body = format!("backend={name}\n");
+                        // `/headers` also echoes the request's header lines.
+                        let echoed = req.uri().path() == "/headers";
+                        for (k, v) in req.headers().iter().filter(|_| echoed) {
+                            body.push_str(&format!("h:{k}={}\n", v.to_str().unwrap_or("?")));
+                        }
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                            bytes::Bytes::from(body),
+                        )))
+                    },
+                );
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(s), svc)
                     .await;
@@ -711,4 +733,33 @@ async fn tcp_route_backend_half_closes_first() {
         .expect("backend");
     assert!(eof, "backend never saw EOF");
     assert_eq!(got, b"after-eof");
+}
+
+/// Behind an HTTPS listener the backend hears `X-Forwarded-Proto: https` whatever the client
+/// claimed, and the client's address appended to any `X-Forwarded-For` it sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_listeners_forward_proto_https_and_the_client_address() {
+    let ca = Ca::new("ca");
+    let port = free_port();
+    let _dp = start(&https_a(&ca, port).await, port).await;
+    let plain = https_request(port, &ca, "a.example.com", "host: a.example.com\r\n")
+        .await
+        .expect("https");
+    assert!(plain.starts_with("HTTP/1.1 200"), "{plain}");
+    assert!(plain.contains("h:x-forwarded-proto=https\n"), "{plain}");
+    assert!(plain.contains("h:x-forwarded-for=127.0.0.1\n"), "{plain}");
+    let claimed = https_request(
+        port,
+        &ca,
+        "a.example.com",
+        "host: a.example.com\r\nx-forwarded-proto: http\r\nx-forwarded-for: 203.0.113.7\r\n",
+    )
+    .await
+    .expect("https");
+    assert!(claimed.contains("h:x-forwarded-proto=https\n"), "{claimed}");
+    assert!(!claimed.contains("x-forwarded-proto=http\n"), "{claimed}");
+    assert!(
+        claimed.contains("h:x-forwarded-for=203.0.113.7, 127.0.0.1\n"),
+        "{claimed}"
+    );
 }

@@ -288,7 +288,10 @@ fn cases() -> Vec<Case> {
         ),
         case(
             "connector-selector-without-host",
-            skupper("Connector", "  routingKey: a\n  selector: app=db\n  port: 9\n"),
+            skupper(
+                "Connector",
+                "  routingKey: a\n  selector: app=db\n  port: 9\n",
+            ),
             7,
             "spec.selector",
             "selector needs Kubernetes pods; a standalone site needs spec.host",
