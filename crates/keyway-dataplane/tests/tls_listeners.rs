@@ -763,3 +763,60 @@ async fn https_listeners_forward_proto_https_and_the_client_address() {
         "{claimed}"
     );
 }
+
+/// A ListenerSet adding a hostname to a port the Gateway serves, then taking it away, disturbs
+/// no connection on that port: an open TLS connection to the Gateway's listener is served
+/// before, between and after, while new connections to the added name come and go with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adding_and_removing_a_hostname_on_a_port_keeps_its_open_connections() {
+    let ca = Ca::new("ca");
+    let b = http_backend("B").await;
+    let port = free_port();
+    let base = https_a(&ca, port).await.replace(
+        "spec:\n  gatewayClassName: keyway\n",
+        "spec:\n  gatewayClassName: keyway\n  allowedListeners: {namespaces: {from: Same}}\n",
+    );
+    let mut with_b = base.clone();
+    with_b.push_str(&secret_yaml("cert-b", &ca.leaf(&["b.example.com"])));
+    with_b.push_str(&service("svc-b", b));
+    with_b.push_str(&format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: ls}}\nspec:\n  parentRef: {{name: gw}}\n  listeners:\n  - {{name: b, port: {port}, protocol: HTTPS, hostname: b.example.com, tls: {{certificateRefs: [{{name: cert-b}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: rb}}\nspec:\n  parentRefs: [{{kind: ListenerSet, name: ls, sectionName: b}}]\n  rules:\n  - backendRefs: [{{name: svc-b, port: 80}}]\n"
+    ));
+    let dp = start(&base, port).await;
+    assert!(dp.observe().gateway_errors.is_empty());
+    let (mut open, _) = handshake(port, &ca, "a.example.com").await.expect("tls");
+    let mut buf = vec![0u8; 4096];
+    let mut ask = async |t: &mut tokio_rustls::client::TlsStream<TcpStream>| {
+        t.write_all(b"GET / HTTP/1.1\r\nhost: a.example.com\r\n\r\n")
+            .await
+            .expect("write on the open connection");
+        let n = tokio::time::timeout(IO_TIMEOUT, t.read(&mut buf))
+            .await
+            .expect("reply in time")
+            .expect("read on the open connection");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert!(ask(&mut open).await.contains("backend=A"));
+
+    dp.apply(&compile(&with_b));
+    let added = https_get(port, &ca, "b.example.com", "b.example.com")
+        .await
+        .expect("the added name is served");
+    assert!(added.contains("backend=B"), "{added}");
+    assert!(ask(&mut open).await.contains("backend=A"), "after adding b");
+
+    dp.apply(&compile(&base));
+    let removed = https_get(port, &ca, "b.example.com", "b.example.com").await;
+    assert!(
+        removed.as_ref().map_or(true, |r| !r.contains("backend=B")),
+        "the removed name is no longer served: {removed:?}"
+    );
+    assert!(
+        ask(&mut open).await.contains("backend=A"),
+        "after removing b"
+    );
+    let again = https_get(port, &ca, "a.example.com", "a.example.com")
+        .await
+        .expect("new connections to a");
+    assert!(again.contains("backend=A"), "{again}");
+}
