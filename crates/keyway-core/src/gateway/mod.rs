@@ -133,9 +133,9 @@ pub struct GatewayResolver {
     one_shot: bool,
     run: u64,
     next_version: u64,
-    /// Secrets not in force whose document was rejected: a listener naming one says so, and
-    /// is looked at again when that changes.
-    rejected_secrets: BTreeMap<ObjectKey, crate::load::Origin>,
+    /// Secrets and backends not in force whose document was rejected: a listener or route
+    /// naming one says so, and is looked at again when that changes.
+    rejected_refs: BTreeMap<ObjectKey, crate::load::Origin>,
     /// Every object listener and route inputs depend on (Secrets, grants, backends, namespaces,
     /// classes), in index order, to find which changed.
     deps: Vec<Arc<LoadedObject>>,
@@ -515,18 +515,30 @@ impl GatewayResolver {
                 }
             }
         }
-        let rejected_secrets: BTreeMap<ObjectKey, crate::load::Origin> = index
-            .rejected_of_kind(Kind::Secret)
-            .map(|(k, at)| (k.clone(), at.clone()))
-            .collect();
-        if rejected_secrets != self.rejected_secrets {
-            let before = std::mem::take(&mut self.rejected_secrets);
-            for k in before.keys().chain(rejected_secrets.keys()) {
-                if before.get(k) != rejected_secrets.get(k) {
+        let rejected_refs: BTreeMap<ObjectKey, crate::load::Origin> = [
+            Kind::Secret,
+            Kind::Service,
+            Kind::Listener,
+            Kind::MultiKeyListener,
+        ]
+        .into_iter()
+        .flat_map(|kind| index.rejected_of_kind(kind))
+        .map(|(k, at)| (k.clone(), at.clone()))
+        .collect();
+        if rejected_refs != self.rejected_refs {
+            let before = std::mem::take(&mut self.rejected_refs);
+            for k in before.keys().chain(rejected_refs.keys()) {
+                if before.get(k) == rejected_refs.get(k) {
+                    continue;
+                }
+                if k.kind == Kind::Secret {
                     secrets.insert((k.namespace.clone(), k.name.clone()));
+                } else {
+                    let key = (k.kind, k.namespace.clone(), k.name.clone());
+                    backends.insert(refs::backend_hash(&key));
                 }
             }
-            self.rejected_secrets = rejected_secrets;
+            self.rejected_refs = rejected_refs;
         }
         self.deps = dep_objs.iter().map(|o| Arc::clone(o)).collect();
         let mut stale_routes: Vec<ObjectKey> = Vec::new();

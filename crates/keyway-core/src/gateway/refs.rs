@@ -359,13 +359,14 @@ impl<'a> World<'a> {
                     selection,
                 })
                 .ok_or_else(|| {
-                    RefError::BackendNotFound(format!("{} {ns}/{} not found", r.kind, r.name))
+                    RefError::BackendNotFound(self.index.absence(kind_of(&r.kind), ns, &r.name))
                 });
         }
         let Some(Resource::Service(svc)) = self.index.resource(Kind::Service, ns, &r.name) else {
-            return Err(RefError::BackendNotFound(format!(
-                "Service {ns}/{} not found",
-                r.name
+            return Err(RefError::BackendNotFound(self.index.absence(
+                Kind::Service,
+                ns,
+                &r.name,
             )));
         };
         let Some(port) = port else {

@@ -1781,6 +1781,78 @@ fn a_rejected_certificate_secret_is_not_valid_rather_than_not_found() {
     }
 }
 
+/// The same for backends: a Service or a `skupper.io` Listener whose document was rejected is
+/// named as not valid, with where, in the route's ResolvedRefs; a long-lived resolver agrees
+/// with a fresh one as it is deleted, fixed and broken again (a broken edit keeps the fix).
+#[test]
+fn a_rejected_backend_is_not_valid_rather_than_not_found() {
+    let world = base("from: All")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("one", 80, "HTTP", Some("a.example.com")),
+        )
+        + &http_route("team-a", "to-svc", TO_LS, "[]", APP)
+        + &http_route(
+            "team-a",
+            "to-listener",
+            TO_LS,
+            "[]",
+            "{name: db, group: skupper.io, kind: Listener}",
+        );
+    let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: app, namespace: team-a}\nspec:\n  ports: [{port: eighty}]\n---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: db, namespace: team-a}\nspec: {routingKey: db-key, host: 127.0.0.1, port: many}\n";
+    let good = svc("team-a", "app")
+        + "---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: db, namespace: team-a}\nspec: {routingKey: db-key, host: 127.0.0.1, port: 5432}\n";
+    let resolved = |r: &GatewayResolution, route: &str| {
+        let conds = &status(r, Kind::HTTPRoute, "team-a", route)["parents"][0]["conditions"];
+        let c = conds
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "ResolvedRefs"))
+            .cloned()
+            .unwrap_or_default();
+        format!(
+            "{} {}",
+            c["status"].as_str().unwrap_or(""),
+            c["message"].as_str().unwrap_or("")
+        )
+    };
+    let steps: [(Option<&str>, [&str; 2]); 4] = [
+        (
+            Some(bad),
+            [
+                "False Service team-a/app is not valid (see the error at b.yaml:",
+                "False Listener team-a/db is not valid (see the error at b.yaml:",
+            ],
+        ),
+        (
+            None,
+            [
+                "False Service team-a/app not found",
+                "False Listener team-a/db not found",
+            ],
+        ),
+        (Some(&good), ["True ", "True "]),
+        (Some(bad), ["True ", "True "]),
+    ];
+    let mut index = Index::default();
+    let mut state = ObjectState::default();
+    let mut resolver = GatewayResolver::default();
+    for (step, (backends, want)) in steps.into_iter().enumerate() {
+        let mut loads = vec![load_file("w.yaml", &world)];
+        loads.extend(backends.map(|b| load_file("b.yaml", b)));
+        reconcile(&mut index, &mut state, &loads, &now());
+        let incremental = resolver.update(&index, &now()).clone();
+        let fresh = resolve(&index, &now());
+        for (route, want) in ["to-svc", "to-listener"].into_iter().zip(want) {
+            let got = resolved(&fresh, route);
+            assert!(got.starts_with(want), "step {step} {route}: {got}");
+            assert_eq!(resolved(&incremental, route), got, "step {step} {route}");
+        }
+    }
+}
+
 #[test]
 fn regression_same_is_evaluated_against_the_listener_sets_namespace() {
     let y = base("from: All")
