@@ -142,6 +142,9 @@ pub struct Observation {
     pub open_connections: usize,
     /// Gateway listeners not served (port not bound, TLS material unusable).
     pub gateway_errors: Vec<gateway::ListenerError>,
+    /// Gateway listeners (owner, name) whose certificate no longer resolves, serving on with
+    /// their last valid one.
+    pub gateway_kept_certificates: Vec<(ObjectKey, String)>,
 }
 
 /// How a data plane serves, beyond what its config says.
@@ -409,6 +412,7 @@ impl DataPlane {
             }
         }
         obs.gateway_errors = self.gateways.errors();
+        obs.gateway_kept_certificates = self.gateways.kept_certificates();
         obs
     }
 

@@ -10,7 +10,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use keyway_core::conditions::carry_transition_times;
 use keyway_core::gateway::{
-    GatewayResolver, mark_invalid_certificate, mark_port_unavailable, rederive_programmed,
+    GatewayResolver, mark_invalid_certificate, mark_kept_certificate, mark_port_unavailable,
+    rederive_programmed,
 };
 use keyway_core::load::ConfigError;
 use keyway_core::offline::mark_taken_ports;
@@ -382,7 +383,12 @@ impl Site {
                 }
             }
         }
-        if !obs.gateway_errors.is_empty() {
+        for (owner, listener) in &obs.gateway_kept_certificates {
+            if let Some(s) = statuses.get_mut(owner) {
+                mark_kept_certificate(s, listener, &now_value);
+            }
+        }
+        if !obs.gateway_errors.is_empty() || !obs.gateway_kept_certificates.is_empty() {
             rederive_programmed(&current.index, &mut statuses, &now_value);
         }
         mark_taken_ports(&current.index, &mut statuses, &current.taken_ports, &now);

@@ -550,7 +550,49 @@ fn a_serving_https_listener_keeps_its_certificate_when_its_secret_stops_resolvin
             );
             std::thread::sleep(Duration::from_millis(200));
         }
+        // Status says both: the references do not resolve, and the listener (so its
+        // Gateway) is programmed, serving the last valid certificate.
+        let status: serde_json::Value =
+            serde_json::from_str(&site.get("/status").1).expect("status json");
+        let gw = status["items"]
+            .as_array()
+            .and_then(|items| items.iter().find(|i| i["kind"] == "Gateway"))
+            .expect("Gateway in status");
+        let cond = |of: &serde_json::Value, t: &str| {
+            of["conditions"]
+                .as_array()
+                .and_then(|c| c.iter().find(|c| c["type"] == t))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let listener = &gw["status"]["listeners"][0];
+        let resolved = cond(listener, "ResolvedRefs");
+        assert_eq!(
+            (&resolved["status"], &resolved["reason"]),
+            (&"False".into(), &"InvalidCertificateRef".into()),
+            "{step}: {listener:#}"
+        );
+        let programmed = cond(listener, "Programmed");
+        assert_eq!(programmed["status"], "True", "{step}: {listener:#}");
+        assert!(
+            programmed["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("last valid certificate")),
+            "{step}: {listener:#}"
+        );
+        assert_eq!(
+            cond(&gw["status"], "Programmed")["status"],
+            "True",
+            "{step}: {gw:#}"
+        );
     }
+    // The site logged the switch to the kept certificate once, not at every reload.
+    let log = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    assert_eq!(
+        log.matches("it keeps serving the last valid one").count(),
+        1,
+        "{log}"
+    );
 }
 
 /// A port serving one Gateway stays with it when another Gateway claims it later (here through

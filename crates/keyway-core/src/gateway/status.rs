@@ -403,10 +403,10 @@ pub fn mark_port_unavailable(status: &mut Value, listener: &str, message: &str, 
     );
 }
 
-/// After the data plane's overrides ([`mark_port_unavailable`], [`mark_invalid_certificate`]):
-/// a ListenerSet none of whose listeners is programmed any more is not programmed, and a
-/// Gateway is programmed only while a listener it serves (own or from its ListenerSets) is.
-/// Status never says healthy over dead ports.
+/// After the data plane's overrides ([`mark_port_unavailable`], [`mark_invalid_certificate`],
+/// [`mark_kept_certificate`]): a ListenerSet is programmed while one of its listeners is, and
+/// a Gateway while a listener it serves (own or from its ListenerSets) is. Status never says
+/// healthy over dead ports, nor dead over a port that serves.
 pub fn rederive_programmed(
     index: &crate::Index,
     statuses: &mut std::collections::BTreeMap<crate::ObjectKey, Value>,
@@ -430,6 +430,18 @@ pub fn rederive_programmed(
             }
         }
     };
+    // Only a listener serving its last valid certificate is programmed under an owner the
+    // resolver found without one.
+    let promote = |status: &mut Value| {
+        for c in status["conditions"].as_array_mut().into_iter().flatten() {
+            if c["type"] == "Programmed" && c["status"] == "False" {
+                c["status"] = Value::from("True");
+                c["reason"] = Value::from("Programmed");
+                c["message"] = Value::from("programmed");
+                c["lastTransitionTime"] = now.clone();
+            }
+        }
+    };
     let mut gateways_serving: std::collections::BTreeSet<crate::ObjectKey> = Default::default();
     for obj in index.of_kind(Kind::ListenerSet) {
         let Resource::ListenerSet(ls) = &obj.resource else {
@@ -439,6 +451,7 @@ pub fn rederive_programmed(
             continue;
         };
         if any_programmed(status) {
+            promote(status);
             let p = &ls.spec.parent_ref;
             let ns = p.namespace.as_deref().unwrap_or(&obj.key.namespace);
             gateways_serving.insert(crate::ObjectKey::new(Kind::Gateway, ns, &p.name));
@@ -450,10 +463,12 @@ pub fn rederive_programmed(
         }
     }
     for obj in index.of_kind(Kind::Gateway) {
-        if let Some(status) = statuses.get_mut(&obj.key)
-            && !any_programmed(status)
-            && !gateways_serving.contains(&obj.key)
-        {
+        let Some(status) = statuses.get_mut(&obj.key) else {
+            continue;
+        };
+        if any_programmed(status) || gateways_serving.contains(&obj.key) {
+            promote(status);
+        } else {
             demote(status, "Invalid");
         }
     }
@@ -520,6 +535,34 @@ pub fn mark_invalid_certificate(status: &mut Value, listener: &str, message: &st
         message,
         now,
     );
+}
+
+/// Overrides a listener's status when the data plane serves it on with its last valid
+/// certificate, its own no longer resolving (SPEC §7: nothing already serving stops):
+/// `Programmed=True`, saying so; `ResolvedRefs` stays False with the resolver's reason.
+pub fn mark_kept_certificate(status: &mut Value, listener: &str, now: &Value) {
+    let Some(entry) = status
+        .get_mut("listeners")
+        .and_then(Value::as_array_mut)
+        .and_then(|ls| {
+            ls.iter_mut()
+                .find(|l| l.get("name").and_then(Value::as_str) == Some(listener))
+        })
+    else {
+        return;
+    };
+    for c in entry["conditions"].as_array_mut().into_iter().flatten() {
+        if c["type"] == "Programmed" {
+            if c["status"] != "True" {
+                c["lastTransitionTime"] = now.clone();
+            }
+            c["status"] = Value::from("True");
+            c["reason"] = Value::from("Programmed");
+            c["message"] = Value::from(
+                "serving with its last valid certificate: its certificate references no longer resolve (see ResolvedRefs)",
+            );
+        }
+    }
 }
 
 /// Sets each `(type, reason)` condition of `listener` to False with `message`.

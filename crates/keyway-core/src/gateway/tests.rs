@@ -736,6 +736,63 @@ fn a_set_whose_listeners_all_lack_certificates_is_not_valid() {
     assert_lost(&r, LS, "team-b", "later", "late", "HostnameConflict");
 }
 
+/// When the data plane serves such a listener on with its last valid certificate, the status
+/// says so: the listener and its ListenerSet are programmed, its refs still unresolved, and a
+/// listener the data plane did not keep stays as the resolver left it.
+#[test]
+fn a_listener_serving_its_last_valid_certificate_is_programmed() {
+    let y = base("from: All")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            "  - {name: x, port: 443, protocol: HTTPS, hostname: a.example.com, tls: {mode: Terminate, certificateRefs: [{name: gone}]}}\n",
+        )
+        + &listener_set(
+            "team-b",
+            "other",
+            2,
+            "gw",
+            "  - {name: z, port: 443, protocol: HTTPS, hostname: b.example.com, tls: {mode: Terminate, certificateRefs: [{name: gone}]}}\n",
+        );
+    let index = index_of(&y);
+    let r = resolve(&index, &now());
+    assert_eq!(
+        top(&r, LS, "team-a", "ls", "Programmed"),
+        no("ListenersNotValid")
+    );
+    let mut statuses: std::collections::BTreeMap<ObjectKey, Value> = r
+        .statuses
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let at = Value::from("2030-01-01T00:00:00Z");
+    if let Some(s) = statuses.get_mut(&key(LS, "team-a", "ls")) {
+        mark_kept_certificate(s, "x", &at);
+    }
+    rederive_programmed(&index, &mut statuses, &at);
+    let ls = &statuses[&key(LS, "team-a", "ls")];
+    assert_eq!(cond(&ls["conditions"], "Programmed"), yes("Programmed"));
+    let x = &ls["listeners"][0];
+    assert_eq!(cond(&x["conditions"], "Programmed"), yes("Programmed"));
+    assert_eq!(
+        cond(&x["conditions"], "ResolvedRefs"),
+        no("InvalidCertificateRef")
+    );
+    let other = &statuses[&key(LS, "team-b", "other")];
+    assert_eq!(
+        cond(&other["conditions"], "Programmed"),
+        no("ListenersNotValid")
+    );
+    assert_eq!(
+        cond(&other["listeners"][0]["conditions"], "Programmed").0,
+        "False"
+    );
+    let gw = &statuses[&key(GW, "infra", "gw")];
+    assert_eq!(cond(&gw["conditions"], "Programmed"), yes("Programmed"));
+}
+
 #[test]
 fn supported_kinds_list_only_valid_kinds() {
     let y = base("from: All")

@@ -20,8 +20,8 @@ pub mod sni;
 pub mod tcp;
 pub mod upstream;
 
-use std::collections::BTreeMap;
 use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -421,6 +421,9 @@ pub struct Gateways {
     configs: Mutex<HashMap<(ObjectKey, u16), Weak<SharedConfig>>>,
     /// Listeners left out by the last apply (port held by another Gateway, bad TLS material).
     rejected: Mutex<Vec<ListenerError>>,
+    /// Listeners whose certificate no longer resolves that serve on with their last valid
+    /// one, as (Gateway or ListenerSet, listener): programmed, whatever the resolver expected.
+    kept: Mutex<BTreeSet<(ObjectKey, String)>>,
 }
 
 /// Whether binding both addresses on one port would clash: the same address, or a wildcard of
@@ -458,6 +461,7 @@ impl Gateways {
             ports: Mutex::new(BTreeMap::new()),
             configs: Mutex::new(HashMap::new()),
             rejected: Mutex::new(Vec::new()),
+            kept: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -465,6 +469,7 @@ impl Gateways {
     /// new ports are bound; ports no longer in it stop accepting (open connections run on).
     pub fn apply(&self, plan: &GatewayPlan) {
         let mut rejected = Vec::new();
+        let mut kept = BTreeSet::new();
         let mut wanted: BTreeMap<SocketAddr, (&ObjectKey, &PortBind)> = BTreeMap::new();
         let all = [IpAddr::V4(Ipv4Addr::UNSPECIFIED)];
         // Two Gateways cannot both own a port on overlapping addresses (the wildcard overlaps
@@ -518,7 +523,7 @@ impl Gateways {
         let mut next = BTreeMap::new();
         for (addr, (owner, pb)) in wanted {
             let previous = ports.get(&addr).map(|h| h.config.load_full());
-            let config = Arc::new(self.compile(pb, previous.as_deref(), &mut rejected));
+            let config = Arc::new(self.compile(pb, previous.as_deref(), &mut rejected, &mut kept));
             let key = (owner.clone(), pb.port);
             let listeners = pb
                 .listeners
@@ -576,6 +581,12 @@ impl Gateways {
         *ports = next;
         drop(ports);
         *lock(&self.rejected) = rejected;
+        *lock(&self.kept) = kept;
+    }
+
+    /// Listeners serving their last valid certificate because their own no longer resolves.
+    pub fn kept_certificates(&self) -> Vec<(ObjectKey, String)> {
+        lock(&self.kept).iter().cloned().collect()
     }
 
     /// Listeners not served right now, with why: unbindable ports and rejected listeners.
@@ -636,6 +647,7 @@ impl Gateways {
         pb: &PortBind,
         previous: Option<&PortConfig>,
         rejected: &mut Vec<ListenerError>,
+        kept_certificates: &mut BTreeSet<(ObjectKey, String)>,
     ) -> PortConfig {
         let mut listeners = Vec::with_capacity(pb.listeners.len());
         for l in &pb.listeners {
@@ -654,8 +666,16 @@ impl Gateways {
             });
             let compiled = match (unresolved, served) {
                 (true, Some(kept)) => {
-                    tracing::warn!(listener = %l.name, owner = %l.owner, "its certificate no longer resolves: it keeps serving the last valid one");
-                    self.compile_listener(l, Some(kept)).map_err(Some)
+                    let id = (l.owner.clone(), l.name.clone());
+                    // Logged when it starts, not at every reload while it lasts.
+                    if !lock(&self.kept).contains(&id) {
+                        tracing::warn!(listener = %l.name, owner = %l.owner, "its certificate no longer resolves: it keeps serving the last valid one");
+                    }
+                    let compiled = self.compile_listener(l, Some(kept)).map_err(Some);
+                    if compiled.is_ok() {
+                        kept_certificates.insert(id);
+                    }
+                    compiled
                 }
                 (true, None) => Err(None),
                 (false, _) => self.compile_listener(l, None).map_err(Some),
