@@ -101,7 +101,10 @@ pub fn compile_checking_addresses(
     bind_error: impl Fn(&str, u16) -> Option<String>,
 ) -> Compiled {
     let mut index = Index::default();
-    let reconciled = reconcile(&mut index, state, files, now);
+    let mut reconciled = reconcile(&mut index, state, files, now);
+    reconciled
+        .warnings
+        .extend(gateway::reference_warnings(&index));
     let mut resolution = service_network::resolve(&index);
     let gateway = gateway::resolve(&index, now);
     resolution.plan.gateways = gateway.plan.clone();

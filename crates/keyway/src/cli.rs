@@ -379,9 +379,6 @@ fn validate(config: &Path, state_dir: &Path) -> Result<ExitCode> {
     for w in &compiled.reconciled.warnings {
         eprintln!("warning: {w}");
     }
-    for w in keyway_core::gateway::foreign_class_warnings(&compiled.index) {
-        eprintln!("warning: {w}");
-    }
     for w in unbindable_hosts(&compiled) {
         eprintln!("warning: {w}");
     }
@@ -399,10 +396,11 @@ fn validate(config: &Path, state_dir: &Path) -> Result<ExitCode> {
         );
         Ok(ExitCode::SUCCESS)
     } else {
+        let n = compiled.index.len();
         eprintln!(
-            "{} error(s); {} valid objects",
+            "{} error(s); {n} valid object{}",
             errors.len(),
-            compiled.index.len()
+            if n == 1 { "" } else { "s" }
         );
         Ok(ExitCode::from(INVALID))
     }
@@ -511,6 +509,14 @@ fn status(
                 .into_iter()
                 .filter(|item| filter.matches_value(item))
                 .collect();
+            // As `validate` does: an ignored document or field may be why an object is missing.
+            for w in list["metadata"]["configWarnings"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                eprintln!("warning: {}", w.as_str().unwrap_or_default());
+            }
             let errors = list["metadata"]["configErrors"]
                 .as_array()
                 .into_iter()

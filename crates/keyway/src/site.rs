@@ -156,7 +156,10 @@ impl Site {
         let previous_errors: Vec<ConfigError> = all_errors(&current);
         let mut index = current.index.clone();
         let mut objects = current.objects.clone();
-        let reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
+        let mut reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
+        reconciled
+            .warnings
+            .extend(keyway_core::gateway::reference_warnings(&index));
         let mut resolution = service_network::resolve(&index);
         let conflicts_before = current.gateway.resolution().listener_conflicts.clone();
         let gateway = current.gateway.update(&index, &cli::now());
@@ -421,7 +424,14 @@ impl Site {
         if let Some((why, _)) = lock(&self.unreadable).as_ref() {
             errors.push(format!("{why} (the site keeps its running config)"));
         }
-        list["metadata"] = serde_json::json!({ "configErrors": errors });
+        let warnings: Vec<String> = current
+            .reconciled
+            .warnings
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        list["metadata"] =
+            serde_json::json!({ "configErrors": errors, "configWarnings": warnings });
         list
     }
 

@@ -1345,3 +1345,55 @@ fn a_chain_in_the_wrong_order_says_so() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A route parentRef naming a Gateway or ListenerSet the config lacks attaches the route to
+/// nothing: `validate` and `status --config` warn at the field (exit 0, the config is valid);
+/// a parent whose document was rejected is not warned about again.
+#[test]
+fn a_parent_ref_to_nothing_is_a_warning() {
+    let dir = temp_dir("no-parent");
+    std::fs::write(
+        dir.join("routes.yaml"),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: r}\nspec:\n  parentRefs:\n  - {name: gw}\n  - {kind: ListenerSet, name: workload-listeners}\n  rules:\n  - filters: [{type: RequestRedirect, requestRedirect: {statusCode: 302}}]\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: TCPRoute\nmetadata: {name: t}\nspec:\n  parentRefs: [{name: gw}]\n  rules:\n  - backendRefs: []\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("gw.yaml"),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: gw}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {name: http, protocol: HTTP, port: 18080}\n",
+    )
+    .unwrap();
+    let want = format!(
+        "warning: {}:7: spec.parentRefs[1]: no ListenerSet default/workload-listeners in the config",
+        dir.join("routes.yaml").display()
+    );
+    for args in [&["validate"][..], &["status"][..]] {
+        let out = keyway(args, &dir);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&want),
+            "{args:?}: {stderr:?} lacks {want:?}"
+        );
+        assert_eq!(
+            stderr.matches("spec.parentRefs").count(),
+            1,
+            "{args:?}: {stderr}"
+        );
+    }
+    // The Gateway's document rejected: its error is what the user needs, not a warning more.
+    std::fs::write(
+        dir.join("gw.yaml"),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: gw}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {name: http, protocol: HTTP, port: many}\n",
+    )
+    .unwrap();
+    let out = keyway(&["validate"], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        text(&out.stdout).contains("spec.listeners[0].port"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(stderr.matches("spec.parentRefs").count(), 1, "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

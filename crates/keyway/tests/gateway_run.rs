@@ -905,3 +905,61 @@ fn a_shutdown_closes_idle_keep_alive_connections() {
         started.elapsed()
     );
 }
+
+/// Valid config that serves nothing is said where the user looks: a route whose parentRef
+/// names a ListenerSet that does not exist (a misspelt name) and a Gateway of a class keyway
+/// does not serve are warnings in the site's log (once, as they appear), in `/status`
+/// (`metadata.configWarnings`) and from `keyway status --admin`; the route is
+/// NoMatchingParent. Fixing the name attaches the route, and the warning goes.
+#[test]
+fn a_misspelt_parent_ref_and_a_foreign_class_are_warned_about() {
+    let dir = temp_dir("misspelt-parent");
+    let port = free_port();
+    let manifest = |parent: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: Same}}}}\n  listeners:\n  - {{name: http, protocol: HTTP, port: {port}, hostname: gw.example}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: team}}\nspec:\n  parentRef: {{name: gw}}\n  listeners:\n  - {{name: app, protocol: HTTP, port: {port}, hostname: app.example}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{kind: ListenerSet, name: {parent}}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: app-route.example, statusCode: 302}}}}]\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: elsewhere}}\nspec:\n  gatewayClassName: example\n  listeners:\n  - {{name: http, protocol: HTTP, port: 80}}\n"
+        )
+    };
+    std::fs::write(dir.join("gw.yaml"), manifest("tean")).expect("write");
+    let site = Site::start(&dir, false);
+    let misspelt = "spec.parentRefs[0]: no ListenerSet default/tean in the config";
+    let foreign = "spec.gatewayClassName: class `example` is not served by keyway";
+    let body = site.wait_for("/status", |_, body| body.contains(misspelt));
+    let status: serde_json::Value = serde_json::from_str(&body).expect("json");
+    let warnings = status["metadata"]["configWarnings"].to_string();
+    assert!(warnings.contains(foreign), "{warnings}");
+    assert_eq!(
+        status["metadata"]["configErrors"].as_array().map(Vec::len),
+        Some(0),
+        "warnings are not errors: {status:#}"
+    );
+    let route = status["items"]
+        .as_array()
+        .and_then(|i| i.iter().find(|i| i["kind"] == "HTTPRoute"))
+        .expect("route");
+    assert!(route.to_string().contains("NoMatchingParent"), "{route:#}");
+    assert_eq!(http_get(port, "app.example", "/").0, 404);
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "--admin", &site.admin, "httproute"])
+        .output()
+        .expect("keyway status");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: ") && stderr.contains(misspelt),
+        "{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+
+    std::fs::write(dir.join("gw.yaml"), manifest("team")).expect("write");
+    assert!(eventually(Duration::from_secs(5), || http_get(
+        port,
+        "app.example",
+        "/"
+    )
+    .0 == 302));
+    let body = site.get("/status").1;
+    assert!(!body.contains(misspelt), "{body}");
+    let log = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    assert_eq!(log.matches(misspelt).count(), 1, "{log}");
+    assert_eq!(log.matches(foreign).count(), 1, "{log}");
+}

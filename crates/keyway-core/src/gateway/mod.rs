@@ -112,6 +112,39 @@ pub fn foreign_class_warnings(index: &Index) -> Vec<ConfigError> {
         .collect()
 }
 
+/// Warnings about Gateway API references that are valid config but serve nothing: Gateways of
+/// a class keyway does not serve ([`foreign_class_warnings`]), and route parentRefs naming a
+/// Gateway or ListenerSet the config does not have (a misspelt name detaches a route without
+/// any error). A site logs each when it appears; `validate` and `status` print them.
+pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
+    let mut out = foreign_class_warnings(index);
+    let route_kinds = [
+        Kind::HTTPRoute,
+        Kind::GRPCRoute,
+        Kind::TLSRoute,
+        Kind::TCPRoute,
+    ];
+    for obj in route_kinds.into_iter().flat_map(|k| index.of_kind(k)) {
+        for (i, parent) in routes::parent_refs_of(obj).iter().enumerate() {
+            let Some(target) = parent.target() else {
+                continue;
+            };
+            // A rejected document is an error of its own already.
+            if index.get(&target).is_some() || index.rejected(&target).is_some() {
+                continue;
+            }
+            out.push(obj.error_at(
+                &format!("spec.parentRefs[{i}]"),
+                format!(
+                    "no {} {}/{} in the config: this parentRef attaches the route to nothing",
+                    parent.kind, parent.namespace, parent.name
+                ),
+            ));
+        }
+    }
+    out
+}
+
 /// Resolves the Gateway API objects of `index` from scratch.
 pub fn resolve(index: &Index, now: &Time) -> GatewayResolution {
     let mut resolver = GatewayResolver {

@@ -89,6 +89,18 @@ macro_rules! parents {
     };
 }
 
+/// The parentRefs of a route object, defaults filled in (none for other kinds).
+pub(crate) fn parent_refs_of(obj: &LoadedObject) -> Vec<Arc<ParentRefIn>> {
+    let ns = obj.key.namespace.as_str();
+    match &obj.resource {
+        Resource::HTTPRoute(r) => parents!(r.spec.parent_refs, ns),
+        Resource::GRPCRoute(r) => parents!(r.spec.parent_refs, ns),
+        Resource::TLSRoute(r) => parents!(r.spec.parent_refs, ns),
+        Resource::TCPRoute(r) => parents!(r.spec.parent_refs, ns),
+        _ => Vec::new(),
+    }
+}
+
 /// Resolves the backendRefs of one rule; remembers every failure.
 macro_rules! backends {
     ($world:expr, $kind:expr, $ns:expr, $refs:expr, $at:expr, $err:expr, $deps:expr) => {
