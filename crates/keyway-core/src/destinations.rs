@@ -42,7 +42,14 @@ pub fn destination_changes(
                     }),
                     (Some(false), Some(true)) => out.push(DestinationChange {
                         degraded: false,
-                        message: format!("{key}: its routing key is reachable again"),
+                        message: match port_closed(new) {
+                            None => format!(
+                                "{key}: its routing key is reachable; new connections are accepted"
+                            ),
+                            Some(why) => format!(
+                                "{key}: its routing key is reachable, but its port is not open: {why}"
+                            ),
+                        },
                     }),
                     _ => {}
                 }
@@ -51,6 +58,16 @@ pub fn destination_changes(
         }
     }
     out
+}
+
+/// Why a listener does not serve although its status was computed (its `Configured`
+/// condition False: a port that could not be bound, a host not on this machine).
+fn port_closed(status: &Value) -> Option<&str> {
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Configured" && c["status"] == "False")
+        .map(|c| c["message"].as_str().unwrap_or("not configured"))
 }
 
 /// The strategy's fields, whichever its kind (`priorityFailover`, `priority`, `weighted`).
@@ -68,6 +85,7 @@ fn keys(strategy: &Value) -> Vec<&str> {
 }
 
 fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<DestinationChange>) {
+    let closed = port_closed(new);
     let (Some(old), Some(new)) = (strategy(old), strategy(new)) else {
         return;
     };
@@ -116,10 +134,16 @@ fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<Destinatio
         }
         _ if was.is_empty() => DestinationChange {
             degraded: false,
-            message: format!(
-                "{key}: routing keys reachable again ({}); new connections are accepted",
-                now.join(", ")
-            ),
+            message: match closed {
+                None => format!(
+                    "{key}: routing keys reachable ({}); new connections are accepted",
+                    now.join(", ")
+                ),
+                Some(why) => format!(
+                    "{key}: routing keys reachable ({}), but its port is not open: {why}",
+                    now.join(", ")
+                ),
+            },
         },
         _ => DestinationChange {
             degraded: was.iter().any(|k| !now.contains(k)),
@@ -144,6 +168,12 @@ mod tests {
             s["activeRoutingKey"] = json!(a);
         }
         json!({ "strategy": { field: s } })
+    }
+
+    /// `status` with `Configured=False` (a port that could not be bound).
+    fn closed(mut status: Value) -> Value {
+        status["conditions"] = json!([{"type": "Configured", "status": "False", "message": "cannot bind example-01:8000: no such host"}]);
+        status
     }
 
     fn one(before: Value, after: Value, kind: Kind) -> Vec<(bool, String)> {
@@ -194,7 +224,14 @@ mod tests {
                 mkl(pf, &[], None),
                 mkl(pf, &["west"], Some("west")),
                 Kind::MultiKeyListener,
-                vec![(false, format!("{m}: routing keys reachable again (west); new connections are accepted"))],
+                vec![(false, format!("{m}: routing keys reachable (west); new connections are accepted"))],
+            ),
+            // Reachable, but the port could not be bound: not said to accept.
+            (
+                mkl(pf, &[], None),
+                closed(mkl(pf, &["west"], None)),
+                Kind::MultiKeyListener,
+                vec![(false, format!("{m}: routing keys reachable (west), but its port is not open: cannot bind example-01:8000: no such host"))],
             ),
             // A backup key lost: the key in use stays.
             (
@@ -228,7 +265,13 @@ mod tests {
                 json!({"hasMatchingConnector": false}),
                 json!({"hasMatchingConnector": true}),
                 Kind::Listener,
-                vec![(false, "Listener default/svc: its routing key is reachable again".into())],
+                vec![(false, "Listener default/svc: its routing key is reachable; new connections are accepted".into())],
+            ),
+            (
+                json!({"hasMatchingConnector": false}),
+                closed(json!({"hasMatchingConnector": true})),
+                Kind::Listener,
+                vec![(false, "Listener default/svc: its routing key is reachable, but its port is not open: cannot bind example-01:8000: no such host".into())],
             ),
         ];
         for (before, after, kind, want) in cases {

@@ -406,6 +406,27 @@ pub fn parse_duration_ms(text: &str) -> Option<u64> {
         .map(|ns| u64::try_from(ns / 1_000_000).unwrap_or(u64::MAX))
 }
 
+/// Why a listener of `keys` has no destination: Skupper's "No matching connectors", and when
+/// Connectors for those keys exist here but fail their health checks, which and why (the
+/// Connector rows say Error while the listener would otherwise seem to have none).
+fn no_destination(index: &Index, reach: &Reachability, keys: &[&str]) -> String {
+    let unhealthy: Vec<(&ObjectKey, &String)> = index
+        .of_kind(Kind::Connector)
+        .filter(|o| {
+            matches!(&o.resource, Resource::Connector(c) if keys.contains(&c.spec.routing_key.as_str()))
+        })
+        .filter_map(|o| reach.unhealthy_connectors.get_key_value(&o.key))
+        .collect();
+    match unhealthy.as_slice() {
+        [] => "No matching connectors".into(),
+        [(key, why)] => format!("No matching connectors ({key} is not healthy: {why})"),
+        [(key, why), rest @ ..] => format!(
+            "No matching connectors ({key} and {} more are not healthy; {key}: {why})",
+            rest.len()
+        ),
+    }
+}
+
 /// Status of every skupper.io object (SPEC §3.3), as the `status` JSON of each object.
 pub fn statuses(
     index: &Index,
@@ -430,9 +451,10 @@ pub fn statuses(
         let status = match &obj.resource {
             Resource::Listener(l) => {
                 let has = reach.reachable_keys.contains(&l.spec.routing_key);
+                let why = no_destination(index, reach, &[l.spec.routing_key.as_str()]);
                 let conds = vec![
                     configured(key),
-                    Cond::ready_or_pending("Matched", has, "No matching connectors"),
+                    Cond::ready_or_pending("Matched", has, &why),
                 ];
                 let mut v = ready_from(conds, generation, now);
                 v["hasMatchingConnector"] = json!(has);
@@ -475,9 +497,10 @@ pub fn statuses(
                     .map(|k| k.to_string())
                     .collect();
                 let has = !reachable.is_empty();
+                let why = no_destination(index, reach, &keys);
                 let conds = vec![
                     configured(key),
-                    Cond::ready_or_pending("Operational", has, "No matching connectors"),
+                    Cond::ready_or_pending("Operational", has, &why),
                 ];
                 let mut v = ready_from(conds, generation, now);
                 v["hasDestination"] = json!(has);

@@ -381,9 +381,17 @@ fn first_line(message: &str) -> String {
     if let Some(cut) = msg.find(", set DuplicateKeyPolicy") {
         msg = &msg[..cut];
     }
+    // The parser's words for a line indented more or less than its siblings.
+    let hint = if msg.contains("mapping values are not allowed")
+        || msg.contains("did not find expected key")
+    {
+        "; check this line's indentation against the lines above it"
+    } else {
+        ""
+    };
     match column {
-        Some(col) => format!("{msg} (column {col})"),
-        None => msg.to_string(),
+        Some(col) => format!("{msg} (column {col}){hint}"),
+        None => format!("{msg}{hint}"),
     }
 }
 
@@ -510,6 +518,17 @@ mod tests {
 
     #[test]
     fn duplicate_keys_are_errors() {
+        // Indentation slips say what to look at.
+        for text in ["a:\n  b: 1\n   c: 2\n", "a:\n  b: 1\n c: 2\n"] {
+            let docs = parse_yaml_stream(text);
+            let err = docs[0].as_ref().unwrap_err();
+            assert_eq!(err.line, 3, "{err:?}");
+            assert!(
+                err.message
+                    .ends_with("check this line's indentation against the lines above it"),
+                "{err:?}"
+            );
+        }
         let docs = parse_yaml_stream("a: 1\na: 2\n");
         assert!(docs[0].as_ref().unwrap_err().message.contains("duplicate"));
         // In a wide map (found with a set): a duplicate of the first key, after the switch.

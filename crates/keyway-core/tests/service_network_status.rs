@@ -334,6 +334,52 @@ fn unhealthy_connector_and_bind_error() {
     assert_eq!(l["message"], "address already in use");
 }
 
+/// A listener with no destination because its key's Connectors here fail their health checks
+/// says which and why after Skupper's "No matching connectors" (the Connector rows say Error;
+/// the listener must not read as if there were none).
+#[test]
+fn no_destination_names_the_unhealthy_connectors() {
+    let yaml = format!(
+        "{}{}{}{}",
+        listener("l", "db", 17001, ""),
+        connector("c", "db", 17002, ""),
+        connector("c2", "db", 17003, ""),
+        mkl(
+            "m",
+            18000,
+            "    priorityFailover:\n      routingKeys: [db, other]\n"
+        ),
+    );
+    let index = index_of(&yaml);
+    let mut reach = live(&[]);
+    let (_, st) = statuses(&index, Some(reach.clone()));
+    assert_eq!(
+        status_of(&st, Kind::Listener, "l")["message"],
+        "No matching connectors"
+    );
+    reach.unhealthy_connectors.insert(
+        ObjectKey::new(Kind::Connector, "default", "c"),
+        "health check: connect to 127.0.0.1:17002: connection refused".into(),
+    );
+    let (_, st) = statuses(&index, Some(reach.clone()));
+    let l = status_of(&st, Kind::Listener, "l");
+    assert_eq!(
+        cond(l, "Matched")["message"],
+        "No matching connectors (Connector default/c is not healthy: health check: connect to 127.0.0.1:17002: connection refused)"
+    );
+    assert_eq!(l["status"], "Pending");
+    reach.unhealthy_connectors.insert(
+        ObjectKey::new(Kind::Connector, "default", "c2"),
+        "health check: timed out".into(),
+    );
+    let (_, st) = statuses(&index, Some(reach));
+    let m = status_of(&st, Kind::MultiKeyListener, "m");
+    assert_eq!(
+        cond(m, "Operational")["message"],
+        "No matching connectors (Connector default/c and 1 more are not healthy; Connector default/c: health check: connect to 127.0.0.1:17002: connection refused)"
+    );
+}
+
 #[test]
 fn missing_tls_secret_is_configured_false() {
     let yaml = format!(

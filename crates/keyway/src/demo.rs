@@ -119,7 +119,11 @@ impl Ports {
             if let Err(e) = std::net::TcpListener::bind((host, port)) {
                 anyhow::bail!(
                     "port {port} ({what}) is busy: {e}. Is another `keyway demo` running? Stop it, or pick another range: keyway demo --port-base {}",
-                    if self.base == 17000 { 27000 } else { 17000 }
+                    // Another range clear of this one: 1000 up, or back to the default.
+                    match self.base.checked_add(1000 + SPAN) {
+                        Some(_) => self.base + 1000,
+                        None => 17000,
+                    }
                 );
             }
         }
