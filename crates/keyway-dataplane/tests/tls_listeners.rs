@@ -60,26 +60,25 @@ async fn read_all<S: AsyncRead + Unpin>(s: &mut S) -> String {
 
 /// HTTP/1.1 GET over TLS with server name `sni` and `Host: host`; the status line and body.
 async fn https_get(port: u16, ca: &Ca, sni: &str, host: &str) -> std::io::Result<String> {
-    let tcp = common::connect(port).await?;
-    let connector = tokio_rustls::TlsConnector::from(client_config(ca, true));
-    let name = ServerName::try_from(sni.to_string()).expect("name");
-    let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp))
-        .await
-        .map_err(|_| std::io::Error::other("handshake timed out"))??;
-    t.write_all(format!("GET / HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n").as_bytes())
-        .await?;
-    Ok(read_all(&mut t).await)
+    https_request(port, ca, sni, "/", &format!("host: {host}\r\n")).await
 }
 
-/// `GET /headers` over TLS with its own header lines (`\r\n`-terminated); the whole response.
-async fn https_request(port: u16, ca: &Ca, sni: &str, head: &str) -> std::io::Result<String> {
+/// `GET path` over TLS with its own header lines (`\r\n`-terminated) and `connection:
+/// close`; the whole response.
+async fn https_request(
+    port: u16,
+    ca: &Ca,
+    sni: &str,
+    path: &str,
+    head: &str,
+) -> std::io::Result<String> {
     let tcp = common::connect(port).await?;
     let connector = tokio_rustls::TlsConnector::from(client_config(ca, true));
     let name = ServerName::try_from(sni.to_string()).expect("name");
     let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp))
         .await
         .map_err(|_| std::io::Error::other("handshake timed out"))??;
-    t.write_all(format!("GET /headers HTTP/1.1\r\n{head}connection: close\r\n\r\n").as_bytes())
+    t.write_all(format!("GET {path} HTTP/1.1\r\n{head}connection: close\r\n\r\n").as_bytes())
         .await?;
     Ok(read_all(&mut t).await)
 }
@@ -742,9 +741,15 @@ async fn https_listeners_forward_proto_https_and_the_client_address() {
     let ca = Ca::new("ca");
     let port = free_port();
     let _dp = start(&https_a(&ca, port).await, port).await;
-    let plain = https_request(port, &ca, "a.example.com", "host: a.example.com\r\n")
-        .await
-        .expect("https");
+    let plain = https_request(
+        port,
+        &ca,
+        "a.example.com",
+        "/headers",
+        "host: a.example.com\r\n",
+    )
+    .await
+    .expect("https");
     assert!(plain.starts_with("HTTP/1.1 200"), "{plain}");
     assert!(plain.contains("h:x-forwarded-proto=https\n"), "{plain}");
     assert!(plain.contains("h:x-forwarded-for=127.0.0.1\n"), "{plain}");
@@ -752,6 +757,7 @@ async fn https_listeners_forward_proto_https_and_the_client_address() {
         port,
         &ca,
         "a.example.com",
+        "/headers",
         "host: a.example.com\r\nx-forwarded-proto: http\r\nx-forwarded-for: 203.0.113.7\r\n",
     )
     .await

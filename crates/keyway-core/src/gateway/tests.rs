@@ -103,6 +103,20 @@ fn cond(conds: &Value, t: &str) -> (String, String) {
     )
 }
 
+/// "STATUS MESSAGE" of condition `t` in a list ("" for a missing one).
+fn status_and_message(conds: &Value, t: &str) -> String {
+    let c = conds
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == t))
+        .cloned()
+        .unwrap_or_default();
+    format!(
+        "{} {}",
+        c["status"].as_str().unwrap_or(""),
+        c["message"].as_str().unwrap_or("")
+    )
+}
+
 fn top(r: &GatewayResolution, kind: Kind, ns: &str, name: &str, t: &str) -> (String, String) {
     cond(&status(r, kind, ns, name)["conditions"], t)
 }
@@ -1802,16 +1816,9 @@ fn a_rejected_certificate_secret_is_not_valid_rather_than_not_found() {
     let mut state = ObjectState::default();
     let mut resolver = GatewayResolver::default();
     let resolved = |r: &GatewayResolution| {
-        let l = listener(r, Kind::Gateway, "infra", "gw", "tls");
-        let c = l["conditions"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["type"] == "ResolvedRefs"))
-            .cloned()
-            .unwrap_or_default();
-        format!(
-            "{} {}",
-            c["status"].as_str().unwrap_or(""),
-            c["message"].as_str().unwrap_or("")
+        status_and_message(
+            &listener(r, Kind::Gateway, "infra", "gw", "tls")["conditions"],
+            "ResolvedRefs",
         )
     };
     let steps: [(Option<&str>, &str); 4] = [
@@ -1863,16 +1870,9 @@ fn a_rejected_backend_is_not_valid_rather_than_not_found() {
     let good = svc("team-a", "app")
         + "---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: db, namespace: team-a}\nspec: {routingKey: db-key, host: 127.0.0.1, port: 5432}\n";
     let resolved = |r: &GatewayResolution, route: &str| {
-        let conds = &status(r, Kind::HTTPRoute, "team-a", route)["parents"][0]["conditions"];
-        let c = conds
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["type"] == "ResolvedRefs"))
-            .cloned()
-            .unwrap_or_default();
-        format!(
-            "{} {}",
-            c["status"].as_str().unwrap_or(""),
-            c["message"].as_str().unwrap_or("")
+        status_and_message(
+            &status(r, Kind::HTTPRoute, "team-a", route)["parents"][0]["conditions"],
+            "ResolvedRefs",
         )
     };
     let steps: [(Option<&str>, [&str; 2]); 4] = [
