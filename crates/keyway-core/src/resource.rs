@@ -157,8 +157,8 @@ impl Kind {
             Kind::ReferenceGrant => &["refgrant"],
             Kind::Namespace => &["ns"],
             Kind::Service => &["svc"],
-            Kind::AccessGrant => &["grant"],
-            Kind::AccessToken => &["token"],
+            Kind::AccessGrant => &["grant", "grants"],
+            Kind::AccessToken => &["token", "tokens"],
             Kind::RouterAccess => &["routeraccesses"],
             _ => &[],
         }
@@ -444,6 +444,8 @@ mod tests {
             ("svc.foo.bar", None),
             ("gateways.gateway.networking.k8s.io", Some(Kind::Gateway)),
             ("mkl", Some(Kind::MultiKeyListener)),
+            ("grants", Some(Kind::AccessGrant)),
+            ("tokens", Some(Kind::AccessToken)),
             ("nosuchkind", None),
         ] {
             assert_eq!(Kind::parse_cli(text), want, "{text}");

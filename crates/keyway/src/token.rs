@@ -39,14 +39,26 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
     if args.redemptions < 1 {
         return fail(INVALID, "--redemptions must be at least 1");
     }
-    if parse_duration_secs(&args.expiry).is_none_or(|s| s == 0) {
-        return fail(
-            INVALID,
-            format!(
-                "--expiry `{}` is not a duration like 15m or 1h30m",
-                args.expiry
-            ),
-        );
+    match parse_duration_secs(&args.expiry) {
+        None => {
+            return fail(
+                INVALID,
+                format!(
+                    "--expiry `{}` is not a duration like 15m or 1h30m",
+                    args.expiry
+                ),
+            );
+        }
+        Some(0) => {
+            return fail(
+                INVALID,
+                format!(
+                    "--expiry `{}` must be longer than 0s: a token has to live long enough to be redeemed",
+                    args.expiry
+                ),
+            );
+        }
+        Some(_) => {}
     }
     let compiled = cli::compile_dir(&args.config, &cli::default_state_dir(&args.config))?;
     let Some(ra) = compiled.resolution.plan.router_access.clone() else {

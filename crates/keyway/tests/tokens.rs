@@ -461,6 +461,20 @@ fn a_failed_issue_leaves_no_grant() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("is not a host name"), "{}", text(&out));
     assert_eq!(grants(), 0);
+    for (expiry, says) in [
+        ("0s", "--expiry `0s` must be longer than 0s"),
+        (
+            "soon",
+            "--expiry `soon` is not a duration like 15m or 1h30m",
+        ),
+    ] {
+        let out = keyway(&[
+            "token", "issue", "--config", config, "--name", "t", "--expiry", expiry,
+        ]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(text(&out).contains(says), "{}", text(&out));
+        assert_eq!(grants(), 0);
+    }
     // The name is still free.
     let out = keyway(&[
         "token",
