@@ -105,6 +105,9 @@ pub fn compile_checking_addresses(
     reconciled
         .warnings
         .extend(gateway::reference_warnings(&index));
+    reconciled
+        .warnings
+        .extend(service_network::unnamed_site_warnings(&index));
     let mut resolution = service_network::resolve(&index);
     let gateway = gateway::resolve(&index, now);
     resolution.plan.gateways = gateway.plan.clone();

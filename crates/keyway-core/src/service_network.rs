@@ -77,6 +77,33 @@ impl Reachability {
     }
 }
 
+/// The name a site without a Site object takes in the network.
+pub const UNNAMED_SITE: &str = "default";
+
+/// A config that links (a Link, RouterAccess or AccessToken) without a Site joins the network as
+/// [`UNNAMED_SITE`]; a second such site would clash with it, so this is a warning that says
+/// how to name it.
+pub fn unnamed_site_warnings(index: &Index) -> Vec<ConfigError> {
+    if index.of_kind(Kind::Site).next().is_some() {
+        return Vec::new();
+    }
+    index
+        .of_kind(Kind::Link)
+        .chain(index.of_kind(Kind::RouterAccess))
+        .chain(index.of_kind(Kind::AccessToken))
+        .next()
+        .map(|obj| {
+            obj.error_at(
+                "",
+                format!(
+                    "no Site in the config: this site joins the network as `{UNNAMED_SITE}`, and site names must be unique; name it with a Site (`keyway site create NAME`)"
+                ),
+            )
+        })
+        .into_iter()
+        .collect()
+}
+
 /// Resolves the service network of `index` into a plan.
 pub fn resolve(index: &Index) -> Resolution {
     let mut res = Resolution {
@@ -85,7 +112,7 @@ pub fn resolve(index: &Index) -> Resolution {
                 .of_kind(Kind::Site)
                 .next()
                 .map(|s| s.key.name.clone())
-                .unwrap_or_else(|| "default".into()),
+                .unwrap_or_else(|| UNNAMED_SITE.into()),
             ..Plan::default()
         },
         ..Resolution::default()

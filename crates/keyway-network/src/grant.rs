@@ -111,10 +111,13 @@ pub enum RedeemError {
     BadToken(String),
     #[error("cannot reach {addr}: {reason}")]
     Unreachable { addr: String, reason: String },
-    #[error(
-        "TLS handshake with {addr} failed: {reason} (does the token's ca belong to the granting site?)"
-    )]
-    Tls { addr: String, reason: String },
+    #[error("TLS handshake with {addr} failed: {reason}{hint}")]
+    Tls {
+        addr: String,
+        reason: String,
+        /// The likely cause (see [`crate::handshake::failure_hint`]).
+        hint: String,
+    },
     #[error("{addr} refused the token: {message}")]
     Refused {
         addr: String,
@@ -265,7 +268,17 @@ async fn answer(
             serde_json::to_vec(&creds).unwrap_or_default(),
         ),
         Err(r) => {
-            tracing::warn!(status = r.status, "token redemption refused: {}", r.message);
+            // A grant not found yet is, most often, one `token issue` wrote a moment ago and
+            // this site reads within a second; the redeemer asks again meanwhile.
+            if r.status == 404 {
+                tracing::info!(
+                    status = r.status,
+                    "token redemption refused: {} (a grant issued moments ago is read within a second; redeemers ask again)",
+                    r.message
+                );
+            } else {
+                tracing::warn!(status = r.status, "token redemption refused: {}", r.message);
+            }
             (
                 StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
                 serde_json::to_vec(&serde_json::json!({ "error": r.message })).unwrap_or_default(),
@@ -349,9 +362,14 @@ pub async fn redeem(
     let tls = tokio::time::timeout(TIMEOUT, TlsConnector::from(config).connect(name, tcp))
         .await
         .map_err(|_| unreachable("TLS handshake timed out".into()))?
-        .map_err(|e| RedeemError::Tls {
-            addr: addr.clone(),
-            reason: e.to_string(),
+        .map_err(|e| {
+            let reason = e.to_string();
+            let hint = crate::handshake::failure_hint(&reason, &addr, "the token's ca");
+            RedeemError::Tls {
+                addr: addr.clone(),
+                reason,
+                hint,
+            }
         })?;
     let protocol = |reason: String| RedeemError::Protocol {
         addr: addr.clone(),

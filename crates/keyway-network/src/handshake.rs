@@ -377,3 +377,45 @@ mod tests {
         }
     }
 }
+
+/// What a failed TLS handshake with a peer at `addr` most likely means, for the message: a
+/// certificate that does not chain to the trusted CA (`what_ca` names where that CA comes
+/// from), or a peer that does not speak TLS at all (a port that is not an inter-router port).
+pub(crate) fn failure_hint(error: &str, addr: &str, what_ca: &str) -> String {
+    const WRONG_CA: [&str; 3] = ["UnknownIssuer", "BadSignature", "certificate not valid"];
+    const NOT_TLS: [&str; 2] = ["InvalidContentType", "corrupt message"];
+    if WRONG_CA.iter().any(|w| error.contains(w)) {
+        format!(
+            " (the peer's certificate is not signed by {what_ca}: is it the CA of the site at {addr}?)"
+        )
+    } else if NOT_TLS.iter().any(|w| error.contains(w)) {
+        format!(
+            " (the peer did not answer with TLS: is {addr} a RouterAccess's inter-router port?)"
+        )
+    } else {
+        String::new()
+    }
+}
+
+#[cfg(test)]
+mod hint_tests {
+    #[test]
+    fn failure_hints_name_the_likely_cause() {
+        let ca = "the ca.crt of Secret link-west";
+        for (error, want) in [
+            (
+                "invalid peer certificate: UnknownIssuer",
+                "is not signed by the ca.crt of Secret link-west: is it the CA of the site at h:1?",
+            ),
+            ("invalid peer certificate: BadSignature", "is not signed by"),
+            (
+                "received corrupt message of type InvalidContentType",
+                "did not answer with TLS: is h:1 a RouterAccess's inter-router port?",
+            ),
+        ] {
+            let hint = super::failure_hint(error, "h:1", ca);
+            assert!(hint.contains(want), "{error}: {hint}");
+        }
+        assert_eq!(super::failure_hint("handshake timed out", "h:1", ca), "");
+    }
+}

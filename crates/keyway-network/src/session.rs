@@ -368,7 +368,15 @@ async fn dial_once(
     let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::connect(config, name, tcp))
         .await
         .map_err(|_| NetError::Timeout("TLS handshake"))?
-        .map_err(|e| NetError::Tls(format!("TLS handshake failed: {e}")))?
+        .map_err(|e| {
+            let e = e.to_string();
+            let hint = handshake::failure_hint(
+                &e,
+                &format!("{}:{}", link.host, link.port),
+                "the ca.crt of this Link's tlsCredentials Secret",
+            );
+            NetError::Tls(format!("TLS handshake failed: {e}{hint}"))
+        })?
         .stream;
     let cost = dial.cost.load(Ordering::Relaxed);
     let dialed = Some((link.id.name.clone(), dial.generation));

@@ -480,11 +480,21 @@ pub fn grant_status(
     if let Some(f) = &facts {
         // keyway's own condition: upstream keeps an expired or used-up grant Ready, which hides
         // why its token is refused.
-        if f.expires.is_some_and(|at| now >= at) {
-            conds.push(Cond::error("Redeemable", "The grant has expired"));
-        } else if used >= f.allowed {
-            let msg = format!("All {} allowed redemptions have been used", f.allowed);
-            conds.push(Cond::error("Redeemable", &msg));
+        // Neither is an error: the grant did its job or ran out of time, and the status word
+        // says which (`Redeemed`, `Expired`).
+        if used >= f.allowed {
+            let msg = format!(
+                "All {} allowed redemptions have been used; issue another token to link another site",
+                f.allowed
+            );
+            conds.push(Cond::new("Redeemable", false, "Redeemed", &msg));
+        } else if f.expires.is_some_and(|at| now >= at) {
+            conds.push(Cond::new(
+                "Redeemable",
+                false,
+                "Expired",
+                "The grant has expired; issue another token",
+            ));
         } else {
             conds.push(Cond::ready("Redeemable"));
         }

@@ -160,6 +160,9 @@ impl Site {
         reconciled
             .warnings
             .extend(keyway_core::gateway::reference_warnings(&index));
+        reconciled
+            .warnings
+            .extend(service_network::unnamed_site_warnings(&index));
         let mut resolution = service_network::resolve(&index);
         let conflicts_before = current.gateway.resolution().listener_conflicts.clone();
         let gateway = current.gateway.update(&index, &cli::now());
@@ -480,7 +483,7 @@ impl Site {
             return Err(Refusal::new(
                 409,
                 format!(
-                    "site {site_name} cannot redeem its own AccessGrant; the token is for another site"
+                    "site {site_name} cannot redeem its own AccessGrant: the token is for another site, and site names must be unique in a network (if the redeeming site is another one, give its Site another name)"
                 ),
             ));
         }

@@ -79,7 +79,7 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
     let access_file = args.config.join("link-access.yaml");
     // Made before anything is written: a failure leaves no half-made site behind.
     let access = match host {
-        Some(host) => Some(link_access_manifest(host, args.port)?),
+        Some(host) => Some(link_access_manifest(&args.name, host, args.port)?),
         None => None,
     };
     let site = format!(
@@ -122,13 +122,17 @@ fn is_host(host: &str) -> bool {
 
 /// The RouterAccess for the inter-router role on `port` (all addresses), and its Secret: a new
 /// CA (kept as `ca.crt` and `ca.key`, so tokens can be issued) and this site's certificate for
-/// `host`, signed by it, for serving links and for authenticating as a client.
-fn link_access_manifest(host: &str, port: u16) -> Result<String> {
+/// `host`, signed by it, for serving links and for authenticating as a client. The CA's name
+/// is the site's and the time it was made: two sites' CAs never share a subject, so a peer
+/// with the wrong one is told its issuer is unknown rather than that a signature is bad.
+fn link_access_manifest(site: &str, host: &str, port: u16) -> Result<String> {
     let now = Timestamp::now();
     let ca_key = KeyPair::generate().context("key generation")?;
     let mut ca = CertificateParams::default();
     ca.distinguished_name
-        .push(DnType::CommonName, format!("keyway link CA for {host}"));
+        .push(DnType::CommonName, format!("keyway link CA of site {site}"));
+    ca.distinguished_name
+        .push(DnType::OrganizationalUnitName, format!("made {now}"));
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
     set_validity(&mut ca, now, 10);

@@ -236,6 +236,18 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
     };
     let compiled = cli::compile_dir(config, &cli::default_state_dir(config))?;
     let site = compiled.resolution.plan.site_name.clone();
+    // As `skupper token redeem` needs a site: the grant names the redeeming site in its
+    // certificate, and a site without a Site would link as `default`, clashing with the next.
+    if compiled.index.of_kind(Kind::Site).next().is_none() {
+        return fail(
+            INVALID,
+            format!(
+                "no Site in {}: a site needs a name, unique in its network, before it links; create one with `keyway site create NAME --config {}` (or add a Site manifest)",
+                config.display(),
+                config.display()
+            ),
+        );
+    }
     let name = match link_name.or_else(|| token.metadata.name.clone()) {
         Some(n) => n,
         None => {

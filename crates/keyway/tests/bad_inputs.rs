@@ -1397,3 +1397,36 @@ fn a_parent_ref_to_nothing_is_a_warning() {
     assert_eq!(stderr.matches("spec.parentRefs").count(), 1, "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A config that links but has no Site joins the network as `default`: a warning, at the
+/// Link, that says how to name the site; with a Site there is none.
+#[test]
+fn a_linking_config_without_a_site_is_warned_about() {
+    let dir = temp_dir("unnamed-site");
+    std::fs::write(
+        dir.join("link.yaml"),
+        skupper(
+            "Link",
+            "  endpoints:\n  - {name: inter-router, host: 127.0.0.1, port: 55671}\n",
+        ),
+    )
+    .unwrap();
+    let want = "no Site in the config: this site joins the network as `default`";
+    let out = keyway(&["validate"], &dir);
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "warning: {}:1: {want}",
+            dir.join("link.yaml").display()
+        )),
+        "{stderr}"
+    );
+    std::fs::write(
+        dir.join("site.yaml"),
+        "apiVersion: skupper.io/v2alpha1\nkind: Site\nmetadata:\n  name: east\n",
+    )
+    .unwrap();
+    let out = keyway(&["validate"], &dir);
+    assert!(!text(&out.stderr).contains(want), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -382,6 +382,10 @@ fn link_with_the_wrong_ca_is_refused_and_status_says_why() {
         "Link status: {message}"
     );
     println!("wrong CA: {message}");
+    assert!(
+        message.contains("is not signed by the ca.crt of this Link's tlsCredentials Secret"),
+        "the message says what to check: {message}"
+    );
     assert_eq!(a.sites_in_network(), 1);
     assert!(
         who(listen).is_err(),

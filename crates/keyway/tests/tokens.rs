@@ -143,8 +143,8 @@ fn issue_then_redeem_links_the_sites_and_carries_traffic() {
         .expect("grant status");
     assert_eq!(grant["redemptions"], 1, "{grant}");
     assert_eq!(
-        grant["status"], "Error",
-        "an exhausted grant is not ready: {grant}"
+        grant["status"], "Redeemed",
+        "an exhausted grant is not ready, and not an error either: {grant}"
     );
     assert!(
         grant["url"]
@@ -228,7 +228,7 @@ fn refused_redemptions_say_why() {
             "wrong-ca",
             format!("{}{other_pem}", &original[..ca_start]),
             1,
-            "TLS handshake",
+            "the peer's certificate is not signed by the token's ca",
         ),
         (
             "unreachable",
@@ -256,6 +256,21 @@ fn refused_redemptions_say_why() {
         text(&out)
     );
     assert!(!west.config_dir().join("link-selfie.yaml").exists());
+    let grant = west.status_of("AccessGrant", "good").expect("status");
+    assert_eq!(grant["redemptions"], 0, "{grant}");
+
+    // Into a directory without a Site: refused before anything is sent (it would link as
+    // `default`, and the next such site would clash with it), saying how to name it.
+    let unnamed = west.dir.join("unnamed");
+    std::fs::create_dir_all(&unnamed).expect("dir");
+    let out = redeem(&token, &unnamed, &["--name", "unnamed"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("no Site in") && text(&out).contains("keyway site create NAME"),
+        "{}",
+        text(&out)
+    );
+    assert!(!unnamed.join("link-unnamed.yaml").exists());
     let grant = west.status_of("AccessGrant", "good").expect("status");
     assert_eq!(grant["redemptions"], 0, "{grant}");
 
