@@ -434,6 +434,20 @@ async fn redirect_codes_ipv6_locations_and_forwarded_lists() {
         r.headers.get("location").and_then(|v| v.to_str().ok()),
         Some(format!("http://[::1]:{port}/new").as_str())
     );
+    // HTTP/1.0 without a Host: no absolute URI can name the host, so the Location is the
+    // new path alone (a relative reference), never `http://:PORT/new`.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    s.write_all(b"GET /v6?q=1 HTTP/1.0\r\n\r\n").await.expect("write");
+    let mut reply = String::new();
+    tokio::time::timeout(IO_TIMEOUT, s.read_to_string(&mut reply))
+        .await
+        .expect("reply in time")
+        .expect("read");
+    assert!(reply.starts_with("HTTP/1.0 302"), "{reply}");
+    assert!(
+        reply.to_ascii_lowercase().contains("\r\nlocation: /new?q=1\r\n"),
+        "{reply}"
+    );
     let r = send(
         &c,
         port,

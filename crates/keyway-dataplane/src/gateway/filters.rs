@@ -229,6 +229,9 @@ pub fn compile_grpc(
 
 /// The `Location` of a redirect. Without an explicit port, a changed scheme gets its
 /// well-known port and otherwise the listener's port is kept; well-known ports are left out.
+/// A request without a host (HTTP/1.0 may send none) redirected to no other hostname gets a
+/// relative reference (RFC 9110 §10.2.2) when scheme and port stay, and `None` (no valid
+/// absolute URI can be made) when they would change.
 pub fn location(
     r: &Redirect,
     scheme: &str,
@@ -237,9 +240,23 @@ pub fn location(
     path: &str,
     matched_prefix: Option<&str>,
     query: Option<&str>,
-) -> String {
+) -> Option<String> {
     let scheme_out = r.scheme.unwrap_or(scheme);
     let host = r.hostname.as_deref().unwrap_or(host);
+    if host.is_empty() {
+        if r.scheme.is_some() || r.port.is_some() {
+            return None;
+        }
+        let mut out = match &r.path {
+            Some(p) => p.apply(path, matched_prefix),
+            None => path.to_string(),
+        };
+        if let Some(q) = query {
+            out.push('?');
+            out.push_str(q);
+        }
+        return Some(out);
+    }
     let port = match (r.port, r.scheme) {
         (Some(p), _) => Some(p),
         (None, Some(_)) => None,
@@ -265,7 +282,7 @@ pub fn location(
         out.push('?');
         out.push_str(q);
     }
-    out
+    Some(out)
 }
 
 #[cfg(test)]
@@ -292,17 +309,34 @@ mod tests {
             status: StatusCode::FOUND,
         };
         assert_eq!(
-            location(&r, "http", "a.example", 8080, "/x", None, Some("q=1")),
-            "https://a.example/x?q=1"
+            location(&r, "http", "a.example", 8080, "/x", None, Some("q=1")).as_deref(),
+            Some("https://a.example/x?q=1")
         );
+        // No host to send the client to, and the scheme changes: none.
+        assert_eq!(location(&r, "http", "", 8080, "/x", None, None), None);
         let r = Redirect {
             scheme: None,
             hostname: Some("b".into()),
             ..r
         };
         assert_eq!(
-            location(&r, "http", "a", 8080, "/x", None, None),
-            "http://b:8080/x"
+            location(&r, "http", "a", 8080, "/x", None, None).as_deref(),
+            Some("http://b:8080/x")
+        );
+        // A hostname given, the request's missing host does not matter.
+        assert_eq!(
+            location(&r, "http", "", 8080, "/x", None, None).as_deref(),
+            Some("http://b:8080/x")
+        );
+        // Nothing but the path changes: relative.
+        let r = Redirect {
+            hostname: None,
+            path: Some(PathMod::Full("/new".into())),
+            ..r
+        };
+        assert_eq!(
+            location(&r, "http", "", 8080, "/x", None, Some("q=1")).as_deref(),
+            Some("/new?q=1")
         );
     }
 }

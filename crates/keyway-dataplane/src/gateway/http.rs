@@ -563,6 +563,7 @@ async fn route(
         path: req.uri().path(),
         query: req.uri().query(),
         headers: req.headers(),
+        authority: req.uri().authority().map(|a| a.as_str()),
     };
     let Some(entry) = listener.http.table.find(&host, &view) else {
         return Err((
@@ -721,6 +722,12 @@ async fn forward(
             matched_prefix,
             req.uri().query(),
         );
+        let Some(loc) = loc else {
+            return full(
+                StatusCode::BAD_REQUEST,
+                "this redirect needs the request's host, and the request has none",
+            );
+        };
         let mut resp = full(r.status, "redirect");
         match HeaderValue::from_str(&loc) {
             Ok(v) => {

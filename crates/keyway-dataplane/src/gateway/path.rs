@@ -51,8 +51,9 @@ fn is_normal(path: &str) -> bool {
         && path.split('/').skip(1).all(|s| s != "." && s != "..")
 }
 
-/// Decodes `%XX` escapes of unreserved characters; upper-cases the hex of the others.
-fn decode_unreserved(path: &str) -> String {
+/// Decodes `%XX` escapes of unreserved characters; upper-cases the hex of the others. Route
+/// path values go through it too, so `/%7Euser` in a route matches `/~user` and `/%7euser`.
+pub fn decode_unreserved(path: &str) -> String {
     let bytes = path.as_bytes();
     let mut out = String::with_capacity(path.len());
     let mut i = 0;

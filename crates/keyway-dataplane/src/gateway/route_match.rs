@@ -68,6 +68,17 @@ impl ValueMatch {
             ValueMatch::Regex(r) => r.is_match(v),
         }
     }
+
+    /// A header value as sent: bytes, UTF-8 beyond ASCII included (`café`), which
+    /// `HeaderValue::to_str` would refuse. Bytes that are not UTF-8 match no regular
+    /// expression, and an exact value only byte for byte.
+    fn matches_bytes(&self, v: &[u8]) -> bool {
+        match (self, std::str::from_utf8(v)) {
+            (_, Ok(text)) => self.matches(text),
+            (ValueMatch::Exact(e), Err(_)) => e.as_bytes() == v,
+            (ValueMatch::Regex(_), Err(_)) => false,
+        }
+    }
 }
 
 /// Declaration order is precedence order (derived `Ord` compares the variant first): exact
@@ -109,6 +120,9 @@ pub struct Request<'a> {
     pub path: &'a str,
     pub query: Option<&'a str>,
     pub headers: &'a HeaderMap,
+    /// The request's authority (HTTP/2's `:authority`), which a match on the `host` header
+    /// sees when the request has no `Host` field, so one route matches alike over both.
+    pub authority: Option<&'a str>,
 }
 
 impl Match {
@@ -140,12 +154,25 @@ impl Match {
         if !self.path.matches(req.path) {
             return false;
         }
+        // A field sent more than once is matched as one, its values joined by ", " in order
+        // (RFC 9110 §5.3), as a proxy further on would read it.
         let header_ok = |(name, vm): &(HeaderName, ValueMatch)| {
-            req.headers
-                .get_all(name)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .any(|v| vm.matches(v))
+            let mut values = req.headers.get_all(name).iter();
+            match (values.next(), values.next()) {
+                (None, _) if *name == hyper::header::HOST => {
+                    req.authority.is_some_and(|a| vm.matches(a))
+                }
+                (None, _) => false,
+                (Some(one), None) => vm.matches_bytes(one.as_bytes()),
+                (Some(first), Some(second)) => {
+                    let mut joined = first.as_bytes().to_vec();
+                    for v in std::iter::once(second).chain(values) {
+                        joined.extend_from_slice(b", ");
+                        joined.extend_from_slice(v.as_bytes());
+                    }
+                    vm.matches_bytes(&joined)
+                }
+            }
         };
         if !self.headers.iter().all(header_ok) {
             return false;
@@ -224,12 +251,17 @@ pub fn compile_http(m: &HttpRouteRulesMatches) -> Result<Match, String> {
         None => PathMatch::Prefix(String::new()),
         Some(p) => {
             let value = p.value.as_deref().unwrap_or("/");
+            // Escapes as requests are normalised (see `path`), so `/%7Euser` matches `/~user`.
             match p.r#type {
-                Some(HttpRouteRulesMatchesPathType::Exact) => PathMatch::Exact(value.to_string()),
+                Some(HttpRouteRulesMatchesPathType::Exact) => {
+                    PathMatch::Exact(super::path::decode_unreserved(value))
+                }
                 Some(HttpRouteRulesMatchesPathType::RegularExpression) => {
                     PathMatch::Regex(anchored(value).map_err(|e| bad_regex("path", e))?)
                 }
-                Some(HttpRouteRulesMatchesPathType::PathPrefix) | None => PathMatch::prefix(value),
+                Some(HttpRouteRulesMatchesPathType::PathPrefix) | None => {
+                    PathMatch::prefix(&super::path::decode_unreserved(value))
+                }
             }
         }
     };
@@ -419,6 +451,7 @@ mod tests {
             path,
             query,
             headers: h,
+            authority: None,
         }
     }
 
@@ -578,5 +611,91 @@ mod tests {
             Some((2, 13))
         );
         assert_eq!(percent_decode("%zz%4"), "%zz%4");
+    }
+
+    /// Route path values are read as requests are normalised: `%7E` is `~`, `%61` is `a`,
+    /// and other escapes match whatever case of hex the client used.
+    #[test]
+    fn escaped_route_paths_match_normalised_requests() {
+        let get = Method::GET;
+        let h = HeaderMap::new();
+        let compile = |t: HttpRouteRulesMatchesPathType, v: &str| {
+            let m = HttpRouteRulesMatches {
+                path: Some(
+                    gateway_api::apis::standard::httproutes::HttpRouteRulesMatchesPath {
+                        r#type: Some(t),
+                        value: Some(v.into()),
+                    },
+                ),
+                ..Default::default()
+            };
+            compile_http(&m).expect("compiles")
+        };
+        for (t, value, request) in [
+            (
+                HttpRouteRulesMatchesPathType::PathPrefix,
+                "/%7Euser",
+                "/~user/x",
+            ),
+            (HttpRouteRulesMatchesPathType::Exact, "/%61bc", "/abc"),
+            (HttpRouteRulesMatchesPathType::Exact, "/a%3ab", "/a%3Ab"),
+        ] {
+            let m = compile(t, value);
+            let normal = crate::gateway::path::normalize(request);
+            let path = normal.as_deref().unwrap_or(request);
+            assert!(
+                m.matches(&req(&get, path, None, &h)),
+                "{value} vs {request}"
+            );
+        }
+    }
+
+    /// Header values beyond ASCII match; a field sent twice is matched as one list; a `host`
+    /// match sees HTTP/2's `:authority`.
+    #[test]
+    fn header_values_as_sent() {
+        let get = Method::GET;
+        let mut exact = m(PathMatch::prefix("/"));
+        exact.headers.push((
+            HeaderName::from_static("x-name"),
+            ValueMatch::Exact("café".into()),
+        ));
+        let mut re = m(PathMatch::prefix("/"));
+        re.headers.push((
+            HeaderName::from_static("x-name"),
+            ValueMatch::Regex(anchored("caf.+").expect("re")),
+        ));
+        let mut h = HeaderMap::new();
+        h.insert(
+            "x-name",
+            hyper::http::HeaderValue::from_bytes("café".as_bytes()).expect("value"),
+        );
+        assert!(exact.matches(&req(&get, "/", None, &h)));
+        assert!(re.matches(&req(&get, "/", None, &h)));
+
+        let mut canary = m(PathMatch::prefix("/"));
+        canary.headers.push((
+            HeaderName::from_static("x-env"),
+            ValueMatch::Exact("canary".into()),
+        ));
+        let mut both = HeaderMap::new();
+        both.append("x-env", "a".parse().expect("v"));
+        both.append("x-env", "canary".parse().expect("v"));
+        assert!(!canary.matches(&req(&get, "/", None, &both)));
+        let mut list = m(PathMatch::prefix("/"));
+        list.headers.push((
+            HeaderName::from_static("x-env"),
+            ValueMatch::Exact("a, canary".into()),
+        ));
+        assert!(list.matches(&req(&get, "/", None, &both)));
+
+        let mut host = m(PathMatch::prefix("/"));
+        host.headers
+            .push((hyper::header::HOST, ValueMatch::Exact("hh.test".into())));
+        let none = HeaderMap::new();
+        let mut h2 = req(&get, "/", None, &none);
+        assert!(!host.matches(&h2));
+        h2.authority = Some("hh.test");
+        assert!(host.matches(&h2));
     }
 }
