@@ -436,8 +436,12 @@ async fn redirect_codes_ipv6_locations_and_forwarded_lists() {
     );
     // HTTP/1.0 without a Host: no absolute URI can name the host, so the Location is the
     // new path alone (a relative reference), never `http://:PORT/new`.
-    let mut s = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
-    s.write_all(b"GET /v6?q=1 HTTP/1.0\r\n\r\n").await.expect("write");
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(b"GET /v6?q=1 HTTP/1.0\r\n\r\n")
+        .await
+        .expect("write");
     let mut reply = String::new();
     tokio::time::timeout(IO_TIMEOUT, s.read_to_string(&mut reply))
         .await
@@ -445,7 +449,9 @@ async fn redirect_codes_ipv6_locations_and_forwarded_lists() {
         .expect("read");
     assert!(reply.starts_with("HTTP/1.0 302"), "{reply}");
     assert!(
-        reply.to_ascii_lowercase().contains("\r\nlocation: /new?q=1\r\n"),
+        reply
+            .to_ascii_lowercase()
+            .contains("\r\nlocation: /new?q=1\r\n"),
         "{reply}"
     );
     let r = send(
