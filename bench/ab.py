@@ -29,6 +29,7 @@ ap.add_argument("--fwd", action="store_true", help="also HAProxy adding X-Forwar
 ap.add_argument("--tcp", action="store_true", help="Listener/Connector and HAProxy tcp mode; keep-alive and new connections")
 ap.add_argument("bins", nargs="+")
 a = ap.parse_args()
+run.ensure_tools()  # nginx, HAProxy, wrk from Debian, as run.py installs them
 ORIGIN = 28180
 def out_segs():
     rows = [l.split() for l in open("/proc/net/snmp") if l.startswith("Tcp:")]

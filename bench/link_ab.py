@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--pin-sites", action="store_true", help="pin site a to CPU 0 and site b to CPU 1 only")
     ap.add_argument("--cc", default="", help="TCP congestion control for the run (machine-wide, restored after; root only), e.g. cubic")
     a = ap.parse_args()
+    run.ensure_tools()  # iperf3, nginx, wrk from Debian, as run.py installs them
     if a.cc:
         run.use_congestion_control(a.cc)
     run.THREADS = a.threads

@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--secs", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    run.ensure_tools()  # iperf3, HAProxy from Debian, as run.py installs them
     run.THREADS = a.threads
     procs = run.Procs()
     atexit.register(procs.stop)
