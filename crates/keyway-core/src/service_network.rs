@@ -478,11 +478,13 @@ pub fn statuses(
         let status = match &obj.resource {
             Resource::Listener(l) => {
                 let has = reach.reachable_keys.contains(&l.spec.routing_key);
-                let why = no_destination(index, reach, &[l.spec.routing_key.as_str()]);
-                let conds = vec![
-                    configured(key),
-                    Cond::ready_or_pending("Matched", has, &why),
-                ];
+                let matched = if has {
+                    Cond::ready("Matched")
+                } else {
+                    let why = no_destination(index, reach, &[l.spec.routing_key.as_str()]);
+                    Cond::pending("Matched", &why)
+                };
+                let conds = vec![configured(key), matched];
                 let mut v = ready_from(conds, generation, now);
                 v["hasMatchingConnector"] = json!(has);
                 v
@@ -524,11 +526,12 @@ pub fn statuses(
                     .map(|k| k.to_string())
                     .collect();
                 let has = !reachable.is_empty();
-                let why = no_destination(index, reach, &keys);
-                let conds = vec![
-                    configured(key),
-                    Cond::ready_or_pending("Operational", has, &why),
-                ];
+                let operational = if has {
+                    Cond::ready("Operational")
+                } else {
+                    Cond::pending("Operational", &no_destination(index, reach, &keys))
+                };
+                let conds = vec![configured(key), operational];
                 let mut v = ready_from(conds, generation, now);
                 v["hasDestination"] = json!(has);
                 let kind = m

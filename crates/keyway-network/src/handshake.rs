@@ -382,7 +382,7 @@ mod tests {
 /// certificate that does not chain to the trusted CA (`what_ca` names where that CA comes
 /// from), or a peer that does not speak TLS at all (a port that is not an inter-router port).
 pub(crate) fn failure_hint(error: &str, addr: &str, what_ca: &str) -> String {
-    const WRONG_CA: [&str; 3] = ["UnknownIssuer", "BadSignature", "certificate not valid"];
+    const WRONG_CA: [&str; 2] = ["UnknownIssuer", "BadSignature"];
     const NOT_TLS: [&str; 2] = ["InvalidContentType", "corrupt message"];
     if WRONG_CA.iter().any(|w| error.contains(w)) {
         format!(
@@ -417,5 +417,14 @@ mod hint_tests {
             assert!(hint.contains(want), "{error}: {hint}");
         }
         assert_eq!(super::failure_hint("handshake timed out", "h:1", ca), "");
+        // An expired certificate or one for another name is not a CA mismatch.
+        assert_eq!(
+            super::failure_hint(
+                "invalid peer certificate: certificate not valid yet",
+                "h:1",
+                ca
+            ),
+            ""
+        );
     }
 }

@@ -480,21 +480,21 @@ pub fn grant_status(
     if let Some(f) = &facts {
         // keyway's own condition: upstream keeps an expired or used-up grant Ready, which hides
         // why its token is refused.
-        // Neither is an error: the grant did its job or ran out of time, and the status word
-        // says which (`Redeemed`, `Expired`).
-        if used >= f.allowed {
-            let msg = format!(
-                "All {} allowed redemptions have been used; issue another token to link another site",
-                f.allowed
-            );
-            conds.push(Cond::new("Redeemable", false, "Redeemed", &msg));
-        } else if f.expires.is_some_and(|at| now >= at) {
+        // Neither is an error: the grant ran out of time or did its job, and the status word
+        // says which (`Expired`, `Redeemed`), in the order a redemption is refused.
+        if f.expires.is_some_and(|at| now >= at) {
             conds.push(Cond::new(
                 "Redeemable",
                 false,
                 "Expired",
                 "The grant has expired; issue another token",
             ));
+        } else if used >= f.allowed {
+            let msg = format!(
+                "All {} allowed redemptions have been used; issue another token to link another site",
+                f.allowed
+            );
+            conds.push(Cond::new("Redeemable", false, "Redeemed", &msg));
         } else {
             conds.push(Cond::ready("Redeemable"));
         }

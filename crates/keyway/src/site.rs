@@ -389,8 +389,16 @@ impl Site {
                 }
             }
         }
+        // A listener serving its last valid certificate is programmed, unless its port is
+        // not serving either (unbound, held by another Gateway).
         for (owner, listener) in &obs.gateway_kept_certificates {
-            if let Some(s) = statuses.get_mut(owner) {
+            let failed = obs
+                .gateway_errors
+                .iter()
+                .any(|e| e.owner == *owner && e.listener == *listener);
+            if let Some(s) = statuses.get_mut(owner)
+                && !failed
+            {
                 mark_kept_certificate(s, listener, &now_value);
             }
         }

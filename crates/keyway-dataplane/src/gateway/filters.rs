@@ -244,7 +244,7 @@ pub fn location(
     let scheme_out = r.scheme.unwrap_or(scheme);
     let host = r.hostname.as_deref().unwrap_or(host);
     if host.is_empty() {
-        if r.scheme.is_some() || r.port.is_some() {
+        if r.scheme.is_some_and(|s| s != scheme) || r.port.is_some_and(|p| p != listener_port) {
             return None;
         }
         let mut out = match &r.path {
@@ -314,6 +314,11 @@ mod tests {
         );
         // No host to send the client to, and the scheme changes: none.
         assert_eq!(location(&r, "http", "", 8080, "/x", None, None), None);
+        // The scheme it already has: relative.
+        assert_eq!(
+            location(&r, "https", "", 8443, "/x", None, None).as_deref(),
+            Some("/x")
+        );
         let r = Redirect {
             scheme: None,
             hostname: Some("b".into()),

@@ -73,7 +73,12 @@ pub fn decode_unreserved(path: &str) -> String {
         }
         // Not an escape: copy up to the next `%` (a path is ASCII on the wire, but hyper
         // accepts some other bytes; `get` keeps this on character boundaries).
-        let next = path[i + 1..].find('%').map_or(bytes.len(), |n| i + 1 + n);
+        // Bytes, not `str::find` on `path[i + 1..]`: `i + 1` may fall inside a character
+        // (`/%41é`), while `i` and every `%` are character boundaries.
+        let next = bytes[i + 1..]
+            .iter()
+            .position(|&b| b == b'%')
+            .map_or(bytes.len(), |n| i + 1 + n);
         out.push_str(&path[i..next]);
         i = next;
     }

@@ -120,8 +120,9 @@ pub struct Request<'a> {
     pub path: &'a str,
     pub query: Option<&'a str>,
     pub headers: &'a HeaderMap,
-    /// The request's authority (HTTP/2's `:authority`), which a match on the `host` header
-    /// sees when the request has no `Host` field, so one route matches alike over both.
+    /// The request's authority (HTTP/2's `:authority`, an absolute-form target's), which a
+    /// match on the `host` header sees before any `Host` field, as routing does, so one route
+    /// matches alike over HTTP/1.1 and HTTP/2.
     pub authority: Option<&'a str>,
 }
 
@@ -157,17 +158,25 @@ impl Match {
         // A field sent more than once is matched as one, its values joined by ", " in order
         // (RFC 9110 §5.3), as a proxy further on would read it.
         let header_ok = |(name, vm): &(HeaderName, ValueMatch)| {
+            if *name == hyper::header::HOST
+                && let Some(authority) = req.authority
+            {
+                return vm.matches(authority);
+            }
+            // HTTP/2 cookie crumbs are one field joined by "; " (RFC 9113 §8.2.3).
+            let separator: &[u8] = if *name == hyper::header::COOKIE {
+                b"; "
+            } else {
+                b", "
+            };
             let mut values = req.headers.get_all(name).iter();
             match (values.next(), values.next()) {
-                (None, _) if *name == hyper::header::HOST => {
-                    req.authority.is_some_and(|a| vm.matches(a))
-                }
                 (None, _) => false,
                 (Some(one), None) => vm.matches_bytes(one.as_bytes()),
                 (Some(first), Some(second)) => {
                     let mut joined = first.as_bytes().to_vec();
                     for v in std::iter::once(second).chain(values) {
-                        joined.extend_from_slice(b", ");
+                        joined.extend_from_slice(separator);
                         joined.extend_from_slice(v.as_bytes());
                     }
                     vm.matches_bytes(&joined)
@@ -639,6 +648,8 @@ mod tests {
             ),
             (HttpRouteRulesMatchesPathType::Exact, "/%61bc", "/abc"),
             (HttpRouteRulesMatchesPathType::Exact, "/a%3ab", "/a%3Ab"),
+            // A raw character beyond ASCII right after an escape (this once panicked).
+            (HttpRouteRulesMatchesPathType::Exact, "/%41é", "/Aé"),
         ] {
             let m = compile(t, value);
             let normal = crate::gateway::path::normalize(request);
@@ -697,5 +708,21 @@ mod tests {
         assert!(!host.matches(&h2));
         h2.authority = Some("hh.test");
         assert!(host.matches(&h2));
+        // The authority wins over a Host field, as routing reads it.
+        let mut other = HeaderMap::new();
+        other.insert(hyper::header::HOST, "elsewhere.test".parse().expect("v"));
+        let mut both = req(&get, "/", None, &other);
+        both.authority = Some("hh.test");
+        assert!(host.matches(&both));
+
+        // Cookie crumbs are one field joined by "; ".
+        let mut cookie = m(PathMatch::prefix("/"));
+        cookie
+            .headers
+            .push((hyper::header::COOKIE, ValueMatch::Exact("a=1; b=2".into())));
+        let mut crumbs = HeaderMap::new();
+        crumbs.append(hyper::header::COOKIE, "a=1".parse().expect("v"));
+        crumbs.append(hyper::header::COOKIE, "b=2".parse().expect("v"));
+        assert!(cookie.matches(&req(&get, "/", None, &crumbs)));
     }
 }
