@@ -42,14 +42,10 @@ pub fn destination_changes(
                     }),
                     (Some(false), Some(true)) => out.push(DestinationChange {
                         degraded: false,
-                        message: match port_closed(new) {
-                            None => format!(
-                                "{key}: its routing key is reachable; new connections are accepted"
-                            ),
-                            Some(why) => format!(
-                                "{key}: its routing key is reachable, but its port is not open: {why}"
-                            ),
-                        },
+                        message: format!(
+                            "{key}: its routing key is reachable{}",
+                            accepting(port_closed(new))
+                        ),
                     }),
                     _ => {}
                 }
@@ -58,6 +54,15 @@ pub fn destination_changes(
         }
     }
     out
+}
+
+/// What follows "reachable" in a regained listener's line: whether new connections are
+/// accepted now, or why its port is not open.
+fn accepting(closed: Option<&str>) -> String {
+    match closed {
+        None => "; new connections are accepted".into(),
+        Some(why) => format!(", but its port is not open: {why}"),
+    }
 }
 
 /// Why a listener does not serve although its status was computed (its `Configured`
@@ -134,16 +139,11 @@ fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<Destinatio
         }
         _ if was.is_empty() => DestinationChange {
             degraded: false,
-            message: match closed {
-                None => format!(
-                    "{key}: routing keys reachable ({}); new connections are accepted",
-                    now.join(", ")
-                ),
-                Some(why) => format!(
-                    "{key}: routing keys reachable ({}), but its port is not open: {why}",
-                    now.join(", ")
-                ),
-            },
+            message: format!(
+                "{key}: routing keys reachable ({}){}",
+                now.join(", "),
+                accepting(closed)
+            ),
         },
         _ => DestinationChange {
             degraded: was.iter().any(|k| !now.contains(k)),

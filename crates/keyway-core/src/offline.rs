@@ -85,6 +85,16 @@ impl Compiled {
     }
 }
 
+/// Warnings about the config as a whole, beyond those of single documents: references that
+/// serve nothing ([`gateway::reference_warnings`]) and a linking site without a name
+/// ([`service_network::unnamed_site_warnings`]). `validate`, `status` and a running site
+/// (on each reload) report the same ones.
+pub fn config_warnings(index: &Index) -> Vec<ConfigError> {
+    let mut out = gateway::reference_warnings(index);
+    out.extend(service_network::unnamed_site_warnings(index));
+    out
+}
+
 /// Compiles `files` from scratch (no previous index), stamping times from `state` or `now`.
 pub fn compile(files: &[FileLoad], state: &mut ObjectState, now: &Time) -> Compiled {
     compile_checking_addresses(files, state, now, |_, _| None)
@@ -102,12 +112,7 @@ pub fn compile_checking_addresses(
 ) -> Compiled {
     let mut index = Index::default();
     let mut reconciled = reconcile(&mut index, state, files, now);
-    reconciled
-        .warnings
-        .extend(gateway::reference_warnings(&index));
-    reconciled
-        .warnings
-        .extend(service_network::unnamed_site_warnings(&index));
+    reconciled.warnings.extend(config_warnings(&index));
     let mut resolution = service_network::resolve(&index);
     let gateway = gateway::resolve(&index, now);
     resolution.plan.gateways = gateway.plan.clone();

@@ -394,6 +394,7 @@ pub fn mark_port_unavailable(status: &mut Value, listener: &str, message: &str, 
     set_listener_conditions(
         status,
         listener,
+        false,
         &[
             ("Accepted", "PortUnavailable"),
             ("Programmed", "PortUnavailable"),
@@ -420,28 +421,13 @@ pub fn rederive_programmed(
             .flatten()
             .any(|l| condition_true(l, "Programmed"))
     };
+    // A listener serving its last valid certificate is the only programmed one an owner the
+    // resolver found without one can have: then the owner is promoted.
     let demote = |status: &mut Value, reason: &str| {
-        for c in status["conditions"].as_array_mut().into_iter().flatten() {
-            if c["type"] == "Programmed" && c["status"] == "True" {
-                c["status"] = Value::from("False");
-                c["reason"] = Value::from(reason);
-                c["message"] = Value::from("no listener is programmed");
-                c["lastTransitionTime"] = now.clone();
-            }
-        }
+        set_programmed(status, false, reason, "no listener is programmed", now)
     };
-    // Only a listener serving its last valid certificate is programmed under an owner the
-    // resolver found without one.
-    let promote = |status: &mut Value| {
-        for c in status["conditions"].as_array_mut().into_iter().flatten() {
-            if c["type"] == "Programmed" && c["status"] == "False" {
-                c["status"] = Value::from("True");
-                c["reason"] = Value::from("Programmed");
-                c["message"] = Value::from("programmed");
-                c["lastTransitionTime"] = now.clone();
-            }
-        }
-    };
+    let promote =
+        |status: &mut Value| set_programmed(status, true, "Programmed", "programmed", now);
     let mut gateways_serving: std::collections::BTreeSet<crate::ObjectKey> = Default::default();
     for obj in index.of_kind(Kind::ListenerSet) {
         let Resource::ListenerSet(ls) = &obj.resource else {
@@ -528,6 +514,7 @@ pub fn mark_invalid_certificate(status: &mut Value, listener: &str, message: &st
     set_listener_conditions(
         status,
         listener,
+        false,
         &[
             ("ResolvedRefs", "InvalidCertificateRef"),
             ("Programmed", "Invalid"),
@@ -541,38 +528,41 @@ pub fn mark_invalid_certificate(status: &mut Value, listener: &str, message: &st
 /// certificate, its own no longer resolving (SPEC §7: nothing already serving stops):
 /// `Programmed=True`, saying so; `ResolvedRefs` stays False with the resolver's reason.
 pub fn mark_kept_certificate(status: &mut Value, listener: &str, now: &Value) {
-    let Some(entry) = status
-        .get_mut("listeners")
-        .and_then(Value::as_array_mut)
-        .and_then(|ls| {
-            ls.iter_mut()
-                .find(|l| l.get("name").and_then(Value::as_str) == Some(listener))
-        })
-    else {
-        return;
-    };
-    for c in entry["conditions"].as_array_mut().into_iter().flatten() {
-        if c["type"] == "Programmed" {
-            if c["status"] != "True" {
-                c["lastTransitionTime"] = now.clone();
-            }
-            c["status"] = Value::from("True");
-            c["reason"] = Value::from("Programmed");
-            c["message"] = Value::from(
-                "serving with its last valid certificate: its certificate references no longer resolve (see ResolvedRefs)",
-            );
+    set_listener_conditions(
+        status,
+        listener,
+        true,
+        &[("Programmed", "Programmed")],
+        "serving with its last valid certificate: its certificate references no longer resolve (see ResolvedRefs)",
+        now,
+    );
+}
+
+/// Sets a Gateway's or ListenerSet's own `Programmed` condition to `to` when it is not so
+/// already (the transition time moves only then).
+fn set_programmed(status: &mut Value, to: bool, reason: &str, message: &str, now: &Value) {
+    let to_text = if to { "True" } else { "False" };
+    for c in status["conditions"].as_array_mut().into_iter().flatten() {
+        if c["type"] == "Programmed" && c["status"] != to_text {
+            c["status"] = Value::from(to_text);
+            c["reason"] = Value::from(reason);
+            c["message"] = Value::from(message);
+            c["lastTransitionTime"] = now.clone();
         }
     }
 }
 
-/// Sets each `(type, reason)` condition of `listener` to False with `message`.
+/// Sets each `(type, reason)` condition of `listener` to `to` with `message` (the transition
+/// time moves only when the status changes).
 fn set_listener_conditions(
     status: &mut Value,
     listener: &str,
-    falses: &[(&str, &str)],
+    to: bool,
+    conditions: &[(&str, &str)],
     message: &str,
     now: &Value,
 ) {
+    let to_text = if to { "True" } else { "False" };
     let Some(listeners) = status.get_mut("listeners").and_then(Value::as_array_mut) else {
         return;
     };
@@ -586,16 +576,16 @@ fn set_listener_conditions(
         return;
     };
     for c in conds.iter_mut() {
-        let Some((_, reason)) = falses
+        let Some((_, reason)) = conditions
             .iter()
             .find(|(t, _)| c.get("type").and_then(Value::as_str) == Some(*t))
         else {
             continue;
         };
-        if c.get("status").and_then(Value::as_str) != Some("False") {
+        if c.get("status").and_then(Value::as_str) != Some(to_text) {
             c["lastTransitionTime"] = now.clone();
         }
-        c["status"] = Value::from("False");
+        c["status"] = Value::from(to_text);
         c["reason"] = Value::from(*reason);
         c["message"] = Value::from(message);
     }
