@@ -627,12 +627,6 @@ impl Inner {
             if st.superseded.insert(adv.id.clone()) {
                 st.seq = adv.seq;
                 self.originate(&mut st);
-            } else if adv.links.is_empty() && adv.keys.is_empty() {
-                // The other is leaving (a draining site advertises neither) or reaches no one:
-                // its record serves no one, so the name comes back now, not after the wait.
-                st.duplicate_seen = None;
-                st.seq = st.seq.max(adv.seq);
-                self.originate(&mut st);
             } else {
                 let now = Instant::now();
                 // Long after the last clash, a new one starts the waits afresh.

@@ -1123,22 +1123,6 @@ mod linked_in_memory {
         .await;
     }
 
-    /// The other site under this name shutting down (draining: it advertises no links and no
-    /// keys) hands the name back at once, however long the wait has grown.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_site_takes_its_name_back_at_once_from_one_that_drains() {
-        let (w1, east, _l1, w2) = name_clash().await;
-        let id_at_east = || lock(&east.inner.state).db.get("west").map(|a| a.id.clone());
-        assert_eq!(id_at_east().as_ref(), Some(&w2.1.inner.id));
-        // A clash that went on for a while: the next wait would be 64 s here.
-        lock(&w1.inner.state).reclaims = 6;
-        w2.1.start_draining();
-        until(3, || {
-            id_at_east().as_ref() == Some(&w1.inner.id) && w1.observe().name_conflict.is_none()
-        })
-        .await;
-    }
-
     /// A draining site advertises no links and no keys (others route around it), while its own
     /// routes still use its links (its open work still reaches other sites), and it does not
     /// take its name back from a site that ran under it meanwhile (its own next run, say).
