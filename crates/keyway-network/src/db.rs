@@ -119,6 +119,7 @@ mod tests {
                 site: "x".into(),
                 cost: 1,
             }],
+            draining: false,
         }
     }
 

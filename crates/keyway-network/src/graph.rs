@@ -97,6 +97,7 @@ mod tests {
                         cost: *c,
                     })
                     .collect(),
+                draining: false,
             },
         )
     }

@@ -146,6 +146,7 @@ struct State {
     /// Shutting down: advertised with no keys and no links, so that no new traffic comes
     /// here or through here while open connections drain.
     draining: bool,
+    draining_since: Option<Instant>,
     conns: HashMap<u64, Arc<Conn>>,
     db: db::Db,
     /// When a peer's advertisement last did not fit in `db` was logged (at most every 10 s).
@@ -248,6 +249,7 @@ impl Network {
                 seq,
                 local_keys: Vec::new(),
                 draining: false,
+                draining_since: None,
                 listening: Vec::new(),
                 conns: HashMap::new(),
                 db: db::Db::default(),
@@ -543,12 +545,20 @@ impl Network {
         let mut st = lock(&self.inner.state);
         if !st.draining {
             st.draining = true;
+            st.draining_since = Some(Instant::now());
             self.inner.originate(&mut st);
         }
     }
 
-    /// Closes every link and the RouterAccess port.
-    pub fn shutdown(&self) {
+    /// Closes every link and the RouterAccess port. A draining site first gives its last
+    /// advertisement (the one that says so, see [`Network::start_draining`]) time to leave: a
+    /// link closed at once would drop it unsent, and a site of the same name it kept out would
+    /// then wait to take its name back.
+    pub async fn shutdown(&self) {
+        let draining_since = lock(&self.inner.state).draining_since;
+        if let Some(since) = draining_since {
+            tokio::time::sleep_until((since + LAST_ADVERTISEMENT_LINGER).into()).await;
+        }
         let (links, access) = {
             let mut st = lock(&self.inner.state);
             (std::mem::take(&mut st.links), st.access.take())
@@ -600,6 +610,8 @@ impl Inner {
             } else {
                 st.own_links.clone()
             },
+
+            draining: st.draining,
         };
         let _ = st.db.insert(adv.clone(), true);
         flood(st, &adv, None);
@@ -618,6 +630,17 @@ impl Inner {
         if adv.origin == st.site {
             // A site shutting down leaves its name to whoever has it (its own next run, say).
             if adv.id == self.id || adv.seq < st.seq || st.draining {
+                return;
+            }
+            // The site that kept our name is shutting down and hands the name back now: no
+            // need to wait for it to go quiet. (Taken once as a previous run's echo below,
+            // for an id not seen before, it ends the same way.)
+            if adv.draining && st.superseded.contains(&adv.id) {
+                tracing::info!(site = %st.site, other_id = %adv.id, "the other site with this site's name is shutting down: taking the name back");
+                st.duplicate_seen = None;
+                st.reclaims = 0;
+                st.seq = st.seq.max(adv.seq);
+                self.originate(&mut st);
                 return;
             }
             // Another id ahead of us under our name. The first time, an echo of a previous
@@ -958,6 +981,10 @@ const NAME_RECLAIM_AFTER: Duration = if cfg!(test) {
 
 const NAME_RECLAIM_MAX: Duration = Duration::from_secs(640);
 
+/// How long after it starts draining a site keeps its links open at least, so that the
+/// advertisement saying so reaches its peers (a few round trips on any real link).
+const LAST_ADVERTISEMENT_LINGER: Duration = Duration::from_millis(300);
+
 /// When a RouterAccess that could not bind is tried again first (then at every refresh tick).
 const ACCESS_RETRY_SOON: Duration = Duration::from_millis(300);
 
@@ -1047,6 +1074,7 @@ mod advertisement_tests {
             keys: vec!["k".into()],
             listening: Vec::new(),
             links: Vec::new(),
+            draining: false,
         }
     }
 

@@ -59,6 +59,11 @@ pub struct Advertisement {
     /// Sites the origin can open streams to, with the link cost.
     #[serde(default)]
     pub links: Vec<Adjacency>,
+    /// The origin is shutting down (it advertises no keys and no links meanwhile). A site of
+    /// the same name that it kept out takes its name back at once, rather than after its wait;
+    /// the empty lists alone would not say this, as a site that has just started sends them too.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -294,6 +299,27 @@ mod tests {
             elapsed < std::time::Duration::from_millis(200),
             "32 KiB sent one byte at a time took {elapsed:?} to buffer (quadratic scan)"
         );
+    }
+
+    /// `draining` is optional both ways: left out when false (what version-1 sites before it
+    /// sent), and read as false when absent.
+    #[test]
+    fn the_draining_flag_is_optional() {
+        let line = br#"{"type":"advertisement","origin":"west","id":"9f","seq":7,"keys":["db"]}"#;
+        let Ok(Message::Advertisement(adv)) = serde_json::from_slice::<Message>(line) else {
+            panic!("an advertisement without the flag");
+        };
+        assert!(!adv.draining);
+        let encoded = Message::Advertisement(adv.clone()).encode();
+        assert!(!String::from_utf8_lossy(&encoded).contains("draining"));
+        let draining = Advertisement {
+            draining: true,
+            ..adv
+        };
+        let encoded = Message::Advertisement(draining.clone()).encode();
+        assert!(String::from_utf8_lossy(&encoded).contains(r#""draining":true"#));
+        let back: Message = serde_json::from_slice(&encoded).expect("decodes");
+        assert_eq!(back, Message::Advertisement(draining));
     }
 
     #[test]

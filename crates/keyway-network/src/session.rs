@@ -1123,6 +1123,24 @@ mod linked_in_memory {
         .await;
     }
 
+    /// A second site under a live site's name, that then shuts down (drains): the first takes
+    /// its name back at once, however long its wait has grown (64 s here), and the network's
+    /// record of the name is the first site's again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_site_takes_its_name_back_at_once_from_one_that_drains() {
+        let (w1, east, _l1, w2) = name_clash().await;
+        let id_at_east = || lock(&east.inner.state).db.get("west").map(|a| a.id.clone());
+        assert_eq!(id_at_east().as_ref(), Some(&w2.1.inner.id));
+        lock(&w1.inner.state).reclaims = 6;
+        w2.1.start_draining();
+        until(3, || {
+            id_at_east().as_ref() == Some(&w1.inner.id) && w1.observe().name_conflict.is_none()
+        })
+        .await;
+        let record = lock(&east.inner.state).db.get("west").cloned();
+        assert!(record.is_some_and(|r| !r.draining && !r.links.is_empty()));
+    }
+
     /// A draining site advertises no links and no keys (others route around it), while its own
     /// routes still use its links (its open work still reaches other sites), and it does not
     /// take its name back from a site that ran under it meanwhile (its own next run, say).

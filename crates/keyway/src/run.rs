@@ -187,7 +187,7 @@ pub fn run(
         site.start_draining();
         // Drain first: connections to keys at other sites still need the links.
         let left = site.dataplane.shutdown(drain).await;
-        site.network.shutdown();
+        site.network.shutdown().await;
         if left > 0 {
             tracing::warn!(open = left, "drain timeout: closing remaining connections");
         }

@@ -599,6 +599,81 @@ fn a_router_access_moved_to_another_bind_address_binds_again() {
     assert_eq!(access["status"], "Ready", "{access}");
 }
 
+/// Two sites named `west` link to `east`. The second takes the name (its advertisements are
+/// newer), and the first's status says why. When the second stops with SIGTERM it drains,
+/// says so in its last advertisement, and the first takes its name back at once: east reaches
+/// the first's key again within a second, not once the second has been quiet for the wait.
+#[test]
+fn a_site_gets_its_name_back_as_soon_as_a_duplicate_stops() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (east_port, listen) = (free_port(), free_port());
+    let (first, second) = (Backend::start("at-west-1"), Backend::start("at-west-2"));
+    let east = start_site(
+        "east",
+        &ca,
+        &[
+            router_access_yaml(east_port, "link-tls"),
+            listener_yaml("svc", "svc", listen),
+        ],
+    );
+    let west = |backend: &Backend| {
+        start_site(
+            "west",
+            &ca,
+            &[
+                link_yaml("to-east", east_port, 1, "link-tls"),
+                connector_yaml("svc", "svc", backend.port),
+            ],
+        )
+    };
+    let west_1 = west(&first);
+    assert!(
+        eventually(Duration::from_secs(10), || who(listen).as_deref()
+            == Ok("at-west-1")),
+        "east never reached west: {:?}",
+        who(listen)
+    );
+    let mut west_2 = west(&second);
+    let conflict = |site: &SiteProc| {
+        site.status_of("Site", "west")
+            .and_then(|s| s["conditions"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c["type"] == "Running" && c["status"] == "False")
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || conflict(&west_1)),
+        "the first west never saw the second"
+    );
+    // While both run, the first takes its name back only once the second has been quiet for
+    // 10 s (and the second then waits 10 s to do the same): 3 s in, the second holds it.
+    std::thread::sleep(Duration::from_secs(3));
+    west_2.signal("-TERM");
+    let stopped = Instant::now();
+    assert!(
+        west_2.exits_within(Duration::from_secs(10)),
+        "west #2 did not stop"
+    );
+    let back = eventually(Duration::from_secs(5), || {
+        !conflict(&west_1) && who(listen).as_deref() == Ok("at-west-1")
+    });
+    let took = stopped.elapsed();
+    println!("the first west had its name back {took:?} after the second was told to stop");
+    assert!(
+        back,
+        "not back after {took:?}: {:?}\n{}",
+        who(listen),
+        west_1.log()
+    );
+    assert!(
+        west_1.log().contains("taking the name back"),
+        "{}",
+        west_1.log()
+    );
+    drop(east);
+}
+
 /// Sites link over IPv6 (RouterAccess `bindHost: "::1"`, Link endpoint host `::1`) and carry
 /// traffic between a Listener and a Connector that are IPv6 too.
 #[test]
