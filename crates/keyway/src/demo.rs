@@ -52,6 +52,19 @@ const START_LIMIT: Duration = Duration::from_secs(30);
 pub fn run(port_base: u16, keep: bool) -> Result<ExitCode> {
     let ports = Ports::new(port_base)?;
     ports.check_free()?;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| ports.ephemeral_overlap(&text));
+    if let Some((low, high)) = ephemeral {
+        eprintln!(
+            "note: ports {}..{} overlap this machine's ephemeral port range {low}-{high} \
+             (/proc/sys/net/ipv4/ip_local_port_range), from which outgoing connections take their \
+             ports: one of the sites' own links may hold a demo port before it is bound. A base \
+             outside it (the default 17000, say) avoids that.",
+            ports.at(0),
+            ports.at(SPAN)
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -79,6 +92,15 @@ impl Ports {
             );
         }
         Ok(Ports { base })
+    }
+    /// The ephemeral port range (as written in `ip_local_port_range`: "LOW\tHIGH") when the
+    /// demo's ports overlap it.
+    fn ephemeral_overlap(self, range: &str) -> Option<(u16, u16)> {
+        let mut bounds = range.split_whitespace().map(str::parse::<u16>);
+        let (Some(Ok(low)), Some(Ok(high))) = (bounds.next(), bounds.next()) else {
+            return None;
+        };
+        (self.at(0) <= high && self.at(SPAN) >= low).then_some((low, high))
     }
     fn at(self, offset: u16) -> u16 {
         self.base + offset
@@ -924,6 +946,24 @@ mod tests {
         assert!(Ports::new(80).is_err());
         assert!(Ports::new(u16::MAX - SPAN + 1).is_err());
         assert!(Ports::new(u16::MAX - SPAN).is_ok());
+    }
+
+    #[test]
+    fn a_base_in_the_ephemeral_range_is_noted() {
+        let linux = "32768\t60999\n";
+        let overlap = |base| Ports::new(base).ok()?.ephemeral_overlap(linux);
+        assert_eq!(overlap(17000), None);
+        assert_eq!(overlap(36000), Some((32768, 60999)));
+        assert_eq!(overlap(32768 - SPAN), Some((32768, 60999)));
+        assert_eq!(overlap(32767 - SPAN), None);
+        assert_eq!(overlap(61000), None);
+        assert_eq!(overlap(60999), Some((32768, 60999)));
+        assert_eq!(
+            Ports::new(36000)
+                .ok()
+                .and_then(|p| p.ephemeral_overlap("junk")),
+            None
+        );
     }
 
     #[test]
