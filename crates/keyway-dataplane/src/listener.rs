@@ -190,6 +190,8 @@ async fn accept_loop(
     let mut changes = shared.registry.subscribe();
     let mut throttle = crate::Throttle::default();
     let mut socket: Option<Sockets> = None;
+    // The error of the last probe of a closed port, and the one last logged.
+    let (mut probe_failed, mut probe_logged): (Option<String>, Option<String>) = (None, None);
     let mut bind_failures = 0u32;
     loop {
         if *stop.borrow_and_update() {
@@ -220,11 +222,25 @@ async fn accept_loop(
                 .await
                 .unwrap_or(Ok(()));
             let failed = probed.is_err();
-            state.set_error(
-                probed
-                    .err()
-                    .map(|e| format!("cannot bind {host}:{port}: {e}")),
-            );
+            let error = probed
+                .err()
+                .map(|e| format!("cannot bind {host}:{port}: {e}"));
+            // Logged once, at the second probe in a row that fails alike (a port another
+            // object of the site gives up in the same reload is free by then), not at every
+            // retry: the seed's `host: example-01` would otherwise be silent until a key is
+            // reachable.
+            if let Some(e) = error
+                .as_ref()
+                .filter(|e| probe_failed.as_ref() == Some(*e) && probe_logged.as_ref() != Some(*e))
+            {
+                tracing::warn!(listener = %rt.label, "{e}, so its port cannot open when a routing key becomes reachable");
+                probe_logged = Some(e.clone());
+            }
+            if error.is_none() {
+                probe_logged = None;
+            }
+            probe_failed.clone_from(&error);
+            state.set_error(error);
             // A failed probe is tried again now and then, so its error clears once the port
             // frees even if nothing else changes.
             let again = if failed {

@@ -1204,3 +1204,31 @@ fn an_address_not_on_this_host_is_reported_offline_as_the_site_reports_it() {
     assert_eq!(message_of(&live, "far"), (state, message));
     assert_eq!(message_of(&live, "near").0, "Ready");
 }
+
+/// The proposal's MultiKeyListener (`host: example-01`, a name that does not resolve here) with
+/// no routing key reachable: its port stays closed anyway, but the site's log says within seconds
+/// (at the second probe) that it could not open, and says it once, not at every later probe.
+#[test]
+fn a_host_that_does_not_resolve_is_logged_once_before_any_key_is_reachable() {
+    let dir = temp_dir("unresolvable-host");
+    let port = free_port();
+    let seed = mkl("ex01", port, &["backend-us-east-1", "backend-us-east-2"])
+        .replace("127.0.0.1", "example-01");
+    std::fs::write(dir.join("ex01.yaml"), seed).expect("write");
+    let site = Site::spawn(&dir, None);
+    let want = format!("cannot bind example-01:{port}: ");
+    site.wait_for("/status", |_, body| body.contains(&want));
+    let log = || std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !log().contains(&want) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    // Two more probes.
+    thread::sleep(Duration::from_millis(4500));
+    let log = log();
+    assert_eq!(log.matches(&want).count(), 1, "{log}");
+    assert!(
+        log.contains("so its port cannot open when a routing key becomes reachable"),
+        "{log}"
+    );
+}
