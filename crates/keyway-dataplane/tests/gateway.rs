@@ -198,6 +198,49 @@ async fn listener_isolation_across_many_hostnames() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
 }
 
+/// Routes rank by their own hostnames, not by what they share with the listener: on a listener
+/// for `a.example.com`, a route for `a.example.com` goes before an older one for
+/// `*.example.com` (which attaches there too, as `a.example.com`); on `*.example.com`, the
+/// wildcard route goes before an older route without hostnames (HTTPRouteSpec `hostnames`).
+/// Adding the exact listener changes none of this.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exact_route_hostname_goes_before_an_older_wildcard_one() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let named = |route: String, hosts: &str| {
+        route.replacen("spec:\n", &format!("spec:\n  hostnames: {hosts}\n"), 1)
+    };
+    let routes = [
+        http_route("none", 1, "", &tagged("[]", "none", "svc")),
+        named(
+            http_route("wild", 2, "", &tagged("[]", "wild", "svc")),
+            "[\"*.example.com\"]",
+        ),
+        named(
+            http_route("exact", 3, "", &tagged("[]", "exact", "svc")),
+            "[a.example.com]",
+        ),
+    ]
+    .concat();
+    let wild =
+        format!("  - {{name: wild, port: {port}, protocol: HTTP, hostname: \"*.example.com\"}}\n");
+    let exact =
+        format!("  - {{name: exact, port: {port}, protocol: HTTP, hostname: a.example.com}}\n");
+    let c = client();
+    for listeners in [wild.clone(), format!("{wild}{exact}")] {
+        let yaml = format!("{}{}{routes}", service("svc", be), gateway(&listeners));
+        let _dp = start(&yaml, port).await;
+        for (host, want) in [("a.example.com", "exact"), ("b.example.com", "wild")] {
+            let r = get(&c, port, host, "/").await;
+            assert_eq!(
+                r.header("x-rule"),
+                Some(want),
+                "{host} with listeners\n{listeners}"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn match_precedence() {
     let be = http_backend("be").await;
@@ -971,6 +1014,48 @@ async fn tls_passthrough_by_sni_and_tcp_route() {
     send.await.expect("sender");
     assert_eq!(echoed.len(), body.len());
     assert!(echoed == body, "echo corrupted");
+    drop(dp);
+}
+
+/// TLSRoutes rank by their own hostnames as HTTPRoutes do: with passthrough listeners for
+/// `a.pass.test` and `*.pass.test`, an older TLSRoute for `*.pass.test` (attached to both)
+/// does not take `a.pass.test` from a TLSRoute for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exact_tls_route_goes_before_an_older_wildcard_one() {
+    let ca = Ca::new("test-ca");
+    let pa = tls_backend("pass-a", &ca, "a.pass.test").await;
+    let pb = tls_backend("pass-b", &ca, "b.pass.test").await;
+    let port = free_port();
+    let mut yaml = service("sa", pa);
+    yaml.push_str(&service("sb", pb));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: pa, port: {port}, protocol: TLS, hostname: a.pass.test, tls: {{mode: Passthrough}}}}\n  - {{name: pw, port: {port}, protocol: TLS, hostname: \"*.pass.test\", tls: {{mode: Passthrough}}}}\n"
+    )));
+    for (name, minute, host, svc) in [
+        ("wild", 1, "\"*.pass.test\"", "sb"),
+        ("exact", 2, "a.pass.test", "sa"),
+    ] {
+        yaml.push_str(&format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: TLSRoute\nmetadata: {{name: {name}, creationTimestamp: \"2024-01-01T00:{minute:02}:00Z\"}}\nspec:\n  parentRefs: [{{name: gw}}]\n  hostnames: [{host}]\n  rules: [{{backendRefs: [{{name: {svc}, port: 80}}]}}]\n"
+        ));
+    }
+    let dp = start(&yaml, port).await;
+    let connector = common::tls_client(&ca, None);
+    for (sni, want) in [("a.pass.test", "pass-a"), ("b.pass.test", "pass-b")] {
+        let s = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let name = rustls::pki_types::ServerName::try_from(sni.to_string()).expect("name");
+        let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, s))
+            .await
+            .expect("handshake in time")
+            .expect("handshake with the backend");
+        let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut t))
+            .await
+            .expect("greeting")
+            .expect("read");
+        assert_eq!(line, want, "{sni}");
+    }
     drop(dp);
 }
 

@@ -41,6 +41,23 @@ pub fn intersect(listener: Option<&str>, route: &[String]) -> Option<Vec<String>
     }
 }
 
+/// The route's own hostnames (lowercase) behind `served` (what [`intersect`] returned for it
+/// on a listener): what ranks the route against the listener's other routes for a request
+/// host. The intersection alone would not do: a route for `*.example.com` on a listener for
+/// `a.example.com` serves `a.example.com`, yet a route for `a.example.com` itself takes
+/// precedence there (HTTPRouteSpec `hostnames`: the most characters in a matching
+/// non-wildcard hostname first). Empty for a route without hostnames, which ranks last.
+pub fn ranking(route: &[String], served: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = route
+        .iter()
+        .map(|r| r.to_ascii_lowercase())
+        .filter(|r| served.iter().any(|h| h == r || covered_by(r, h)))
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Whether two attachments' hostnames (as [`intersect`] returns them; empty: any host) can
 /// match one request host. (The resolver uses [`Taken`]; this is its reference.)
 #[cfg(test)]
@@ -133,6 +150,46 @@ mod tests {
 
     #[test]
     #[allow(clippy::type_complexity)]
+    fn ranking_keeps_the_routes_own_hostnames() {
+        let cases: &[(Option<&str>, &[&str], &[&str])] = &[
+            (
+                Some("a.example.com"),
+                &["*.example.com"],
+                &["*.example.com"],
+            ),
+            (
+                Some("a.example.com"),
+                &["a.example.com"],
+                &["a.example.com"],
+            ),
+            (Some("a.example.com"), &[], &[]),
+            (
+                None,
+                &["B.example.com", "*.x.io"],
+                &["*.x.io", "b.example.com"],
+            ),
+            (
+                Some("*.example.com"),
+                &["a.example.com", "*.example.com", "other.io"],
+                &["*.example.com", "a.example.com"],
+            ),
+            (
+                Some("*.example.com"),
+                &["*.a.example.com"],
+                &["*.a.example.com"],
+            ),
+        ];
+        for (listener, route, want) in cases {
+            let served = intersect(*listener, &v(route)).expect("intersects");
+            assert_eq!(
+                ranking(&v(route), &served),
+                v(want),
+                "{listener:?} {route:?}"
+            );
+        }
+    }
+
+    #[test]
     fn intersection_table() {
         let cases: &[Case<'_>] = &[
             (None, &[], Some(&[])),

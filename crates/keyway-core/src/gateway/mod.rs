@@ -1186,6 +1186,7 @@ impl GatewayResolver {
                             AttachedRoute {
                                 route: rkey.clone(),
                                 hostnames: hostnames.clone(),
+                                ranked_by: hostname::ranking(&rr.rin.hostnames, hostnames),
                                 rules: rr.rin.rules.clone(),
                             },
                         ));
@@ -1350,8 +1351,8 @@ impl GatewayResolver {
 
     /// Routes that cannot share a listener: an HTTPRoute and a GRPCRoute whose hostnames
     /// overlap (GRPCRoute spec, `hostnames`), two TCPRoutes (a TCP listener forwards each
-    /// connection to one route), two TLSRoutes with the same hostnames (a passthrough listener
-    /// routes by SNI alone). The older route (then the first by namespace/name) wins, the other
+    /// connection to one route), two TLSRoutes with the same hostnames of their own (a
+    /// passthrough listener routes by SNI alone). The older route (then the first by namespace/name) wins, the other
     /// is not served there, and a parentRef that lost on every serving listener it matched is
     /// `Accepted=False/Conflicted`. A TLSRoute loses only when every hostname it has there is
     /// taken. A losing route never blocks another. Puts the status of every route in
@@ -1403,7 +1404,7 @@ impl GatewayResolver {
             // TCPRoute is served, TLSRoutes' hostnames ("" for a route without any).
             let (mut http, mut grpc) = (hostname::Taken::default(), hostname::Taken::default());
             let mut tcp = false;
-            let mut tls: HashSet<&str> = HashSet::default();
+            let mut tls: HashSet<String> = HashSet::default();
             for (rr, hosts) in routes {
                 let loses = match rr.rin.kind {
                     Kind::HTTPRoute | Kind::GRPCRoute => {
@@ -1419,13 +1420,19 @@ impl GatewayResolver {
                         loses
                     }
                     Kind::TCPRoute => std::mem::replace(&mut tcp, true),
-                    Kind::TLSRoute if hosts.is_empty() => !tls.insert(""),
+                    // By the route's own hostnames, as SNI picks among them: one for
+                    // `*.example.com` does not take `a.example.com` from one for it.
                     Kind::TLSRoute => {
-                        let mut any_new = false;
-                        for h in hosts {
-                            any_new |= tls.insert(h);
+                        let own = hostname::ranking(&rr.rin.hostnames, hosts);
+                        if own.is_empty() {
+                            !tls.insert(String::new())
+                        } else {
+                            let mut any_new = false;
+                            for h in own {
+                                any_new |= tls.insert(h);
+                            }
+                            !any_new
                         }
-                        !any_new
                     }
                     _ => false,
                 };

@@ -109,6 +109,10 @@ pub struct AttachedRoute {
     #[serde(serialize_with = "key_string")]
     pub route: ObjectKey,
     pub hostnames: Vec<String>,
+    /// The route's own hostnames behind `hostnames`, which rank it against the listener's
+    /// other routes for a request host: exact before wildcard before none, then the longest
+    /// (see [`super::hostname::ranking`]).
+    pub ranked_by: Vec<String>,
     pub rules: Arc<RouteRules>,
 }
 

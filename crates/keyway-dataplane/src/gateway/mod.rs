@@ -29,8 +29,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use keyway_core::ObjectKey;
 use keyway_core::gateway::plan::{
-    GatewayPlan, ListenerBind, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode,
-    WeightedBackend,
+    AttachedRoute, GatewayPlan, ListenerBind, PortBind, Protocol, ProtocolFamily, RouteRules,
+    TlsMode, WeightedBackend,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -42,7 +42,7 @@ use tokio::sync::watch;
 
 use crate::workers::{self, AcceptGroup, Workers};
 use crate::{ConnectionTracker, Shared};
-use route_match::{Entry, Table, host_rank};
+use route_match::{Entry, RouteHosts, Table, host_rank};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -247,9 +247,17 @@ impl HttpRoutes {
     }
 }
 
+/// A route's hostnames on its listener, as the plan gives them.
+fn hosts(route: &AttachedRoute) -> RouteHosts {
+    RouteHosts {
+        served: route.hostnames.clone(),
+        ranked_by: route.ranked_by.clone(),
+    }
+}
+
 /// A TLSRoute or TCPRoute: hostnames (TLS only) and one weighted backend set.
 pub struct StreamRoute {
-    pub hostnames: Vec<String>,
+    pub hosts: RouteHosts,
     pub backends: Vec<WeightedBackend>,
     pub metrics: Arc<RouteMetrics>,
 }
@@ -752,7 +760,7 @@ impl Gateways {
                             metrics: metrics.clone(),
                         });
                     }
-                    hostnames.push(route.hostnames.clone());
+                    hostnames.push(hosts(route));
                     rules.push(compiled);
                 }
                 RouteRules::Grpc(rs) => {
@@ -773,12 +781,12 @@ impl Gateways {
                             metrics: metrics.clone(),
                         });
                     }
-                    hostnames.push(route.hostnames.clone());
+                    hostnames.push(hosts(route));
                     rules.push(compiled);
                 }
                 RouteRules::Tls(rs) | RouteRules::Tcp(rs) => {
                     streams.push(StreamRoute {
-                        hostnames: route.hostnames.clone(),
+                        hosts: hosts(route),
                         backends: rs.iter().flatten().cloned().collect(),
                         metrics: metrics.clone(),
                     });

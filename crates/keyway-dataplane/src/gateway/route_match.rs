@@ -402,6 +402,29 @@ pub fn host_rank(hostnames: &[String], host: &str) -> Option<HostRank> {
         .max()
 }
 
+/// A route's hostnames on one listener: `served` (the intersection with the listener's, which
+/// decides whether a host is the route's at all) and `ranked_by` (the route's own hostnames
+/// behind them, which rank it against the listener's other routes: a route for
+/// `a.example.com` goes before one for `*.example.com` even where the listener is for
+/// `a.example.com` alone). Both empty: any host, ranked last.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RouteHosts {
+    pub served: Vec<String>,
+    pub ranked_by: Vec<String>,
+}
+
+impl RouteHosts {
+    /// How this route ranks for `host`; `None` if it does not serve it.
+    pub fn rank(&self, host: &str) -> Option<HostRank> {
+        host_rank(&self.served, host)?;
+        Some(host_rank(&self.ranked_by, host).unwrap_or((0, 0)))
+    }
+
+    fn any(&self) -> bool {
+        self.served.is_empty() && self.ranked_by.is_empty()
+    }
+}
+
 /// One match of one rule of one route.
 #[derive(Clone, Debug)]
 pub struct Entry {
@@ -413,13 +436,13 @@ pub struct Entry {
 /// All matches of a listener's routes, best first.
 #[derive(Clone, Debug, Default)]
 pub struct Table {
-    /// Per route: its hostnames (as intersected with the listener's).
-    pub hostnames: Vec<Vec<String>>,
+    /// Per route: its hostnames on this listener.
+    pub hostnames: Vec<RouteHosts>,
     pub entries: Vec<Entry>,
 }
 
 impl Table {
-    pub fn new(hostnames: Vec<Vec<String>>, mut entries: Vec<Entry>) -> Table {
+    pub fn new(hostnames: Vec<RouteHosts>, mut entries: Vec<Entry>) -> Table {
         entries.sort_by_cached_key(|e| Reverse((e.m.rank(), Reverse(e.route), Reverse(e.rule))));
         Table { hostnames, entries }
     }
@@ -427,11 +450,10 @@ impl Table {
     /// The winning entry for a request to `host`, if any.
     pub fn find(&self, host: &str, req: &Request<'_>) -> Option<&Entry> {
         // Common case: no route names hostnames, so all are equally specific.
-        if self.hostnames.iter().all(Vec::is_empty) {
+        if self.hostnames.iter().all(RouteHosts::any) {
             return self.entries.iter().find(|e| e.m.matches(req));
         }
-        let ranks: Vec<Option<HostRank>> =
-            self.hostnames.iter().map(|h| host_rank(h, host)).collect();
+        let ranks: Vec<Option<HostRank>> = self.hostnames.iter().map(|h| h.rank(host)).collect();
         let mut levels: Vec<HostRank> = ranks.iter().flatten().copied().collect();
         levels.sort_unstable_by(|a, b| b.cmp(a));
         levels.dedup();
@@ -577,7 +599,7 @@ mod tests {
         assert!(with_header.rank() > m(PathMatch::prefix("/a")).rank());
         // Older route wins a tie; earlier rule wins within a route.
         let t = Table::new(
-            vec![vec![], vec![]],
+            vec![RouteHosts::default(), RouteHosts::default()],
             vec![
                 Entry {
                     route: 1,

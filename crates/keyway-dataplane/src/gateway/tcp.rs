@@ -1,7 +1,6 @@
 //! TLS passthrough and TCP routes: a weighted backend per connection, then bytes both ways.
 
 use crate::copy;
-use crate::gateway::route_match::host_rank;
 use crate::gateway::upstream::Io;
 use crate::gateway::{Ctx, StreamRoute, pick};
 use std::any::Any;
@@ -9,14 +8,14 @@ use std::any::Any;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-/// The TLSRoute for a server name: exact hostname, then longest wildcard, then a route
-/// without hostnames; the oldest route on a tie.
+/// The TLSRoute for a server name: by the route's own hostnames, exact, then longest wildcard,
+/// then a route without hostnames; the oldest route on a tie.
 pub fn by_sni<'a>(routes: &'a [StreamRoute], sni: Option<&str>) -> Option<&'a StreamRoute> {
     let mut best: Option<((u8, usize), &StreamRoute)> = None;
     for r in routes {
         let rank = match sni {
-            Some(s) => host_rank(&r.hostnames, s),
-            None => r.hostnames.is_empty().then_some((0, 0)),
+            Some(s) => r.hosts.rank(s),
+            None => r.hosts.served.is_empty().then_some((0, 0)),
         };
         if let Some(k) = rank
             && best.as_ref().is_none_or(|(b, _)| k > *b)
