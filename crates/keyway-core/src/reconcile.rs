@@ -65,6 +65,8 @@ pub fn reconcile(
     //    Remember which keys had a rejected document.
     let mut candidates: BTreeMap<ObjectKey, LoadedObject> = BTreeMap::new();
     let mut rejected: HashSet<ObjectKey> = HashSet::new();
+    // The files each rejected key's documents are in.
+    let mut rejected_in: BTreeMap<ObjectKey, Vec<String>> = BTreeMap::new();
     for file in &files {
         out.warnings.extend(file.warnings.iter().cloned());
         for outcome in &file.outcomes {
@@ -93,12 +95,48 @@ pub fn reconcile(
                 DocOutcome::Rejected(err) => {
                     if let Some(key) = &err.object {
                         rejected.insert(key.clone());
+                        rejected_in
+                            .entry(key.clone())
+                            .or_default()
+                            .push(err.origin.file.clone());
                     }
                     out.errors.push(err.clone());
                 }
                 DocOutcome::Ignored(w) => out.warnings.push(w.clone()),
             }
         }
+    }
+
+    // Files with a document that could not be identified: their objects are kept (step 4).
+    let incomplete: HashSet<&str> = files
+        .iter()
+        .filter(|f| f.has_unidentified_rejects())
+        .map(|f| f.file.as_str())
+        .collect();
+    // A copy of an object in force from another file (a backup left beside it, say) does not
+    // take over while the file it is in force from still has it but cannot be read, or has
+    // a rejected version of it: that is a bad edit of the object in force, which keeps its
+    // last valid version (step 4), and the copy stays a duplicate.
+    let shadowing: Vec<ObjectKey> = candidates
+        .iter()
+        .filter_map(|(key, obj)| {
+            let in_force = &index.get(key)?.origin;
+            let still_there = is_incomplete(&incomplete, &in_force.file)
+                || rejected_in
+                    .get(key)
+                    .is_some_and(|files| files.contains(&in_force.file));
+            (in_force.file != obj.origin.file && still_there).then(|| key.clone())
+        })
+        .collect();
+    for key in shadowing {
+        let (Some(copy), Some(in_force)) = (candidates.remove(&key), index.get(&key)) else {
+            continue;
+        };
+        rejected.insert(key.clone());
+        out.errors.push(copy.error_at(
+            "metadata.name",
+            format!("{key} is already defined at {}", in_force.origin),
+        ));
     }
 
     // 2. Stamp creation time and generation so precedence is stable. Remember the state as it
@@ -112,12 +150,6 @@ pub fn reconcile(
         stamp(obj, state, now);
     }
 
-    // Files with a document that could not be identified: their objects are kept (step 4).
-    let incomplete: HashSet<&str> = files
-        .iter()
-        .filter(|f| f.has_unidentified_rejects())
-        .map(|f| f.file.as_str())
-        .collect();
     // Objects staying in force at their last valid version (step 4). They take part in the
     // cross-object rules below: a new object must not take a port or the Site from one that
     // is still running only because its new version was rejected.

@@ -529,3 +529,49 @@ fn a_duplicate_does_not_displace_the_definition_in_force() {
     assert_eq!(port_of(fresh.get(Kind::Listener, "web")), 28102);
     assert_eq!(r.errors.len(), 1);
 }
+
+/// A copy left beside the definition in force (`b-old-copy.yaml`) stays a duplicate when the
+/// definition in force breaks: a rejected version, or a file that no longer parses, is a bad
+/// edit of the object in force, which keeps its last valid version. Only once the object is
+/// gone from its file (deleted, or moved) does the copy take over.
+#[test]
+fn a_copy_does_not_take_over_when_the_definition_in_force_breaks() {
+    let copy = ("b-old-copy.yaml", listener("web", "28102"));
+    for (what, broken) in [
+        ("a type error", listener("web", "28l01")),
+        (
+            "a YAML syntax error",
+            format!("{}  : [\n", listener("web", "28101")),
+        ),
+    ] {
+        let mut site = Site::default();
+        site.reload(
+            &[("a.yaml", &listener("web", "28101")), (copy.0, &copy.1)],
+            0,
+        );
+        assert_eq!(port_of(site.get(Kind::Listener, "web")), 28101, "{what}");
+        let r = site.reload(&[("a.yaml", &broken), (copy.0, &copy.1)], 1);
+        assert_eq!(port_of(site.get(Kind::Listener, "web")), 28101, "{what}");
+        let messages: Vec<String> = r.errors.iter().map(ToString::to_string).collect();
+        assert!(
+            messages.iter().any(|m| m.starts_with(
+                "b-old-copy.yaml:4: metadata.name: Listener default/web is already defined at a.yaml:1"
+            )),
+            "{what}: {messages:?}"
+        );
+        assert!(
+            messages.iter().any(|m| m.starts_with("a.yaml:")),
+            "{what}: {messages:?}"
+        );
+        // Fixed: the same as before, the copy still a duplicate.
+        let r = site.reload(
+            &[("a.yaml", &listener("web", "28101")), (copy.0, &copy.1)],
+            2,
+        );
+        assert_eq!(port_of(site.get(Kind::Listener, "web")), 28101, "{what}");
+        assert_eq!(r.errors.len(), 1, "{what}: {:?}", r.errors);
+        // Removed from its file: the copy is the only definition now, and takes over.
+        site.reload(&[("a.yaml", ""), (copy.0, &copy.1)], 3);
+        assert_eq!(port_of(site.get(Kind::Listener, "web")), 28102, "{what}");
+    }
+}
