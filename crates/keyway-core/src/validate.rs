@@ -705,6 +705,7 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
             check_port(p, &format!("spec.parentRefs[{i}].port"), port);
         }
     }
+    check_parents_distinct(p, parents);
     let hostnames = spec["hostnames"]
         .as_array()
         .map(Vec::as_slice)
@@ -914,6 +915,51 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
 
 /// An HTTPRoute rule's `timeouts`: Gateway API durations, and (upstream CEL) a non-zero
 /// `request` no shorter than `backendRequest`.
+/// The upstream schema's rules (CEL on `CommonRouteSpec.parentRefs`, experimental channel,
+/// which has `port`) for several references to one parent: each says `sectionName` or `port`
+/// alike (all or none), and no two say the same. Otherwise two references would claim one
+/// listener, and the route's status would carry two entries for one parent.
+fn check_parents_distinct(p: &mut Problems, parents: &[Value]) {
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
+    let parent = |r: &Value| {
+        (
+            r["group"]
+                .as_str()
+                .map_or_else(|| crate::gateway::GATEWAY_GROUP.to_string(), str::to_string),
+            r["kind"]
+                .as_str()
+                .map_or_else(|| "Gateway".to_string(), str::to_string),
+            text(&r["name"]),
+            text(&r["namespace"]),
+        )
+    };
+    let section = |r: &Value| text(&r["sectionName"]);
+    let port = |r: &Value| r["port"].as_i64().unwrap_or(0);
+    let (mut unnamed, mut repeated) = (false, false);
+    for (i, a) in parents.iter().enumerate() {
+        for b in &parents[..i] {
+            if parent(a) != parent(b) {
+                continue;
+            }
+            unnamed |=
+                section(a).is_empty() != section(b).is_empty() || (port(a) == 0) != (port(b) == 0);
+            repeated |= section(a) == section(b) && port(a) == port(b);
+        }
+    }
+    if unnamed {
+        p.add(
+            "spec.parentRefs",
+            "sectionName or port must be specified when parentRefs includes 2 or more references to the same parent",
+        );
+    }
+    if repeated {
+        p.add(
+            "spec.parentRefs",
+            "sectionName or port must be unique when parentRefs includes 2 or more references to the same parent",
+        );
+    }
+}
+
 fn check_timeouts(p: &mut Problems, at: &str, t: &Value) {
     let mut ms = [None, None];
     for (field, slot) in ["request", "backendRequest"].into_iter().zip(&mut ms) {

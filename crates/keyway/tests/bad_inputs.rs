@@ -693,6 +693,25 @@ fn cases() -> Vec<Case> {
             "spec.addresses[0].value",
             "`10.0.0.300` is not an IP address",
         ),
+        // --- Route parentRefs rules the upstream schema (CEL) enforces ----------------------
+        case(
+            "route-same-parent-twice",
+            http_route("  - backendRefs: []\n")
+                .replace("  - name: g\n", "  - name: g\n  - name: g\n"),
+            6,
+            "spec.parentRefs",
+            "sectionName or port must be unique when parentRefs includes 2 or more references to the same parent",
+        ),
+        case(
+            "route-same-parent-with-and-without-section",
+            http_route("  - backendRefs: []\n").replace(
+                "  - name: g\n",
+                "  - name: g\n    sectionName: web\n  - name: g\n",
+            ),
+            6,
+            "spec.parentRefs",
+            "sectionName or port must be specified when parentRefs includes 2 or more references to the same parent",
+        ),
         // --- HTTPRoute filter rules the upstream schema (CEL) enforces ---------------------
         case(
             "route-redirect-with-rewrite",

@@ -22,7 +22,8 @@ const PARENTS: &[&str] = &[
     "[{name: ls, namespace: team-a, kind: ListenerSet}]",
     "[{name: gw, namespace: infra, sectionName: web}, {name: ls, namespace: team-a, kind: ListenerSet}]",
     "[{name: gw, namespace: infra, sectionName: web}, {name: gw, namespace: infra, sectionName: web2}]",
-    "[{name: gw, namespace: infra, port: 80}, {name: gw, namespace: infra, sectionName: web}]",
+    "[{name: gw, namespace: infra, port: 80}, {name: ls, namespace: team-a, kind: ListenerSet}]",
+    "[{name: gw, namespace: infra, port: 80, sectionName: web2}, {name: gw, namespace: infra, port: 80, sectionName: web}]",
 ];
 const LHOSTS: &[Option<&str>] = &[
     None,

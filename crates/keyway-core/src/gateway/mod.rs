@@ -44,7 +44,8 @@ use fxhash::{FxMap as HashMap, FxSet as HashSet};
 use listeners::{ListenerIn, ListenerSpec, Standing};
 use merge::Merge;
 use plan::{AttachedRoute, GatewayBind, ListenerBind, PortBind, ProtocolFamily};
-use refs::{GATEWAY_GROUP, Selector, World};
+pub(crate) use refs::GATEWAY_GROUP;
+use refs::{Selector, World};
 use routes::{OwnerView, RouteIn};
 use status::{C, ListenerStatus, Model, ParentStatus};
 
