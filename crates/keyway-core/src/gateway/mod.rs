@@ -1175,12 +1175,17 @@ impl GatewayResolver {
                 };
                 let lost = self.conflicted.get(rkey);
                 for (owner, listener, hostnames) in &rr.attaches {
-                    if *owner != owners[i].slot
-                        || lost.is_some_and(|l| l.contains(&(*owner, *listener)))
-                    {
+                    if *owner != owners[i].slot {
                         continue;
                     }
+                    // Counted whether or not it lost a conflict with another route there:
+                    // attachment is allowedRoutes and parentRefs alone, and `attachedRoutes`
+                    // "MUST count successfully attached Routes that may themselves have
+                    // Accepted: false conditions" (ListenerStatus).
                     *counts.entry((i, *listener)).or_default() += 1;
+                    if lost.is_some_and(|l| l.contains(&(*owner, *listener))) {
+                        continue;
+                    }
                     if owners[i].programmed(*listener) || owners[i].holding(*listener) {
                         bound.entry((i, *listener)).or_default().push((
                             &rr.obj,

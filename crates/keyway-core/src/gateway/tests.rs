@@ -2219,9 +2219,10 @@ fn http_and_grpc_routes_with_overlapping_hostnames_accept_the_older() {
     assert_eq!(accepted(&r, Kind::HTTPRoute, "h2"), yes("Accepted"));
     assert_eq!(accepted(&r, Kind::HTTPRoute, "h3"), yes("Accepted"));
     assert_eq!(bound_routes(&r), ["h0", "h1", "h2", "h3"]);
+    // The losers are attached too (allowedRoutes and parentRefs), only not served.
     assert_eq!(
         listener(&r, Kind::Gateway, "infra", "gw", "web")["attachedRoutes"],
-        4
+        6
     );
 
     // Without h1, g1 is the oldest route on *.example.com: it wins, and h2 and h3 (younger,
@@ -2294,8 +2295,8 @@ fn tcp_and_tls_routes_that_cannot_share_a_listener_accept_the_older() {
     let attached = |r: &GatewayResolution, l| {
         listener(r, Kind::Gateway, "infra", "gw", l)["attachedRoutes"].clone()
     };
-    assert_eq!(attached(&r, "tcp"), 1);
-    assert_eq!(attached(&r, "tls"), 3);
+    assert_eq!(attached(&r, "tcp"), 3);
+    assert_eq!(attached(&r, "tls"), 5);
     let message =
         &status(&r, Kind::TCPRoute, "infra", "t0")["parents"][0]["conditions"][0]["message"];
     assert_eq!(
