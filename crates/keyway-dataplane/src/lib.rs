@@ -324,14 +324,28 @@ impl DataPlane {
                 tls: acceptor,
                 label: format!("{}/{}", lp.id.namespace, lp.id.name),
             };
-            match listeners.remove(&lp.id) {
-                Some(handle) if handle.host == lp.host && handle.port == lp.port => {
+            let old = listeners.remove(&lp.id);
+            // A move undone before the new port was bound: back to the listener still
+            // serving there.
+            let back = old
+                .as_ref()
+                .and_then(|h| h.take_replaced_at(&lp.host, lp.port));
+            match (back, old) {
+                (Some(handle), _) | (None, Some(handle))
+                    if handle.host == lp.host && handle.port == lp.port =>
+                {
                     handle.runtime.store(Arc::new(runtime));
                     next.insert(lp.id.clone(), handle);
                 }
-                old => {
+                // To another port: the old one serves on until the new one is bound (make
+                // before break). On the same port (another address), the old socket must
+                // close first.
+                (_, Some(handle)) if handle.port != lp.port => {
+                    starting.push((lp.id.clone(), runtime, Some(handle)));
+                }
+                (_, old) => {
                     retiring.extend(old);
-                    starting.push((lp.id.clone(), runtime));
+                    starting.push((lp.id.clone(), runtime, None));
                 }
             }
         }
@@ -355,15 +369,31 @@ impl DataPlane {
         // A listener moving from 127.0.0.1 to 0.0.0.0 on its port, or taking the port another
         // listener leaves, binds once the old socket is closed: bound at once, it found the
         // port in use and was refused for its first retry's 100 ms.
-        for (id, runtime) in starting {
+        let replacing: Vec<(u16, Vec<tokio::sync::watch::Receiver<()>>)> = starting
+            .iter()
+            .filter_map(|(_, _, old)| old.as_ref())
+            .map(|old| (old.port, old.finished()))
+            .collect();
+        for (id, runtime, replaced) in starting {
             let port = runtime.plan.port;
             let after = retiring
                 .iter()
-                .filter(|h| h.port == port)
-                .map(ListenerHandle::finished)
+                .filter(|h| h.holds_port(port))
+                .flat_map(ListenerHandle::finished)
+                .chain(
+                    replacing
+                        .iter()
+                        .filter(|(p, _)| *p == port)
+                        .flat_map(|(_, f)| f.iter().cloned()),
+                )
                 .collect();
-            let handle =
-                ListenerHandle::start(self.shared.clone(), runtime, self.workers.clone(), after);
+            let handle = ListenerHandle::start_replacing(
+                self.shared.clone(),
+                runtime,
+                self.workers.clone(),
+                after,
+                replaced,
+            );
             next.insert(id, handle);
         }
         drop(retiring);

@@ -62,6 +62,17 @@ pub struct ListenerHandle {
     stop: watch::Sender<bool>,
     /// Closed once the accept task has ended and its port is closed.
     finished: watch::Receiver<()>,
+    /// The listener this one moves from (another port): it serves on until this one has
+    /// bound its port (or found it free while no key is reachable), so a move to a port that
+    /// another process holds loses nothing (SPEC §7).
+    replaced: Replaced,
+}
+
+/// The handle a moving listener serves on from until its new port is bound.
+type Replaced = Arc<Mutex<Option<ListenerHandle>>>;
+
+fn take(replaced: &Replaced) -> Option<ListenerHandle> {
+    replaced.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
 impl ListenerHandle {
@@ -75,13 +86,33 @@ impl ListenerHandle {
         workers: Option<Arc<Workers>>,
         after: Vec<watch::Receiver<()>>,
     ) -> Self {
+        Self::start_replacing(shared, runtime, workers, after, None)
+    }
+
+    /// [`Self::start`] for a listener moving to another port from `replaced`, which serves on
+    /// until the new port is bound.
+    pub fn start_replacing(
+        shared: Arc<Shared>,
+        runtime: ListenerRuntime,
+        workers: Option<Arc<Workers>>,
+        after: Vec<watch::Receiver<()>>,
+        replaced: Option<ListenerHandle>,
+    ) -> Self {
         let host = runtime.plan.host.clone();
         let port = runtime.plan.port;
         let runtime = Arc::new(ArcSwap::from_pointee(runtime));
         let state = Arc::new(ListenerState::default());
         let (stop, stop_rx) = watch::channel(false);
         let (done, finished) = watch::channel(());
-        let task = accept_loop(shared, runtime.clone(), state.clone(), workers, stop_rx);
+        let replaced: Replaced = Arc::new(Mutex::new(replaced));
+        let task = accept_loop(
+            shared,
+            runtime.clone(),
+            state.clone(),
+            workers,
+            stop_rx,
+            replaced.clone(),
+        );
         tokio::spawn(async move {
             for mut closed in after {
                 let _ = tokio::time::timeout(Duration::from_secs(1), async {
@@ -99,12 +130,48 @@ impl ListenerHandle {
             state,
             stop,
             finished,
+            replaced,
         }
     }
 
-    /// What [`Self::start`] of a listener taking this one's port waits on.
-    pub fn finished(&self) -> watch::Receiver<()> {
-        self.finished.clone()
+    /// What [`Self::start`] of a listener taking this one's port waits on: this one and the
+    /// one it moves from, which may still hold its old port.
+    pub fn finished(&self) -> Vec<watch::Receiver<()>> {
+        let mut all = vec![self.finished.clone()];
+        if let Some(old) = self
+            .replaced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            all.extend(old.finished());
+        }
+        all
+    }
+
+    /// The listener this one has not yet taken over from, if it serves `host:port`: a move
+    /// undone before the new port was bound goes back to it as it is.
+    pub fn take_replaced_at(&self, host: &str, port: u16) -> Option<ListenerHandle> {
+        let mut replaced = self.replaced.lock().unwrap_or_else(|p| p.into_inner());
+        if replaced
+            .as_ref()
+            .is_some_and(|old| old.host == host && old.port == port)
+        {
+            replaced.take()
+        } else {
+            None
+        }
+    }
+
+    /// The ports this listener holds or may hold: its own, and the one it moves from.
+    pub fn holds_port(&self, port: u16) -> bool {
+        self.port == port
+            || self
+                .replaced
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_some_and(|old| old.holds_port(port))
     }
 
     /// Stops accepting; connections already open run on.
@@ -186,6 +253,7 @@ async fn accept_loop(
     state: Arc<ListenerState>,
     workers: Option<Arc<Workers>>,
     mut stop: watch::Receiver<bool>,
+    replaced: Replaced,
 ) {
     let mut changes = shared.registry.subscribe();
     let mut throttle = crate::Throttle::default();
@@ -240,6 +308,10 @@ async fn accept_loop(
                 probe_logged = None;
             }
             probe_failed.clone_from(&error);
+            if error.is_none() {
+                // The new port is free: the listener this one moves from stops.
+                drop(take(&replaced));
+            }
             state.set_error(error);
             // A failed probe is tried again now and then, so its error clears once the port
             // frees even if nothing else changes.
@@ -260,6 +332,9 @@ async fn accept_loop(
                 Ok(s) => {
                     let addr = s.local_addr().map_or_else(String::new, |a| a.to_string());
                     tracing::info!(listener = %rt.label, %addr, "listening");
+                    if let Some(old) = take(&replaced) {
+                        tracing::info!(listener = %rt.label, from = %format!("{}:{}", old.host, old.port), "moved: the old port stops accepting");
+                    }
                     socket = Some(s);
                     bind_failures = 0;
                     state.set_error(None);
@@ -267,7 +342,13 @@ async fn accept_loop(
                 }
                 Err(e) => {
                     bind_failures += 1;
-                    let msg = format!("cannot bind {}:{}: {e}", rt.plan.host, rt.plan.port);
+                    let mut msg = format!("cannot bind {}:{}: {e}", rt.plan.host, rt.plan.port);
+                    if let Some(old) = replaced.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                        msg.push_str(&format!(
+                            "; still accepting on {}:{} until it binds",
+                            old.host, old.port
+                        ));
+                    }
                     // The status says so at once; the log waits for a third failure (~200
                     // ms): a port another object of the site gives up in the same reload (a
                     // Gateway's) is free a moment later, which is no news to the operator.

@@ -156,7 +156,7 @@ impl Default for Metrics {
         );
         registry.register(
             "config_reload_failures",
-            "Configuration reloads that brought a new config error (an edit rejected, a port already taken) or could not read the directory",
+            "Configuration reloads that brought a new config error (an edit rejected, a port another object of the config holds) or could not read the directory",
             m.reload_failures.clone(),
         );
         registry.register(

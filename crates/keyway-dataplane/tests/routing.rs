@@ -636,6 +636,61 @@ async fn observe_reports_reachability_health_and_bind_errors() {
     assert!(!dp.observe().bind_errors.contains_key(&listener_id("taken")));
 }
 
+/// A listener moved to a port another process holds keeps accepting on its old port (make
+/// before break: SPEC §7, nothing serving is lost to a bad edit), says why in its status, and
+/// moves once the new port frees; a move undone meanwhile goes back to the old port without
+/// closing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_moved_to_a_busy_port_keeps_its_old_one_until_it_binds() {
+    let a = Backend::start("A").await;
+    let old_port = free_port();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let dp = dataplane();
+    let at = |port| {
+        plan(
+            vec![listener("l", port, "a")],
+            vec![connector("ca", "a", a.addr)],
+        )
+    };
+    dp.apply(&at(old_port));
+    wait_listening(&dp, &listener_id("l")).await;
+    let (mut held, _) = hello(old_port).await.expect("through the old port");
+
+    // Moved to the busy port, and back, twice: the old port accepts throughout.
+    for _ in 0..2 {
+        dp.apply(&at(taken_port));
+        let reported = eventually(Duration::from_secs(5), || async {
+            dp.observe()
+                .bind_errors
+                .get(&listener_id("l"))
+                .is_some_and(|e| e.contains(&format!("still accepting on 127.0.0.1:{old_port}")))
+        })
+        .await;
+        assert!(reported, "{:?}", dp.observe());
+        assert_eq!(who(old_port).await.expect("old port while moving"), "A");
+        dp.apply(&at(old_port));
+        wait_listening(&dp, &listener_id("l")).await;
+        assert_eq!(who(old_port).await.expect("old port, move undone"), "A");
+        assert!(!dp.observe().bind_errors.contains_key(&listener_id("l")));
+    }
+
+    // Moved again, then the port frees: the listener takes it and leaves the old one.
+    dp.apply(&at(taken_port));
+    assert_eq!(who(old_port).await.expect("old port while moving"), "A");
+    drop(taken);
+    wait_listening(&dp, &listener_id("l")).await;
+    assert_eq!(who(taken_port).await.expect("new port"), "A");
+    let left = eventually(Duration::from_secs(3), || async {
+        connect(old_port).await.is_err()
+    })
+    .await;
+    assert!(left, "the old port still accepts");
+    echo(&mut held, b"still here")
+        .await
+        .expect("the open connection runs on");
+}
+
 /// A listener with no reachable key keeps its port closed, yet a port it could not open (held by
 /// another process) or an address that does not resolve shows in its status at once; the error
 /// clears when the port frees.

@@ -131,7 +131,7 @@ async fn handle(
         }
         "/healthz" => text(StatusCode::OK, "ok\n".into()),
         "/readyz" => match site.ready() {
-            Ok(()) => text(StatusCode::OK, "ready\n".into()),
+            Ok(body) => text(StatusCode::OK, format!("{body}\n")),
             Err(why) => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("not ready: {why}\n"),

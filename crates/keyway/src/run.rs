@@ -102,7 +102,12 @@ pub fn run(
                 loop {
                     tick.tick().await;
                     let site = site.clone();
-                    let _ = tokio::task::spawn_blocking(move || site.status()).await;
+                    let _ = tokio::task::spawn_blocking(move || {
+                        site.status();
+                        // Notes when every listener has listened (see `Site::ready`).
+                        let _ = site.ready();
+                    })
+                    .await;
                 }
             })
         };

@@ -72,6 +72,10 @@ pub struct Site {
     applied: AtomicBool,
     /// Set on SIGINT/SIGTERM: listeners are closing, so the site is no longer ready.
     draining: AtomicBool,
+    /// Every listener has listened at least once: from then on a later edit's listener that
+    /// cannot bind shows in its status but does not take the site out of its load balancer's
+    /// rotation (everything else serves on).
+    was_ready: AtomicBool,
     /// AccessGrant redemption counts (persisted in the state directory).
     grants: GrantBook,
     /// AccessTokens of the config dir being redeemed by this site.
@@ -110,6 +114,7 @@ impl Site {
             }),
             applied: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            was_ready: AtomicBool::new(false),
             grants,
             tokens: Arc::default(),
             unreadable: Mutex::new(None),
@@ -522,8 +527,10 @@ impl Site {
 
     /// Ready once the first config is applied and every listener that should listen does;
     /// never while draining. A listener that lost its port to another object by the rules
-    /// (a conflict the config must settle) does not hold the site back.
-    pub fn ready(&self) -> Result<(), String> {
+    /// (a conflict the config must settle) does not hold the site back, nor, once the site has
+    /// been ready, a listener that a later edit added or moved and that cannot bind: the
+    /// answer names it, still 200. Returns the body of the answer.
+    pub fn ready(&self) -> Result<String, String> {
         if self.draining.load(Ordering::Acquire) {
             return Err("shutting down: draining open connections".into());
         }
@@ -544,7 +551,13 @@ impl Site {
             )
             .collect();
         if not_listening.is_empty() {
-            Ok(())
+            self.was_ready.store(true, Ordering::Release);
+            Ok("ready".into())
+        } else if self.was_ready.load(Ordering::Acquire) {
+            Ok(format!(
+                "ready; not listening since a later change (see status):\n{}",
+                not_listening.join("\n")
+            ))
         } else {
             Err(not_listening.join("\n"))
         }

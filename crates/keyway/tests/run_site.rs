@@ -1232,3 +1232,37 @@ fn a_host_that_does_not_resolve_is_logged_once_before_any_key_is_reachable() {
         "{log}"
     );
 }
+
+/// Once ready, a site stays ready when a later edit adds a listener that cannot bind (a port
+/// another process holds): everything else serves on, so the site stays in its load
+/// balancer's rotation; `/readyz` names the listener, and its status says why.
+#[test]
+fn a_listener_added_later_on_a_busy_port_does_not_make_the_site_unready() {
+    let a = Backend::start("a");
+    let dir = temp_dir("ready-stays");
+    let port = free_port();
+    std::fs::write(
+        dir.join("a.yaml"),
+        format!(
+            "{}---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: a}}\nspec: {{routingKey: a, host: 127.0.0.1, port: {port}}}\n",
+            connector("a", "a", a.port)
+        ),
+    )
+    .expect("write");
+    let site = Site::start(&dir);
+    let taken = TcpListener::bind("127.0.0.1:0").expect("squat");
+    let taken_port = taken.local_addr().expect("addr").port();
+    site.write(
+        "b.yaml",
+        &format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: b}}\nspec: {{routingKey: a, host: 127.0.0.1, port: {taken_port}}}\n"
+        ),
+    );
+    site.wait_for("/status", |_, body| {
+        body.contains(&format!("cannot bind 127.0.0.1:{taken_port}"))
+    });
+    let (code, body) = site.get("/readyz");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("default/b"), "{body}");
+    assert_eq!(hello(port).expect("listener a serves on").0, "a");
+}
