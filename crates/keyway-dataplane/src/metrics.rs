@@ -95,6 +95,10 @@ pub struct Metrics {
     pub gateway_unrouted: Family<Labels, Counter>,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
+    /// Connection series of (listener, target) pairs that left the configuration while
+    /// connections were still open on them: exported until the last of those closes, then
+    /// removed (at the next scrape).
+    retired: Mutex<Vec<(Labels, Gauge)>>,
 }
 
 impl Default for Metrics {
@@ -117,6 +121,7 @@ impl Default for Metrics {
             link_bytes: Family::default(),
             gateway_unrouted: Family::default(),
             links: Mutex::default(),
+            retired: Mutex::default(),
         };
         registry.register(
             "connections_opened",
@@ -229,6 +234,7 @@ impl Unrouted {
 impl Metrics {
     /// The Prometheus text exposition.
     pub fn encode(&self) -> String {
+        self.sweep_retired();
         let mut out = String::new();
         if let Ok(registry) = self.registry.lock() {
             let _ = encode(&mut out, &registry);
@@ -284,6 +290,11 @@ impl Metrics {
             bytes_out,
         });
         cache.insert(listener.to_string(), m.clone());
+        // The pair is in use again (a target edited away and back): its series stay.
+        self.retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(l, _)| *l != labels);
         m
     }
 
@@ -360,35 +371,60 @@ impl Metrics {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(listener);
-            if cached.is_some() {
-                self.forget_pair(listener, target);
+            if let Some(m) = cached {
+                self.forget_pair(listener, target, &m);
             }
         }
     }
 
-    /// Removes the connection and byte series of one (listener, target) pair.
-    fn forget_pair(&self, listener: &str, target: &Target) {
+    /// Removes the connection and byte series of one (listener, target) pair, at once if no
+    /// connection is open on it, else once the last one closes (see `retired`).
+    fn forget_pair(&self, listener: &str, target: &Target, handles: &ConnMetrics) {
         let labels = Self::connection_labels(listener, &target.routing_key, target);
-        self.connections_opened.remove(&labels);
-        self.connections_active.remove(&labels);
+        if handles.active.get() > 0 {
+            self.retired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((labels, handles.active.clone()));
+        } else {
+            self.remove_pair(&labels);
+        }
+    }
+
+    fn remove_pair(&self, labels: &Labels) {
+        self.connections_opened.remove(labels);
+        self.connections_active.remove(labels);
         for d in ["in", "out"] {
-            self.bytes.remove(&with_direction(&labels, d));
+            self.bytes.remove(&with_direction(labels, d));
+        }
+    }
+
+    /// Removes the series of retired pairs whose last connection has closed.
+    fn sweep_retired(&self) {
+        let idle: Vec<Labels> = {
+            let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+            let (idle, open): (Vec<_>, Vec<_>) =
+                retired.drain(..).partition(|(_, active)| active.get() <= 0);
+            *retired = open;
+            idle.into_iter().map(|(l, _)| l).collect()
+        };
+        for labels in &idle {
+            self.remove_pair(labels);
         }
     }
 
     /// Removes the connection and byte series of a target leaving the configuration, for every
     /// listener that used it, so deleted targets do not stay on /metrics forever. Connections
-    /// still open on it count on (the handles they hold) but are no longer exported.
+    /// still open on it keep their series until the last of them closes.
     pub fn forget_connections(&self, target: &Target) {
-        let listeners: Vec<String> = target
+        let pairs: Vec<(String, Arc<ConnMetrics>)> = target
             .metrics_cache
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .drain()
-            .map(|(l, _)| l)
             .collect();
-        for listener in listeners {
-            self.forget_pair(&listener, target);
+        for (listener, handles) in pairs {
+            self.forget_pair(&listener, target, &handles);
         }
     }
 }

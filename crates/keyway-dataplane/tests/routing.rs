@@ -787,6 +787,22 @@ async fn changed_connector_address_replaces_the_target() {
         .filter(|l| l.starts_with("keyway_target_healthy") && l.contains(&a.addr.to_string()))
         .collect();
     assert!(stale.is_empty(), "stale health series: {stale:?}");
+    // The connection still open on A keeps its series (counted as open) until it closes;
+    // then they leave.
+    let active_on_a = |text: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("keyway_connections_active{") && l.contains(&a.addr.to_string())
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<i64>().ok())
+    };
+    assert_eq!(active_on_a(&text), Some(1), "{text}");
+    drop(live);
+    let left = eventually(Duration::from_secs(3), || async {
+        !dp.metrics().encode().contains(&a.addr.to_string())
+    })
+    .await;
+    assert!(left, "{}", dp.metrics().encode());
 }
 
 /// Refused connections and failovers are counted per listener, and a deleted listener's
