@@ -87,11 +87,13 @@ impl Compiled {
 
 /// Warnings about the config as a whole, beyond those of single documents: references that
 /// serve nothing ([`gateway::reference_warnings`]) and a linking site without a name
-/// ([`service_network::unnamed_site_warnings`]). `validate`, `status` and a running site
-/// (on each reload) report the same ones.
-pub fn config_warnings(index: &Index) -> Vec<ConfigError> {
+/// ([`service_network::unnamed_site_warnings`]), and certificates outside their validity at
+/// `now` ([`crate::tls::validity_warnings`]). `validate`, `status` and a running site (on
+/// each reload) report the same ones.
+pub fn config_warnings(index: &Index, now: &Time) -> Vec<ConfigError> {
     let mut out = gateway::reference_warnings(index);
     out.extend(service_network::unnamed_site_warnings(index));
+    out.extend(crate::tls::validity_warnings(index, now));
     out
 }
 
@@ -112,7 +114,7 @@ pub fn compile_checking_addresses(
 ) -> Compiled {
     let mut index = Index::default();
     let mut reconciled = reconcile(&mut index, state, files, now);
-    reconciled.warnings.extend(config_warnings(&index));
+    reconciled.warnings.extend(config_warnings(&index, now));
     let mut resolution = service_network::resolve(&index);
     let gateway = gateway::resolve(&index, now);
     resolution.plan.gateways = gateway.plan.clone();

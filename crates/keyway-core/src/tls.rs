@@ -217,3 +217,68 @@ pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMateri
         ca,
     })
 }
+
+/// Certificates of the config's Secrets (`tls.crt`, `ca.crt`) that have expired or are not
+/// valid yet at `now`: a warning each, since clients refuse them, yet a Secret rotated to one
+/// is otherwise valid (and Kubernetes takes it too).
+pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::ConfigError> {
+    let now = now.0.as_second();
+    let mut out = Vec::new();
+    for obj in index.of_kind(crate::Kind::Secret) {
+        let crate::Resource::Secret(secret) = &obj.resource else {
+            continue;
+        };
+        for key in ["tls.crt", "ca.crt"] {
+            let Some(Ok(chain)) = secret_value(secret, key).map(|pem| parse_certificates(&pem))
+            else {
+                continue;
+            };
+            let field = if secret
+                .string_data
+                .as_ref()
+                .is_some_and(|m| m.contains_key(key))
+            {
+                format!("stringData.{key}")
+            } else {
+                format!("data.{key}")
+            };
+            for (i, der) in chain.iter().enumerate() {
+                if let Some(why) = validity_problem(der, now) {
+                    let which = match (key, i) {
+                        ("tls.crt", 0) => "the certificate".to_string(),
+                        ("tls.crt", i) => format!("certificate {} of the chain", i + 1),
+                        (_, 0) if chain.len() == 1 => "the CA certificate".to_string(),
+                        (_, i) => format!("CA certificate {}", i + 1),
+                    };
+                    out.push(obj.error_at(&field, format!("{which} {why}")));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// "expired at …" or "is not valid before …" for a certificate outside its validity at `now`
+/// (seconds since the epoch); `None` when valid or unreadable (parsing errors are reported
+/// where the Secret is checked).
+fn validity_problem(der: &CertificateDer<'_>, now: i64) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+    let validity = cert.validity();
+    let at = |t: &x509_parser::time::ASN1Time| {
+        crate::jiff::Timestamp::from_second(t.timestamp())
+            .map_or_else(|_| t.to_string(), |ts| ts.to_string())
+    };
+    if validity.not_after.timestamp() < now {
+        Some(format!(
+            "expired at {}: clients will refuse it",
+            at(&validity.not_after)
+        ))
+    } else if validity.not_before.timestamp() > now {
+        Some(format!(
+            "is not valid before {}: clients will refuse it until then",
+            at(&validity.not_before)
+        ))
+    } else {
+        None
+    }
+}

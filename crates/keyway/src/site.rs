@@ -164,7 +164,7 @@ impl Site {
         let mut reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
         reconciled
             .warnings
-            .extend(keyway_core::offline::config_warnings(&index));
+            .extend(keyway_core::offline::config_warnings(&index, &cli::now()));
         let mut resolution = service_network::resolve(&index);
         let conflicts_before = current.gateway.resolution().listener_conflicts.clone();
         let gateway = current.gateway.update(&index, &cli::now());

@@ -1449,3 +1449,54 @@ fn a_linking_config_without_a_site_is_warned_about() {
     assert!(!text(&out.stderr).contains(want), "{}", text(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Secret whose certificate has expired (or is not valid yet) is valid YAML and a matching
+/// key pair, so it is not rejected, but it is warned about: clients would refuse it.
+#[test]
+fn an_expired_or_future_certificate_is_warned_about() {
+    let dir = temp_dir("expired-cert");
+    let make = |from: (i32, u8, u8), to: (i32, u8, u8)| {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["a.example".to_string()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(from.0, from.1, from.2);
+        params.not_after = rcgen::date_time_ymd(to.0, to.1, to.2);
+        let cert = params.self_signed(&key).expect("cert");
+        (cert.pem(), key.serialize_pem())
+    };
+    let secret = |name: &str, (crt, key): (String, String)| {
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
+            indent(&crt, 4),
+            indent(&key, 4)
+        )
+    };
+    std::fs::write(
+        dir.join("certs.yaml"),
+        [
+            secret("old", make((2019, 1, 1), (2021, 1, 1))),
+            secret("future", make((2090, 1, 1), (2091, 1, 1))),
+            secret("good", make((2020, 1, 1), (2090, 1, 1))),
+        ]
+        .join("---\n"),
+    )
+    .unwrap();
+    let out = keyway(&["validate"], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let file = dir.join("certs.yaml").display().to_string();
+    assert!(
+        stderr.contains(&format!(
+            "warning: {file}:7: stringData.tls.crt: the certificate expired at 2021-01-01T00:00:00Z: clients will refuse it"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(
+            "stringData.tls.crt: the certificate is not valid before 2090-01-01T00:00:00Z"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("warning:").count(), 2, "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
