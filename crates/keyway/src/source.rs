@@ -18,6 +18,8 @@ pub struct Listing {
     pub unreadable: Vec<(PathBuf, String)>,
     /// Each Kubernetes volume's `..data` symlink met on the walk, with where it pointed.
     pub volumes: Vec<(PathBuf, PathBuf)>,
+    /// Every subdirectory walked, as reached from the root (through symlinks too).
+    pub dirs: Vec<PathBuf>,
 }
 
 /// Records `dir/..data` (a ConfigMap or Secret volume) and where it points now.
@@ -54,6 +56,11 @@ pub fn external_dirs(root: &Path) -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     for file in &listing.files {
         link_dirs(file, &mut dirs);
+    }
+    // A directory linked in with no manifest in it yet: files written there later count.
+    for dir in &listing.dirs {
+        link_dirs(dir, &mut dirs);
+        dirs.extend(std::fs::canonicalize(dir));
     }
     dirs.retain(|d| !d.starts_with(&root));
     dirs.sort();
@@ -118,6 +125,7 @@ fn walk(entries: std::fs::ReadDir, listing: &mut Listing, seen: &mut HashSet<(u6
             match std::fs::read_dir(&path) {
                 Ok(sub) => {
                     note_volume(&path, listing);
+                    listing.dirs.push(path.clone());
                     walk(sub, listing, seen);
                 }
                 Err(e) => listing

@@ -643,6 +643,16 @@ fn edits_behind_symlinks_from_outside_apply() {
     symlink("..v2", volume.join("..data_tmp")).expect("symlink");
     std::fs::rename(volume.join("..data_tmp"), volume.join("..data")).expect("swap");
     wait_until("the volume's update applies", || hello(p6).is_ok());
+    // A directory linked in while still empty: a file written there later counts.
+    let (empty, p7) = (base.join("empty"), free_port());
+    std::fs::create_dir_all(&empty).expect("mkdir");
+    symlink(&empty, dir.join("later")).expect("symlink");
+    // The link's reload starts the watch of the directory: give it that moment.
+    thread::sleep(Duration::from_millis(1500));
+    std::fs::write(empty.join("later.yaml"), mkl("later", p7, &["key-a"])).expect("write");
+    wait_until("a file in the directory linked in empty serves", || {
+        hello(p7).is_ok()
+    });
 }
 
 /// A relative `--config` (like the default `./keyway.d`) is watched whatever the directories
