@@ -28,8 +28,8 @@ pub fn run(
     raise_open_file_limit();
     crate::cli::check_config_dir(&config, "create it or pass --config DIR")?;
     check_state_outside_config(&config, &state)?;
-    // Held until `run` returns.
-    let _state_lock = crate::state::lock(&state)?;
+    // Held by the site until `run` returns.
+    let state_lock = crate::state::lock(&state)?;
     let admin_listener = admin::bind(admin_addr)?;
     let threads: Option<usize> = std::env::var("KEYWAY_WORKER_THREADS")
         .ok()
@@ -71,7 +71,7 @@ pub fn run(
                 http_idle_timeout,
             },
         ));
-        let site = Arc::new(Site::new(config.clone(), state, dataplane)?);
+        let site = Arc::new(Site::new(config.clone(), state, state_lock, dataplane)?);
         site.network
             .set_grant_handler(Arc::new(SiteGrants(Arc::downgrade(&site))));
         // Watch before the first load, so a file written while the site starts is not missed

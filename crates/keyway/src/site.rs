@@ -66,6 +66,8 @@ struct Current {
 pub struct Site {
     pub config: PathBuf,
     pub state_dir: PathBuf,
+    /// Held while the site runs (see [`state::lock`]).
+    state_lock: state::StateLock,
     pub dataplane: Arc<DataPlane>,
     pub network: Network,
     current: Mutex<Current>,
@@ -98,6 +100,7 @@ impl Site {
     pub fn new(
         config: PathBuf,
         state_dir: PathBuf,
+        state_lock: state::StateLock,
         dataplane: Arc<DataPlane>,
     ) -> anyhow::Result<Self> {
         let objects = state::load(&state_dir)?;
@@ -106,6 +109,7 @@ impl Site {
         Ok(Site {
             config,
             state_dir,
+            state_lock,
             dataplane,
             network,
             current: Mutex::new(Current {
@@ -219,6 +223,7 @@ impl Site {
         if errors.iter().any(|e| !previous_errors.contains(e)) {
             metrics.reload_failures.inc();
         }
+        self.state_lock.keep();
         if let Err(e) = state::save(&self.state_dir, &current.objects) {
             tracing::warn!("cannot save state: {e:#}");
         }

@@ -28,7 +28,49 @@ pub fn load(dir: &Path) -> Result<ObjectState> {
 /// as long as the returned file is open, and released by the kernel if the process dies. A
 /// directory that cannot hold the lock file (read-only, say) is not locked: saving the state
 /// fails later with a warning, as before.
-pub fn lock(dir: &Path) -> Result<Option<std::fs::File>> {
+pub fn lock(dir: &Path) -> Result<StateLock> {
+    Ok(StateLock {
+        dir: dir.to_path_buf(),
+        held: std::sync::Mutex::new(lock_file(dir)?.map(|f| (identity(&dir.join(".lock")), f))),
+    })
+}
+
+/// The state directory's lock, as long as it lives.
+pub struct StateLock {
+    dir: PathBuf,
+    held: std::sync::Mutex<Option<Held>>,
+}
+
+/// The lock file held, and its (device, inode) when taken.
+type Held = (Option<(u64, u64)>, std::fs::File);
+
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+impl StateLock {
+    /// Takes the lock again if the state directory was removed (or its lock file replaced)
+    /// while this site ran, say with the config directory it lives in: the site writes its
+    /// state there again, and a second `keyway run` must still find it taken.
+    pub fn keep(&self) {
+        let path = self.dir.join(".lock");
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if held
+            .as_ref()
+            .is_some_and(|(id, _)| id.is_some() && *id == identity(&path))
+        {
+            return;
+        }
+        match lock_file(&self.dir) {
+            Ok(Some(file)) => *held = Some((identity(&path), file)),
+            Ok(None) => {}
+            Err(e) => tracing::error!("{e:#}"),
+        }
+    }
+}
+
+fn lock_file(dir: &Path) -> Result<Option<std::fs::File>> {
     let path = dir.join(".lock");
     let file = match std::fs::create_dir_all(dir).and_then(|()| {
         std::fs::OpenOptions::new()

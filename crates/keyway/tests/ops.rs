@@ -465,3 +465,40 @@ fn a_second_site_on_the_same_state_directory_is_refused() {
     );
     assert!(err.contains("state"), "{err}");
 }
+
+/// The state directory removed while the site runs (with the config directory it lives in,
+/// `rm -rf conf`): the site writes its state there again at the next reload, and takes the
+/// lock again with it, so a second `keyway run` on it is still refused.
+#[test]
+fn the_state_lock_is_taken_again_when_the_state_directory_is_recreated() {
+    let a = Backend::start("a");
+    let base = temp_dir("state-recreated");
+    let dir = base.join("conf");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let state = dir.join(".keyway-state");
+    let _ = serving(&dir, &a);
+    let _first = Site::start(&dir, &state, &base.join("one.log"));
+    std::fs::remove_dir_all(&dir).expect("rm -rf conf");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let _ = serving(&dir, &a);
+    let start = Instant::now();
+    while !state.join(".lock").exists() && start.elapsed() < Duration::from_secs(10) {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        state.join(".lock").exists(),
+        "the state was not written again"
+    );
+    let mut second = Site::spawn(&dir, &state, Stdio::piped());
+    let start = Instant::now();
+    let mut status = None;
+    while start.elapsed() < Duration::from_secs(5) && status.is_none() {
+        status = second.child.try_wait().expect("wait");
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(3),
+        "a second site on the recreated state directory kept running"
+    );
+}
