@@ -254,12 +254,21 @@ pub(crate) fn check(world: &World<'_>, owner: &ObjectKey, spec: ListenerSpec) ->
                         {
                             Some(k) if !ok.contains(k) => ok.push(*k),
                             Some(_) => {}
+                            // Named with its group where that is what does not fit.
+                            None if group != GATEWAY_GROUP => {
+                                bad.push(format!("{kind} (group \"{group}\")"));
+                            }
                             None => bad.push(kind.clone()),
                         }
                     }
                     let msg = (!bad.is_empty()).then(|| {
+                        let article = if spec.protocol.starts_with("HTTP") {
+                            "an"
+                        } else {
+                            "a"
+                        };
                         format!(
-                            "route kinds {} are not supported on a {} listener",
+                            "route kinds {} are not supported on {article} {} listener",
                             bad.join(", "),
                             spec.protocol
                         )

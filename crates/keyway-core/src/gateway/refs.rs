@@ -253,9 +253,14 @@ impl<'a> World<'a> {
         let mut out = Vec::with_capacity(refs.len());
         for r in refs {
             if !(r.group.is_empty() || r.group == "core") || r.kind != "Secret" {
+                let kind = if r.group.is_empty() {
+                    r.kind.clone()
+                } else {
+                    format!("{}.{}", r.kind, r.group)
+                };
                 return Err(RefError::InvalidCertificateRef(format!(
-                    "certificateRef {} {}/{} is not a Secret",
-                    r.group, r.kind, r.name
+                    "certificateRef {kind}/{} is not a Secret (only kind Secret of the core group is supported)",
+                    r.name
                 )));
             }
             let ns = r.namespace.as_deref().unwrap_or(owner_ns);
