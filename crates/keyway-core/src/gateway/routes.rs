@@ -399,6 +399,11 @@ pub(crate) fn attach(
         .map(|(i, _)| i)
         .collect();
     if candidates.is_empty() {
+        // To a route in another namespace, no listener of that name or port reads as no
+        // parent at all: it must not learn which listeners another namespace's parent has.
+        if view.namespace != route_ns {
+            return Err(("NoMatchingParent", Cow::Borrowed(NO_PARENT)));
+        }
         return Err((
             "NoMatchingParent",
             format!(

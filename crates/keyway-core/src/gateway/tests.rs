@@ -1062,6 +1062,19 @@ fn route_parent_table() {
             "{parents} {hostnames}"
         );
         let entry = &status(&r, Kind::HTTPRoute, "team-a", "r")["parents"][0];
+        // A parent in another namespace (infra) that does not match reads as none at all,
+        // whether it exists (with other listeners) or not.
+        if want.1 == "NoMatchingParent" && parents.contains("namespace: infra") {
+            let message = entry["conditions"]
+                .as_array()
+                .and_then(|c| c.iter().find(|c| c["type"] == "Accepted"))
+                .map(|c| c["message"].clone());
+            assert_eq!(
+                message,
+                Some(serde_json::json!(super::routes::NO_PARENT)),
+                "{parents}"
+            );
+        }
         assert_eq!(entry["controllerName"], CONTROLLER_NAME);
         assert_eq!(entry["parentRef"]["group"], "gateway.networking.k8s.io");
         assert!(entry["parentRef"]["namespace"].is_string());
