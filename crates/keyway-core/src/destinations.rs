@@ -125,7 +125,7 @@ fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<Destinatio
                 DestinationChange {
                     degraded: false,
                     message: format!(
-                        "{key}: fails back to routing key {b} for new connections (reachable again; was {a})"
+                        "{key}: new connections go to routing key {b}, reachable now and preferred over {a}"
                     ),
                 }
             } else {
@@ -204,7 +204,7 @@ mod tests {
                 mkl(pf, &["west"], Some("west")),
                 mkl(pf, &["east", "west"], Some("east")),
                 Kind::MultiKeyListener,
-                vec![(false, format!("{m}: fails back to routing key east for new connections (reachable again; was west)"))],
+                vec![(false, format!("{m}: new connections go to routing key east, reachable now and preferred over west"))],
             ),
             // The key list reordered by an edit.
             (

@@ -289,6 +289,23 @@ pub fn reconcile(
         state.objects.remove(&state_key(&key));
         out.changed.insert(key);
     }
+    // A file that could not be read whole (not UTF-8, a YAML syntax error) says so once; its
+    // objects in force stay, which its error says too.
+    let kept_from: BTreeSet<&str> = index
+        .keys()
+        .filter(|k| !candidates.contains_key(*k))
+        .filter_map(|k| index.get(k))
+        .map(|o| o.origin.file.as_str())
+        .filter(|f| is_incomplete(&incomplete, f))
+        .collect();
+    let note = "; the objects in force from this file keep their last valid versions";
+    for e in out.errors.iter_mut().filter(|e| {
+        e.object.is_none()
+            && kept_from.contains(e.origin.file.as_str())
+            && !e.message.ends_with(note)
+    }) {
+        e.message.push_str(note);
+    }
     for (key, obj) in candidates {
         if index.apply(obj) {
             out.changed.insert(key);

@@ -395,8 +395,9 @@ async fn accept_loop(
         }
     }
     if let Some(s) = socket.take() {
+        let addr = s.local_addr().map_or_else(String::new, |a| a.to_string());
         s.close().await;
-        tracing::info!(listener = %runtime.load().label, "stopped listening");
+        tracing::info!(listener = %runtime.load().label, %addr, "stopped listening");
     }
     state.listening.store(false, Ordering::Release);
 }

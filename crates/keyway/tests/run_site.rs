@@ -261,7 +261,7 @@ fn connector_file_deleted_fails_over_and_back_keeping_live_connections() {
         let log = log();
         log.contains("MultiKeyListener default/backend: fails over to routing key backend-all")
             && log.contains(
-                "MultiKeyListener default/backend: fails back to routing key backend-east",
+                "MultiKeyListener default/backend: new connections go to routing key backend-east, reachable now",
             )
     });
 }
