@@ -515,11 +515,13 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             DocOutcome::Rejected(err(p, message, Some(key.clone())))
         })
         .collect();
+    let has_unknown = !unknown.is_empty();
     let resource = match parsed {
-        Ok(resource) if unknown.is_empty() => resource,
-        Ok(_) => {
+        Ok(resource) => {
+            // Rejected for its unknown fields, and checked like any document below: every
+            // problem is listed in one go.
             load.outcomes.extend(unknown);
-            return;
+            resource
         }
         Err((path, message)) => {
             if !explained_by_slip {
@@ -546,7 +548,7 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
     }
     // Every problem of the document, each on its own line: a user fixes them in one go.
     let problems = validate::validate(&object.resource);
-    if !problems.is_empty() {
+    if !problems.is_empty() || has_unknown {
         for p in problems {
             let e = object.error_at(&p.path, p.message);
             load.outcomes.push(DocOutcome::Rejected(e));

@@ -1303,6 +1303,21 @@ fn every_problem_of_a_rejected_document_is_listed() {
             && lines.iter().any(|l| l.contains("routingKeys[2]")),
         "one line per problem:\n{stdout}"
     );
+    // An unknown field among them hides none of the others.
+    std::fs::write(
+        dir.join("mkl.yaml"),
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: l}\nspec:\n  colour: red\n  host: 127.0.0.1\n  port: 70000\n  routingKey: \"\"\n",
+    )
+    .expect("write");
+    let out = keyway(&["validate"], &dir);
+    let stdout = text(&out.stdout);
+    for want in [
+        "mkl.yaml:5: spec.colour: unknown field",
+        "mkl.yaml:7: spec.port:",
+        "mkl.yaml:8: spec.routingKey:",
+    ] {
+        assert!(stdout.contains(want), "{want}:\n{stdout}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
