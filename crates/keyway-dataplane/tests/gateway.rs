@@ -946,6 +946,27 @@ async fn tls_backend(name: &'static str, ca: &Ca, host: &str) -> SocketAddr {
     addr
 }
 
+/// Connects with each server name and checks which backend greets: the handshake verifies
+/// the backend's own certificate for that name, so the TLS was passed through, not terminated.
+async fn passthrough_greets(ca: &Ca, port: u16, expect: &[(&str, &str)]) {
+    let connector = common::tls_client(ca, None);
+    for (sni, want) in expect {
+        let s = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let name = rustls::pki_types::ServerName::try_from(sni.to_string()).expect("name");
+        let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, s))
+            .await
+            .expect("handshake in time")
+            .expect("handshake with the backend");
+        let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut t))
+            .await
+            .expect("greeting")
+            .expect("read");
+        assert_eq!(line, *want, "{sni}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_passthrough_by_sni_and_tcp_route() {
     let ca = Ca::new("test-ca");
@@ -975,23 +996,12 @@ async fn tls_passthrough_by_sni_and_tcp_route() {
         "{:?}",
         plan.gateways
     );
-    let connector = common::tls_client(&ca, None);
-    for (sni, want) in [("a.pass.test", "pass-a"), ("b.pass.test", "pass-b")] {
-        let s = TcpStream::connect(("127.0.0.1", port))
-            .await
-            .expect("connect");
-        let name = rustls::pki_types::ServerName::try_from(sni.to_string()).expect("name");
-        // The handshake verifies the backend's own certificate for `sni`: not terminated.
-        let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, s))
-            .await
-            .expect("handshake in time")
-            .expect("handshake with the backend");
-        let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut t))
-            .await
-            .expect("greeting")
-            .expect("read");
-        assert_eq!(line, want);
-    }
+    passthrough_greets(
+        &ca,
+        port,
+        &[("a.pass.test", "pass-a"), ("b.pass.test", "pass-b")],
+    )
+    .await;
     let (mut s, greeting) = common::hello(tport).await.expect("tcp route");
     assert_eq!(greeting, "tcp-echo");
     common::echo(&mut s, b"hello\n").await.expect("echo");
@@ -1040,22 +1050,12 @@ async fn an_exact_tls_route_goes_before_an_older_wildcard_one() {
         ));
     }
     let dp = start(&yaml, port).await;
-    let connector = common::tls_client(&ca, None);
-    for (sni, want) in [("a.pass.test", "pass-a"), ("b.pass.test", "pass-b")] {
-        let s = TcpStream::connect(("127.0.0.1", port))
-            .await
-            .expect("connect");
-        let name = rustls::pki_types::ServerName::try_from(sni.to_string()).expect("name");
-        let mut t = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, s))
-            .await
-            .expect("handshake in time")
-            .expect("handshake with the backend");
-        let line = tokio::time::timeout(IO_TIMEOUT, read_line(&mut t))
-            .await
-            .expect("greeting")
-            .expect("read");
-        assert_eq!(line, want, "{sni}");
-    }
+    passthrough_greets(
+        &ca,
+        port,
+        &[("a.pass.test", "pass-a"), ("b.pass.test", "pass-b")],
+    )
+    .await;
     drop(dp);
 }
 

@@ -43,6 +43,17 @@ impl Site {
         site
     }
 
+    /// The process's exit status, if it exits within `limit`.
+    fn exit_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        let mut status = None;
+        while start.elapsed() < limit && status.is_none() {
+            status = self.child.try_wait().expect("wait");
+            thread::sleep(Duration::from_millis(50));
+        }
+        status
+    }
+
     fn wait_ready(&self) {
         admin::wait_for(&self.admin, "/readyz", Duration::from_secs(10), |c, _| {
             c == 200
@@ -446,12 +457,7 @@ fn a_second_site_on_the_same_state_directory_is_refused() {
     let state = dir.join(".state");
     let _first = Site::start(&dir, &state, &dir.join(".one.log"));
     let mut second = Site::spawn(&dir, &state, Stdio::piped());
-    let start = Instant::now();
-    let mut status = None;
-    while start.elapsed() < Duration::from_secs(5) && status.is_none() {
-        status = second.child.try_wait().expect("wait");
-        thread::sleep(Duration::from_millis(50));
-    }
+    let status = second.exit_within(Duration::from_secs(5));
     let mut err = String::new();
     if status.is_some()
         && let Some(mut e) = second.child.stderr.take()
@@ -490,12 +496,7 @@ fn the_state_lock_is_taken_again_when_the_state_directory_is_recreated() {
         "the state was not written again"
     );
     let mut second = Site::spawn(&dir, &state, Stdio::piped());
-    let start = Instant::now();
-    let mut status = None;
-    while start.elapsed() < Duration::from_secs(5) && status.is_none() {
-        status = second.child.try_wait().expect("wait");
-        thread::sleep(Duration::from_millis(50));
-    }
+    let status = second.exit_within(Duration::from_secs(5));
     assert_eq!(
         status.and_then(|s| s.code()),
         Some(3),
