@@ -130,6 +130,8 @@ pub fn compile_checking_addresses(
     let mut statuses = service_network::statuses(&index, &resolution, &reach, now);
     statuses.extend(gateway.statuses.iter().map(|(k, v)| (k.clone(), v.clone())));
     mark_taken_ports(&index, &mut statuses, &taken_ports, now);
+    let now_value = serde_json::to_value(now).unwrap_or(Value::Null);
+    gateway::mark_overlapping_tls(&gateway.plan, &mut statuses, &now_value);
     Compiled {
         index,
         reconciled,

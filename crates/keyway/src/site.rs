@@ -10,8 +10,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use keyway_core::conditions::carry_transition_times;
 use keyway_core::gateway::{
-    GatewayResolver, mark_invalid_certificate, mark_kept_certificate, mark_port_unavailable,
-    rederive_programmed,
+    GatewayResolver, mark_invalid_certificate, mark_kept_certificate, mark_overlapping_tls,
+    mark_port_unavailable, rederive_programmed,
 };
 use keyway_core::load::ConfigError;
 use keyway_core::offline::mark_taken_ports;
@@ -413,6 +413,7 @@ impl Site {
             rederive_programmed(&current.index, &mut statuses, &now_value);
         }
         mark_taken_ports(&current.index, &mut statuses, &current.taken_ports, &now);
+        mark_overlapping_tls(&gw.plan, &mut statuses, &now_value);
         for (key, status) in statuses.iter_mut() {
             if let Some(prev) = current.last_status.get(key) {
                 carry_transition_times(prev, status, &now_value);

@@ -58,6 +58,58 @@ pub fn ranking(route: &[String], served: &[String]) -> Vec<String> {
     out
 }
 
+/// For each of `hosts` (lowercase listener hostnames; `None`: any host), whether another of
+/// them overlaps it: one without a hostname overlaps all, a wildcard overlaps the names (and
+/// narrower wildcards) under it. Indexed by suffix, so a port with thousands of listeners
+/// costs a few lookups per label, not a pass over every pair.
+pub fn overlapping(hosts: &[Option<String>]) -> Vec<bool> {
+    use std::collections::HashMap;
+    let any = hosts.iter().filter(|h| h.is_none()).count();
+    // Wildcard suffixes (`.example.com`) and exact names, with how many listeners have each.
+    let mut wild: HashMap<&str, usize> = HashMap::new();
+    let mut exact: HashMap<&str, usize> = HashMap::new();
+    for h in hosts.iter().flatten() {
+        match h.strip_prefix('*') {
+            Some(suffix) => *wild.entry(suffix).or_default() += 1,
+            None => *exact.entry(h.as_str()).or_default() += 1,
+        }
+    }
+    // Wildcard suffixes with something under them.
+    let mut covering: std::collections::HashSet<&str> = Default::default();
+    let proper_suffixes = |name: &str| -> Vec<usize> {
+        name.char_indices()
+            .filter(|(i, c)| *c == '.' && *i > 0)
+            .map(|(i, _)| i)
+            .collect()
+    };
+    for h in hosts.iter().flatten() {
+        let name = h.strip_prefix('*').unwrap_or(h);
+        for i in proper_suffixes(name) {
+            if wild.contains_key(&name[i..]) {
+                covering.insert(&name[i..]);
+            }
+        }
+    }
+    hosts
+        .iter()
+        .map(|h| match h {
+            None => hosts.len() > 1,
+            Some(h) => {
+                let name = h.strip_prefix('*').unwrap_or(h);
+                let covered = proper_suffixes(name)
+                    .into_iter()
+                    .any(|i| wild.contains_key(&name[i..]));
+                let covers = h.strip_prefix('*').is_some_and(|s| covering.contains(s));
+                let twin = match h.strip_prefix('*') {
+                    Some(s) => wild.get(s).is_some_and(|n| *n > 1),
+                    None => exact.get(h.as_str()).is_some_and(|n| *n > 1),
+                };
+                any > 0 || covered || covers || twin
+            }
+        })
+        .collect()
+}
+
 /// Whether two attachments' hostnames (as [`intersect`] returns them; empty: any host) can
 /// match one request host. (The resolver uses [`Taken`]; this is its reference.)
 #[cfg(test)]
@@ -150,6 +202,59 @@ mod tests {
 
     #[test]
     #[allow(clippy::type_complexity)]
+    fn overlapping_listener_hostnames() {
+        let o = |hs: &[Option<&str>]| {
+            overlapping(&hs.iter().map(|h| h.map(str::to_string)).collect::<Vec<_>>())
+        };
+        assert_eq!(
+            o(&[Some("*.example.com"), Some("a.example.com")]),
+            [true, true]
+        );
+        assert_eq!(
+            o(&[Some("*.example.com"), Some("example.com")]),
+            [false, false]
+        );
+        assert_eq!(
+            o(&[Some("a.example.com"), Some("b.example.com")]),
+            [false, false]
+        );
+        assert_eq!(
+            o(&[
+                Some("*.example.com"),
+                Some("*.a.example.com"),
+                Some("x.org")
+            ]),
+            [true, true, false]
+        );
+        assert_eq!(o(&[None, Some("x.org")]), [true, true]);
+        assert_eq!(o(&[None]), [false]);
+        assert_eq!(
+            o(&[
+                Some("*.example.com"),
+                Some("a.b.example.com"),
+                Some("c.org")
+            ]),
+            [true, true, false]
+        );
+        // Checked against every pair.
+        let names = [
+            "*.a.io", "x.a.io", "*.x.a.io", "y.x.a.io", "a.io", "*.b.io", "b.io",
+        ];
+        let hosts: Vec<Option<String>> = names.iter().map(|h| Some(h.to_string())).collect();
+        let pairwise: Vec<bool> = names
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                names
+                    .iter()
+                    .enumerate()
+                    .any(|(j, b)| i != j && pair(a, b).is_some())
+            })
+            .collect();
+        assert_eq!(overlapping(&hosts), pairwise);
+    }
+
+    #[test]
     fn ranking_keeps_the_routes_own_hostnames() {
         let cases: &[(Option<&str>, &[&str], &[&str])] = &[
             (

@@ -51,8 +51,8 @@ use status::{C, ListenerStatus, Model, ParentStatus};
 
 pub use plan::GatewayPlan;
 pub use status::{
-    StatusEntry, Statuses, mark_invalid_certificate, mark_kept_certificate, mark_port_unavailable,
-    rederive_programmed,
+    StatusEntry, Statuses, mark_invalid_certificate, mark_kept_certificate, mark_overlapping_tls,
+    mark_port_unavailable, rederive_programmed,
 };
 
 /// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).

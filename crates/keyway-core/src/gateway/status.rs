@@ -590,3 +590,95 @@ fn set_listener_conditions(
         c["message"] = Value::from(message);
     }
 }
+
+/// GEP-3567's `OverlappingTLSConfig` listener condition: HTTPS listeners serving on one port
+/// whose hostnames overlap (`*.example.com` and `a.example.com`, or one without a hostname).
+/// A client that coalesces HTTP/2 connections may send a request for one over a connection
+/// whose TLS the other set up; keyway answers such requests 421, and the condition says the
+/// overlap is there. Set only when true (a negative-polarity condition), on every listener of
+/// the overlap; the message names no other listener (it may be another namespace's).
+pub fn mark_overlapping_tls(
+    plan: &super::plan::GatewayPlan,
+    statuses: &mut std::collections::BTreeMap<crate::ObjectKey, Value>,
+    now: &Value,
+) {
+    use super::plan::Protocol;
+    for gateway in &plan.gateways {
+        for port in &gateway.ports {
+            let https: Vec<_> = port
+                .listeners
+                .iter()
+                .filter(|l| l.protocol == Protocol::Https)
+                .collect();
+            if https.len() < 2 {
+                continue;
+            }
+            let hosts: Vec<Option<String>> = https
+                .iter()
+                .map(|l| l.hostname.as_ref().map(|h| h.to_ascii_lowercase()))
+                .collect();
+            for (l, overlaps) in https.iter().zip(super::hostname::overlapping(&hosts)) {
+                if !overlaps {
+                    continue;
+                }
+                let Some(status) = statuses.get_mut(&l.owner) else {
+                    continue;
+                };
+                add_listener_condition(
+                    status,
+                    &l.name,
+                    "OverlappingTLSConfig",
+                    "OverlappingHostnames",
+                    &format!(
+                        "another HTTPS listener on port {} has a hostname that overlaps this one's: a client reusing a connection across them is answered 421 Misdirected Request",
+                        port.port
+                    ),
+                    now,
+                );
+            }
+        }
+    }
+}
+
+/// Adds a True condition to listener `listener` of `status` (once), dated like the others.
+fn add_listener_condition(
+    status: &mut Value,
+    listener: &str,
+    kind: &str,
+    reason: &str,
+    message: &str,
+    now: &Value,
+) {
+    let Some(entry) = status
+        .get_mut("listeners")
+        .and_then(Value::as_array_mut)
+        .and_then(|ls| {
+            ls.iter_mut()
+                .find(|l| l.get("name").and_then(Value::as_str) == Some(listener))
+        })
+    else {
+        return;
+    };
+    let Some(conds) = entry.get_mut("conditions").and_then(Value::as_array_mut) else {
+        return;
+    };
+    if conds
+        .iter()
+        .any(|c| c.get("type").and_then(Value::as_str) == Some(kind))
+    {
+        return;
+    }
+    let generation = conds
+        .first()
+        .and_then(|c| c.get("observedGeneration"))
+        .cloned()
+        .unwrap_or(Value::Null);
+    conds.push(serde_json::json!({
+        "type": kind,
+        "status": "True",
+        "observedGeneration": generation,
+        "lastTransitionTime": now,
+        "reason": reason,
+        "message": message,
+    }));
+}

@@ -2373,3 +2373,47 @@ fn routes_of_another_class_get_no_status() {
         no("BackendNotFound")
     );
 }
+
+/// GEP-3567: HTTPS listeners on one port whose hostnames overlap (a Gateway's wildcard and a
+/// ListenerSet's name under it) carry `OverlappingTLSConfig=True/OverlappingHostnames`; one
+/// that overlaps nothing has no such condition (negative polarity: never set False). Applied
+/// as a site reports status, and offline alike.
+#[test]
+fn overlapping_https_hostnames_on_a_port_are_reported() {
+    let y = gateway(
+        "infra",
+        "gw",
+        "from: All",
+        &(l("wild", 443, "HTTPS", Some("*.example.com"))
+            + &l("other", 443, "HTTPS", Some("x.org"))),
+    ) + &secret("infra", "cert")
+        + &listener_set(
+            "team",
+            "ls",
+            1,
+            "gw",
+            &l("a", 443, "HTTPS", Some("a.example.com")),
+        )
+        + &secret("team", "cert");
+    let files = [crate::load_file("t.yaml", &y)];
+    let compiled = crate::offline::compile(&files, &mut crate::ObjectState::default(), &now());
+    let overlap = |kind: Kind, ns: &str, name: &str, listener: &str| {
+        let status = &compiled.statuses[&key(kind, ns, name)];
+        let entry = status["listeners"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["name"] == listener))
+            .cloned()
+            .unwrap_or_default();
+        entry["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "OverlappingTLSConfig"))
+            .map(|c| (c["status"].clone(), c["reason"].clone()))
+    };
+    let yes = Some((
+        serde_json::json!("True"),
+        serde_json::json!("OverlappingHostnames"),
+    ));
+    assert_eq!(overlap(Kind::Gateway, "infra", "gw", "wild"), yes);
+    assert_eq!(overlap(Kind::ListenerSet, "team", "ls", "a"), yes);
+    assert_eq!(overlap(Kind::Gateway, "infra", "gw", "other"), None);
+}
