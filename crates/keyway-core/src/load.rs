@@ -155,6 +155,11 @@ fn near_kind(api_version: &str, kind: &str) -> Option<String> {
         }
         return None;
     }
+    if kind == "List" {
+        return Some(format!(
+            "List is not a kind of {api_version}; a list of documents is read as apiVersion: v1, kind: List"
+        ));
+    }
     let served: Vec<Kind> = Kind::ALL
         .iter()
         .copied()

@@ -526,6 +526,13 @@ fn cases() -> Vec<Case> {
             "ListenerSet is not a kind of skupper.io (skupper.io/v2alpha1); keyway reads ListenerSet as gateway.networking.k8s.io/v1",
         ),
         case(
+            "list-under-another-api-version",
+            "apiVersion: skupper.io/v2alpha1\nkind: List\nitems: []\n",
+            2,
+            "kind",
+            "List is not a kind of skupper.io/v2alpha1; a list of documents is read as apiVersion: v1, kind: List",
+        ),
+        case(
             "missing-metadata-name",
             "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  namespace: foo\nspec: {}\n",
             3,
