@@ -252,7 +252,14 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
         .split_once("\r\n\r\n")
         .ok_or_else(|| anyhow::anyhow!("{addr} did not answer HTTP"))?;
     if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        anyhow::bail!("{addr}{path}: {}", head.lines().next().unwrap_or_default());
+        let status = head.lines().next().unwrap_or_default();
+        // keyway's own endpoint answers every path it knows; a 404 there is another server.
+        let hint = if status.contains(" 404") {
+            "; is --admin the address of `keyway run --admin`?"
+        } else {
+            ""
+        };
+        anyhow::bail!("{addr}{path}: {status}{hint}");
     }
     Ok(body.to_string())
 }
