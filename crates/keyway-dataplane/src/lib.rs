@@ -300,6 +300,22 @@ impl DataPlane {
         // those on their port have closed it.
         let mut retiring: Vec<ListenerHandle> = Vec::new();
         let mut starting = Vec::new();
+        // A port the new plan gives to another listener or a Gateway is not kept open for a
+        // listener moving away from it (two listeners swapping ports, say): that move breaks
+        // before it makes, as any move did, and the port changes hands at once.
+        let gateway_ports: std::collections::HashSet<u16> = plan
+            .gateways
+            .gateways
+            .iter()
+            .flat_map(|g| g.ports.iter().map(|p| p.port))
+            .collect();
+        let claimed_by_other = |port: u16, id: &ObjectKey| {
+            gateway_ports.contains(&port)
+                || plan
+                    .listeners
+                    .iter()
+                    .any(|other| other.port == port && other.id != *id)
+        };
         for lp in &plan.listeners {
             let acceptor = match &lp.tls {
                 None => None,
@@ -334,13 +350,21 @@ impl DataPlane {
                 (Some(handle), _) | (None, Some(handle))
                     if handle.host == lp.host && handle.port == lp.port =>
                 {
+                    // Still moving, from a port the plan now gives to another: let it go.
+                    if let Some(from) = handle.replaced_port()
+                        && claimed_by_other(from, &lp.id)
+                    {
+                        retiring.extend(handle.take_replaced());
+                    }
                     handle.runtime.store(Arc::new(runtime));
                     next.insert(lp.id.clone(), handle);
                 }
                 // To another port: the old one serves on until the new one is bound (make
-                // before break). On the same port (another address), the old socket must
-                // close first.
-                (_, Some(handle)) if handle.port != lp.port => {
+                // before break), unless another takes it over. On the same port (another
+                // address), the old socket must close first.
+                (_, Some(handle))
+                    if handle.port != lp.port && !claimed_by_other(handle.port, &lp.id) =>
+                {
                     starting.push((lp.id.clone(), runtime, Some(handle)));
                 }
                 (_, old) => {

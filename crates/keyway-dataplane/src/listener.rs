@@ -163,6 +163,20 @@ impl ListenerHandle {
         }
     }
 
+    /// The port of the listener this one still moves from, if any.
+    pub fn replaced_port(&self) -> Option<u16> {
+        self.replaced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|old| old.port)
+    }
+
+    /// The listener this one still moves from, taken away (to be stopped).
+    pub fn take_replaced(&self) -> Option<ListenerHandle> {
+        take(&self.replaced)
+    }
+
     /// The ports this listener holds or may hold: its own, and the one it moves from.
     pub fn holds_port(&self, port: u16) -> bool {
         self.port == port

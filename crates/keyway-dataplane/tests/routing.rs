@@ -691,6 +691,54 @@ async fn a_listener_moved_to_a_busy_port_keeps_its_old_one_until_it_binds() {
         .expect("the open connection runs on");
 }
 
+/// Two listeners swapping ports in one edit: each port changes hands at once (a move keeps
+/// its old port only while nothing else in the config wants it), and a move pending on a busy
+/// port lets its old port go as soon as the config gives that port to another listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listeners_swapping_ports_or_taking_a_vacated_one_get_them_at_once() {
+    let a = Backend::start("A").await;
+    let b = Backend::start("B").await;
+    let (p1, p2) = (free_port(), free_port());
+    let dp = dataplane();
+    let connectors = || vec![connector("ca", "a", a.addr), connector("cb", "b", b.addr)];
+    dp.apply(&plan(
+        vec![listener("la", p1, "a"), listener("lb", p2, "b")],
+        connectors(),
+    ));
+    wait_listening(&dp, &listener_id("la")).await;
+    wait_listening(&dp, &listener_id("lb")).await;
+    dp.apply(&plan(
+        vec![listener("la", p2, "a"), listener("lb", p1, "b")],
+        connectors(),
+    ));
+    let swapped = eventually(Duration::from_secs(3), || async {
+        who(p1).await.ok().as_deref() == Some("B") && who(p2).await.ok().as_deref() == Some("A")
+    })
+    .await;
+    assert!(swapped, "{:?}", dp.observe());
+
+    // la moves to a busy port (pending, p2 still open for it), then lb is given p2.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = taken.local_addr().unwrap().port();
+    dp.apply(&plan(
+        vec![listener("la", busy, "a"), listener("lb", p1, "b")],
+        connectors(),
+    ));
+    assert_eq!(who(p2).await.expect("la's old port while moving"), "A");
+    dp.apply(&plan(
+        vec![listener("la", busy, "a"), listener("lb", p2, "b")],
+        connectors(),
+    ));
+    let handed = eventually(Duration::from_secs(3), || async {
+        who(p2).await.ok().as_deref() == Some("B")
+    })
+    .await;
+    assert!(handed, "{:?}", dp.observe());
+    drop(taken);
+    wait_listening(&dp, &listener_id("la")).await;
+    assert_eq!(who(busy).await.expect("la on its new port"), "A");
+}
+
 /// A listener with no reachable key keeps its port closed, yet a port it could not open (held by
 /// another process) or an address that does not resolve shows in its status at once; the error
 /// clears when the port frees.
