@@ -549,7 +549,7 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         lines,
     };
     for (path, why) in validate::ignored_settings(&object.resource) {
-        load.warnings.push(object.error_at(path, why));
+        load.warnings.push(object.error_at(&path, why));
     }
     // Every problem of the document, each on its own line: a user fixes them in one go.
     let problems = validate::validate(&object.resource);

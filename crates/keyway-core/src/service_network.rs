@@ -396,6 +396,14 @@ fn secret_material(
     })
 }
 
+/// The Connector settings keyway reads (its health checks); others are warned about.
+pub const CONNECTOR_SETTINGS: [&str; 4] = [
+    "health-check",
+    "health-check-interval",
+    "health-check-timeout",
+    "health-check-failures",
+];
+
 /// Reads the health-check settings of a Connector; an unparsable value names its setting.
 pub fn health_of(settings: &BTreeMap<String, String>) -> Result<HealthCheck, (String, String)> {
     let mut h = HealthCheck::default();
@@ -408,9 +416,12 @@ pub fn health_of(settings: &BTreeMap<String, String>) -> Result<HealthCheck, (St
                 _ => return bad("true or false"),
             },
             "health-check-interval" | "health-check-timeout" => {
-                let Some(ms) = parse_duration_ms(v).filter(|ms| *ms >= 10) else {
+                let Some(ms) = parse_duration_ms(v) else {
                     return bad("a duration like 500ms or 2s");
                 };
+                if ms < 10 {
+                    return Err((k.clone(), format!("`{v}` is too short: at least 10ms")));
+                }
                 if k == "health-check-interval" {
                     h.interval_ms = ms;
                 } else {

@@ -92,6 +92,14 @@ pub fn validate(resource: &Resource) -> Vec<Problem> {
                 "spec.tlsCredentials",
                 c.spec.tls_credentials.as_deref(),
             );
+            // Rejected at load, as any bad field: an edit with a typo in a setting leaves the
+            // Connector's last valid version serving rather than taking it out of service.
+            for (k, v) in &c.spec.settings {
+                let one = std::iter::once((k.clone(), v.clone())).collect();
+                if let Err((setting, why)) = crate::service_network::health_of(&one) {
+                    p.add(format!("spec.settings.{setting}"), why);
+                }
+            }
             match (&c.spec.host, &c.spec.selector) {
                 (Some(h), _) => check_host(&mut p, "spec.host", h),
                 (None, Some(_)) => p.add(
@@ -470,11 +478,28 @@ fn check_secret(p: &mut Problems, s: &k8s_openapi::api::core::v1::Secret) {
 
 /// Upstream fields an object may set that keyway reads but does not act on, with why: said as
 /// warnings, so a setting that does nothing here is not taken for one that works.
-pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)> {
+pub fn ignored_settings(resource: &Resource) -> Vec<(String, &'static str)> {
     const NO_PODS: &str = "ignored: a standalone site has no pods";
-    let mut out = Vec::new();
+    let mut out: Vec<(&'static str, &'static str)> = Vec::new();
+    let mut unread_keys: Vec<(String, &'static str)> = Vec::new();
+    // `settings` keys keyway does not read: a misspelt health-check setting would otherwise
+    // look applied.
+    let unread = |settings: &std::collections::BTreeMap<String, String>,
+                  read: &[&str],
+                  why: &'static str,
+                  out: &mut Vec<(String, &'static str)>| {
+        for k in settings.keys().filter(|k| !read.contains(&k.as_str())) {
+            out.push((format!("spec.settings.{k}"), why));
+        }
+    };
     match resource {
         Resource::Connector(c) => {
+            unread(
+                &c.spec.settings,
+                &crate::service_network::CONNECTOR_SETTINGS,
+                "ignored: keyway reads health-check, health-check-interval, health-check-timeout and health-check-failures here",
+                &mut unread_keys,
+            );
             if c.spec.host.is_some() && c.spec.selector.is_some() {
                 out.push((
                     "spec.selector",
@@ -563,6 +588,12 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)
             }
         }
         Resource::Listener(l) => {
+            unread(
+                &l.spec.settings,
+                &[],
+                "ignored: keyway reads no settings on a Listener",
+                &mut unread_keys,
+            );
             if l.spec.expose_pods_by_name {
                 out.push(("spec.exposePodsByName", NO_PODS));
             }
@@ -573,9 +604,18 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(&'static str, &'static str)
                 ));
             }
         }
+        Resource::MultiKeyListener(m) => unread(
+            &m.spec.settings,
+            &[],
+            "ignored: keyway reads no settings on a MultiKeyListener (health checks are set on Connectors)",
+            &mut unread_keys,
+        ),
         _ => {}
     }
-    out
+    out.into_iter()
+        .map(|(path, why)| (path.to_string(), why))
+        .chain(unread_keys)
+        .collect()
 }
 
 /// Listener rules shared by Gateway and ListenerSet: limits, patterns and the CEL rules.

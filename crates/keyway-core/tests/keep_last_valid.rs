@@ -582,3 +582,30 @@ fn a_copy_does_not_take_over_when_the_definition_in_force_breaks() {
         assert_eq!(port_of(site.get(Kind::Listener, "web")), 28102, "{what}");
     }
 }
+
+/// A typo in a Connector's health-check settings rejects the edit like any bad field: the
+/// version in force keeps serving (it used to be applied, and taken out of service).
+#[test]
+fn a_bad_setting_keeps_the_connector_in_force() {
+    let with = |interval: &str| {
+        format!(
+            "{}  settings:\n    health-check-interval: {interval}\n",
+            connector("db")
+        )
+    };
+    let mut site = Site::default();
+    let r = site.reload(&[("c.yaml", &with("2s"))], 0);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let r = site.reload(&[("c.yaml", &with("abc"))], 1);
+    let messages: Vec<String> = r.errors.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        messages,
+        [
+            "c.yaml:10: spec.settings.health-check-interval: `abc` is not a duration like 500ms or 2s; Connector default/db keeps its last valid version from c.yaml:1"
+        ]
+    );
+    let Some(Resource::Connector(c)) = site.get(Kind::Connector, "db") else {
+        panic!("not in force");
+    };
+    assert_eq!(c.spec.settings["health-check-interval"], "2s");
+}

@@ -488,6 +488,26 @@ fn cases() -> Vec<Case> {
             "port must be between 1 and 65535, found 70000",
         ),
         case(
+            "connector-settings-not-a-duration",
+            skupper(
+                "Connector",
+                "  routingKey: k\n  host: 127.0.0.1\n  port: 9000\n  settings:\n    health-check-interval: abc\n",
+            ),
+            10,
+            "spec.settings.health-check-interval",
+            "`abc` is not a duration like 500ms or 2s",
+        ),
+        case(
+            "connector-settings-too-short",
+            skupper(
+                "Connector",
+                "  routingKey: k\n  host: 127.0.0.1\n  port: 9000\n  settings:\n    health-check-timeout: 0s\n",
+            ),
+            10,
+            "spec.settings.health-check-timeout",
+            "`0s` is too short: at least 10ms",
+        ),
+        case(
             "connector-port-zero",
             skupper(
                 "Connector",
@@ -1083,7 +1103,15 @@ fn settings_without_effect_here_are_warnings() {
         dir.join("a.yaml"),
         skupper(
             "Connector",
-            "  routingKey: a\n  host: 127.0.0.1\n  selector: app=db\n  port: 9\n  includeNotReadyPods: true\n  useClientCert: true\n  verifyHostname: true\n",
+            "  routingKey: a\n  host: 127.0.0.1\n  selector: app=db\n  port: 9\n  includeNotReadyPods: true\n  useClientCert: true\n  verifyHostname: true\n  settings:\n    healthcheck-interval: 1s\n",
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("l.yaml"),
+        skupper(
+            "Listener",
+            "  routingKey: a\n  host: 127.0.0.1\n  port: 19\n  settings:\n    foo: bar\n",
         ),
     )
     .unwrap();
@@ -1103,6 +1131,9 @@ fn settings_without_effect_here_are_warnings() {
         // Upstream Skupper ignores them too without tlsCredentials.
         "spec.useClientCert: ignored without tlsCredentials",
         "spec.verifyHostname: ignored without tlsCredentials",
+        // A misspelt setting would otherwise look applied.
+        "spec.settings.healthcheck-interval: ignored: keyway reads health-check, health-check-interval",
+        "spec.settings.foo: ignored: keyway reads no settings on a Listener",
     ] {
         assert!(stderr.contains(want), "stderr {stderr:?} lacks {want:?}");
     }
