@@ -87,12 +87,14 @@ impl Compiled {
 
 /// Warnings about the config as a whole, beyond those of single documents: references that
 /// serve nothing ([`gateway::reference_warnings`]) and a linking site without a name
-/// ([`service_network::unnamed_site_warnings`]), and certificates outside their validity at
+/// ([`service_network::unnamed_site_warnings`]), Connectors whose TLS verifies nothing
+/// ([`service_network::unverified_connector_warnings`]), and certificates outside their validity at
 /// `now` ([`crate::tls::validity_warnings`]). `validate`, `status` and a running site (on
 /// each reload) report the same ones.
 pub fn config_warnings(index: &Index, now: &Time) -> Vec<ConfigError> {
     let mut out = gateway::reference_warnings(index);
     out.extend(service_network::unnamed_site_warnings(index));
+    out.extend(service_network::unverified_connector_warnings(index));
     out.extend(crate::tls::validity_warnings(index, now));
     out
 }

@@ -104,6 +104,33 @@ pub fn unnamed_site_warnings(index: &Index) -> Vec<ConfigError> {
         .collect()
 }
 
+/// Connectors whose TLS Secret has no `ca.crt`: the workload's certificate is then accepted
+/// whatever it is (encrypted, not authenticated), which is worth saying.
+pub fn unverified_connector_warnings(index: &Index) -> Vec<ConfigError> {
+    let mut out = Vec::new();
+    for obj in index.of_kind(Kind::Connector) {
+        let Resource::Connector(c) = &obj.resource else {
+            continue;
+        };
+        let Some(name) = c.spec.tls_credentials.as_deref() else {
+            continue;
+        };
+        if let Some(Resource::Secret(secret)) =
+            index.resource(Kind::Secret, &obj.key.namespace, name)
+            && tls::secret_value(secret, "ca.crt").is_none()
+        {
+            out.push(obj.error_at(
+                "spec.tlsCredentials",
+                format!(
+                    "Secret {}/{name} has no ca.crt: the workload's certificate is not verified (add the CA that signed it as ca.crt)",
+                    obj.key.namespace
+                ),
+            ));
+        }
+    }
+    out
+}
+
 /// Resolves the service network of `index` into a plan.
 pub fn resolve(index: &Index) -> Resolution {
     let mut res = Resolution {

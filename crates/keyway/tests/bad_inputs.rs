@@ -1553,3 +1553,32 @@ fn an_expired_or_future_certificate_is_warned_about() {
     assert_eq!(stderr.matches("warning:").count(), 2, "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Connector whose TLS Secret has no ca.crt reaches its workload encrypted but without
+/// checking its certificate: valid, and a warning saying so.
+#[test]
+fn a_connector_tls_secret_without_a_ca_is_warned_about() {
+    let dir = temp_dir("connector-no-ca");
+    std::fs::write(
+        dir.join("c.yaml"),
+        format!(
+            "{}---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: wl\nstringData:\n  tls.crt: |\n{}",
+            skupper(
+                "Connector",
+                "  routingKey: a\n  host: 127.0.0.1\n  port: 9443\n  tlsCredentials: wl\n",
+            ),
+            indent(CERT, 4)
+        ),
+    )
+    .unwrap();
+    let out = keyway(&["validate"], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains(
+            "spec.tlsCredentials: Secret default/wl has no ca.crt: the workload's certificate is not verified"
+        ),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
