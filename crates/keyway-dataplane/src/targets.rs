@@ -50,15 +50,17 @@ pub struct Target {
     /// and still load the same workload.
     open: Arc<AtomicUsize>,
     last_error: Mutex<Option<String>>,
-    /// A connection to it failed in TLS: its health checks complete a handshake until one
-    /// succeeds, so a workload that accepts TCP but fails TLS is not found healthy again by a
-    /// bare connect (and reported Ready over a path where every connection fails).
+    /// Its TLS is not known to work: at first, and after a connection to it failed in TLS.
+    /// Its health checks then complete a handshake until one succeeds, so a workload that
+    /// accepts TCP but fails TLS (a wrong CA, an expired certificate, a client certificate it
+    /// wants) is not found Ready by a bare connect over a path where every connection fails.
     tls_suspect: AtomicBool,
     retired: AtomicBool,
 }
 
 impl Target {
     fn new(plan: &ConnectorPlan, tls: Option<Arc<ClientTlsConfig>>) -> Self {
+        let tls_suspect = AtomicBool::new(tls.is_some());
         Target {
             metrics_cache: Mutex::new(HashMap::new()),
             connector: plan.id.clone(),
@@ -74,7 +76,7 @@ impl Target {
             failures: AtomicU32::new(0),
             open: Arc::new(AtomicUsize::new(0)),
             last_error: Mutex::new(None),
-            tls_suspect: AtomicBool::new(false),
+            tls_suspect,
             retired: AtomicBool::new(false),
         }
     }
@@ -529,6 +531,9 @@ enum ProbeError {
 }
 
 /// One health check: a TCP connect, and a TLS handshake too while the target is suspect.
+/// How long a TLS health check waits after the handshake for the workload to refuse it.
+const POST_HANDSHAKE_WAIT: Duration = Duration::from_millis(200);
+
 async fn probe(target: &Target) -> Result<(), ProbeError> {
     let stream = TcpStream::connect((target.host.as_str(), target.port))
         .await
@@ -548,6 +553,29 @@ async fn probe(target: &Target) -> Result<(), ProbeError> {
             .connect(tls.server_name.clone(), stream)
             .await
             .map_err(|e| ProbeError::Target(format!("TLS to {} failed: {e}", target.address())))?;
+        // In TLS 1.3 the client's side of the handshake ends before the server has checked
+        // the client's certificate: a workload that wants one (or refuses ours) says so in an
+        // alert just after. Wait a moment for it; a workload that speaks first, or waits for
+        // the client, passes.
+        let mut byte = [0u8; 1];
+        // Within the check's own timeout, with room left for the connect and handshake.
+        let wait =
+            POST_HANDSHAKE_WAIT.min(Duration::from_millis(target.health_check.timeout_ms / 4));
+        match tokio::time::timeout(wait, tokio::io::AsyncReadExt::read(&mut s, &mut byte)).await {
+            Ok(Err(e)) => {
+                return Err(ProbeError::Target(format!(
+                    "TLS to {} refused after the handshake: {e}",
+                    target.address()
+                )));
+            }
+            Ok(Ok(0)) => {
+                return Err(ProbeError::Target(format!(
+                    "TLS to {}: the workload closed the connection right after the handshake",
+                    target.address()
+                )));
+            }
+            Ok(Ok(_)) | Err(_) => {}
+        }
         let _ = tokio::io::AsyncWriteExt::shutdown(&mut s).await;
         target.tls_suspect.store(false, Ordering::Release);
     }
