@@ -106,6 +106,7 @@ pub fn run(
                         site.status();
                         // Notes when every listener has listened (see `Site::ready`).
                         let _ = site.ready();
+                        site.keep_state_lock();
                     })
                     .await;
                 }

@@ -223,10 +223,11 @@ impl Site {
         if errors.iter().any(|e| !previous_errors.contains(e)) {
             metrics.reload_failures.inc();
         }
-        self.state_lock.keep();
         if let Err(e) = state::save(&self.state_dir, &current.objects) {
             tracing::warn!("cannot save state: {e:#}");
         }
+        // The state directory was made again just now if it had been removed.
+        self.state_lock.keep();
         tracing::info!(
             objects = current.index.len(),
             changed = current.reconciled.changed.len(),
@@ -522,6 +523,12 @@ impl Site {
     /// The plan the data plane runs (SPEC §6 `/config`).
     pub fn config(&self) -> Value {
         serde_json::to_value(&lock(&self.current).resolution.plan).unwrap_or(Value::Null)
+    }
+
+    /// Takes the state directory's lock again if it was lost (see [`state::StateLock::keep`]);
+    /// called every second, so a lock taken by another run is taken back once it is free.
+    pub fn keep_state_lock(&self) {
+        self.state_lock.keep();
     }
 
     /// Marks the site as shutting down: `/readyz` answers 503 from now on, and the network

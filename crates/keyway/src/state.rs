@@ -31,7 +31,10 @@ pub fn load(dir: &Path) -> Result<ObjectState> {
 pub fn lock(dir: &Path) -> Result<StateLock> {
     Ok(StateLock {
         dir: dir.to_path_buf(),
-        held: std::sync::Mutex::new(lock_file(dir)?.map(|f| (identity(&dir.join(".lock")), f))),
+        held: std::sync::Mutex::new(
+            lock_file(dir, true)?.map(|f| (identity(&dir.join(".lock")), f)),
+        ),
+        warned: std::sync::atomic::AtomicBool::new(false),
     })
 }
 
@@ -39,6 +42,8 @@ pub fn lock(dir: &Path) -> Result<StateLock> {
 pub struct StateLock {
     dir: PathBuf,
     held: std::sync::Mutex<Option<Held>>,
+    /// The lock was found taken by another process and that was logged.
+    warned: std::sync::atomic::AtomicBool,
 }
 
 /// The lock file held, and its (device, inode) when taken.
@@ -62,17 +67,36 @@ impl StateLock {
         {
             return;
         }
-        match lock_file(&self.dir) {
-            Ok(Some(file)) => *held = Some((identity(&path), file)),
+        // Only where the state is written: a state directory removed and not yet written
+        // again is not made here (nor its config directory with it) ahead of the next reload.
+        match lock_file(&self.dir, false) {
+            Ok(Some(file)) => {
+                *held = Some((identity(&path), file));
+                self.warned
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+            }
             Ok(None) => {}
-            Err(e) => tracing::error!("{e:#}"),
+            Err(e) => {
+                if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::error!(
+                        "{e:#} (this site keeps running and takes the lock when it is free)"
+                    );
+                }
+            }
         }
     }
 }
 
-fn lock_file(dir: &Path) -> Result<Option<std::fs::File>> {
+/// Opens (creating) and locks `dir/.lock`. With `make_dir`, `dir` is made first (at start);
+/// without, a directory that is not there (removed while the site runs) is left alone.
+fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
     let path = dir.join(".lock");
-    let file = match std::fs::create_dir_all(dir).and_then(|()| {
+    let made = if make_dir {
+        std::fs::create_dir_all(dir)
+    } else {
+        Ok(())
+    };
+    let file = match made.and_then(|()| {
         std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -80,6 +104,7 @@ fn lock_file(dir: &Path) -> Result<Option<std::fs::File>> {
             .open(&path)
     }) {
         Ok(f) => f,
+        Err(e) if !make_dir && e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
             tracing::warn!("cannot lock state directory {}: {e}", dir.display());
             return Ok(None);
