@@ -117,7 +117,7 @@ fn site() {
 #[test]
 fn listener_and_connector() {
     let r = round_trip(
-        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: db\n  labels:\n    app: db\nspec:\n  routingKey: db\n  host: 127.0.0.1\n  port: 5432\n  type: tcp\n  tlsCredentials: db-tls\n  requireClientCert: true\n  settings:\n    a: b\n",
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: db\n  labels:\n    app: db\nspec:\n  routingKey: db\n  host: 127.0.0.1\n  port: 5432\n  type: tcp\n  tlsCredentials: db-tls\n  requireClientCert: true\n",
         Kind::Listener,
     );
     let Resource::Listener(l) = r else { panic!() };
