@@ -71,8 +71,12 @@ pub struct ListenerHandle {
 /// The handle a moving listener serves on from until its new port is bound.
 type Replaced = Arc<Mutex<Option<ListenerHandle>>>;
 
+fn lock(replaced: &Replaced) -> std::sync::MutexGuard<'_, Option<ListenerHandle>> {
+    replaced.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn take(replaced: &Replaced) -> Option<ListenerHandle> {
-    replaced.lock().unwrap_or_else(|p| p.into_inner()).take()
+    lock(replaced).take()
 }
 
 impl ListenerHandle {
@@ -138,12 +142,7 @@ impl ListenerHandle {
     /// one it moves from, which may still hold its old port.
     pub fn finished(&self) -> Vec<watch::Receiver<()>> {
         let mut all = vec![self.finished.clone()];
-        if let Some(old) = self
-            .replaced
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
+        if let Some(old) = lock(&self.replaced).as_ref() {
             all.extend(old.finished());
         }
         all
@@ -152,7 +151,7 @@ impl ListenerHandle {
     /// The listener this one has not yet taken over from, if it serves `host:port`: a move
     /// undone before the new port was bound goes back to it as it is.
     pub fn take_replaced_at(&self, host: &str, port: u16) -> Option<ListenerHandle> {
-        let mut replaced = self.replaced.lock().unwrap_or_else(|p| p.into_inner());
+        let mut replaced = lock(&self.replaced);
         if replaced
             .as_ref()
             .is_some_and(|old| old.host == host && old.port == port)
@@ -165,11 +164,7 @@ impl ListenerHandle {
 
     /// The port of the listener this one still moves from, if any.
     pub fn replaced_port(&self) -> Option<u16> {
-        self.replaced
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|old| old.port)
+        lock(&self.replaced).as_ref().map(|old| old.port)
     }
 
     /// The listener this one still moves from, taken away (to be stopped).
@@ -180,10 +175,7 @@ impl ListenerHandle {
     /// The ports this listener holds or may hold: its own, and the one it moves from.
     pub fn holds_port(&self, port: u16) -> bool {
         self.port == port
-            || self
-                .replaced
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
+            || lock(&self.replaced)
                 .as_ref()
                 .is_some_and(|old| old.holds_port(port))
     }
@@ -320,12 +312,10 @@ async fn accept_loop(
             }
             if error.is_none() {
                 probe_logged = None;
-            }
-            probe_failed.clone_from(&error);
-            if error.is_none() {
                 // The new port is free: the listener this one moves from stops.
                 drop(take(&replaced));
             }
+            probe_failed.clone_from(&error);
             state.set_error(error);
             // A failed probe is tried again now and then, so its error clears once the port
             // frees even if nothing else changes.
@@ -357,7 +347,7 @@ async fn accept_loop(
                 Err(e) => {
                     bind_failures += 1;
                     let mut msg = format!("cannot bind {}:{}: {e}", rt.plan.host, rt.plan.port);
-                    if let Some(old) = replaced.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    if let Some(old) = lock(&replaced).as_ref() {
                         msg.push_str(&format!(
                             "; still accepting on {}:{} until it binds",
                             old.host, old.port

@@ -63,7 +63,7 @@ pub fn ranking(route: &[String], served: &[String]) -> Vec<String> {
 /// narrower wildcards) under it. Indexed by suffix, so a port with thousands of listeners
 /// costs a few lookups per label, not a pass over every pair.
 pub fn overlapping(hosts: &[Option<String>]) -> Vec<bool> {
-    use std::collections::HashMap;
+    use std::collections::{HashMap, HashSet};
     let any = hosts.iter().filter(|h| h.is_none()).count();
     // Wildcard suffixes (`.example.com`) and exact names, with how many listeners have each.
     let mut wild: HashMap<&str, usize> = HashMap::new();
@@ -74,35 +74,32 @@ pub fn overlapping(hosts: &[Option<String>]) -> Vec<bool> {
             None => *exact.entry(h.as_str()).or_default() += 1,
         }
     }
-    // Wildcard suffixes with something under them.
-    let mut covering: std::collections::HashSet<&str> = Default::default();
-    let proper_suffixes = |name: &str| -> Vec<usize> {
-        name.char_indices()
-            .filter(|(i, c)| *c == '.' && *i > 0)
-            .map(|(i, _)| i)
-            .collect()
-    };
-    for h in hosts.iter().flatten() {
-        let name = h.strip_prefix('*').unwrap_or(h);
-        for i in proper_suffixes(name) {
-            if wild.contains_key(&name[i..]) {
-                covering.insert(&name[i..]);
+    // Per host, whether a wildcard covers it; and the wildcard suffixes that cover something.
+    let mut covering: HashSet<&str> = HashSet::new();
+    let covered: Vec<bool> = hosts
+        .iter()
+        .map(|h| {
+            let Some(h) = h else { return false };
+            let name = h.strip_prefix('*').unwrap_or(h);
+            let mut hit = false;
+            for (i, _) in name.match_indices('.').filter(|(i, _)| *i > 0) {
+                if wild.contains_key(&name[i..]) {
+                    covering.insert(&name[i..]);
+                    hit = true;
+                }
             }
-        }
-    }
+            hit
+        })
+        .collect();
     hosts
         .iter()
-        .map(|h| match h {
+        .zip(covered)
+        .map(|(h, covered)| match h {
             None => hosts.len() > 1,
             Some(h) => {
-                let name = h.strip_prefix('*').unwrap_or(h);
-                let covered = proper_suffixes(name)
-                    .into_iter()
-                    .any(|i| wild.contains_key(&name[i..]));
-                let covers = h.strip_prefix('*').is_some_and(|s| covering.contains(s));
-                let twin = match h.strip_prefix('*') {
-                    Some(s) => wild.get(s).is_some_and(|n| *n > 1),
-                    None => exact.get(h.as_str()).is_some_and(|n| *n > 1),
+                let (covers, twin) = match h.strip_prefix('*') {
+                    Some(s) => (covering.contains(s), wild.get(s).is_some_and(|n| *n > 1)),
+                    None => (false, exact.get(h.as_str()).is_some_and(|n| *n > 1)),
                 };
                 any > 0 || covered || covers || twin
             }

@@ -563,16 +563,7 @@ fn set_listener_conditions(
     now: &Value,
 ) {
     let to_text = if to { "True" } else { "False" };
-    let Some(listeners) = status.get_mut("listeners").and_then(Value::as_array_mut) else {
-        return;
-    };
-    let Some(entry) = listeners
-        .iter_mut()
-        .find(|l| l.get("name").and_then(Value::as_str) == Some(listener))
-    else {
-        return;
-    };
-    let Some(conds) = entry.get_mut("conditions").and_then(Value::as_array_mut) else {
+    let Some(conds) = listener_conditions_mut(status, listener) else {
         return;
     };
     for c in conds.iter_mut() {
@@ -649,17 +640,7 @@ fn add_listener_condition(
     message: &str,
     now: &Value,
 ) {
-    let Some(entry) = status
-        .get_mut("listeners")
-        .and_then(Value::as_array_mut)
-        .and_then(|ls| {
-            ls.iter_mut()
-                .find(|l| l.get("name").and_then(Value::as_str) == Some(listener))
-        })
-    else {
-        return;
-    };
-    let Some(conds) = entry.get_mut("conditions").and_then(Value::as_array_mut) else {
+    let Some(conds) = listener_conditions_mut(status, listener) else {
         return;
     };
     if conds
@@ -681,4 +662,18 @@ fn add_listener_condition(
         "reason": reason,
         "message": message,
     }));
+}
+
+/// The `conditions` of listener `listener` in an owner's `status`.
+fn listener_conditions_mut<'a>(
+    status: &'a mut Value,
+    listener: &str,
+) -> Option<&'a mut Vec<Value>> {
+    status
+        .get_mut("listeners")?
+        .as_array_mut()?
+        .iter_mut()
+        .find(|l| l.get("name").and_then(Value::as_str) == Some(listener))?
+        .get_mut("conditions")?
+        .as_array_mut()
 }
