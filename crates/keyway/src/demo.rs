@@ -650,7 +650,7 @@ fn instructions(net: &Network, ports: Ports, exe: &Path, keep: bool) -> String {
         "  # The MultiKeyListener at central: priorityFailover [backend-east, backend-west, backend-all]\n\
          \x20 nc 127.0.0.1 {mkl}\n\
          \x20     -> hello from backend-east   (type a line: it echoes back; Ctrl-C ends)\n\
-         \x20 # no nc? curl telnet://127.0.0.1:{mkl} does the same\n"
+         \x20 # no nc? curl -N telnet://127.0.0.1:{mkl} does the same\n"
     );
     let _ = writeln!(
         o,
