@@ -463,9 +463,11 @@ pub struct LocalConnection {
 /// Connects to a usable local target of `key`, failing over across them.
 pub(crate) async fn connect_local(shared: &Shared, key: &str) -> Result<LocalConnection, String> {
     let mut last = format!("no reachable target for routing key {key} at this site");
-    for target in shared.registry.local_candidates(key) {
+    let targets = shared.registry.local_candidates(key);
+    let count = targets.len();
+    for (i, target) in targets.into_iter().enumerate() {
         let open = target.open_guard();
-        match connect_target(shared, &target, key).await {
+        match connect_target(shared, &target, key, i + 1 == count).await {
             Ok(upstream) => {
                 return Ok(LocalConnection {
                     target,
@@ -479,11 +481,20 @@ pub(crate) async fn connect_local(shared: &Shared, key: &str) -> Result<LocalCon
     Err(last)
 }
 
+/// How long a connect to a client's last choice may take (unless its health-check timeout is
+/// longer). A target whose accept queue overflows drops SYNs, and the kernel sends them again
+/// after 1 s and 3 s: a busy workload answers then, as it would a client connecting directly.
+/// An earlier choice gives up at its health-check timeout, so a silent target costs a short
+/// delay before the next one.
+const LAST_CHOICE_CONNECT_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// One connect attempt to one target; a failure marks a local target unhealthy at once.
+/// `last_choice`: no other target or key is left to try for this client.
 async fn connect_target(
     shared: &Shared,
     target: &Arc<Target>,
     key: &str,
+    last_choice: bool,
 ) -> Result<Upstream, String> {
     if let Some(site) = &target.remote {
         let Some(dialer) = shared.remote.get() else {
@@ -499,7 +510,10 @@ async fn connect_target(
         shared.registry.connect_failed(target, &why);
         return Err(why);
     }
-    let timeout = Duration::from_millis(target.health_check.timeout_ms.max(100));
+    let mut timeout = Duration::from_millis(target.health_check.timeout_ms.max(100));
+    if last_choice {
+        timeout = timeout.max(LAST_CHOICE_CONNECT_TIMEOUT);
+    }
     let stream = match tokio::time::timeout(
         timeout,
         TcpStream::connect((target.host.as_str(), target.port)),
@@ -518,7 +532,10 @@ async fn connect_target(
             return Err(why);
         }
         Err(_) => {
-            let why = format!("connect to {} timed out", target.address());
+            let why = format!(
+                "connect to {} timed out after {timeout:?}",
+                target.address()
+            );
             shared.registry.connect_failed(target, &why);
             return Err(why);
         }
@@ -580,11 +597,15 @@ pub(crate) async fn connect(
         _ => keys.first().cloned(),
     };
     let mut attempts = 0;
-    for key in keys {
-        for target in shared.registry.candidates(&key) {
+    let key_count = keys.len();
+    for (k, key) in keys.into_iter().enumerate() {
+        let targets = shared.registry.candidates(&key);
+        let count = targets.len();
+        for (i, target) in targets.into_iter().enumerate() {
             attempts += 1;
             let open = target.open_guard();
-            let Ok(upstream) = connect_target(shared, &target, &key).await else {
+            let last_choice = k + 1 == key_count && i + 1 == count;
+            let Ok(upstream) = connect_target(shared, &target, &key, last_choice).await else {
                 continue;
             };
             let failover = attempts > 1 || preferred.as_deref() != Some(key.as_str());

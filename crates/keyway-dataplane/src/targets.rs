@@ -492,7 +492,8 @@ impl Registry {
             .target_health(target, health != Health::Unhealthy);
         if old != health as u32 {
             if health == Health::Unhealthy {
-                tracing::warn!(target = %target.address(), connector = %target.connector.name, "target unhealthy");
+                let why = target.last_error().unwrap_or_default();
+                tracing::warn!(target = %target.address(), connector = %target.connector.name, "target unhealthy: {why}");
             } else if old == Health::Unhealthy as u32 {
                 tracing::info!(target = %target.address(), connector = %target.connector.name, "target healthy again");
             }

@@ -501,3 +501,64 @@ async fn bulk_transfer_both_ways_is_exact_and_counted() {
         );
     }
 }
+
+/// A workload whose accept queue is full drops SYNs, and the kernel sends them again after 1 s:
+/// a client connecting directly waits and gets in. Through keyway the same client must not be
+/// turned away because the connect to its only target outlived the target's (short)
+/// health-check timeout (a burst of 100 curl clients once got 22 resets that way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_last_choice_target_is_waited_for_not_ejected() {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("addr"))
+        .expect("bind");
+    let workload = socket.listen(1).expect("listen");
+    let addr = workload.local_addr().expect("addr");
+    // Fill the accept queue: connects complete until it is full; the next one hangs.
+    let mut queued = Vec::new();
+    loop {
+        match tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(Ok(s)) => queued.push(s),
+            Ok(Err(e)) => panic!("fill connect: {e}"),
+            Err(_) => break,
+        }
+        assert!(queued.len() < 64, "the accept queue never filled");
+    }
+
+    let port = free_port();
+    let dp = dataplane();
+    let mut c = connector("busy", "k", addr);
+    // A 200 ms health-check timeout, shorter than the first SYN retransmission.
+    c.health = no_hc();
+    dp.apply(&plan(vec![listener("l", port, "k")], vec![c]));
+    wait_listening(&dp, &listener_id("l")).await;
+
+    let mut client = connect(port).await.expect("connect to the listener");
+    // The workload catches up after half a second, before the kernel sends the SYN again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = workload.accept().await {
+            tokio::spawn(async move {
+                let _ = s.write_all(b"caught up\n").await;
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await;
+            });
+        }
+    });
+    let line = tokio::time::timeout(Duration::from_secs(6), read_line(&mut client))
+        .await
+        .expect("answered in time");
+    assert_eq!(line.expect("the client is served").trim(), "caught up");
+    drop(queued);
+    let obs = dp.observe();
+    assert!(
+        obs.unhealthy_connectors.is_empty(),
+        "the busy target was ejected: {:?}",
+        obs.unhealthy_connectors
+    );
+}
