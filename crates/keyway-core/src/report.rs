@@ -26,21 +26,70 @@ impl Filter {
         let namespace = item["metadata"]["namespace"].as_str().unwrap_or_default();
         (self.kinds.is_empty() || kind.is_some_and(|k| self.kinds.contains(&k)))
             && self.name.as_deref().is_none_or(|n| n == name)
-            && self
-                .namespace
-                .as_deref()
-                .is_none_or(|ns| namespace.is_empty() || ns == namespace)
+            && self.namespace_matches(namespace)
     }
 
     pub fn matches(&self, key: &ObjectKey) -> bool {
         (self.kinds.is_empty() || self.kinds.contains(&key.kind))
             && self.name.as_deref().is_none_or(|n| n == key.name)
-            && self
-                .namespace
-                .as_deref()
-                .is_none_or(|ns| key.namespace.is_empty() || ns == key.namespace)
+            && self.namespace_matches(&key.namespace)
+    }
+
+    /// A cluster-scoped object (no namespace) is in every namespace's view only when its kind
+    /// was asked for, as `kubectl get gatewayclass -n x` lists classes and `kubectl get all -n
+    /// x` does not.
+    fn namespace_matches(&self, namespace: &str) -> bool {
+        self.namespace.as_deref().is_none_or(|ns| {
+            if namespace.is_empty() {
+                !self.kinds.is_empty()
+            } else {
+                ns == namespace
+            }
+        })
+    }
+
+    /// The built-in GatewayClass always exists (SPEC §2), but it is listed with the objects
+    /// only while a Gateway uses it. Asked for by kind, it is there in any case: added to
+    /// `items` (already filtered) when missing, before the kinds that come after it.
+    pub fn add_builtin_class(&self, items: &mut Vec<Value>, now: Value) {
+        let name = crate::gateway::BUILTIN_CLASS;
+        let is_builtin = |v: &Value| v["kind"] == "GatewayClass" && v["metadata"]["name"] == name;
+        if !self.kinds.contains(&Kind::GatewayClass)
+            || self.name.as_deref().is_some_and(|n| n != name)
+            || items.iter().any(is_builtin)
+        {
+            return;
+        }
+        let class = json!({
+            "apiVersion": Kind::GatewayClass.api_version(),
+            "kind": "GatewayClass",
+            "metadata": {"name": name},
+            "spec": {
+                "controllerName": crate::gateway::CONTROLLER_NAME,
+                "description": BUILTIN_CLASS_DESCRIPTION,
+            },
+            "status": {"conditions": [{
+                "type": "Accepted",
+                "status": "True",
+                "reason": "Accepted",
+                "message": format!("handled by {}; no Gateway uses it", crate::gateway::CONTROLLER_NAME),
+                "observedGeneration": 1,
+                "lastTransitionTime": now,
+            }]},
+        });
+        let after = |v: &Value| {
+            v["kind"]
+                .as_str()
+                .and_then(Kind::parse_cli)
+                .is_some_and(|k| k > Kind::GatewayClass)
+        };
+        let at = items.iter().position(after).unwrap_or(items.len());
+        items.insert(at, class);
     }
 }
+
+const BUILTIN_CLASS_DESCRIPTION: &str =
+    "built in: Gateways of this class are served without a GatewayClass object";
 
 /// `XListenerSet`'s listener status entries carry their port (v1alpha1 `ListenerEntryStatus`
 /// requires it; v1 `ListenerSet`'s has no such field).
@@ -117,7 +166,7 @@ pub fn objects(
             "metadata": {"name": builtin.name},
             "spec": {
                 "controllerName": crate::gateway::CONTROLLER_NAME,
-                "description": "built in: Gateways of this class are served without a GatewayClass object",
+                "description": BUILTIN_CLASS_DESCRIPTION,
             },
             "status": status,
         });
@@ -159,6 +208,20 @@ fn redact_secret(map: &mut serde_json::Map<String, Value>) {
 /// `{"apiVersion":"v1","kind":"List","items":[…]}`.
 pub fn as_list(items: Vec<Value>) -> Value {
     json!({"apiVersion": "v1", "kind": "List", "items": items})
+}
+
+/// An object as `kubectl get -o name` prints it: `kind.group/name`, lower-case, the group left
+/// out for the core group (`secret/tls`, `listener.skupper.io/web`).
+pub fn kubectl_name(item: &Value) -> String {
+    let kind = item["kind"]
+        .as_str()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let name = item["metadata"]["name"].as_str().unwrap_or_default();
+    match item["apiVersion"].as_str().and_then(|v| v.split_once('/')) {
+        Some((group, _)) => format!("{kind}.{group}/{name}"),
+        None => format!("{kind}/{name}"),
+    }
 }
 
 /// Widest line a table may print, as `kubectl` output is read in a terminal of this width.
@@ -749,6 +812,78 @@ mod table_tests {
             .filter(|c| !c.is_empty())
             .map(String::from)
             .collect()
+    }
+
+    #[test]
+    fn the_builtin_class_is_there_when_asked_for_by_kind() {
+        let filter = |kinds: Vec<Kind>, name: Option<&str>| Filter {
+            kinds,
+            name: name.map(String::from),
+            namespace: None,
+        };
+        let gateway = json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": {"name": "gw", "namespace": "default"}});
+        let now = json!("2026-12-06T18:00:00Z");
+        // Asked for by kind (and by its name): added, before the kinds after it.
+        for name in [None, Some("keyway")] {
+            let mut items = vec![gateway.clone()];
+            filter(vec![Kind::GatewayClass, Kind::Gateway], name)
+                .add_builtin_class(&mut items, now.clone());
+            assert_eq!(items.len(), 2);
+            assert_eq!(
+                kubectl_name(&items[0]),
+                "gatewayclass.gateway.networking.k8s.io/keyway"
+            );
+            assert_eq!(items[0]["status"]["conditions"][0]["status"], "True");
+        }
+        // Not asked for, asked for by another name, or already listed: left as it is.
+        let listed = json!({"kind": "GatewayClass", "metadata": {"name": "keyway"}});
+        for (f, mut items) in [
+            (filter(vec![], None), vec![]),
+            (filter(vec![Kind::Gateway], None), vec![]),
+            (filter(vec![Kind::GatewayClass], Some("other")), vec![]),
+            (filter(vec![Kind::GatewayClass], None), vec![listed.clone()]),
+        ] {
+            let before = items.len();
+            f.add_builtin_class(&mut items, now.clone());
+            assert_eq!(items.len(), before);
+        }
+    }
+
+    #[test]
+    fn cluster_scoped_objects_are_in_a_namespace_view_only_when_their_kind_is_asked_for() {
+        let class = json!({"kind": "GatewayClass", "metadata": {"name": "keyway"}});
+        let route = json!({"kind": "HTTPRoute", "metadata": {"name": "r", "namespace": "team"}});
+        let in_ns = |kinds: Vec<Kind>| Filter {
+            kinds,
+            name: None,
+            namespace: Some("team".into()),
+        };
+        assert!(!in_ns(vec![]).matches_value(&class));
+        assert!(in_ns(vec![]).matches_value(&route));
+        assert!(in_ns(vec![Kind::GatewayClass]).matches_value(&class));
+        let everywhere = Filter {
+            kinds: vec![],
+            name: None,
+            namespace: None,
+        };
+        assert!(everywhere.matches_value(&class));
+    }
+
+    #[test]
+    fn names_as_kubectl_prints_them() {
+        for (api, kind, want) in [
+            ("skupper.io/v2alpha1", "Listener", "listener.skupper.io/web"),
+            (
+                "gateway.networking.k8s.io/v1",
+                "HTTPRoute",
+                "httproute.gateway.networking.k8s.io/web",
+            ),
+            ("v1", "Secret", "secret/web"),
+        ] {
+            let item = json!({"apiVersion": api, "kind": kind, "metadata": {"name": "web"}});
+            assert_eq!(kubectl_name(&item), want);
+        }
     }
 
     fn widest(text: &str) -> usize {

@@ -150,7 +150,7 @@ kinds! {
 impl Kind {
     fn short_names(self) -> &'static [&'static str] {
         match self {
-            Kind::MultiKeyListener => &["mkl", "multikeylisteners"],
+            Kind::MultiKeyListener => &["mkl", "mkls", "multikeylisteners"],
             Kind::GatewayClass => &["gc", "gatewayclasses"],
             Kind::Gateway => &["gtw", "gw"],
             Kind::ListenerSet => &["lset", "ls", "xls", "xlistenerset", "xlistenersets"],
@@ -444,6 +444,7 @@ mod tests {
             ("svc.foo.bar", None),
             ("gateways.gateway.networking.k8s.io", Some(Kind::Gateway)),
             ("mkl", Some(Kind::MultiKeyListener)),
+            ("mkls", Some(Kind::MultiKeyListener)),
             ("grants", Some(Kind::AccessGrant)),
             ("tokens", Some(Kind::AccessToken)),
             ("nosuchkind", None),

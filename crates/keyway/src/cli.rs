@@ -84,7 +84,11 @@ enum Command {
         /// Only this namespace.
         #[arg(short = 'n', long = "namespace")]
         namespace: Option<String>,
-        /// Only these kinds, comma-separated (e.g. listener, mkl, gateway, listenerset).
+        /// Every namespace (the default; kubectl's flag, for habit's sake).
+        #[arg(short = 'A', long = "all-namespaces", conflicts_with = "namespace")]
+        all_namespaces: bool,
+        /// Only these kinds, comma-separated (e.g. listener, mkl, gateway, listenerset), or
+        /// KIND/NAME as kubectl takes it (listener/web).
         kind: Option<String>,
         /// Only this name.
         name: Option<String>,
@@ -175,8 +179,12 @@ enum TokenCommand {
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
 enum Output {
     Table,
+    /// As `table` (kubectl's `-o wide`: every column is already there).
+    Wide,
     Yaml,
     Json,
+    /// `kind.group/name` per object, as `kubectl get -o name` prints.
+    Name,
 }
 
 /// Exit code for invalid input.
@@ -234,6 +242,7 @@ pub fn main() -> ExitCode {
             admin,
             output,
             namespace,
+            all_namespaces: _,
             kind,
             name,
         } => {
@@ -476,7 +485,20 @@ fn status(
     kind: Option<String>,
     name: Option<String>,
 ) -> Result<ExitCode> {
-    // `kubectl`-style: `listener`, `mkl`, `gateway,listenerset`.
+    // `kubectl`-style: `listener`, `mkl`, `gateway,listenerset`, `listener/web`.
+    let (kind, name) = match kind.as_deref().map(|k| k.split_once('/')) {
+        Some(Some((k, n))) => {
+            if name.is_some() || k.contains(',') || n.is_empty() {
+                eprintln!(
+                    "error: `{}/{n}` names one object: give it alone, or KIND NAME",
+                    k
+                );
+                return Ok(ExitCode::from(2));
+            }
+            (Some(k.to_string()), Some(n.to_string()))
+        }
+        _ => (kind, name),
+    };
     let mut kinds = Vec::new();
     for k in kind
         .iter()
@@ -548,6 +570,8 @@ fn status(
             (items, errors)
         }
     };
+    let mut items = items;
+    filter.add_builtin_class(&mut items, serde_json::to_value(now()).unwrap_or_default());
     for e in &errors {
         eprintln!("error: {e}");
     }
@@ -598,7 +622,12 @@ fn print_items(items: Vec<serde_json::Value>, output: Output) -> Result<()> {
                 }
             }
         }
-        Output::Table => print!("{}", report::tables(&items)),
+        Output::Table | Output::Wide => print!("{}", report::tables(&items)),
+        Output::Name => {
+            for item in &items {
+                println!("{}", report::kubectl_name(item));
+            }
+        }
     }
     Ok(())
 }

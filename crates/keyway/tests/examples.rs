@@ -294,6 +294,8 @@ fn xlistenerset_listener_status_carries_the_port() {
 
 /// The built-in `keyway` class is listed, Accepted, while a Gateway uses it without a
 /// GatewayClass object; a config with no Gateway lists no class.
+/// SPEC §2: the built-in class always exists. Listed with everything else while a Gateway uses
+/// it; asked for by kind, it is there without one too.
 #[test]
 fn the_builtin_gateway_class_is_listed_while_a_gateway_uses_it() {
     let list = status_json("listenerset", "gatewayclass");
@@ -311,6 +313,46 @@ fn the_builtin_gateway_class_is_listed_while_a_gateway_uses_it() {
         .expect("Accepted condition");
     assert_eq!(accepted["status"], "True", "{class:#}");
 
-    let none = status_json("quickstart", "gatewayclass");
-    assert_eq!(none["items"].as_array().map(Vec::len), Some(0), "{none:#}");
+    let unused = status_json("quickstart", "gatewayclass");
+    let items = unused["items"].as_array().expect("items");
+    assert_eq!(items.len(), 1, "{unused:#}");
+    let message = items[0]["status"]["conditions"][0]["message"].as_str();
+    assert!(
+        message.is_some_and(|m| m.contains("no Gateway uses it")),
+        "{unused:#}"
+    );
+    let everything = status_json("quickstart", "");
+    let items = everything["items"].as_array().expect("items");
+    assert!(
+        !items.iter().any(|i| i["kind"] == "GatewayClass"),
+        "{everything:#}"
+    );
+}
+
+/// What kubectl users type out of habit: `KIND/NAME`, `-A`, `-o name`, `-o wide`, `mkls`.
+#[test]
+fn status_takes_kubectl_spellings() {
+    let dir = examples().join("quickstart");
+    let dir = dir.to_str().unwrap_or_default();
+    let (code, out, err) = keyway(&["status", "--config", dir, "-o", "name", "mkls"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.lines()
+            .all(|l| l.starts_with("multikeylistener.skupper.io/")),
+        "{out}"
+    );
+    assert!(out.lines().count() >= 1, "{out}");
+    let first = out.lines().next().unwrap_or_default();
+    let name = first.rsplit('/').next().unwrap_or_default();
+    let one = format!("mkl/{name}");
+    let (code, out, err) = keyway(&["status", "--config", dir, "-A", "-o", "name", &one]);
+    assert_eq!((code, out.trim()), (0, first), "{err}");
+    let (code, wide, err) = keyway(&["status", "--config", dir, "-o", "wide", &one]);
+    assert_eq!(code, 0, "{err}");
+    assert!(wide.contains("MultiKeyListeners:"), "{wide}");
+    let (code, _, err) = keyway(&["status", "--config", dir, &one, "other"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = keyway(&["status", "--config", dir, "mkl/nothing"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no MultiKeyListener named nothing"), "{err}");
 }
