@@ -85,6 +85,9 @@ pub struct Metrics {
     pub refused: Family<Labels, Counter>,
     pub target_healthy: Family<Labels, Gauge>,
     pub config_errors: Gauge,
+    /// Of those, documents rejected (an edit not applied): what an alert on a bad edit wants,
+    /// apart from references that do not resolve yet (status, not a rejected document).
+    pub config_rejected: Gauge,
     pub reloads: Counter,
     pub reload_failures: Counter,
     pub link_connections: Family<Labels, Gauge>,
@@ -113,6 +116,7 @@ impl Default for Metrics {
             refused: Family::default(),
             target_healthy: Family::default(),
             config_errors: Gauge::default(),
+            config_rejected: Gauge::default(),
             reloads: Counter::default(),
             reload_failures: Counter::default(),
             link_connections: Family::default(),
@@ -153,6 +157,11 @@ impl Default for Metrics {
             "config_errors",
             "Configuration documents rejected or references broken in the current config",
             m.config_errors.clone(),
+        );
+        registry.register(
+            "config_rejected",
+            "Configuration documents rejected (unreadable, unparsable or invalid): their last valid versions stay in force",
+            m.config_rejected.clone(),
         );
         registry.register(
             "config_reloads",

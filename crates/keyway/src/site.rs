@@ -156,8 +156,13 @@ impl Site {
                 metrics.reload_failures.inc();
                 // Counted as an error as long as it lasts, as `/status` lists it. (Not while
                 // holding `unreadable`: `status` takes `current` first.)
-                let known = all_errors(&lock(&self.current)).len();
+                let current = lock(&self.current);
+                let known = all_errors(&current).len();
                 metrics.config_errors.set(known as i64 + 1);
+                metrics
+                    .config_rejected
+                    .set(current.reconciled.errors.len() as i64 + 1);
+                drop(current);
                 return false;
             }
         };
@@ -217,6 +222,9 @@ impl Site {
             }
         }
         metrics.config_errors.set(errors.len() as i64);
+        metrics
+            .config_rejected
+            .set(current.reconciled.errors.len() as i64);
         metrics.reloads.inc();
         // A reload that rejected an edit (or found a port taken) failed in part, whatever else
         // it applied.

@@ -670,6 +670,17 @@ fn a_listener_that_loses_a_conflict_is_logged_once_and_the_winner_serves_on() {
         metrics.contains("keyway_config_errors 0"),
         "a lost conflict is status, not a config error: {metrics}"
     );
+    // A backend Service that is not there (yet): a broken reference, counted among the
+    // config's errors, but no document was rejected.
+    std::fs::write(
+        dir.join("missing.yaml"),
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: m}\nspec:\n  parentRefs: [{name: gw}]\n  hostnames: [m.example]\n  rules:\n  - backendRefs: [{name: nosvc, port: 80}]\n",
+    )
+    .expect("write");
+    site.wait_for("/status", |_, body| body.contains("BackendNotFound"));
+    let metrics = site.get("/metrics").1;
+    assert!(metrics.contains("keyway_config_errors 1"), "{metrics}");
+    assert!(metrics.contains("keyway_config_rejected 0"), "{metrics}");
 }
 
 /// A skupper Listener added onto a port a Gateway serves, or an older Listener edited onto it,

@@ -196,6 +196,7 @@ fn a_config_directory_moved_away_is_logged_once() {
     assert!(status.contains("keeps its running config"), "{status}");
     let metrics = admin::get(&site.admin, "/metrics").1;
     assert!(metrics.contains("keyway_config_errors 1"), "{metrics}");
+    assert!(metrics.contains("keyway_config_rejected 1"), "{metrics}");
     std::fs::rename(&moved, &dir).expect("mv back");
     let text = || std::fs::read_to_string(&log).unwrap_or_default();
     assert!(

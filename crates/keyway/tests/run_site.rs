@@ -405,6 +405,7 @@ fn twenty_reloads_keep_live_connections_and_bad_files_keep_last_valid() {
     assert_eq!(hello(port).expect("still serving").0, "a");
     let metrics = site.get("/metrics").1;
     assert!(metrics.contains("keyway_config_errors 1"), "{metrics}");
+    assert!(metrics.contains("keyway_config_rejected 1"), "{metrics}");
     assert!(
         metrics.contains("keyway_config_reload_failures_total 1"),
         "a rejected edit is a failed reload: {metrics}"
