@@ -409,3 +409,30 @@ async fn h2_client(port: u16, window: u32) -> h2::client::SendRequest<Bytes> {
     });
     c.ready().await.expect("ready")
 }
+
+/// Request-line versions and what precedes a request line, over a real socket: a later
+/// HTTP/1 minor version is served as HTTP/1.1 (RFC 9112 §2.3), another major version is 505
+/// (RFC 9110 §15.6.6), and empty lines before a request are skipped up to a head's size, not
+/// without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_line_versions_and_leading_empty_lines() {
+    let (be, mut rx) = recorder().await;
+    let (_dp, port) = gateway_with(be, ANY_HOST, Duration::from_secs(60)).await;
+    let head = raw(port, b"GET /minor HTTP/1.2\r\nHost: a\r\n\r\n").await;
+    assert_eq!(status(&head), Some(200), "{head}");
+    assert!(head.starts_with("HTTP/1.1 "), "{head}");
+    let seen = heads(&mut rx).await;
+    assert!(
+        seen.iter().any(|h| h.starts_with("GET /minor HTTP/1.1")),
+        "{seen:?}"
+    );
+    let head = raw(port, b"GET / HTTP/2.0\r\nHost: a\r\n\r\n").await;
+    assert_eq!(status(&head), Some(505), "{head}");
+    let few = format!(
+        "{}GET /after HTTP/1.1\r\nHost: a\r\n\r\n",
+        "\r\n".repeat(10)
+    );
+    assert_eq!(status(&raw(port, few.as_bytes()).await), Some(200));
+    let endless = format!("{}GET / HTTP/1.1\r\nHost: a\r\n\r\n", "\r\n".repeat(40_000));
+    assert_eq!(status(&raw(port, endless.as_bytes()).await), Some(431));
+}

@@ -314,6 +314,8 @@ pub enum HeadError {
     Bad,
     /// Over [`MAX_HEAD`] or [`MAX_HEADERS`] (431).
     TooLarge,
+    /// An HTTP major version other than 1 on an HTTP/1 connection (505).
+    Version,
 }
 
 impl HeadError {
@@ -321,7 +323,36 @@ impl HeadError {
         match self {
             HeadError::Bad => StatusCode::BAD_REQUEST,
             HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadError::Version => StatusCode::HTTP_VERSION_NOT_SUPPORTED,
         }
+    }
+}
+
+/// What to do with a request line whose version the parser refused: a later HTTP/1 minor
+/// version (`HTTP/1.2`) is read as HTTP/1.1 (RFC 9112 §2.3), so its minor digit is rewritten
+/// in place and the head parsed again (`Ok`); another major version is 505 (RFC 9110 §15.6.6).
+fn later_minor_version(buf: &mut BytesMut) -> Result<(), HeadError> {
+    let line_end = buf.iter().position(|&b| b == b'\n').ok_or(HeadError::Bad)?;
+    let line = &buf[..line_end];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let at = line
+        .iter()
+        .rposition(|&b| b == b' ')
+        .ok_or(HeadError::Bad)?
+        + 1;
+    match &line[at..] {
+        [b'H', b'T', b'T', b'P', b'/', b'1', b'.', minor] if minor.is_ascii_digit() => {
+            buf[at + 7] = b'1';
+            Ok(())
+        }
+        [b'H', b'T', b'T', b'P', b'/', major, rest @ ..]
+            if major.is_ascii_digit()
+                && *major != b'1'
+                && rest.iter().all(|b| b.is_ascii_digit() || *b == b'.') =>
+        {
+            Err(HeadError::Version)
+        }
+        _ => Err(HeadError::Bad),
     }
 }
 
@@ -336,6 +367,17 @@ fn one_plain_value(map: &HeaderMap, name: HeaderName) -> bool {
 
 /// Parses the request head at the start of `buf` and removes it; `Ok(None)` if incomplete.
 pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
+    match parse_request_as_is(buf) {
+        Err(HeadError::Version) => {
+            later_minor_version(buf)?;
+            parse_request_as_is(buf)
+        }
+        parsed => parsed,
+    }
+}
+
+/// [`parse_request`] of HTTP/1.0 and HTTP/1.1 only: another version is [`HeadError::Version`].
+fn parse_request_as_is(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
     let mut headers = [const { std::mem::MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut []);
     let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
@@ -349,6 +391,7 @@ pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
         }
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(httparse::Error::Version) => return Err(HeadError::Version),
         Err(_) => return Err(HeadError::Bad),
     };
     if len > MAX_HEAD {
@@ -688,6 +731,8 @@ async fn flush(conn: &Mutex<Conn>) -> io::Result<()> {
 /// Reads the next request head. `Ok(None)`: the client closed the connection between
 /// requests (or before sending a whole head: nothing to answer).
 pub async fn read_head(conn: &Mutex<Conn>) -> Result<Option<Parsed>, HeadError> {
+    // Bytes of empty lines skipped before this request: bounded as a head is.
+    let mut skipped = 0;
     std::future::poll_fn(|cx| {
         let mut c = lock(conn);
         loop {
@@ -696,6 +741,10 @@ pub async fn read_head(conn: &Mutex<Conn>) -> Result<Option<Parsed>, HeadError> 
                 while c.rbuf.starts_with(b"\r\n") || c.rbuf.starts_with(b"\n") {
                     let skip = if c.rbuf[0] == b'\r' { 2 } else { 1 };
                     let _ = c.rbuf.split_to(skip);
+                    skipped += skip;
+                }
+                if skipped > MAX_HEAD {
+                    return Poll::Ready(Err(HeadError::TooLarge));
                 }
                 if !c.rbuf.is_empty()
                     && let Some(p) = parse_request(&mut c.rbuf)?
@@ -1121,7 +1170,7 @@ mod tests {
                 Err(HeadError::Bad),
             ),
             ("GE\x01T / HTTP/1.1\r\n\r\n", Err(HeadError::Bad)),
-            ("GET / HTTP/2.0\r\n\r\n", Err(HeadError::Bad)),
+            ("GET / HTTP/2.0\r\n\r\n", Err(HeadError::Version)),
             ("GET / HTTP/1.1\r\nBad Name: x\r\n\r\n", Err(HeadError::Bad)),
             ("not http at all\r\n\r\n", Err(HeadError::Bad)),
         ];
@@ -1147,6 +1196,25 @@ mod tests {
         assert_eq!(parse(&uri).err(), Some(HeadError::TooLarge));
         assert_eq!(HeadError::TooLarge.status().as_u16(), 431);
         assert_eq!(HeadError::Bad.status().as_u16(), 400);
+    }
+
+    /// RFC 9112 §2.3: a later minor version is HTTP/1.1 to us; RFC 9110 §15.6.6: another
+    /// major version is 505.
+    #[test]
+    fn versions_other_than_1_0_and_1_1() {
+        for (raw, want) in [
+            ("GET / HTTP/1.2\r\nHost: a\r\n\r\n", Ok(Version::HTTP_11)),
+            ("GET / HTTP/1.9\nHost: a\n\n", Ok(Version::HTTP_11)),
+            ("GET / HTTP/2.0\r\nHost: a\r\n\r\n", Err(HeadError::Version)),
+            ("GET / HTTP/3\r\nHost: a\r\n\r\n", Err(HeadError::Version)),
+            ("GET / HTTP/1.x\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
+            ("GET / HTTX/1.1\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
+        ] {
+            let mut buf = BytesMut::from(raw);
+            let got = parse_request(&mut buf).map(|p| p.map(|p| p.request.version()));
+            assert_eq!(got, want.map(Some), "{raw:?}");
+        }
+        assert_eq!(HeadError::Version.status().as_u16(), 505);
     }
 
     #[test]

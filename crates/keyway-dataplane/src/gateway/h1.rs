@@ -388,8 +388,11 @@ pub fn parse_head(
             return Err(Error::HeadTooLarge);
         }
         let code = res.code.unwrap_or_default();
-        let status =
-            StatusCode::from_u16(code).map_err(|_| Error::Parse(httparse::Error::Status))?;
+        // RFC 9110 §15: a status code is 100 to 599 (the type allows up to 999).
+        let status = StatusCode::from_u16(code)
+            .ok()
+            .filter(|_| (100..=599).contains(&code))
+            .ok_or(Error::Parse(httparse::Error::Status))?;
         if status.is_informational() && code != 101 {
             // `100 Continue` and the like: the final response follows.
             *interim += 1;
@@ -863,6 +866,17 @@ mod tests {
 
     fn parse(raw: &str, head_request: bool) -> Result<Option<Head>, Error> {
         parse_head(&mut BytesMut::from(raw), head_request, false, &mut 0)
+    }
+
+    /// RFC 9110 §15: status codes are 100 to 599; anything else is a malformed response (502).
+    #[test]
+    fn status_codes_outside_100_to_599_are_malformed() {
+        for code in ["600", "999", "099"] {
+            let raw = format!("HTTP/1.1 {code} Weird\r\nContent-Length: 0\r\n\r\n");
+            assert!(parse(&raw, false).is_err(), "{code}");
+        }
+        let ok = parse("HTTP/1.1 599 Edge\r\nContent-Length: 0\r\n\r\n", false);
+        assert!(matches!(ok, Ok(Some(_))));
     }
 
     #[test]
