@@ -469,6 +469,8 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         .api_version()
         .starts_with("gateway.")
         .then(|| value.clone());
+    // Kept to check the metadata of a document whose spec does not convert.
+    let metadata = value.get("metadata").cloned();
     let (parsed, ignored) = match Resource::from_value(kind, value) {
         Ok(parsed) => (Ok(parsed.resource), parsed.ignored),
         Err(e) => (Err((e.path, e.message)), e.ignored),
@@ -529,11 +531,25 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             resource
         }
         Err((path, message)) => {
+            // The metadata converts apart (unless the error is in it): its problems are
+            // listed beside the spec's, so a user fixes them in one go.
+            let meta_problems = metadata
+                .filter(|_| !path.starts_with("metadata"))
+                .and_then(|m| serde_json::from_value(m).ok())
+                .map(|m| validate::metadata(kind, &m))
+                .unwrap_or_default();
             if !explained_by_slip {
                 load.outcomes
-                    .push(DocOutcome::Rejected(err(&path, message, Some(key))));
+                    .push(DocOutcome::Rejected(err(&path, message, Some(key.clone()))));
             }
             load.outcomes.extend(unknown);
+            for p in meta_problems {
+                load.outcomes.push(DocOutcome::Rejected(err(
+                    &p.path,
+                    p.message,
+                    Some(key.clone()),
+                )));
+            }
             return;
         }
     };

@@ -36,10 +36,19 @@ pub const MAX_ROUTING_KEYS: usize = 256;
 
 /// Validates one object on its own. An empty result means it is accepted.
 pub fn validate(resource: &Resource) -> Vec<Problem> {
+    let mut problems = metadata(resource.kind(), resource.meta());
+    problems.extend(validate_spec(resource));
+    problems
+}
+
+/// The checks of an object's metadata (name, namespace, labels): also made on a document
+/// whose spec does not convert, so that its every problem is listed in one go.
+pub fn metadata(
+    kind: crate::resource::Kind,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Vec<Problem> {
     let mut p = Problems::default();
-    let meta = resource.meta();
     let name = meta.name.as_deref().unwrap_or_default();
-    let kind = resource.kind();
     // As the API server: Namespaces and Services are DNS labels, every other kind a DNS
     // subdomain as Kubernetes checks it (at most 253 characters, without the 63-character limit
     // per dot-separated part that a hostname has).
@@ -65,6 +74,13 @@ pub fn validate(resource: &Resource) -> Vec<Problem> {
             check_label_value(&mut p, &format!("metadata.labels.{k}"), v);
         }
     }
+    p.0
+}
+
+/// The checks of an object's spec (and of a Secret's or EndpointSlice's top-level fields).
+fn validate_spec(resource: &Resource) -> Vec<Problem> {
+    let mut p = Problems::default();
+    let kind = resource.kind();
     match resource {
         Resource::Listener(l) => {
             check_routing_key(&mut p, "spec.routingKey", &l.spec.routing_key);

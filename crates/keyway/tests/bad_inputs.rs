@@ -1356,6 +1356,21 @@ fn every_problem_of_a_rejected_document_is_listed() {
     ] {
         assert!(stdout.contains(want), "{want}:\n{stdout}");
     }
+    // A spec that does not convert (no host) hides no problem of the metadata.
+    std::fs::write(
+        dir.join("mkl.yaml"),
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: Bad_Name\n  labels: {\"a b\": c}\nspec: {routingKey: k, port: 9000}\n",
+    )
+    .expect("write");
+    let out = keyway(&["validate"], &dir);
+    let stdout = text(&out.stdout);
+    for want in [
+        "mkl.yaml:4: metadata.name: `Bad_Name` must be",
+        "metadata.labels.a b:",
+        "mkl.yaml:6: spec.host: host is required",
+    ] {
+        assert!(stdout.contains(want), "{want}:\n{stdout}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
