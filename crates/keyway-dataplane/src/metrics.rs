@@ -251,6 +251,12 @@ impl Metrics {
         out
     }
 
+    /// The same exposition in Prometheus' classic text format (version 0.0.4), for scrapers
+    /// that do not ask for OpenMetrics (see [`classic_text`]).
+    pub fn encode_classic(&self) -> String {
+        classic_text(&self.encode())
+    }
+
     /// Registers a metric of another module (the gateway's per-route families) under `keyway_`.
     pub fn register(
         &self,
@@ -435,5 +441,77 @@ impl Metrics {
         for (listener, handles) in pairs {
             self.forget_pair(&listener, target, &handles);
         }
+    }
+}
+
+/// OpenMetrics text rewritten in the classic Prometheus text format (0.0.4): a family's
+/// `# HELP` and `# TYPE` name what its samples are called there (a counter `x` by its
+/// `x_total` samples, an info `x` as the gauge `x_info`), and `# UNIT` and `# EOF`, which the
+/// classic format lacks, are left out. Parsers of the classic format otherwise read a counter
+/// family as one without samples beside untyped `_total` ones.
+pub fn classic_text(open_metrics: &str) -> String {
+    let mut out = String::with_capacity(open_metrics.len());
+    // A family's HELP comes before its TYPE, which decides the name it is given.
+    let mut help: Option<(&str, &str)> = None;
+    for line in open_metrics.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            help = Some(rest.split_once(' ').unwrap_or((rest, "")));
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let (classic, kind) = match kind {
+                "counter" => (format!("{name}_total"), "counter"),
+                "info" => (format!("{name}_info"), "gauge"),
+                "gaugehistogram" | "stateset" | "unknown" => (name.to_string(), "untyped"),
+                other => (name.to_string(), other),
+            };
+            if let Some((helped, text)) = help.take()
+                && helped == name
+            {
+                out.push_str(&format!("# HELP {classic} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {classic} {kind}\n"));
+        } else if line.starts_with("# UNIT ") || line == "# EOF" {
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classic_text_names_families_by_their_samples() {
+        let open = "# HELP keyway_reloads Reloads.\n# TYPE keyway_reloads counter\nkeyway_reloads_total 3\n# HELP keyway_up Up.\n# TYPE keyway_up gauge\n# UNIT keyway_up seconds\nkeyway_up{a=\"b\"} 1\n# TYPE keyway_build info\nkeyway_build_info{v=\"1\"} 1\n# EOF\n";
+        assert_eq!(
+            classic_text(open),
+            "# HELP keyway_reloads_total Reloads.\n# TYPE keyway_reloads_total counter\nkeyway_reloads_total 3\n# HELP keyway_up Up.\n# TYPE keyway_up gauge\nkeyway_up{a=\"b\"} 1\n# TYPE keyway_build_info gauge\nkeyway_build_info{v=\"1\"} 1\n"
+        );
+    }
+
+    /// Every sample of keyway's own exposition belongs to a family typed under its name.
+    #[test]
+    fn every_classic_sample_has_its_type_line() {
+        let text = Metrics::default().encode_classic();
+        let mut typed = std::collections::HashSet::new();
+        let mut samples = 0;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                typed.insert(rest.split(' ').next().unwrap_or_default().to_string());
+            } else if !line.starts_with('#') && !line.is_empty() {
+                samples += 1;
+                let name = line.split(['{', ' ']).next().unwrap_or_default();
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s).filter(|f| typed.contains(*f)))
+                    .unwrap_or(name);
+                assert!(typed.contains(family), "{name} has no TYPE line:\n{text}");
+            }
+        }
+        assert!(samples > 0, "{text}");
+        assert!(!text.contains("# EOF"));
     }
 }

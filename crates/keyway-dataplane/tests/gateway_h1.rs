@@ -1818,7 +1818,8 @@ async fn malformed_request_heads_are_refused_and_counted() {
     let cases: Vec<(String, u16)> = vec![
         ("GARBAGE\r\n\r\n".into(), 400),
         ("GET /a HTTP/1.1\r\nBad Header: x\r\n\r\n".into(), 400),
-        ("GET /a HTTP/9.9\r\nHost: x\r\n\r\n".into(), 400),
+        // Another major version: 505 (RFC 9110 §15.6.6).
+        ("GET /a HTTP/9.9\r\nHost: x\r\n\r\n".into(), 505),
         (
             "POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n".into(),
             400,

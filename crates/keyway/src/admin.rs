@@ -123,8 +123,30 @@ async fn handle(
         "/status" => json(site.status()),
         "/config" => json(site.config()),
         "/metrics" => {
-            let mut r = text(StatusCode::OK, site.dataplane.metrics().encode());
-            if let Ok(v) = "application/openmetrics-text; version=1.0.0; charset=utf-8".parse() {
+            // OpenMetrics to a scraper that asks for it (Prometheus does), the classic text
+            // format to any other (curl, older agents), as exporters negotiate.
+            let open_metrics = req
+                .headers()
+                .get_all(hyper::header::ACCEPT)
+                .iter()
+                .any(|v| {
+                    v.to_str()
+                        .is_ok_and(|v| v.contains("application/openmetrics-text"))
+                });
+            let metrics = site.dataplane.metrics();
+            let (body, content_type) = if open_metrics {
+                (
+                    metrics.encode(),
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                )
+            } else {
+                (
+                    metrics.encode_classic(),
+                    "text/plain; version=0.0.4; charset=utf-8",
+                )
+            };
+            let mut r = text(StatusCode::OK, body);
+            if let Ok(v) = content_type.parse() {
                 r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
             }
             r

@@ -955,6 +955,26 @@ fn admin_endpoint_and_status_cli() {
         );
     }
     assert!(metrics.contains("routing_key=\"web\""));
+    // Without asking for OpenMetrics: the classic text format, a counter typed by its samples.
+    assert!(
+        metrics.contains("# TYPE keyway_config_reloads_total counter")
+            && !metrics.contains("# EOF"),
+        "{metrics}"
+    );
+    // Asked for as Prometheus asks: OpenMetrics.
+    let (code, open) = admin::exchange(
+        std::net::TcpStream::connect(&site.admin),
+        &format!(
+            "GET /metrics HTTP/1.0\r\nHost: {}\r\nAccept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n\r\n",
+            site.admin
+        ),
+        Duration::from_secs(3),
+    );
+    assert_eq!(code, 200);
+    assert!(
+        open.contains("# TYPE keyway_config_reloads counter") && open.ends_with("# EOF\n"),
+        "{open}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
         .args(["status", "--admin", &site.admin, "-o", "json", "listener"])
         .output()
