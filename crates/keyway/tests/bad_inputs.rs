@@ -1342,36 +1342,36 @@ fn every_problem_of_a_rejected_document_is_listed() {
         "one line per problem:\n{stdout}"
     );
     // An unknown field among them hides none of the others.
-    std::fs::write(
-        dir.join("mkl.yaml"),
+    validate_lists(
+        &dir,
         "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: l}\nspec:\n  colour: red\n  host: 127.0.0.1\n  port: 70000\n  routingKey: \"\"\n",
-    )
-    .expect("write");
-    let out = keyway(&["validate"], &dir);
-    let stdout = text(&out.stdout);
-    for want in [
-        "mkl.yaml:5: spec.colour: unknown field",
-        "mkl.yaml:7: spec.port:",
-        "mkl.yaml:8: spec.routingKey:",
-    ] {
-        assert!(stdout.contains(want), "{want}:\n{stdout}");
-    }
+        &[
+            "mkl.yaml:5: spec.colour: unknown field",
+            "mkl.yaml:7: spec.port:",
+            "mkl.yaml:8: spec.routingKey:",
+        ],
+    );
     // A spec that does not convert (no host) hides no problem of the metadata.
-    std::fs::write(
-        dir.join("mkl.yaml"),
+    validate_lists(
+        &dir,
         "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: Bad_Name\n  labels: {\"a b\": c}\nspec: {routingKey: k, port: 9000}\n",
-    )
-    .expect("write");
-    let out = keyway(&["validate"], &dir);
+        &[
+            "mkl.yaml:4: metadata.name: `Bad_Name` must be",
+            "metadata.labels.a b:",
+            "mkl.yaml:6: spec.host: host is required",
+        ],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `validate` of `dir` with `yaml` as its `mkl.yaml` prints every one of `wants`.
+fn validate_lists(dir: &Path, yaml: &str, wants: &[&str]) {
+    std::fs::write(dir.join("mkl.yaml"), yaml).expect("write");
+    let out = keyway(&["validate"], dir);
     let stdout = text(&out.stdout);
-    for want in [
-        "mkl.yaml:4: metadata.name: `Bad_Name` must be",
-        "metadata.labels.a b:",
-        "mkl.yaml:6: spec.host: host is required",
-    ] {
+    for want in wants {
         assert!(stdout.contains(want), "{want}:\n{stdout}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Malformed arguments are usage errors (exit 2, SPEC §5) with the reason, not failures to
