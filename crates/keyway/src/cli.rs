@@ -519,7 +519,8 @@ fn status(
         name,
         namespace,
     };
-    let (items, errors): (Vec<serde_json::Value>, Vec<String>) = match source {
+    let (items, errors, warnings): (Vec<serde_json::Value>, Vec<String>, Vec<String>) = match source
+    {
         Source::Site(addr) => {
             let body = crate::admin::fetch(addr, "/status")?;
             let list: serde_json::Value =
@@ -531,28 +532,24 @@ fn status(
                 .into_iter()
                 .filter(|item| filter.matches_value(item))
                 .collect();
-            // As `validate` does: an ignored document or field may be why an object is missing.
-            for w in list["metadata"]["configWarnings"]
-                .as_array()
-                .into_iter()
-                .flatten()
-            {
-                eprintln!("warning: {}", w.as_str().unwrap_or_default());
-            }
-            let errors = list["metadata"]["configErrors"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|e| e.as_str().unwrap_or_default().to_string())
-                .collect();
-            (items, errors)
+            let strings = |field: &str| -> Vec<String> {
+                list["metadata"][field]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|e| e.as_str().unwrap_or_default().to_string())
+                    .collect()
+            };
+            (items, strings("configErrors"), strings("configWarnings"))
         }
         Source::Offline(config, state_dir) => {
             let mut compiled = compile_dir_for_status(config, state_dir)?;
-            // As `validate` does: an ignored document or field may be why an object is missing.
-            for w in &compiled.reconciled.warnings {
-                eprintln!("warning: {w}");
-            }
+            let warnings = compiled
+                .reconciled
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .collect();
             let errors = compiled.errors().iter().map(ToString::to_string).collect();
             // AccessGrant redemption counts live in the state directory.
             let book = grants::GrantBook::load(state_dir)?;
@@ -567,9 +564,13 @@ fn status(
             );
             compiled.statuses.extend(grant_statuses);
             let items = report::objects(&compiled.index, &compiled.statuses, &filter);
-            (items, errors)
+            (items, errors, warnings)
         }
     };
+    // As `validate` does: an ignored document or field may be why an object is missing.
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
     let mut items = items;
     filter.add_builtin_class(&mut items, serde_json::to_value(now()).unwrap_or_default());
     for e in &errors {
@@ -601,7 +602,7 @@ fn status(
         eprintln!("error: no {what} named {name}{ns}");
         return Ok(ExitCode::from(INVALID));
     }
-    print_items(items, output)?;
+    print_items(items, output, &errors, &warnings)?;
     // Config errors make the exit code say so, though every object was printed.
     Ok(if errors.is_empty() {
         ExitCode::SUCCESS
@@ -610,9 +611,20 @@ fn status(
     })
 }
 
-fn print_items(items: Vec<serde_json::Value>, output: Output) -> Result<()> {
+/// `-o json` is the List `/status` answers (SPEC §6), with the config's errors and warnings.
+fn print_items(
+    items: Vec<serde_json::Value>,
+    output: Output,
+    errors: &[String],
+    warnings: &[String],
+) -> Result<()> {
     match output {
-        Output::Json => println!("{}", serde_json::to_string_pretty(&report::as_list(items))?),
+        Output::Json => {
+            let mut list = report::as_list(items);
+            list["metadata"] =
+                serde_json::json!({ "configErrors": errors, "configWarnings": warnings });
+            println!("{}", serde_json::to_string_pretty(&list)?);
+        }
         Output::Yaml => {
             for item in &items {
                 let text = serde_saphyr::to_string(item).context("cannot render YAML")?;

@@ -1091,6 +1091,10 @@ fn unknown_kind_is_a_warning_and_exit_0() {
     assert_eq!(out.status.code(), Some(0));
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(list["items"].as_array().map(Vec::len), Some(2));
+    // As `/status` (SPEC §6): the List carries the config's warnings and errors.
+    let warned = list["metadata"]["configWarnings"].to_string();
+    assert!(warned.contains("unknown kind Widget"), "{list:#}");
+    assert_eq!(list["metadata"]["configErrors"], serde_json::json!([]));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
