@@ -60,23 +60,14 @@ impl Filter {
         {
             return;
         }
-        let class = json!({
-            "apiVersion": Kind::GatewayClass.api_version(),
-            "kind": "GatewayClass",
-            "metadata": {"name": name},
-            "spec": {
-                "controllerName": crate::gateway::CONTROLLER_NAME,
-                "description": BUILTIN_CLASS_DESCRIPTION,
-            },
-            "status": {"conditions": [{
-                "type": "Accepted",
-                "status": "True",
-                "reason": "Accepted",
-                "message": format!("handled by {}; no Gateway uses it", crate::gateway::CONTROLLER_NAME),
-                "observedGeneration": 1,
-                "lastTransitionTime": now,
-            }]},
-        });
+        let class = builtin_class(json!({"conditions": [{
+            "type": "Accepted",
+            "status": "True",
+            "reason": "Accepted",
+            "message": format!("handled by {}; no Gateway uses it", crate::gateway::CONTROLLER_NAME),
+            "observedGeneration": 1,
+            "lastTransitionTime": now,
+        }]}));
         let after = |v: &Value| {
             v["kind"]
                 .as_str()
@@ -88,8 +79,19 @@ impl Filter {
     }
 }
 
-const BUILTIN_CLASS_DESCRIPTION: &str =
-    "built in: Gateways of this class are served without a GatewayClass object";
+/// The built-in GatewayClass, which has a status but no object, as the object it stands for.
+fn builtin_class(status: Value) -> Value {
+    json!({
+        "apiVersion": Kind::GatewayClass.api_version(),
+        "kind": "GatewayClass",
+        "metadata": {"name": crate::gateway::BUILTIN_CLASS},
+        "spec": {
+            "controllerName": crate::gateway::CONTROLLER_NAME,
+            "description": "built in: Gateways of this class are served without a GatewayClass object",
+        },
+        "status": status,
+    })
+}
 
 /// `XListenerSet`'s listener status entries carry their port (v1alpha1 `ListenerEntryStatus`
 /// requires it; v1 `ListenerSet`'s has no such field).
@@ -154,23 +156,12 @@ pub fn objects(
         }
         items.push((&obj.key, v));
     }
-    // The built-in GatewayClass has a status but no object: shown as the object it stands for.
     let builtin = ObjectKey::new(Kind::GatewayClass, "", crate::gateway::BUILTIN_CLASS);
     if let Some(status) = statuses.get(&builtin)
         && index.get(&builtin).is_none()
         && filter.matches(&builtin)
     {
-        let v = json!({
-            "apiVersion": Kind::GatewayClass.api_version(),
-            "kind": "GatewayClass",
-            "metadata": {"name": builtin.name},
-            "spec": {
-                "controllerName": crate::gateway::CONTROLLER_NAME,
-                "description": BUILTIN_CLASS_DESCRIPTION,
-            },
-            "status": status,
-        });
-        items.push((&builtin, v));
+        items.push((&builtin, builtin_class(status.clone())));
     }
     items.sort_by(|a, b| a.0.cmp(b.0));
     items.into_iter().map(|(_, v)| v).collect()
@@ -205,9 +196,16 @@ fn redact_secret(map: &mut serde_json::Map<String, Value>) {
     }
 }
 
-/// `{"apiVersion":"v1","kind":"List","items":[…]}`.
-pub fn as_list(items: Vec<Value>) -> Value {
-    json!({"apiVersion": "v1", "kind": "List", "items": items})
+/// The List `/status` answers and `status -o json` prints (SPEC §6),
+/// `{"apiVersion":"v1","kind":"List","items":[…]}`, with the config's errors and warnings in its
+/// metadata.
+pub fn status_list(items: Vec<Value>, errors: &[String], warnings: &[String]) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "List",
+        "metadata": { "configErrors": errors, "configWarnings": warnings },
+        "items": items,
+    })
 }
 
 /// An object as `kubectl get -o name` prints it: `kind.group/name`, lower-case, the group left

@@ -470,8 +470,7 @@ pub fn classic_text(open_metrics: &str) -> String {
                 out.push_str(&format!("# HELP {classic} {text}\n"));
             }
             out.push_str(&format!("# TYPE {classic} {kind}\n"));
-        } else if line.starts_with("# UNIT ") || line == "# EOF" {
-        } else {
+        } else if !line.starts_with("# UNIT ") && line != "# EOF" {
             out.push_str(line);
             out.push('\n');
         }

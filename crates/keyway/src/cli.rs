@@ -489,10 +489,7 @@ fn status(
     let (kind, name) = match kind.as_deref().map(|k| k.split_once('/')) {
         Some(Some((k, n))) => {
             if name.is_some() || k.contains(',') || n.is_empty() {
-                eprintln!(
-                    "error: `{}/{n}` names one object: give it alone, or KIND NAME",
-                    k
-                );
+                eprintln!("error: `{k}/{n}` names one object: give it alone, or KIND NAME");
                 return Ok(ExitCode::from(2));
             }
             (Some(k.to_string()), Some(n.to_string()))
@@ -620,9 +617,7 @@ fn print_items(
 ) -> Result<()> {
     match output {
         Output::Json => {
-            let mut list = report::as_list(items);
-            list["metadata"] =
-                serde_json::json!({ "configErrors": errors, "configWarnings": warnings });
+            let list = report::status_list(items, errors, warnings);
             println!("{}", serde_json::to_string_pretty(&list)?);
         }
         Output::Yaml => {

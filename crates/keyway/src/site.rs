@@ -440,11 +440,7 @@ impl Site {
             }
         }
         current.last_status = statuses.clone();
-        let mut list = report::as_list(report::objects(
-            &current.index,
-            &statuses,
-            &Filter::default(),
-        ));
+        let items = report::objects(&current.index, &statuses, &Filter::default());
         let mut errors: Vec<String> = all_errors(&current)
             .iter()
             .map(ToString::to_string)
@@ -458,9 +454,7 @@ impl Site {
             .iter()
             .map(ToString::to_string)
             .collect();
-        list["metadata"] =
-            serde_json::json!({ "configErrors": errors, "configWarnings": warnings });
-        list
+        report::status_list(items, &errors, &warnings)
     }
 
     /// Answers a token redemption for AccessGrant `ns/name` (SPEC §3.2): checks the code, expiry
