@@ -7,6 +7,7 @@
 pub mod conditions;
 pub mod destinations;
 pub mod gateway;
+pub mod httproute;
 pub mod index;
 pub mod load;
 pub mod offline;

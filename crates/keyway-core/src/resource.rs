@@ -7,7 +7,6 @@ use gateway_api::apis::experimental::tcproutes::TcpRoute as TCPRoute;
 use gateway_api::apis::standard::gatewayclasses::GatewayClass;
 use gateway_api::apis::standard::gateways::Gateway;
 use gateway_api::apis::standard::grpcroutes::GrpcRoute as GRPCRoute;
-use gateway_api::apis::standard::httproutes::HttpRoute as HTTPRoute;
 use gateway_api::apis::standard::listenersets::ListenerSet;
 use gateway_api::apis::standard::referencegrants::ReferenceGrant;
 use gateway_api::apis::standard::tlsroutes::TlsRoute as TLSRoute;
@@ -16,6 +15,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
+use crate::httproute::HTTPRoute;
 use crate::skupper;
 
 /// The experimental group's one kind keyway reads, `XListenerSet`: an alias of ListenerSet.
@@ -113,6 +113,13 @@ macro_rules! kinds {
 
             /// Typed conversion; errors carry the JSON path of the offending field.
             pub fn from_value(kind: Kind, value: Value) -> Result<Parsed, PathError> {
+                // A rule's `retry` is read beside the standard type (see `httproute`).
+                if kind == Kind::HTTPRoute {
+                    return HTTPRoute::from_value(value).map(|(o, ignored)| Parsed {
+                        resource: Resource::HTTPRoute(Box::new(o)),
+                        ignored,
+                    });
+                }
                 match kind {
                     $(Kind::$kind => typed::<$ty>(value).map(|(o, ignored)| Parsed {
                         resource: Resource::$kind(Box::new(o)),
@@ -240,7 +247,9 @@ pub struct PathError {
     pub ignored: Vec<String>,
 }
 
-fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<(T, Vec<String>), PathError> {
+pub(crate) fn typed<T: serde::de::DeserializeOwned>(
+    value: Value,
+) -> Result<(T, Vec<String>), PathError> {
     let mut ignored = Vec::new();
     let mut track = serde_path_to_error::Track::new();
     let de = serde_path_to_error::Deserializer::new(value, &mut track);

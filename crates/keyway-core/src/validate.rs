@@ -858,6 +858,7 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
             );
         }
         check_timeouts(p, &at, &rule["timeouts"]);
+        check_retry(p, &at, &rule["retry"]);
         let filters = rule["filters"]
             .as_array()
             .map(Vec::as_slice)
@@ -1041,6 +1042,36 @@ fn check_timeouts(p: &mut Problems, at: &str, t: &Value) {
         p.add(
             format!("{at}.timeouts.backendRequest"),
             "backendRequest timeout cannot be longer than request timeout",
+        );
+    }
+}
+
+/// An HTTPRoute rule's `retry` (GEP-1731): status codes 400–599 as the schema bounds them,
+/// attempts not negative, and a Gateway API duration for the backoff.
+fn check_retry(p: &mut Problems, at: &str, r: &Value) {
+    for (k, code) in r["codes"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        if !code.as_i64().is_some_and(|c| (400..=599).contains(&c)) {
+            p.add(
+                format!("{at}.retry.codes[{k}]"),
+                format!("{code} is not a status code from 400 to 599"),
+            );
+        }
+    }
+    if r["attempts"].as_i64().is_some_and(|n| n < 0) {
+        p.add(format!("{at}.retry.attempts"), "must be 0 or more");
+    }
+    if let Some(text) = r["backoff"].as_str()
+        && crate::gateway::plan::parse_gateway_duration_ms(text).is_none()
+    {
+        p.add(
+            format!("{at}.retry.backoff"),
+            format!("`{text}` is not a duration like 100ms, 1s or 1m30s"),
         );
     }
 }

@@ -71,11 +71,11 @@ spec:
     );
 }
 
-/// A field of Gateway API's experimental channel deep in a route (`retry`, experimental-only in
-/// Gateway API v1.5, `examples/experimental/http-retries.yaml`) is upstream's, so a warning,
-/// not an unknown field; it must name the field as every error does (`spec.rules[2].retry`)
-/// and its line, not serde_ignored's `spec.rules.?.2.retry` pointing at the first rule. A
-/// field neither channel has (`retries`) rejects the document.
+/// A field of Gateway API's experimental channel deep in a route (`sessionPersistence`) is
+/// upstream's, so a warning, not an unknown field; it must name the field as every error does
+/// (`spec.rules[2].sessionPersistence`) and its line, not serde_ignored's
+/// `spec.rules.?.2.sessionPersistence` pointing at the first rule. A field neither channel has
+/// (`sessionPersistance`) rejects the document.
 #[test]
 fn unknown_field_warnings_name_the_field_path_and_its_line() {
     let yaml = "\
@@ -96,26 +96,99 @@ spec:
   - backendRefs:
     - name: a
       port: 80
-    retry:
-      attempts: 2
+    sessionPersistence:
+      sessionName: s
 ";
     let load = load_file("r.yaml", yaml);
     let w: Vec<String> = load.warnings.iter().map(ToString::to_string).collect();
-    // Line 18 is `retry:`, 19 its first line (where errors about a mapping value point).
+    // Line 18 is `sessionPersistence:`, 19 its first line (where errors about a mapping value
+    // point).
     let why = "a field of Gateway API's experimental channel, which keyway does not read; ignored";
     assert!(
-        w == [format!("r.yaml:18: spec.rules[2].retry: {why}")]
-            || w == [format!("r.yaml:19: spec.rules[2].retry: {why}")],
+        w == [format!(
+            "r.yaml:18: spec.rules[2].sessionPersistence: {why}"
+        )] || w
+            == [format!(
+                "r.yaml:19: spec.rules[2].sessionPersistence: {why}"
+            )],
         "{w:?}"
     );
     assert!(matches!(load.outcomes[..], [DocOutcome::Object(_)]));
-    let load = load_file("r.yaml", &yaml.replace("retry:", "retries:"));
+    let load = load_file(
+        "r.yaml",
+        &yaml.replace("sessionPersistence:", "sessionPersistance:"),
+    );
     match &load.outcomes[..] {
         [DocOutcome::Rejected(e)] => {
-            assert_eq!(e.path, "spec.rules[2].retries");
+            assert_eq!(e.path, "spec.rules[2].sessionPersistance");
             assert_eq!(e.message, "unknown field");
         }
         other => panic!("want one Rejected, got {other:?}"),
+    }
+}
+
+/// `retry` on an HTTPRoute rule is Gateway API's standard channel since v1.7: read without a
+/// warning, its values checked as the schema bounds them, and a misspelt field inside it
+/// (`attemps`) rejects the document at its own path.
+#[test]
+fn http_route_retry_is_read_and_checked() {
+    let yaml = "\
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: r
+spec:
+  parentRefs:
+  - name: gw
+  rules:
+  - backendRefs:
+    - name: a
+      port: 80
+    retry:
+      codes: [500, 503]
+      attempts: 2
+      backoff: 100ms
+";
+    let load = load_file("r.yaml", yaml);
+    assert!(load.warnings.is_empty(), "{:?}", load.warnings);
+    assert!(matches!(load.outcomes[..], [DocOutcome::Object(_)]));
+    for (from, to, path, message) in [
+        (
+            "attempts: 2",
+            "attemps: 2",
+            "spec.rules[0].retry.attemps",
+            "unknown field",
+        ),
+        (
+            "[500, 503]",
+            "[500, 200]",
+            "spec.rules[0].retry.codes[1]",
+            "200 is not a status code from 400 to 599",
+        ),
+        (
+            "attempts: 2",
+            "attempts: -1",
+            "spec.rules[0].retry.attempts",
+            "must be 0 or more",
+        ),
+        (
+            "backoff: 100ms",
+            "backoff: 0.1s",
+            "spec.rules[0].retry.backoff",
+            "`0.1s` is not a duration like 100ms, 1s or 1m30s",
+        ),
+    ] {
+        let load = load_file("r.yaml", &yaml.replace(from, to));
+        match &load.outcomes[..] {
+            [DocOutcome::Rejected(e)] => {
+                assert_eq!(
+                    (e.path.as_str(), e.message.as_str()),
+                    (path, message),
+                    "{to}"
+                );
+            }
+            other => panic!("{to}: want one Rejected, got {other:?}"),
+        }
     }
 }
 

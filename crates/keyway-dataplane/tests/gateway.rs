@@ -1264,3 +1264,240 @@ async fn ipv6_gateway_address_and_endpoints() {
     // Not bound on IPv4.
     assert!(TcpStream::connect(("127.0.0.1", port)).await.is_err());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Retries (`rules[].retry`)
+
+/// What a [`scripted`] backend does with one request.
+#[derive(Clone, Copy, Debug)]
+enum Act {
+    /// Answers with this status.
+    Status(u16),
+    /// Closes the connection once the request head is read, without answering.
+    Close,
+    /// Answers nothing for 3 s, then closes.
+    Hang,
+}
+
+/// An HTTP/1.1 backend that does `script[i]` with its i-th request (counted over all its
+/// connections, from 0), then answers 200. Every answer is `try=<i>` and the request body.
+/// One request per connection. Returns its address and the count of requests it read.
+async fn scripted(script: &'static [Act]) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break at + 4;
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                while buf.len() < head_end + length {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let i = count.fetch_add(1, Ordering::SeqCst);
+                let status = match script.get(i).copied().unwrap_or(Act::Status(200)) {
+                    Act::Status(code) => code,
+                    Act::Close => return,
+                    Act::Hang => {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        return;
+                    }
+                };
+                let body = format!(
+                    "try={i}\nbody={}\n",
+                    String::from_utf8_lossy(&buf[head_end..head_end + length])
+                );
+                let answer = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// One request on a new connection, read to its end: the status and the body.
+async fn exchange(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut out))
+        .await
+        .expect("answered in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// `rules[].retry` (Gateway API v1.7): a listed status is retried, on a copy of the request
+/// with its body, after at least the backoff; `attempts` bounds the retries and the last
+/// answer stands; a connection closed after the request was sent is retried for a GET but not
+/// a POST; `timeouts.backendRequest` bounds each try and `timeouts.request` all of them; a rule
+/// without `retry` makes one request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_by_status_connection_failure_and_backend_timeout() {
+    use Act::{Close, Hang, Status};
+    use std::sync::atomic::Ordering::SeqCst;
+    let (codes, codes_seen) = scripted(&[Status(503), Status(503)]).await;
+    let (spent, spent_seen) = scripted(&[Status(503), Status(500), Status(503)]).await;
+    let (post, post_seen) = scripted(&[Status(503)]).await;
+    let (closes, closes_seen) = scripted(&[Close, Close]).await;
+    let (closes_post, closes_post_seen) = scripted(&[Close]).await;
+    let (slow, slow_seen) = scripted(&[Hang]).await;
+    let (stuck, _) = scripted(&[Hang; 12]).await;
+    let (plain, plain_seen) = scripted(&[Status(503)]).await;
+    let port = free_port();
+    let mut yaml = String::new();
+    for (name, addr) in [
+        ("codes", codes),
+        ("spent", spent),
+        ("post", post),
+        ("closes", closes),
+        ("closes-post", closes_post),
+        ("slow", slow),
+        ("stuck", stuck),
+        ("plain", plain),
+    ] {
+        yaml.push_str(&service(name, addr));
+    }
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    let rule = |path: &str, extra: &str| {
+        format!(
+            "  - matches: [{{path: {{type: Exact, value: /{path}}}}}]\n    backendRefs: [{{name: {path}, port: 80}}]\n{extra}"
+        )
+    };
+    let rules = [
+        rule("codes", "    retry: {codes: [503], attempts: 2, backoff: 100ms}\n"),
+        rule("spent", "    retry: {codes: [500, 503], attempts: 2, backoff: 10ms}\n"),
+        rule("post", "    retry: {codes: [503]}\n"),
+        rule("closes", "    retry: {attempts: 3, backoff: 10ms}\n"),
+        rule("closes-post", "    retry: {attempts: 3, backoff: 10ms}\n"),
+        rule(
+            "slow",
+            "    timeouts: {request: 5s, backendRequest: 300ms}\n    retry: {attempts: 1, backoff: 10ms}\n",
+        ),
+        rule(
+            "stuck",
+            "    timeouts: {request: 700ms, backendRequest: 200ms}\n    retry: {attempts: 10, backoff: 10ms}\n",
+        ),
+        rule("plain", ""),
+    ]
+    .concat();
+    yaml.push_str(&http_route("r", 1, "", &rules));
+    let dp = start(&yaml, port).await;
+
+    // Two 503s, then 200: two retries, each after at least the 100 ms backoff.
+    let t = Instant::now();
+    let (status, body) = exchange(port, "GET", "/codes", "").await;
+    assert_eq!(
+        (status, body.lines().next()),
+        (200, Some("try=2")),
+        "{body}"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(200),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(codes_seen.load(SeqCst), 3);
+
+    // Retries spent: the backend's last answer stands.
+    let (status, body) = exchange(port, "GET", "/spent", "").await;
+    assert_eq!(
+        (status, body.lines().next()),
+        (503, Some("try=2")),
+        "{body}"
+    );
+    assert_eq!(spent_seen.load(SeqCst), 3);
+
+    // A POST's body goes again, whole, on the retry (one retry by default).
+    let (status, body) = exchange(port, "POST", "/post", "hello").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body, "try=1\nbody=hello\n");
+    assert_eq!(post_seen.load(SeqCst), 2);
+
+    // Closed before answering: a GET is made again, a POST (maybe processed) is not.
+    let (status, body) = exchange(port, "GET", "/closes", "").await;
+    assert_eq!(
+        (status, body.lines().next()),
+        (200, Some("try=2")),
+        "{body}"
+    );
+    assert_eq!(closes_seen.load(SeqCst), 3);
+    let (status, body) = exchange(port, "POST", "/closes-post", "x").await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(closes_post_seen.load(SeqCst), 1);
+
+    // A try that outlives backendRequest is given up for the next.
+    let t = Instant::now();
+    let (status, body) = exchange(port, "GET", "/slow", "").await;
+    assert_eq!(
+        (status, body.lines().next()),
+        (200, Some("try=1")),
+        "{body}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert_eq!(slow_seen.load(SeqCst), 2);
+
+    // The request timeout bounds every try and wait: 504.
+    let t = Instant::now();
+    let (status, body) = exchange(port, "GET", "/stuck", "").await;
+    assert_eq!(status, 504, "{body}");
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(600) && took < Duration::from_millis(2500),
+        "{took:?}"
+    );
+
+    // No `retry`: one request, its answer as it was.
+    let (status, _) = exchange(port, "GET", "/plain", "").await;
+    assert_eq!(status, 503);
+    assert_eq!(plain_seen.load(SeqCst), 1);
+
+    let text = dp.metrics().encode();
+    let retries: u64 = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("keyway_gateway_request_retries_total{route=\"HTTPRoute/default/r\"} ")
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no retries series:\n{text}"));
+    // codes 2, spent 2, post 1, closes 2, slow 1, stuck at least 2.
+    assert!(retries >= 10, "{retries}\n{text}");
+}

@@ -137,11 +137,62 @@ pub struct HttpRule {
     pub matches: Vec<HttpRouteRulesMatches>,
     pub filters: Vec<HttpRouteRulesFilters>,
     pub backends: Vec<WeightedBackend>,
-    /// The rule's timeout in milliseconds: the shorter of `timeouts.request` and
-    /// `timeouts.backendRequest` (`None`: neither is set, or both are zero, which disables
-    /// them). keyway makes one backend request per client request (no retries), so the bound
-    /// on a backend request also bounds the whole request.
+    /// `timeouts.request` in milliseconds: the whole exchange, retries included (`None`: not
+    /// set, or zero, which disables it).
     pub request_timeout_ms: Option<u64>,
+    /// `timeouts.backendRequest` in milliseconds: each request to a backend (`None`: not set,
+    /// or zero).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_request_timeout_ms: Option<u64>,
+    /// `retry`: when a failed backend request is made again (`None`: never).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryPlan>,
+}
+
+/// An HTTPRoute rule's `retry` (GEP-1731). A request is made again, on a backend picked
+/// afresh, after a connection error or a response whose status is one of `codes`, at most
+/// `attempts` times, waiting at least `backoff_ms` between tries.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryPlan {
+    /// Response statuses that are retried (each 400–599).
+    pub codes: Vec<u16>,
+    /// Requests after the first (`attempts`; 1 when unset, as Envoy's default).
+    pub attempts: u32,
+    /// The least wait before a retry, in milliseconds (`backoff`; 25 when unset).
+    pub backoff_ms: u64,
+}
+
+impl RetryPlan {
+    /// Retries when `retry` leaves `attempts` unset.
+    pub const DEFAULT_ATTEMPTS: u32 = 1;
+    /// The base backoff when `retry` leaves `backoff` unset (Envoy's default base interval).
+    pub const DEFAULT_BACKOFF_MS: u64 = 25;
+
+    /// The plan for a rule's `retry` as written; `None` when it retries nothing
+    /// (`attempts: 0`). Values the validation refuses never get here.
+    pub fn from_upstream(
+        r: &gateway_api::apis::experimental::httproutes::HttpRouteRulesRetry,
+    ) -> Option<RetryPlan> {
+        let attempts = match r.attempts {
+            None => Self::DEFAULT_ATTEMPTS,
+            Some(n) => u32::try_from(n).ok()?,
+        };
+        (attempts > 0).then(|| RetryPlan {
+            codes: r
+                .codes
+                .iter()
+                .flatten()
+                .filter_map(|c| u16::try_from(*c).ok())
+                .collect(),
+            attempts,
+            backoff_ms: r
+                .backoff
+                .as_deref()
+                .and_then(parse_gateway_duration_ms)
+                .unwrap_or(Self::DEFAULT_BACKOFF_MS),
+        })
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -162,14 +162,15 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                             &mut err,
                             &mut deps
                         ),
-                        request_timeout_ms: rule.timeouts.as_ref().and_then(|t| {
-                            [t.request.as_deref(), t.backend_request.as_deref()]
-                                .into_iter()
-                                .flatten()
-                                .filter_map(super::plan::parse_gateway_duration_ms)
-                                .filter(|ms| *ms > 0)
-                                .min()
-                        }),
+                        request_timeout_ms: nonzero_ms(
+                            rule.timeouts.as_ref().and_then(|t| t.request.as_deref()),
+                        ),
+                        backend_request_timeout_ms: nonzero_ms(
+                            rule.timeouts
+                                .as_ref()
+                                .and_then(|t| t.backend_request.as_deref()),
+                        ),
+                        retry: r.retry(i).and_then(super::plan::RetryPlan::from_upstream),
                     }
                 })
                 .collect();
@@ -462,4 +463,10 @@ pub(crate) fn attach(
         ));
     }
     Ok(attached)
+}
+
+/// A Gateway API duration in milliseconds; zero (which disables a timeout) is `None`.
+fn nonzero_ms(text: Option<&str>) -> Option<u64> {
+    text.and_then(super::plan::parse_gateway_duration_ms)
+        .filter(|ms| *ms > 0)
 }

@@ -1365,32 +1365,76 @@ fn unsupported_filters_table() {
     }
 }
 
-/// A rule's timeout is the shorter of `timeouts.request` and `timeouts.backendRequest`; zero
+/// A rule's `timeouts.request` and `timeouts.backendRequest`, each in milliseconds; zero
 /// disables either.
 #[test]
 fn rule_timeouts_table() {
-    let cases: &[(&str, Option<u64>)] = &[
-        ("", None),
-        ("timeouts: {request: 2s}", Some(2000)),
-        ("timeouts: {backendRequest: 500ms}", Some(500)),
-        ("timeouts: {request: 2s, backendRequest: 500ms}", Some(500)),
-        ("timeouts: {request: 0s, backendRequest: 1m}", Some(60_000)),
-        ("timeouts: {request: 0s}", None),
+    type Ms = Option<u64>;
+    let cases: &[(&str, Ms, Ms)] = &[
+        ("", None, None),
+        ("timeouts: {request: 2s}", Some(2000), None),
+        ("timeouts: {backendRequest: 500ms}", None, Some(500)),
+        (
+            "timeouts: {request: 2s, backendRequest: 500ms}",
+            Some(2000),
+            Some(500),
+        ),
+        (
+            "timeouts: {request: 0s, backendRequest: 1m}",
+            None,
+            Some(60_000),
+        ),
+        ("timeouts: {request: 0s}", None, None),
         (
             "timeouts: {request: 1h, backendRequest: 0s}",
             Some(3_600_000),
+            None,
         ),
     ];
-    for (timeouts, want) in cases {
-        let route = format!(
-            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r, namespace: team-a}}\nspec:\n  parentRefs: {TO_LS}\n  rules:\n  - backendRefs: [{APP}]\n    {timeouts}\n"
-        );
-        let r = routes_world(&route);
-        let Some(rules) = http_rules_on_one(&r) else {
-            panic!("no http route in plan for {timeouts}");
-        };
-        assert_eq!(rules[0].request_timeout_ms, *want, "{timeouts}");
+    for (timeouts, request, backend) in cases {
+        let rule = &one_http_rule(timeouts);
+        assert_eq!(rule.request_timeout_ms, *request, "{timeouts}");
+        assert_eq!(rule.backend_request_timeout_ms, *backend, "{timeouts}");
     }
+}
+
+/// A rule's `retry` (Gateway API v1.7 standard): unset attempts and backoff take keyway's
+/// defaults (1 retry, 25 ms); `attempts: 0` retries nothing.
+#[test]
+fn rule_retry_table() {
+    use crate::gateway::plan::RetryPlan;
+    let plan = |codes: &[u16], attempts, backoff_ms| {
+        Some(RetryPlan {
+            codes: codes.to_vec(),
+            attempts,
+            backoff_ms,
+        })
+    };
+    let cases: &[(&str, Option<RetryPlan>)] = &[
+        ("", None),
+        ("retry: {}", plan(&[], 1, 25)),
+        ("retry: {codes: [500, 503]}", plan(&[500, 503], 1, 25)),
+        (
+            "retry: {codes: [503], attempts: 3, backoff: 1s500ms}",
+            plan(&[503], 3, 1500),
+        ),
+        ("retry: {attempts: 0, codes: [503]}", None),
+    ];
+    for (retry, want) in cases {
+        assert_eq!(one_http_rule(retry).retry, *want, "{retry}");
+    }
+}
+
+/// The plan of the one rule of an HTTPRoute on the ListenerSet whose rule says `extra`.
+fn one_http_rule(extra: &str) -> crate::gateway::plan::HttpRule {
+    let route = format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r, namespace: team-a}}\nspec:\n  parentRefs: {TO_LS}\n  rules:\n  - backendRefs: [{APP}]\n    {extra}\n"
+    );
+    let r = routes_world(&route);
+    let Some(rules) = http_rules_on_one(&r) else {
+        panic!("no http route in plan for {extra}");
+    };
+    rules[0].clone()
 }
 
 /// `spec.addresses`: IP addresses go into the plan and status.addresses; any other type makes the

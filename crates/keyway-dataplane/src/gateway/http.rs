@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
-use hyper::body::Incoming;
+use bytes::Bytes;
+use hyper::body::{Body as _, Incoming};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::http::uri::{Authority, PathAndQuery, Scheme};
 use hyper::service::service_fn;
@@ -16,10 +17,12 @@ use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use keyway_core::ObjectKey;
 use keyway_core::gateway::plan::{Backend, Protocol};
+use prometheus_client::metrics::counter::Counter;
 
 use super::front;
 use super::h1::{self, BodyKind};
 use super::idle::{Activity, Watched};
+use super::retry::{self, Reach};
 use super::route_match::{self, PathMatch};
 use super::upstream::{Body, ConnectError, H1, H2Error, Io, Outbound, Relay, SendError, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
@@ -882,43 +885,55 @@ async fn forward(
         parts.headers.remove(header::HOST);
     }
 
-    // The rare paths are boxed: the future of every request stays small. Pinned where it is
-    // made: awaited as a value, it would be copied whole into the awaiting state first.
-    let mut send = std::pin::pin!(async {
-        if over_h2 {
-            let body = body.counting(&rule.metrics.bytes_in);
-            let req = Request::from_parts(parts, body);
-            Box::pin(send_h2(ctx, &wb.backend, req))
-                .await
-                .map(|r| r.map(Sent::H2))
-        } else {
-            // An HTTP/1.x client gets the backend's header lines as they are, unless filters
-            // edit them.
-            let raw = client_version < Version::HTTP_2 && f.response_headers.is_empty();
-            let out = Outbound::new(&parts, body, ctx.http_idle_timeout, &rule.metrics.bytes_in)
-                .raw_head(raw);
-            send_h1(ctx, info, &wb.backend, out).await.map(|(head, c)| {
-                head.response.map(|()| Sent::H1 {
-                    conn: c,
-                    body: head.body,
-                    raw: head.raw,
-                })
-            })
+    // An HTTP/1.x client gets the backend's header lines as they are, unless filters edit them.
+    let raw = !over_h2 && client_version < Version::HTTP_2 && f.response_headers.is_empty();
+    let (resp, deadline) = match rule.retry.as_deref() {
+        Some(policy) if !upgrade && retry::replayable(&body) => {
+            let to = Target {
+                first: &wb.backend,
+                over_h2,
+                raw,
+            };
+            match Box::pin(retrying(ctx, info, rule, policy, to, parts, body)).await {
+                Ok(sent) => sent,
+                Err(answer) => return answer,
+            }
         }
-    });
-    // The route's timeout covers the exchange until the full response has been received:
-    // 504 without a response head by then, and a body still streaming is cut.
-    let deadline = rule.timeout.map(|t| tokio::time::Instant::now() + t);
-    let result = match deadline {
-        Some(at) => match Box::pin(tokio::time::timeout_at(at, send.as_mut())).await {
-            Ok(r) => r,
-            Err(_) => return full(StatusCode::GATEWAY_TIMEOUT, "request timed out"),
-        },
-        None => send.as_mut().await,
-    };
-    let resp = match result {
-        Ok(r) => r,
-        Err(resp) => return resp,
+        _ => {
+            // The rare paths are boxed: the future of every request stays small. Pinned where
+            // it is made: awaited as a value, it would be copied whole into the awaiting
+            // state first.
+            let bytes_in = &rule.metrics.bytes_in;
+            let mut send = std::pin::pin!(attempt(
+                ctx,
+                info,
+                &wb.backend,
+                over_h2,
+                raw,
+                parts,
+                body,
+                bytes_in
+            ));
+            // The route's timeouts cover the exchange until the full response has been
+            // received: 504 without a response head by then, and a body still streaming is
+            // cut. With one request to a backend, the shorter of the two bounds it.
+            let deadline = earliest(
+                rule.timeout.map(|t| tokio::time::Instant::now() + t),
+                rule.attempt_timeout
+                    .map(|t| tokio::time::Instant::now() + t),
+            );
+            let result = match deadline {
+                Some(at) => match Box::pin(tokio::time::timeout_at(at, send.as_mut())).await {
+                    Ok(r) => r,
+                    Err(_) => return timed_out(),
+                },
+                None => send.as_mut().await,
+            };
+            match result {
+                Ok(r) => (r, deadline),
+                Err(failed) => return failed.answer,
+            }
+        }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         let (parts, sent) = resp.into_parts();
@@ -971,6 +986,172 @@ async fn forward(
     Response::from_parts(parts, body)
 }
 
+fn timed_out() -> Response<Body> {
+    full(StatusCode::GATEWAY_TIMEOUT, "request timed out")
+}
+
+/// The earlier of two optional instants.
+fn earliest(
+    a: Option<tokio::time::Instant>,
+    b: Option<tokio::time::Instant>,
+) -> Option<tokio::time::Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// One request to a backend, over HTTP/2 or HTTP/1.1 as the backend speaks; `raw`: the
+/// response head is wanted as the backend's header lines.
+#[allow(clippy::too_many_arguments)]
+async fn attempt(
+    ctx: &Ctx,
+    info: &ConnInfo,
+    backend: &Backend,
+    over_h2: bool,
+    raw: bool,
+    parts: hyper::http::request::Parts,
+    body: Body,
+    bytes_in: &Counter,
+) -> Result<Response<Sent>, Failed> {
+    if over_h2 {
+        let req = Request::from_parts(parts, body.counting(bytes_in));
+        Box::pin(send_h2(ctx, backend, req))
+            .await
+            .map(|r| r.map(Sent::H2))
+    } else {
+        let out = Outbound::new(&parts, body, ctx.http_idle_timeout, bytes_in).raw_head(raw);
+        send_h1(ctx, info, backend, out).await.map(|(head, c)| {
+            head.response.map(|()| Sent::H1 {
+                conn: c,
+                body: head.body,
+                raw: head.raw,
+            })
+        })
+    }
+}
+
+/// Where a retried request goes: the backend picked first, and how it is spoken to.
+struct Target<'a> {
+    first: &'a Backend,
+    over_h2: bool,
+    raw: bool,
+}
+
+/// [`forward`]'s exchange for a rule with a `retry` policy and a body small enough to keep
+/// (see [`retry::replayable`]): the request is made again, after the policy's backoff and on a
+/// backend picked afresh, when it fails in a way a retry may mend (see [`Reach`]), when a
+/// backend request outlives `timeouts.backendRequest`, or when its response has a listed
+/// status; at most `attempts` times, and never past `timeouts.request`. Returns the response
+/// kept and when its body must have ended.
+async fn retrying(
+    ctx: &Ctx,
+    info: &ConnInfo,
+    rule: &Rule,
+    policy: &retry::Policy,
+    to: Target<'_>,
+    parts: hyper::http::request::Parts,
+    body: Body,
+) -> Result<(Response<Sent>, Option<tokio::time::Instant>), Response<Body>> {
+    use tokio::time::Instant;
+    let overall = rule.timeout.map(|t| Instant::now() + t);
+    // The body is read whole first (a `100 Continue` owed goes out as it is wanted), and
+    // counted once, however many times it is sent.
+    let data = if body.is_end_stream() {
+        Bytes::new()
+    } else {
+        let until = earliest(overall, Some(Instant::now() + ctx.http_idle_timeout));
+        let read =
+            tokio::time::timeout_at(until.unwrap_or_else(Instant::now), retry::collect(body));
+        match read.await {
+            Ok(Ok(data)) => {
+                rule.metrics.bytes_in.inc_by(data.len() as u64);
+                data
+            }
+            Ok(Err(e)) => return Err(full(StatusCode::BAD_REQUEST, &e.to_string())),
+            Err(_) if overall.is_some_and(|o| Instant::now() >= o) => return Err(timed_out()),
+            Err(_) => {
+                return Err(full(
+                    StatusCode::REQUEST_TIMEOUT,
+                    &h1::Error::BodyStalled.to_string(),
+                ));
+            }
+        }
+    };
+    let counted_already = Counter::default();
+    let mut backend = to.first;
+    let mut retries = 0;
+    loop {
+        let deadline = earliest(overall, rule.attempt_timeout.map(|t| Instant::now() + t));
+        let body = if data.is_empty() {
+            Body::Empty
+        } else {
+            Body::full(data.clone())
+        };
+        let sent = attempt(
+            ctx,
+            info,
+            backend,
+            to.over_h2,
+            to.raw,
+            same_parts(&parts),
+            body,
+            &counted_already,
+        );
+        let outcome = match deadline {
+            Some(at) => tokio::time::timeout_at(at, sent).await.ok(),
+            None => Some(sent.await),
+        };
+        // Retried only while attempts are left and the wait before the next one ends before
+        // the request's timeout; otherwise the last answer stands.
+        let wait = policy.wait(retries + 1);
+        let may_retry =
+            retries < policy.attempts && overall.is_none_or(|o| Instant::now() + wait < o);
+        let why = match outcome {
+            Some(Ok(resp)) if may_retry && policy.retries_status(resp.status().as_u16()) => {
+                format!("status {}", resp.status().as_u16())
+            }
+            Some(Ok(resp)) => return Ok((resp, deadline)),
+            Some(Err(f)) if may_retry && f.reach.retryable(&parts.method) => {
+                format!(
+                    "status {} from keyway ({:?})",
+                    f.answer.status().as_u16(),
+                    f.reach
+                )
+            }
+            Some(Err(f)) => return Err(f.answer),
+            None if may_retry && Reach::MaybeProcessed.retryable(&parts.method) => {
+                "no response within timeouts.backendRequest".to_string()
+            }
+            None => return Err(timed_out()),
+        };
+        retries += 1;
+        rule.metrics.retries.inc();
+        tracing::debug!(retry = retries, %why, ?wait, "retrying a request");
+        tokio::time::sleep(wait).await;
+        backend = repick(rule, to.over_h2).unwrap_or(to.first);
+    }
+}
+
+/// A retry's backend, picked by weight as the first was, among those spoken to alike (the
+/// request was prepared for HTTP/2 or HTTP/1.1).
+fn repick(rule: &Rule, over_h2: bool) -> Option<&Backend> {
+    let wb = pick(&rule.backends)?;
+    let h2 = rule.grpc || matches!(wb.backend, Backend::Service { h2c: true, .. });
+    (h2 == over_h2 && !matches!(wb.backend, Backend::Unresolved { .. })).then_some(&wb.backend)
+}
+
+/// A copy of a request's head, for one more request (`Parts` is not `Clone`: its extensions
+/// need not be).
+fn same_parts(p: &hyper::http::request::Parts) -> hyper::http::request::Parts {
+    let mut r = Request::new(());
+    *r.method_mut() = p.method.clone();
+    *r.uri_mut() = p.uri.clone();
+    *r.version_mut() = p.version;
+    *r.headers_mut() = p.headers.clone();
+    r.into_parts().0
+}
+
 /// Joins several Cookie fields into one, separated by "; " (RFC 9113 §8.2.3).
 fn join_cookies(h: &mut HeaderMap) {
     let mut all = h.get_all(header::COOKIE).iter();
@@ -997,11 +1178,24 @@ enum Sent {
     H2(Body),
 }
 
-fn connect_error(e: &ConnectError) -> Response<Body> {
+/// A request that got no response from a backend: the client's answer, and how far the
+/// request got (whether a retry may be made).
+struct Failed {
+    answer: Response<Body>,
+    reach: Reach,
+}
+
+fn connect_error(e: &ConnectError) -> Failed {
     match e {
-        ConnectError::Unresolved(_) => full(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        ConnectError::Unresolved(_) => Failed {
+            answer: full(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+            reach: Reach::Final,
+        },
         // No healthy endpoint: 503, the conventional "try again later".
-        ConnectError::Unreachable(_) => full(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        ConnectError::Unreachable(_) => Failed {
+            answer: full(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+            reach: Reach::NotSent,
+        },
     }
 }
 
@@ -1014,7 +1208,7 @@ async fn send_h1(
     info: &ConnInfo,
     backend: &Backend,
     mut req: Outbound,
-) -> Result<(h1::Head, H1), Response<Body>> {
+) -> Result<(h1::Head, H1), Failed> {
     // Each request picks its endpoint (or its key): a keep-alive client is balanced like many
     // clients.
     let drawn = ctx.pool.draw(&ctx.shared, backend);
@@ -1048,31 +1242,33 @@ async fn send_h1(
     };
     match c.send(req).await {
         Ok(head) => Ok((head, c)),
-        Err(SendError::Retry(_)) => Err(bad_gateway(&h1::Error::Closed)),
+        Err(SendError::Retry(_)) => Err(send_failed(&h1::Error::Closed)),
         Err(SendError::Failed(e)) => Err(send_failed(&e)),
     }
 }
 
-fn bad_gateway(e: &h1::Error) -> Response<Body> {
-    full(StatusCode::BAD_GATEWAY, &format!("backend: {e}"))
-}
-
 /// A failed exchange: the client's request body (malformed, cut, silent) is the client's
-/// error (RFC 9110 §15.5.1, §15.5.9), anything else the backend's.
-fn send_failed(e: &h1::Error) -> Response<Body> {
-    match e {
-        h1::Error::BodyStalled => full(StatusCode::REQUEST_TIMEOUT, &e.to_string()),
-        e if e.is_request_body() => full(StatusCode::BAD_REQUEST, &e.to_string()),
-        e => bad_gateway(e),
+/// error (RFC 9110 §15.5.1, §15.5.9), anything else the backend's, which may have processed
+/// the request.
+fn send_failed(e: &h1::Error) -> Failed {
+    let (status, reach) = match e {
+        h1::Error::BodyStalled => (StatusCode::REQUEST_TIMEOUT, Reach::Final),
+        e if e.is_request_body() => (StatusCode::BAD_REQUEST, Reach::Final),
+        _ => (StatusCode::BAD_GATEWAY, Reach::MaybeProcessed),
+    };
+    let text = if status == StatusCode::BAD_GATEWAY {
+        format!("backend: {e}")
+    } else {
+        e.to_string()
+    };
+    Failed {
+        answer: full(status, &text),
+        reach,
     }
 }
 
 /// A fresh HTTP/1.1 connection to `backend` (its `endpoint` first).
-async fn open_h1(
-    ctx: &Ctx,
-    backend: &Backend,
-    endpoint: Option<&str>,
-) -> Result<H1, Response<Body>> {
+async fn open_h1(ctx: &Ctx, backend: &Backend, endpoint: Option<&str>) -> Result<H1, Failed> {
     let c = ctx
         .pool
         .connect(&ctx.shared, backend, endpoint)
@@ -1085,7 +1281,7 @@ async fn send_h2(
     ctx: &Ctx,
     backend: &Backend,
     mut req: Request<Body>,
-) -> Result<Response<Body>, Response<Body>> {
+) -> Result<Response<Body>, Failed> {
     // A request a connection gives back unsent (its backend is going away: GOAWAY) was not
     // processed (RFC 9113 §6.8): it goes once more, on another connection.
     for attempt in 0..2 {
@@ -1095,7 +1291,11 @@ async fn send_h2(
             .await
             .map_err(|e| match e {
                 H2Error::Connect(c) => connect_error(&c),
-                H2Error::Http(e) => full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")),
+                // The connection's handshake failed: no request went on it.
+                H2Error::Http(e) => Failed {
+                    answer: full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")),
+                    reach: Reach::NotSent,
+                },
             })?;
         match lease.sender.try_send_request(req).await {
             Ok(resp) => {
@@ -1107,19 +1307,26 @@ async fn send_h2(
                     ctx.pool.forget_h2(&lease);
                     req = unsent;
                 }
-                _ => {
-                    return Err(full(
-                        StatusCode::BAD_GATEWAY,
-                        &format!("backend: {}", e.error()),
-                    ));
+                unsent => {
+                    return Err(Failed {
+                        answer: full(StatusCode::BAD_GATEWAY, &format!("backend: {}", e.error())),
+                        reach: if unsent.is_some() {
+                            Reach::NotSent
+                        } else {
+                            Reach::MaybeProcessed
+                        },
+                    });
                 }
             },
         }
     }
-    Err(full(
-        StatusCode::BAD_GATEWAY,
-        "backend: connection refused the request",
-    ))
+    Err(Failed {
+        answer: full(
+            StatusCode::BAD_GATEWAY,
+            "backend: connection refused the request",
+        ),
+        reach: Reach::NotSent,
+    })
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod http;
 pub mod idle;
 pub mod path;
 pub mod reads;
+pub mod retry;
 pub mod route_match;
 pub mod sni;
 pub mod tcp;
@@ -53,6 +54,7 @@ pub struct GatewayMetrics {
     connections_active: Family<Labels, Gauge>,
     requests: Family<Labels, Counter>,
     responses: Family<Labels, Counter>,
+    retries: Family<Labels, Counter>,
     bytes: Family<Labels, Counter>,
     /// Routes given series, and those compiled by the apply in progress: a route no longer in
     /// the plan has its series removed (so deleted routes do not stay on /metrics for ever).
@@ -69,6 +71,7 @@ impl GatewayMetrics {
             connections_active: Family::default(),
             requests: Family::default(),
             responses: Family::default(),
+            retries: Family::default(),
             bytes: Family::default(),
             routes: Mutex::default(),
         };
@@ -93,6 +96,11 @@ impl GatewayMetrics {
             g.responses.clone(),
         );
         m.register(
+            "gateway_request_retries",
+            "HTTP requests made again to a backend under a route rule's retry policy, by route",
+            g.retries.clone(),
+        );
+        m.register(
             "gateway_stream_bytes",
             "Bytes forwarded, by route and direction (in = from client): HTTP request and response bodies (an upgraded connection's bytes when it ends), TLS passthrough and TCP streams",
             g.bytes.clone(),
@@ -115,6 +123,11 @@ impl GatewayMetrics {
         } else {
             Counter::default()
         };
+        let retries = if http {
+            self.retries.get_or_create(&l(None)).clone()
+        } else {
+            Counter::default()
+        };
         let mut classes = Vec::with_capacity(5);
         for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
             classes.push(if http {
@@ -134,6 +147,7 @@ impl GatewayMetrics {
         Arc::new(RouteMetrics {
             requests,
             classes,
+            retries,
             bytes_in,
             bytes_out,
         })
@@ -190,6 +204,7 @@ impl GatewayMetrics {
         for gone in routes.0.difference(&compiled) {
             let l = |extra| route_labels(gone, extra);
             self.requests.remove(&l(None));
+            self.retries.remove(&l(None));
             for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
                 self.responses.remove(&l(Some(("class", c))));
             }
@@ -212,6 +227,8 @@ fn route_labels(route: &str, extra: Option<(&'static str, &str)>) -> Labels {
 pub struct RouteMetrics {
     pub requests: Counter,
     classes: Vec<Counter>,
+    /// Requests made again under the rule's retry policy.
+    pub retries: Counter,
     pub bytes_in: Counter,
     pub bytes_out: Counter,
 }
@@ -230,7 +247,12 @@ pub struct Rule {
     pub grpc: bool,
     pub filters: filters::Filters,
     pub backends: Vec<WeightedBackend>,
+    /// `timeouts.request`: the whole exchange, retries included.
     pub timeout: Option<Duration>,
+    /// `timeouts.backendRequest`: each request to a backend.
+    pub attempt_timeout: Option<Duration>,
+    /// `retry` (boxed: rare).
+    pub retry: Option<Box<retry::Policy>>,
     pub metrics: Arc<RouteMetrics>,
 }
 
@@ -757,6 +779,10 @@ impl Gateways {
                             ),
                             backends: r.backends.clone(),
                             timeout: r.request_timeout_ms.map(Duration::from_millis),
+                            attempt_timeout: r
+                                .backend_request_timeout_ms
+                                .map(Duration::from_millis),
+                            retry: r.retry.as_ref().map(|p| Box::new(retry::Policy::new(p))),
                             metrics: metrics.clone(),
                         });
                     }
@@ -778,6 +804,8 @@ impl Gateways {
                             ),
                             backends: r.backends.clone(),
                             timeout: None,
+                            attempt_timeout: None,
+                            retry: None,
                             metrics: metrics.clone(),
                         });
                     }
