@@ -247,15 +247,28 @@ pub struct PathError {
     pub ignored: Vec<String>,
 }
 
-pub(crate) fn typed<T: serde::de::DeserializeOwned>(
+pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
     value: Value,
 ) -> Result<(T, Vec<String>), PathError> {
     let mut ignored = Vec::new();
     let mut track = serde_path_to_error::Track::new();
+    // Kept to find lists read as objects (see `list_for_object`).
+    let input = value.clone();
     let de = serde_path_to_error::Deserializer::new(value, &mut track);
     let result = serde_ignored::deserialize(de, |path| ignored.push(path_text(&path)));
     match result {
-        Ok(obj) => Ok((obj, ignored)),
+        Ok(obj) => {
+            let read = serde_json::to_value(&obj).unwrap_or(Value::Null);
+            if let Some(path) = list_for_object(&input, &read, String::new()) {
+                return Err(PathError {
+                    path,
+                    message: "invalid type: a list, expected an object (`field: value` lines)"
+                        .into(),
+                    ignored,
+                });
+            }
+            Ok((obj, ignored))
+        }
         Err(err) => {
             let path = track.path().to_string();
             let mut path = if path == "." { String::new() } else { path };
@@ -294,6 +307,30 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned>(
                 ignored,
             })
         }
+    }
+}
+
+/// The first place where `input` has a list and its typed reading `read` an object. serde's
+/// derived structs also take a sequence, filling their fields by position (`retry: [503]`
+/// would read as `attempts: 503`); the API server refuses a list where the schema has an
+/// object, and so does keyway.
+fn list_for_object(input: &Value, read: &Value, path: String) -> Option<String> {
+    match (input, read) {
+        (Value::Array(_), Value::Object(_)) => Some(path),
+        (Value::Object(i), Value::Object(r)) => i.iter().find_map(|(k, v)| {
+            let at = if path.is_empty() {
+                k.clone()
+            } else {
+                format!("{path}.{k}")
+            };
+            list_for_object(v, r.get(k)?, at)
+        }),
+        (Value::Array(i), Value::Array(r)) => i
+            .iter()
+            .zip(r)
+            .enumerate()
+            .find_map(|(n, (v, w))| list_for_object(v, w, format!("{path}[{n}]"))),
+        _ => None,
     }
 }
 

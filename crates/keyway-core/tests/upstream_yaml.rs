@@ -172,6 +172,18 @@ spec:
             "must be 0 or more",
         ),
         (
+            "    retry:\n      codes: [500, 503]\n      attempts: 2\n      backoff: 100ms\n",
+            "    retry: [503]\n    timeouts: {request: 1s}\n",
+            "spec.rules[0].retry",
+            "invalid type: a list, expected an object (`field: value` lines)",
+        ),
+        (
+            "    retry:\n      codes: [500, 503]\n      attempts: 2\n      backoff: 100ms\n",
+            "    timeouts: [1s, 500ms]\n",
+            "spec.rules[0].timeouts",
+            "invalid type: a list, expected an object (`field: value` lines)",
+        ),
+        (
             "backoff: 100ms",
             "backoff: 0.1s",
             "spec.rules[0].retry.backoff",

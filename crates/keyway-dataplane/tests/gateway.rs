@@ -1280,8 +1280,8 @@ enum Act {
 }
 
 /// An HTTP/1.1 backend that does `script[i]` with its i-th request (counted over all its
-/// connections, from 0), then answers 200. Every answer is `try=<i>` and the request body.
-/// One request per connection. Returns its address and the count of requests it read.
+/// connections, from 0), then answers 200. Every answer is `try=<i>` and the request body;
+/// connections are kept alive. Returns its address and the count of requests it read.
 async fn scripted(script: &'static [Act]) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -1294,45 +1294,50 @@ async fn scripted(script: &'static [Act]) -> (SocketAddr, Arc<std::sync::atomic:
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 4096];
-                let head_end = loop {
-                    if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break at + 4;
+                loop {
+                    let head_end = loop {
+                        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break at + 4;
+                        }
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    while buf.len() < head_end + length {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
                     }
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                };
-                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(0);
-                while buf.len() < head_end + length {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                let i = count.fetch_add(1, Ordering::SeqCst);
-                let status = match script.get(i).copied().unwrap_or(Act::Status(200)) {
-                    Act::Status(code) => code,
-                    Act::Close => return,
-                    Act::Hang => {
-                        tokio::time::sleep(Duration::from_secs(3)).await;
+                    let i = count.fetch_add(1, Ordering::SeqCst);
+                    let status = match script.get(i).copied().unwrap_or(Act::Status(200)) {
+                        Act::Status(code) => code,
+                        Act::Close => return,
+                        Act::Hang => {
+                            tokio::time::sleep(Duration::from_secs(3)).await;
+                            return;
+                        }
+                    };
+                    let body = format!(
+                        "try={i}\nbody={}\n",
+                        String::from_utf8_lossy(&buf[head_end..head_end + length])
+                    );
+                    buf.drain(..head_end + length);
+                    let answer = format!(
+                        "HTTP/1.1 {status} X\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(answer.as_bytes()).await.is_err() {
                         return;
                     }
-                };
-                let body = format!(
-                    "try={i}\nbody={}\n",
-                    String::from_utf8_lossy(&buf[head_end..head_end + length])
-                );
-                let answer = format!(
-                    "HTTP/1.1 {status} X\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(answer.as_bytes()).await;
+                }
             });
         }
     });
@@ -1380,6 +1385,9 @@ async fn retries_by_status_connection_failure_and_backend_timeout() {
     let (slow, slow_seen) = scripted(&[Hang]).await;
     let (stuck, _) = scripted(&[Hang; 12]).await;
     let (plain, plain_seen) = scripted(&[Status(503)]).await;
+    let (zero, zero_seen) = scripted(&[Status(200), Close]).await;
+    let (stale, stale_seen) = scripted(&[Status(200), Close]).await;
+    let (leave, leave_seen) = scripted(&[Status(503); 16]).await;
     let port = free_port();
     let mut yaml = String::new();
     for (name, addr) in [
@@ -1391,6 +1399,9 @@ async fn retries_by_status_connection_failure_and_backend_timeout() {
         ("slow", slow),
         ("stuck", stuck),
         ("plain", plain),
+        ("zero", zero),
+        ("stale", stale),
+        ("leave", leave),
     ] {
         yaml.push_str(&service(name, addr));
     }
@@ -1417,6 +1428,9 @@ async fn retries_by_status_connection_failure_and_backend_timeout() {
             "    timeouts: {request: 700ms, backendRequest: 200ms}\n    retry: {attempts: 10, backoff: 10ms}\n",
         ),
         rule("plain", ""),
+        rule("zero", "    retry: {attempts: 0}\n"),
+        rule("stale", ""),
+        rule("leave", "    retry: {codes: [503], attempts: 10, backoff: 200ms}\n"),
     ]
     .concat();
     yaml.push_str(&http_route("r", 1, "", &rules));
@@ -1490,14 +1504,46 @@ async fn retries_by_status_connection_failure_and_backend_timeout() {
     assert_eq!(status, 503);
     assert_eq!(plain_seen.load(SeqCst), 1);
 
-    let text = dp.metrics().encode();
-    let retries: u64 = text
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("keyway_gateway_request_retries_total{route=\"HTTPRoute/default/r\"} ")
-        })
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no retries series:\n{text}"));
+    // A pooled connection that closes without answering: without `retry`, a GET goes once more
+    // on a new connection (the backend's idle timeout may have closed it as the request went
+    // out); `attempts: 0` means no second request at all.
+    for (path, seen, want) in [
+        ("stale", &stale_seen, (200, 3)),
+        ("zero", &zero_seen, (502, 2)),
+    ] {
+        assert_eq!(exchange(port, "GET", &format!("/{path}"), "").await.0, 200);
+        // The first client connection's backend connection is back in the pool.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (status, body) = exchange(port, "GET", &format!("/{path}"), "").await;
+        assert_eq!((status, seen.load(SeqCst)), want, "{path}: {body}");
+    }
+
+    let retries = || {
+        let text = dp.metrics().encode();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    "keyway_gateway_request_retries_total{route=\"HTTPRoute/default/r\"} ",
+                )
+            })
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no retries series:\n{text}"))
+    };
     // codes 2, spent 2, post 1, closes 2, slow 1, stuck at least 2.
-    assert!(retries >= 10, "{retries}\n{text}");
+    let before = retries();
+    assert!(before >= 10, "{before}");
+
+    // A client that leaves during a wait ends the retries; the one not made is not counted.
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(b"GET /leave HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let made = leave_seen.load(SeqCst) as u64;
+    assert!(made >= 2 && made < 5, "{made}");
+    assert_eq!(retries() - before, made - 1);
 }

@@ -157,7 +157,7 @@ pub struct HttpRule {
 pub struct RetryPlan {
     /// Response statuses that are retried (each 400–599).
     pub codes: Vec<u16>,
-    /// Requests after the first (`attempts`; 1 when unset, as Envoy's default).
+    /// Requests after the first (`attempts`; 1 when unset, as Envoy's default; 0: none).
     pub attempts: u32,
     /// The least wait before a retry, in milliseconds (`backoff`; 25 when unset).
     pub backoff_ms: u64,
@@ -169,8 +169,9 @@ impl RetryPlan {
     /// The base backoff when `retry` leaves `backoff` unset (Envoy's default base interval).
     pub const DEFAULT_BACKOFF_MS: u64 = 25;
 
-    /// The plan for a rule's `retry` as written; `None` when it retries nothing
-    /// (`attempts: 0`). Values the validation refuses never get here.
+    /// The plan for a rule's `retry` as written. `attempts: 0` is kept: it turns off every
+    /// retry, also the replay of a request on a reused connection that closed. Values the
+    /// validation refuses never get here.
     pub fn from_upstream(
         r: &gateway_api::apis::experimental::httproutes::HttpRouteRulesRetry,
     ) -> Option<RetryPlan> {
@@ -178,7 +179,7 @@ impl RetryPlan {
             None => Self::DEFAULT_ATTEMPTS,
             Some(n) => u32::try_from(n).ok()?,
         };
-        (attempts > 0).then(|| RetryPlan {
+        Some(RetryPlan {
             codes: r
                 .codes
                 .iter()

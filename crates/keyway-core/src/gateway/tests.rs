@@ -1399,7 +1399,7 @@ fn rule_timeouts_table() {
 }
 
 /// A rule's `retry` (Gateway API v1.7 standard): unset attempts and backoff take keyway's
-/// defaults (1 retry, 25 ms); `attempts: 0` retries nothing.
+/// defaults (1 retry, 25 ms); `attempts: 0` is kept (it turns replays off too).
 #[test]
 fn rule_retry_table() {
     use crate::gateway::plan::RetryPlan;
@@ -1418,7 +1418,7 @@ fn rule_retry_table() {
             "retry: {codes: [503], attempts: 3, backoff: 1s500ms}",
             plan(&[503], 3, 1500),
         ),
-        ("retry: {attempts: 0, codes: [503]}", None),
+        ("retry: {attempts: 0, codes: [503]}", plan(&[503], 0, 25)),
     ];
     for (retry, want) in cases {
         assert_eq!(one_http_rule(retry).retry, *want, "{retry}");

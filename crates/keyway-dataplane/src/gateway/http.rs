@@ -888,7 +888,7 @@ async fn forward(
     // An HTTP/1.x client gets the backend's header lines as they are, unless filters edit them.
     let raw = !over_h2 && client_version < Version::HTTP_2 && f.response_headers.is_empty();
     let (resp, deadline) = match rule.retry.as_deref() {
-        Some(policy) if !upgrade && retry::replayable(&body) => {
+        Some(policy) if policy.attempts > 0 && !upgrade && retry::replayable(&body) => {
             let to = Target {
                 first: &wb.backend,
                 over_h2,
@@ -910,6 +910,7 @@ async fn forward(
                 &wb.backend,
                 over_h2,
                 raw,
+                rule.retry.is_some(),
                 parts,
                 body,
                 bytes_in
@@ -1002,7 +1003,8 @@ fn earliest(
 }
 
 /// One request to a backend, over HTTP/2 or HTTP/1.1 as the backend speaks; `raw`: the
-/// response head is wanted as the backend's header lines.
+/// response head is wanted as the backend's header lines; `retried`: a route's `retry`
+/// decides whether it goes again (see [`Outbound::no_replay`]).
 #[allow(clippy::too_many_arguments)]
 async fn attempt(
     ctx: &Ctx,
@@ -1010,6 +1012,7 @@ async fn attempt(
     backend: &Backend,
     over_h2: bool,
     raw: bool,
+    retried: bool,
     parts: hyper::http::request::Parts,
     body: Body,
     bytes_in: &Counter,
@@ -1020,7 +1023,10 @@ async fn attempt(
             .await
             .map(|r| r.map(Sent::H2))
     } else {
-        let out = Outbound::new(&parts, body, ctx.http_idle_timeout, bytes_in).raw_head(raw);
+        let mut out = Outbound::new(&parts, body, ctx.http_idle_timeout, bytes_in).raw_head(raw);
+        if retried {
+            out = out.no_replay();
+        }
         send_h1(ctx, info, backend, out).await.map(|(head, c)| {
             head.response.map(|()| Sent::H1 {
                 conn: c,
@@ -1094,6 +1100,7 @@ async fn retrying(
             backend,
             to.over_h2,
             to.raw,
+            true,
             same_parts(&parts),
             body,
             &counted_already,
@@ -1126,9 +1133,10 @@ async fn retrying(
             None => return Err(timed_out()),
         };
         retries += 1;
-        rule.metrics.retries.inc();
         tracing::debug!(retry = retries, %why, ?wait, "retrying a request");
+        // Counted once made: a client that leaves during the wait drops this future.
         tokio::time::sleep(wait).await;
+        rule.metrics.retries.inc();
         backend = repick(rule, to.over_h2).unwrap_or(to.first);
     }
 }

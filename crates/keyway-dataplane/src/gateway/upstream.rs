@@ -320,6 +320,15 @@ impl Outbound {
         self.raw_head = raw;
         self
     }
+
+    /// Not sent again when a reused connection closes without answering: a route's `retry`
+    /// decides instead (with its backoff, counted among its attempts, and not at all with
+    /// `attempts: 0`). A request no byte of which was written still goes on another
+    /// connection: no backend saw it.
+    pub fn no_replay(mut self) -> Outbound {
+        self.retry_safe = false;
+        self
+    }
 }
 
 /// A client's request body on its way to a backend, failing with
