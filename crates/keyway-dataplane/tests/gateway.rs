@@ -1547,3 +1547,60 @@ async fn retries_by_status_connection_failure_and_backend_timeout() {
     assert!((2..5).contains(&made), "{made}");
     assert_eq!(retries() - before, made - 1);
 }
+
+/// A retry to an HTTP/2 backend (`appProtocol: kubernetes.io/h2c`): the request and its body
+/// go again as a new stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_reach_http2_backends_with_the_body() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let be = l.local_addr().expect("addr");
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let count = count.clone();
+                    async move {
+                        let version = req.version();
+                        let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                        let i = count.fetch_add(1, SeqCst);
+                        let text = format!(
+                            "try={i}\nversion={version:?}\nbody={}\n",
+                            String::from_utf8_lossy(&body.unwrap_or_default())
+                        );
+                        let mut r = Response::new(Full::new(Bytes::from(text)));
+                        if i == 0 {
+                            *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                        }
+                        Ok::<_, Infallible>(r)
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    let port = free_port();
+    let mut yaml = service("h2", be).replace(
+        "ports: [{port: 80}]",
+        "ports: [{port: 80, appProtocol: kubernetes.io/h2c}]",
+    );
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: h2, port: 80}]\n    retry: {codes: [503], backoff: 10ms}\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let (status, body) = exchange(port, "POST", "/x", "hello").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body, "try=1\nversion=HTTP/2.0\nbody=hello\n");
+    assert_eq!(seen.load(SeqCst), 2);
+}
