@@ -909,6 +909,9 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
             let Some(t) = f["type"].as_str() else {
                 continue;
             };
+            if !f["cors"].is_null() {
+                check_cors(p, &format!("{at}.filters[{j}].cors"), &f["cors"]);
+            }
             if let Some(code) = f["requestRedirect"]["statusCode"].as_i64()
                 && !matches!(code, 301 | 302 | 303 | 307 | 308)
             {
@@ -1074,6 +1077,79 @@ fn check_retry(p: &mut Problems, at: &str, r: &Value) {
             format!("`{text}` is not a duration like 100ms, 1s or 1m30s"),
         );
     }
+}
+
+/// A CORS filter as the upstream schema bounds it: origins `*` or `http(s)://host[:port]`,
+/// methods from the HTTP method enum or a lone `*`, header names, `maxAge` at least 1.
+fn check_cors(p: &mut Problems, at: &str, c: &Value) {
+    let list = |field: &str| c[field].as_array().map(Vec::as_slice).unwrap_or_default();
+    for (k, o) in list("allowOrigins").iter().enumerate() {
+        let o = o.as_str().unwrap_or_default();
+        if o != "*" && !is_cors_origin(o) {
+            p.add(
+                format!("{at}.allowOrigins[{k}]"),
+                format!("`{o}` is not `*` or an origin like https://example.com or http://*.example.com:8080"),
+            );
+        }
+    }
+    let methods = list("allowMethods");
+    const METHODS: [&str; 10] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH", "*",
+    ];
+    for (k, m) in methods.iter().enumerate() {
+        let m = m.as_str().unwrap_or_default();
+        if !METHODS.contains(&m) {
+            p.add(
+                format!("{at}.allowMethods[{k}]"),
+                format!("unsupported value `{m}`: one of {}", METHODS.join(", ")),
+            );
+        }
+    }
+    if methods.len() > 1 && methods.iter().any(|m| m == "*") {
+        p.add(
+            format!("{at}.allowMethods"),
+            "AllowMethods cannot contain '*' alongside other methods",
+        );
+    }
+    for field in ["allowHeaders", "exposeHeaders"] {
+        for (k, h) in list(field).iter().enumerate() {
+            let h = h.as_str().unwrap_or_default();
+            if h != "*" && !is_header_name(h) {
+                p.add(
+                    format!("{at}.{field}[{k}]"),
+                    format!("`{h}` is not a header name"),
+                );
+            }
+        }
+    }
+    if c["maxAge"].as_i64().is_some_and(|n| n < 1) {
+        p.add(format!("{at}.maxAge"), "must be at least 1");
+    }
+}
+
+/// `http(s)://host[:port]`, the host possibly with `*` (the schema's CORSOrigin).
+fn is_cors_origin(o: &str) -> bool {
+    let Some(rest) = o
+        .strip_prefix("https://")
+        .or_else(|| o.strip_prefix("http://"))
+    else {
+        return false;
+    };
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((h, port)) => (h, Some(port)),
+        None => (rest, None),
+    };
+    let host_ok = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '*'));
+    host_ok && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0))
+}
+
+/// A header name as RFC 9110 spells one (a token).
+fn is_header_name(h: &str) -> bool {
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    !h.is_empty() && h.chars().all(token)
 }
 
 /// HTTPRoute filter types that the upstream schema (CEL) allows once per rule.

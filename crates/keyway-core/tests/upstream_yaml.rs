@@ -204,6 +204,82 @@ spec:
     }
 }
 
+/// The CORS filter's values as the upstream schema bounds them.
+#[test]
+fn cors_filter_values_are_checked() {
+    let yaml = "\
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: r
+spec:
+  parentRefs:
+  - name: gw
+  rules:
+  - backendRefs:
+    - name: a
+      port: 80
+    filters:
+    - type: CORS
+      cors:
+        allowOrigins: [\"https://www.foo.com\", \"https://*.bar.com:8443\", \"*\"]
+        allowMethods: [GET, OPTIONS]
+        allowHeaders: [x-header-1]
+        exposeHeaders: [\"*\"]
+        allowCredentials: true
+        maxAge: 3600
+";
+    let load = load_file("r.yaml", yaml);
+    assert!(load.warnings.is_empty(), "{:?}", load.warnings);
+    assert!(matches!(load.outcomes[..], [DocOutcome::Object(_)]));
+    let at = "spec.rules[0].filters[0].cors";
+    for (from, to, path, message) in [
+        (
+            "\"https://www.foo.com\"",
+            "\"www.foo.com\"",
+            format!("{at}.allowOrigins[0]"),
+            "`www.foo.com` is not `*` or an origin like https://example.com or http://*.example.com:8080",
+        ),
+        (
+            "8443",
+            "notaport",
+            format!("{at}.allowOrigins[1]"),
+            "`https://*.bar.com:notaport` is not `*` or an origin like https://example.com or http://*.example.com:8080",
+        ),
+        (
+            "[GET, OPTIONS]",
+            "[GET, BAZINGA]",
+            format!("{at}.allowMethods[1]"),
+            "unsupported value `BAZINGA`: one of GET, HEAD, POST, PUT, DELETE, CONNECT, OPTIONS, TRACE, PATCH, *",
+        ),
+        (
+            "[GET, OPTIONS]",
+            "[GET, \"*\"]",
+            format!("{at}.allowMethods"),
+            "AllowMethods cannot contain '*' alongside other methods",
+        ),
+        (
+            "[x-header-1]",
+            "[\"x header\"]",
+            format!("{at}.allowHeaders[0]"),
+            "`x header` is not a header name",
+        ),
+        ("3600", "0", format!("{at}.maxAge"), "must be at least 1"),
+    ] {
+        let load = load_file("r.yaml", &yaml.replace(from, to));
+        match &load.outcomes[..] {
+            [DocOutcome::Rejected(e)] => {
+                assert_eq!(
+                    (e.path.as_str(), e.message.as_str()),
+                    (path.as_str(), message),
+                    "{to}"
+                );
+            }
+            other => panic!("{to}: want one Rejected, got {other:?}"),
+        }
+    }
+}
+
 /// A Secret whose `data` value is base64 wrapped over lines (GNU `base64` wraps at 76 columns; a
 /// literal block keeps the newlines). The Kubernetes API server accepts it (Go's base64 decoder
 /// ignores `\r` and `\n`), so keyway must not reject it.

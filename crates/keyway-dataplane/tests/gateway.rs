@@ -1604,3 +1604,136 @@ async fn retries_reach_http2_backends_with_the_body() {
     assert_eq!(body, "try=1\nversion=HTTP/2.0\nbody=hello\n");
     assert_eq!(seen.load(SeqCst), 2);
 }
+
+/// The CORS filter (Gateway API `HTTPRouteCORS`, as its conformance test asks): a preflight is
+/// answered by the gateway with what the filter allows, an actual request from an allowed
+/// origin gets the backend's response with the CORS headers (over HTTP/1.1, whose backend
+/// header lines are otherwise passed as they are, and HTTP/2), and other origins get none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_preflights_are_answered_and_allowed_origins_decorated() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let mut yaml = service("app", be);
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route(
+        "cors",
+        1,
+        "",
+        "  - matches: [{path: {type: PathPrefix, value: /cors-1}}]\n    filters:\n    - type: CORS\n      cors:\n        allowOrigins: [\"https://www.foo.com\", \"https://*.bar.com\"]\n        allowMethods: [GET, OPTIONS]\n        allowHeaders: [x-header-1, x-header-2]\n        exposeHeaders: [x-header-3, x-header-4]\n        allowCredentials: true\n        maxAge: 3600\n    backendRefs: [{name: app, port: 80}]\n  - matches: [{path: {type: PathPrefix, value: /wild}}]\n    filters:\n    - type: CORS\n      cors: {allowOrigins: [\"*\"], allowMethods: [\"*\"], allowHeaders: [\"*\"], allowCredentials: true}\n    backendRefs: [{name: app, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let h1 = client();
+    let preflight = |origin: &'static str, path: &'static str| {
+        let h1 = h1.clone();
+        async move {
+            send(
+                &h1,
+                port,
+                "OPTIONS",
+                "x",
+                path,
+                &[
+                    ("origin", origin),
+                    ("access-control-request-method", "GET"),
+                    ("access-control-request-headers", "x-header-1, x-header-2"),
+                ],
+            )
+            .await
+        }
+    };
+    let r = preflight("https://xpto.www.bar.com", "/cors-1").await;
+    let h = |r: &Reply, n: &str| {
+        r.headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body, "", "answered by the gateway, not the backend");
+    for (name, want) in [
+        ("access-control-allow-origin", "https://xpto.www.bar.com"),
+        ("access-control-allow-methods", "GET, OPTIONS"),
+        ("access-control-allow-headers", "x-header-1, x-header-2"),
+        ("access-control-expose-headers", "x-header-3, x-header-4"),
+        ("access-control-max-age", "3600"),
+        ("access-control-allow-credentials", "true"),
+    ] {
+        assert_eq!(
+            h(&r, name).as_deref(),
+            Some(want),
+            "{name}: {:?}",
+            r.headers
+        );
+    }
+    let r = preflight("https://foobar.com", "/cors-1").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        h(&r, "access-control-allow-origin"),
+        None,
+        "{:?}",
+        r.headers
+    );
+    // A wildcard with credentials echoes what was asked, never `*`.
+    let r = preflight("https://other.example", "/wild").await;
+    assert_eq!(
+        h(&r, "access-control-allow-origin").as_deref(),
+        Some("https://other.example")
+    );
+    assert_eq!(
+        h(&r, "access-control-allow-methods").as_deref(),
+        Some("GET")
+    );
+    assert_eq!(
+        h(&r, "access-control-allow-headers").as_deref(),
+        Some("x-header-1, x-header-2")
+    );
+    assert_eq!(h(&r, "access-control-max-age").as_deref(), Some("5"));
+
+    let h2: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    for c in [&h1, &h2] {
+        let r = send(
+            c,
+            port,
+            "GET",
+            "x",
+            "/cors-1",
+            &[("origin", "https://www.foo.com")],
+        )
+        .await;
+        assert_eq!(r.field("backend"), Some("be"), "{}", r.body);
+        assert_eq!(
+            h(&r, "access-control-allow-origin").as_deref(),
+            Some("https://www.foo.com"),
+            "{:?}",
+            r.headers
+        );
+        assert_eq!(
+            h(&r, "access-control-allow-credentials").as_deref(),
+            Some("true")
+        );
+        assert_eq!(h(&r, "vary").as_deref(), Some("Origin"));
+        let r = send(
+            c,
+            port,
+            "GET",
+            "x",
+            "/cors-1",
+            &[("origin", "https://foobar.com")],
+        )
+        .await;
+        assert_eq!(r.field("backend"), Some("be"), "{}", r.body);
+        assert_eq!(
+            h(&r, "access-control-allow-origin"),
+            None,
+            "{:?}",
+            r.headers
+        );
+    }
+    // Without an Origin, not a CORS request: an OPTIONS goes to the backend.
+    let r = send(&h1, port, "OPTIONS", "x", "/cors-1", &[]).await;
+    assert_eq!(r.field("method"), Some("OPTIONS"), "{}", r.body);
+}

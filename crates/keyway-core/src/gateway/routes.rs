@@ -276,7 +276,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
 pub(crate) type Problem = (String, String);
 
 /// Why keyway cannot serve an HTTPRoute rule as written, if it cannot: a filter type it does not
-/// implement (RequestMirror, CORS, ExtensionRef), or filters on a backendRef (not implemented).
+/// implement (RequestMirror, ExtensionRef), or filters on a backendRef (not implemented).
 /// Such a rule still matches and answers 500, so a filter (an ExtensionRef doing
 /// authentication, say) is never skipped by letting the request fall through to another route.
 /// What the upstream schema forbids (RequestRedirect with URLRewrite, a filter without its
@@ -286,7 +286,7 @@ fn http_rule_problem(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
     rule_problem(
         at,
         rule.filters.iter().flatten().map(|f| &f.r#type),
-        |t| matches!(t, T::RequestMirror | T::Cors | T::ExtensionRef),
+        |t| matches!(t, T::RequestMirror | T::ExtensionRef),
         rule.backend_refs
             .iter()
             .flatten()

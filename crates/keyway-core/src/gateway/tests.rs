@@ -1278,6 +1278,7 @@ fn unsupported_filters_table() {
     };
     let to_app = "[{name: app, port: 80}]";
     let mirror = "[{type: RequestMirror, requestMirror: {backendRef: {name: app, port: 80}}}]";
+    let mirror_inline = "{type: RequestMirror, requestMirror: {backendRef: {name: app, port: 80}}}";
     let cors = "[{type: CORS, cors: {allowOrigins: [\"https://a.example\"]}}]";
     let ext = "[{type: ExtensionRef, extensionRef: {group: auth.example, kind: Policy, name: p}}]";
     let redirect = "{type: RequestRedirect, requestRedirect: {scheme: https}}";
@@ -1292,7 +1293,7 @@ fn unsupported_filters_table() {
             Some("spec.rules[0].filters[0]"),
         ),
         (
-            OK.to_string() + &rule(cors, to_app),
+            OK.to_string() + &rule(&format!("[{mirror_inline}]"), to_app),
             "Accepted",
             Some("spec.rules[1].filters[0]"),
         ),
@@ -1311,6 +1312,7 @@ fn unsupported_filters_table() {
             "Accepted",
             None,
         ),
+        (rule(cors, to_app), "Accepted", None),
         (rule(&format!("[{redirect}]"), "[]"), "Accepted", None),
     ];
     for (rules, accepted, partial) in &cases {

@@ -1,4 +1,5 @@
-//! HTTPRoute filters, compiled once per config: header modifiers, redirects and URL rewrites.
+//! HTTPRoute filters, compiled once per config: header modifiers, redirects, URL rewrites and
+//! CORS (see `cors`).
 //! Filters keyway does not implement answer 500, as the Gateway API asks of an implementation
 //! that accepted a route it cannot fully serve.
 
@@ -78,6 +79,8 @@ pub struct Filters {
     pub response_headers: Vec<HeaderMod>,
     pub redirect: Option<Redirect>,
     pub rewrite: Option<Rewrite>,
+    /// `CORS` (boxed: rare).
+    pub cors: Option<Box<super::cors::Cors>>,
     /// Why the rule cannot be served as written (the resolver's verdict, or a filter this
     /// compiler does not know): it answers 500 with this text.
     pub unsupported: Option<String>,
@@ -191,6 +194,8 @@ pub fn compile_http(
                     )
                 }),
             });
+        } else if let Some(c) = &x.cors {
+            f.cors = Some(Box::new(super::cors::Cors::compile(c, errors)));
         } else if f.unsupported.is_none() {
             f.unsupported = Some(format!(
                 "filter {} is not supported by keyway",

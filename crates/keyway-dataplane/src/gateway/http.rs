@@ -585,9 +585,47 @@ async fn route(
         _ => None,
     };
     rule.metrics.requests.inc();
-    let resp = forward(ctx, &cfg, listener, rule, prefix, info, req).await;
+    let resp = match rule.filters.cors.as_deref() {
+        Some(cors) if rule.filters.unsupported.is_none() => {
+            Box::pin(with_cors(
+                cors, ctx, &cfg, listener, rule, prefix, info, req,
+            ))
+            .await
+        }
+        _ => forward(ctx, &cfg, listener, rule, prefix, info, req).await,
+    };
     rule.metrics.response(resp.status().as_u16());
     Ok(resp)
+}
+
+/// [`forward`] under a rule's CORS filter: a preflight is answered here, and the response to
+/// a request from an allowed origin (the backend's, or keyway's own) carries the CORS headers.
+#[allow(clippy::too_many_arguments)]
+async fn with_cors(
+    cors: &super::cors::Cors,
+    ctx: &Ctx,
+    cfg: &PortConfig,
+    listener: &Listener,
+    rule: &Rule,
+    prefix: Option<&str>,
+    info: &ConnInfo,
+    req: Request<Body>,
+) -> Response<Body> {
+    if super::cors::is_preflight(req.method(), req.headers()) {
+        let (status, headers) = cors.preflight(req.headers());
+        let mut resp = Response::new(Body::Empty);
+        *resp.status_mut() = status;
+        *resp.headers_mut() = headers;
+        apply_header_filters(resp.headers_mut(), &rule.filters.response_headers, false);
+        resp.extensions_mut().insert(LocalReply);
+        return resp;
+    }
+    let origin = cors.allowed_origin(req.headers());
+    let mut resp = forward(ctx, cfg, listener, rule, prefix, info, req).await;
+    if let Some(origin) = origin {
+        cors.decorate(origin, resp.headers_mut());
+    }
+    resp
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -886,7 +924,10 @@ async fn forward(
     }
 
     // An HTTP/1.x client gets the backend's header lines as they are, unless filters edit them.
-    let raw = !over_h2 && client_version < Version::HTTP_2 && f.response_headers.is_empty();
+    let raw = !over_h2
+        && client_version < Version::HTTP_2
+        && f.response_headers.is_empty()
+        && f.cors.is_none();
     let (resp, deadline) = match rule.retry.as_deref() {
         Some(policy) if policy.attempts > 0 && !upgrade && retry::replayable(&body) => {
             let to = Target {

@@ -8,6 +8,7 @@
 //! reported per listener, so status says `Programmed=False/PortUnavailable` instead of healthy.
 
 pub(crate) mod batch;
+pub mod cors;
 pub mod filters;
 pub mod front;
 pub mod h1;

@@ -1,0 +1,395 @@
+//! The HTTPRoute `CORS` filter (Gateway API standard channel, `HTTPRouteCORS`): preflight
+//! requests are answered by the gateway, and responses to allowed origins carry the
+//! `Access-Control-*` headers. The origin is always echoed (never `*`), with `Vary: Origin`,
+//! which is valid for credentialed and other requests alike.
+
+use gateway_api::apis::standard::httproutes::HttpRouteRulesFiltersCors;
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, StatusCode};
+
+/// `Access-Control-Max-Age` when the filter sets no `maxAge` (the spec's default).
+const DEFAULT_MAX_AGE: i32 = 5;
+
+/// A compiled CORS filter.
+#[derive(Clone, Debug)]
+pub struct Cors {
+    origins: Vec<OriginPattern>,
+    any_origin: bool,
+    /// `allowMethods` as the response header says it, unless it is `*`.
+    methods: Option<HeaderValue>,
+    any_method: bool,
+    headers: Option<HeaderValue>,
+    any_header: bool,
+    expose: Option<HeaderValue>,
+    expose_any: bool,
+    credentials: bool,
+    max_age: HeaderValue,
+}
+
+/// One `allowOrigins` entry: `scheme://host[:port]`, `*` in the host matching any characters,
+/// dots included (`https://*.example.com`).
+#[derive(Clone, Debug, PartialEq)]
+struct OriginPattern {
+    scheme: String,
+    host: String,
+    port: u16,
+}
+
+const ALLOW_ORIGIN: HeaderName = HeaderName::from_static("access-control-allow-origin");
+const ALLOW_METHODS: HeaderName = HeaderName::from_static("access-control-allow-methods");
+const ALLOW_HEADERS: HeaderName = HeaderName::from_static("access-control-allow-headers");
+const EXPOSE_HEADERS: HeaderName = HeaderName::from_static("access-control-expose-headers");
+const ALLOW_CREDENTIALS: HeaderName = HeaderName::from_static("access-control-allow-credentials");
+const MAX_AGE: HeaderName = HeaderName::from_static("access-control-max-age");
+const REQUEST_METHOD: HeaderName = HeaderName::from_static("access-control-request-method");
+const REQUEST_HEADERS: HeaderName = HeaderName::from_static("access-control-request-headers");
+
+impl Cors {
+    /// Compiles the filter; entries that cannot be used (validation refuses them at load) are
+    /// reported in `errors` and left out.
+    pub fn compile(c: &HttpRouteRulesFiltersCors, errors: &mut Vec<String>) -> Cors {
+        let mut list = |v: &Option<Vec<String>>| -> (Option<HeaderValue>, bool) {
+            let v = v.as_deref().unwrap_or_default();
+            let any = v.iter().any(|x| x == "*");
+            let named: Vec<&str> = v.iter().map(String::as_str).filter(|x| *x != "*").collect();
+            let value = (!named.is_empty())
+                .then(|| HeaderValue::from_str(&named.join(", ")))
+                .and_then(|r| {
+                    r.map_err(|_| errors.push(format!("invalid CORS list {named:?}")))
+                        .ok()
+                });
+            (value, any)
+        };
+        let (methods, any_method) = list(&c.allow_methods);
+        let (headers, any_header) = list(&c.allow_headers);
+        let (expose, expose_any) = list(&c.expose_headers);
+        let mut origins = Vec::new();
+        let mut any_origin = false;
+        for o in c.allow_origins.iter().flatten() {
+            if o == "*" {
+                any_origin = true;
+            } else if let Some(p) = OriginPattern::parse(o) {
+                origins.push(p);
+            } else {
+                errors.push(format!("invalid CORS origin {o:?}"));
+            }
+        }
+        Cors {
+            origins,
+            any_origin,
+            methods,
+            any_method,
+            headers,
+            any_header,
+            expose,
+            expose_any,
+            credentials: c.allow_credentials == Some(true),
+            max_age: HeaderValue::from(c.max_age.unwrap_or(DEFAULT_MAX_AGE)),
+        }
+    }
+
+    /// The request's `Origin` when this filter allows it to share the response.
+    pub fn allowed_origin(&self, req: &HeaderMap) -> Option<HeaderValue> {
+        let origin = req.get(header::ORIGIN)?;
+        let text = origin.to_str().ok()?;
+        let allowed = self.any_origin
+            || OriginPattern::parse(text)
+                .is_some_and(|o| self.origins.iter().any(|p| p.matches(&o)));
+        allowed.then(|| origin.clone())
+    }
+
+    /// The status and headers of the answer to a preflight request (see [`is_preflight`]): 200,
+    /// with the CORS headers only when its origin is allowed.
+    pub fn preflight(&self, req: &HeaderMap) -> (StatusCode, HeaderMap) {
+        let mut h = HeaderMap::new();
+        let Some(origin) = self.allowed_origin(req) else {
+            return (StatusCode::OK, h);
+        };
+        h.insert(ALLOW_ORIGIN, origin);
+        h.insert(header::VARY, HeaderValue::from_static("Origin"));
+        // A wildcard answers with what was asked (valid with credentials too, where `*` is not).
+        let methods = if self.any_method {
+            req.get(REQUEST_METHOD).cloned()
+        } else {
+            self.methods.clone()
+        };
+        if let Some(m) = methods {
+            h.insert(ALLOW_METHODS, m);
+        }
+        let headers = if self.any_header {
+            req.get(REQUEST_HEADERS).cloned()
+        } else {
+            self.headers.clone()
+        };
+        if let Some(v) = headers {
+            h.insert(ALLOW_HEADERS, v);
+        }
+        if let Some(v) = self.exposed(None) {
+            h.insert(EXPOSE_HEADERS, v);
+        }
+        h.insert(MAX_AGE, self.max_age.clone());
+        if self.credentials {
+            h.insert(ALLOW_CREDENTIALS, HeaderValue::from_static("true"));
+        }
+        (StatusCode::OK, h)
+    }
+
+    /// Adds the CORS headers to the response of an actual request from an allowed `origin`,
+    /// replacing any the backend set.
+    pub fn decorate(&self, origin: HeaderValue, resp: &mut HeaderMap) {
+        let exposed = self.exposed(Some(resp));
+        resp.insert(ALLOW_ORIGIN, origin);
+        resp.append(header::VARY, HeaderValue::from_static("Origin"));
+        if self.credentials {
+            resp.insert(ALLOW_CREDENTIALS, HeaderValue::from_static("true"));
+        } else {
+            resp.remove(ALLOW_CREDENTIALS);
+        }
+        match exposed {
+            Some(v) => {
+                resp.insert(EXPOSE_HEADERS, v);
+            }
+            None => {
+                resp.remove(EXPOSE_HEADERS);
+            }
+        }
+    }
+
+    /// `Access-Control-Expose-Headers`: the listed names; for `*`, the wildcard, or with
+    /// credentials (where `*` means a header named `*`) the names `resp` carries.
+    fn exposed(&self, resp: Option<&HeaderMap>) -> Option<HeaderValue> {
+        if !self.expose_any {
+            return self.expose.clone();
+        }
+        if !self.credentials {
+            return Some(HeaderValue::from_static("*"));
+        }
+        let mut names: Vec<&str> = self.expose.iter().filter_map(|v| v.to_str().ok()).collect();
+        names.extend(
+            resp.into_iter()
+                .flat_map(|r| r.keys().map(HeaderName::as_str)),
+        );
+        names.dedup();
+        (!names.is_empty())
+            .then(|| HeaderValue::from_str(&names.join(", ")).ok())
+            .flatten()
+    }
+}
+
+/// A CORS preflight: OPTIONS with `Origin` and `Access-Control-Request-Method`.
+pub fn is_preflight(method: &Method, req: &HeaderMap) -> bool {
+    method == Method::OPTIONS
+        && req.contains_key(header::ORIGIN)
+        && req.contains_key(REQUEST_METHOD)
+}
+
+impl OriginPattern {
+    /// `scheme://host[:port]` (an `Origin` header, or an `allowOrigins` entry); the port
+    /// defaults by scheme. `None` for anything else (`null`, a path, another scheme).
+    fn parse(text: &str) -> Option<OriginPattern> {
+        let (scheme, rest) = text.split_once("://")?;
+        let scheme = scheme.to_ascii_lowercase();
+        let default = match scheme.as_str() {
+            "http" => 80,
+            "https" => 443,
+            _ => return None,
+        };
+        if rest.is_empty() || rest.contains(['/', '?', '#', '@']) {
+            return None;
+        }
+        // An IPv6 literal keeps its brackets; a port follows the last `:` after them.
+        let (host, port) = match rest.rfind(':') {
+            Some(i) if !rest[i..].contains(']') => (&rest[..i], rest[i + 1..].parse().ok()?),
+            _ => (rest, default),
+        };
+        (!host.is_empty() && port != 0).then(|| OriginPattern {
+            scheme,
+            host: host.to_ascii_lowercase(),
+            port,
+        })
+    }
+
+    /// Whether the origin `o` (a parsed `Origin`) is one this pattern allows.
+    fn matches(&self, o: &OriginPattern) -> bool {
+        self.scheme == o.scheme && self.port == o.port && glob(&self.host, &o.host)
+    }
+}
+
+/// `*` in `pattern` matches any run of characters (at least one), dots included.
+fn glob(pattern: &str, text: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == text,
+        Some((head, tail)) => {
+            let Some(rest) = text.strip_prefix(head) else {
+                return false;
+            };
+            (1..=rest.len())
+                .filter(|&i| rest.is_char_boundary(i))
+                .any(|i| glob(tail, &rest[i..]))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cors(yaml: serde_json::Value) -> Cors {
+        let c: HttpRouteRulesFiltersCors = serde_json::from_value(yaml).unwrap();
+        let mut errors = Vec::new();
+        let out = Cors::compile(&c, &mut errors);
+        assert!(errors.is_empty(), "{errors:?}");
+        out
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn origins_match_by_scheme_host_wildcard_and_default_port() {
+        let c = cors(serde_json::json!({
+            "allowOrigins": ["https://www.foo.com", "https://*.bar.com", "http://local:8080"],
+        }));
+        for (origin, want) in [
+            ("https://www.foo.com", true),
+            ("https://www.foo.com:443", true),
+            ("https://WWW.Foo.com", true),
+            ("http://www.foo.com", false),
+            ("https://www.foo.com:8443", false),
+            ("https://www.bar.com", true),
+            ("https://xpto.www.bar.com", true),
+            ("https://bar.com", false),
+            ("https://evilbar.com", false),
+            ("http://local:8080", true),
+            ("http://local", false),
+            ("null", false),
+            ("https://www.foo.com/path", false),
+        ] {
+            let h = headers(&[("origin", origin)]);
+            assert_eq!(c.allowed_origin(&h).is_some(), want, "{origin}");
+        }
+        let any = cors(serde_json::json!({"allowOrigins": ["*"]}));
+        assert!(
+            any.allowed_origin(&headers(&[("origin", "null")]))
+                .is_some()
+        );
+        assert!(
+            any.allowed_origin(&HeaderMap::new()).is_none(),
+            "no Origin: not CORS"
+        );
+    }
+
+    #[test]
+    fn preflights_list_what_is_configured_and_echo_wildcards() {
+        let c = cors(serde_json::json!({
+            "allowOrigins": ["https://www.foo.com"],
+            "allowMethods": ["GET", "OPTIONS"],
+            "allowHeaders": ["x-header-1", "x-header-2"],
+            "exposeHeaders": ["x-header-3", "x-header-4"],
+            "allowCredentials": true,
+            "maxAge": 3600,
+        }));
+        let req = headers(&[
+            ("origin", "https://www.foo.com"),
+            ("access-control-request-method", "GET"),
+            ("access-control-request-headers", "x-header-1, x-header-2"),
+        ]);
+        assert!(is_preflight(&Method::OPTIONS, &req));
+        assert!(!is_preflight(&Method::GET, &req));
+        let (status, h) = c.preflight(&req);
+        assert_eq!(status, StatusCode::OK);
+        let get = |n: &str| h.get(n).and_then(|v| v.to_str().ok());
+        assert_eq!(
+            get("access-control-allow-origin"),
+            Some("https://www.foo.com")
+        );
+        assert_eq!(get("access-control-allow-methods"), Some("GET, OPTIONS"));
+        assert_eq!(
+            get("access-control-allow-headers"),
+            Some("x-header-1, x-header-2")
+        );
+        assert_eq!(
+            get("access-control-expose-headers"),
+            Some("x-header-3, x-header-4")
+        );
+        assert_eq!(get("access-control-max-age"), Some("3600"));
+        assert_eq!(get("access-control-allow-credentials"), Some("true"));
+
+        let (_, h) = c.preflight(&headers(&[
+            ("origin", "https://foobar.com"),
+            ("access-control-request-method", "GET"),
+        ]));
+        assert!(
+            h.is_empty(),
+            "an origin not allowed gets no CORS headers: {h:?}"
+        );
+
+        let wild = cors(serde_json::json!({
+            "allowOrigins": ["*"],
+            "allowMethods": ["*"],
+            "allowHeaders": ["*"],
+            "allowCredentials": true,
+        }));
+        let (_, h) = wild.preflight(&headers(&[
+            ("origin", "https://other.foo.com"),
+            ("access-control-request-method", "PUT"),
+            ("access-control-request-headers", "x-a, x-b"),
+        ]));
+        let get = |n: &str| h.get(n).and_then(|v| v.to_str().ok());
+        assert_eq!(
+            get("access-control-allow-origin"),
+            Some("https://other.foo.com")
+        );
+        assert_eq!(get("access-control-allow-methods"), Some("PUT"));
+        assert_eq!(get("access-control-allow-headers"), Some("x-a, x-b"));
+        assert_eq!(
+            get("access-control-max-age"),
+            Some("5"),
+            "the spec's default"
+        );
+    }
+
+    #[test]
+    fn responses_to_allowed_origins_are_decorated() {
+        let c = cors(serde_json::json!({
+            "allowOrigins": ["https://a.example"],
+            "exposeHeaders": ["*"],
+            "allowCredentials": true,
+        }));
+        let mut resp = headers(&[
+            ("content-type", "text/plain"),
+            ("x-trace", "1"),
+            ("access-control-allow-origin", "*"),
+        ]);
+        c.decorate(HeaderValue::from_static("https://a.example"), &mut resp);
+        let get = |n: &str| resp.get(n).and_then(|v| v.to_str().ok());
+        assert_eq!(
+            get("access-control-allow-origin"),
+            Some("https://a.example")
+        );
+        assert_eq!(get("access-control-allow-credentials"), Some("true"));
+        assert_eq!(get("vary"), Some("Origin"));
+        let exposed = get("access-control-expose-headers").unwrap_or_default();
+        assert!(
+            exposed.contains("x-trace") && !exposed.contains('*'),
+            "{exposed}"
+        );
+    }
+
+    #[test]
+    fn glob_needs_a_character_for_the_star() {
+        assert!(glob("*.bar.com", "a.bar.com"));
+        assert!(glob("*.bar.com", "a.b.bar.com"));
+        assert!(!glob("*.bar.com", ".bar.com"));
+        assert!(!glob("*.bar.com", "bar.com"));
+        assert!(glob("api-*.example.com", "api-1.example.com"));
+    }
+}
