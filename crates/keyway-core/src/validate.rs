@@ -912,6 +912,13 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
             if !f["cors"].is_null() {
                 check_cors(p, &format!("{at}.filters[{j}].cors"), &f["cors"]);
             }
+            if !f["requestMirror"].is_null() {
+                check_mirror_share(
+                    p,
+                    &format!("{at}.filters[{j}].requestMirror"),
+                    &f["requestMirror"],
+                );
+            }
             if let Some(code) = f["requestRedirect"]["statusCode"].as_i64()
                 && !matches!(code, 301 | 302 | 303 | 307 | 308)
             {
@@ -1124,6 +1131,36 @@ fn check_cors(p: &mut Problems, at: &str, c: &Value) {
     }
     if c["maxAge"].as_i64().is_some_and(|n| n < 1) {
         p.add(format!("{at}.maxAge"), "must be at least 1");
+    }
+}
+
+/// A RequestMirror's share as the schema bounds it: `percent` 0–100 or a `fraction` whose
+/// numerator is 0 to its denominator (at least 1), not both.
+fn check_mirror_share(p: &mut Problems, at: &str, m: &Value) {
+    let fraction = &m["fraction"];
+    if !m["percent"].is_null() && !fraction.is_null() {
+        p.add(
+            at,
+            "Only one of percent or fraction may be specified in HTTPRequestMirrorFilter",
+        );
+    }
+    if m["percent"]
+        .as_i64()
+        .is_some_and(|n| !(0..=100).contains(&n))
+    {
+        p.add(format!("{at}.percent"), "must be from 0 to 100");
+    }
+    if !fraction.is_null() {
+        let numerator = fraction["numerator"].as_i64().unwrap_or(0);
+        let denominator = fraction["denominator"].as_i64().unwrap_or(100);
+        if denominator < 1 {
+            p.add(format!("{at}.fraction.denominator"), "must be at least 1");
+        } else if !(0..=denominator).contains(&numerator) {
+            p.add(
+                format!("{at}.fraction"),
+                "numerator must be from 0 to the denominator",
+            );
+        }
     }
 }
 

@@ -280,6 +280,53 @@ spec:
     }
 }
 
+/// A RequestMirror's share as the upstream schema bounds it.
+#[test]
+fn mirror_shares_are_checked() {
+    let base = |mirror: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  rules:\n  - backendRefs: [{{name: a, port: 80}}]\n    filters:\n    - type: RequestMirror\n      requestMirror: {{backendRef: {{name: m, port: 80}}{mirror}}}\n"
+        )
+    };
+    let at = "spec.rules[0].filters[0].requestMirror";
+    let load = load_file("r.yaml", &base(", percent: 50"));
+    assert!(matches!(load.outcomes[..], [DocOutcome::Object(_)]));
+    for (mirror, path, message) in [
+        (
+            ", percent: 101",
+            format!("{at}.percent"),
+            "must be from 0 to 100",
+        ),
+        (
+            ", fraction: {numerator: 3, denominator: 2}",
+            format!("{at}.fraction"),
+            "numerator must be from 0 to the denominator",
+        ),
+        (
+            ", fraction: {numerator: 1, denominator: 0}",
+            format!("{at}.fraction.denominator"),
+            "must be at least 1",
+        ),
+        (
+            ", percent: 5, fraction: {numerator: 1}",
+            at.to_string(),
+            "Only one of percent or fraction may be specified in HTTPRequestMirrorFilter",
+        ),
+    ] {
+        let load = load_file("r.yaml", &base(mirror));
+        match &load.outcomes[..] {
+            [DocOutcome::Rejected(e)] => {
+                assert_eq!(
+                    (e.path.as_str(), e.message.as_str()),
+                    (path.as_str(), message),
+                    "{mirror}"
+                );
+            }
+            other => panic!("{mirror}: want one Rejected, got {other:?}"),
+        }
+    }
+}
+
 /// A Secret whose `data` value is base64 wrapped over lines (GNU `base64` wraps at 76 columns; a
 /// literal block keeps the newlines). The Kubernetes API server accepts it (Go's base64 decoder
 /// ignores `\r` and `\n`), so keyway must not reject it.

@@ -1737,3 +1737,113 @@ async fn cors_preflights_are_answered_and_allowed_origins_decorated() {
     let r = send(&h1, port, "OPTIONS", "x", "/cors-1", &[]).await;
     assert_eq!(r.field("method"), Some("OPTIONS"), "{}", r.body);
 }
+
+/// A backend that records each request as `METHOD path version host body` and answers 200.
+async fn recording() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let log = log.clone();
+                    async move {
+                        let host = req
+                            .headers()
+                            .get("host")
+                            .and_then(|h| h.to_str().ok())
+                            .or(req.uri().authority().map(|a| a.as_str()))
+                            .unwrap_or("-")
+                            .to_string();
+                        let line = format!(
+                            "{} {} {:?} {host}",
+                            req.method(),
+                            req.uri().path(),
+                            req.version()
+                        );
+                        let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                        let body = String::from_utf8_lossy(&body.unwrap_or_default()).into_owned();
+                        if let Ok(mut l) = log.lock() {
+                            l.push(format!("{line} {body}"));
+                        }
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("mirror"))))
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// `RequestMirror` (Gateway API `HTTPRouteRequestMirror`): a copy of each request, its body
+/// too, goes to the mirror's backend (over HTTP/2 where the Service says h2c) while the client
+/// gets the route's own backend's answer; a 0% share mirrors nothing, and a mirror whose
+/// backend cannot be resolved does not disturb the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
+    let be = http_backend("be").await;
+    let (shadow, seen) = recording().await;
+    let port = free_port();
+    let mut yaml = service("app", be);
+    yaml.push_str(&service("shadow", shadow));
+    yaml.push_str(&service("shadow-h2", shadow).replace(
+        "ports: [{port: 80}]",
+        "ports: [{port: 80, appProtocol: kubernetes.io/h2c}]",
+    ));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    let rule = |path: &str, mirror: &str| {
+        format!(
+            "  - matches: [{{path: {{type: Exact, value: /{path}}}}}]\n    filters: [{{type: RequestMirror, requestMirror: {mirror}}}]\n    backendRefs: [{{name: app, port: 80}}]\n"
+        )
+    };
+    let rules = [
+        rule("m", "{backendRef: {name: shadow, port: 80}}"),
+        rule("h2m", "{backendRef: {name: shadow-h2, port: 80}}"),
+        rule(
+            "never",
+            "{backendRef: {name: shadow, port: 80}, percent: 0}",
+        ),
+        rule("gone", "{backendRef: {name: nothere, port: 80}}"),
+    ]
+    .concat();
+    yaml.push_str(&http_route("r", 1, "", &rules));
+    let _dp = start(&yaml, port).await;
+    let entries = || seen.lock().map(|l| l.clone()).unwrap_or_default();
+    let wait_for = |want: usize| async move {
+        eventually(Duration::from_secs(3), || async { entries().len() >= want }).await
+    };
+
+    let (status, body) = exchange(port, "GET", "/m", "").await;
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("backend=be"),
+        "the route's own backend answers: {body}"
+    );
+    assert!(wait_for(1).await, "{:?}", entries());
+    assert_eq!(entries()[0], "GET /m HTTP/1.1 x ");
+
+    let (status, body) = exchange(port, "POST", "/m", "hello").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(wait_for(2).await, "{:?}", entries());
+    assert_eq!(entries()[1], "POST /m HTTP/1.1 x hello");
+
+    let (status, _) = exchange(port, "PUT", "/h2m", "hi").await;
+    assert_eq!(status, 200);
+    assert!(wait_for(3).await, "{:?}", entries());
+    assert_eq!(entries()[2], "PUT /h2m HTTP/2.0 x hi");
+
+    for path in ["/never", "/gone"] {
+        let (status, body) = exchange(port, "GET", path, "").await;
+        assert_eq!(status, 200, "{path}: {body}");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(entries().len(), 3, "{:?}", entries());
+}

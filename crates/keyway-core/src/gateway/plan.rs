@@ -147,6 +147,19 @@ pub struct HttpRule {
     /// `retry`: when a failed backend request is made again (`None`: never).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry: Option<RetryPlan>,
+    /// `RequestMirror` filters: where copies of the rule's requests also go.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mirrors: Vec<MirrorPlan>,
+}
+
+/// A `RequestMirror` filter, resolved: a copy of `numerator` in `denominator` requests goes to
+/// `backend`, whose answer is discarded.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MirrorPlan {
+    pub backend: Backend,
+    pub numerator: u32,
+    pub denominator: u32,
 }
 
 /// An HTTPRoute rule's `retry` (GEP-1731). A request is made again, on a backend picked

@@ -171,6 +171,42 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                                 .and_then(|t| t.backend_request.as_deref()),
                         ),
                         retry: r.retry(i).and_then(super::plan::RetryPlan::from_upstream),
+                        mirrors: rule
+                            .filters
+                            .iter()
+                            .flatten()
+                            .enumerate()
+                            .filter_map(|(j, f)| {
+                                let m = f.request_mirror.as_ref()?;
+                                let b = &m.backend_ref;
+                                let r = Ref {
+                                    group: b.group.clone().unwrap_or_default(),
+                                    kind: b.kind.clone().unwrap_or_else(|| "Service".into()),
+                                    name: b.name.clone(),
+                                    namespace: b.namespace.clone(),
+                                };
+                                if let Some(dep) = r.backend_key(ns) {
+                                    deps.push(backend_hash(&dep));
+                                }
+                                let (wb, e) = world.backend(kind, ns, &r, b.port, None);
+                                if let Some(e) = e {
+                                    err.push((
+                                        format!("{at}.filters[{j}].requestMirror.backendRef"),
+                                        e,
+                                    ));
+                                }
+                                let (numerator, denominator) = match (&m.fraction, m.percent) {
+                                    (Some(f), _) => (f.numerator, f.denominator.unwrap_or(100)),
+                                    (None, Some(p)) => (p, 100),
+                                    (None, None) => (1, 1),
+                                };
+                                Some(super::plan::MirrorPlan {
+                                    backend: wb.backend,
+                                    numerator: u32::try_from(numerator).unwrap_or(0),
+                                    denominator: u32::try_from(denominator).unwrap_or(1).max(1),
+                                })
+                            })
+                            .collect(),
                     }
                 })
                 .collect();
@@ -276,7 +312,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
 pub(crate) type Problem = (String, String);
 
 /// Why keyway cannot serve an HTTPRoute rule as written, if it cannot: a filter type it does not
-/// implement (RequestMirror, ExtensionRef), or filters on a backendRef (not implemented).
+/// implement (ExtensionRef), or filters on a backendRef (not implemented).
 /// Such a rule still matches and answers 500, so a filter (an ExtensionRef doing
 /// authentication, say) is never skipped by letting the request fall through to another route.
 /// What the upstream schema forbids (RequestRedirect with URLRewrite, a filter without its
@@ -286,7 +322,7 @@ fn http_rule_problem(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
     rule_problem(
         at,
         rule.filters.iter().flatten().map(|f| &f.r#type),
-        |t| matches!(t, T::RequestMirror | T::ExtensionRef),
+        |t| matches!(t, T::ExtensionRef),
         rule.backend_refs
             .iter()
             .flatten()

@@ -1278,7 +1278,6 @@ fn unsupported_filters_table() {
     };
     let to_app = "[{name: app, port: 80}]";
     let mirror = "[{type: RequestMirror, requestMirror: {backendRef: {name: app, port: 80}}}]";
-    let mirror_inline = "{type: RequestMirror, requestMirror: {backendRef: {name: app, port: 80}}}";
     let cors = "[{type: CORS, cors: {allowOrigins: [\"https://a.example\"]}}]";
     let ext = "[{type: ExtensionRef, extensionRef: {group: auth.example, kind: Policy, name: p}}]";
     let redirect = "{type: RequestRedirect, requestRedirect: {scheme: https}}";
@@ -1286,14 +1285,13 @@ fn unsupported_filters_table() {
     let set = "{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: a, value: b}]}}";
     let cases: Vec<(String, &str, Option<&str>)> = vec![
         // (rules, Accepted reason, PartiallyInvalid reason; the problem's field path)
-        (rule(mirror, to_app), "UnsupportedValue", None),
         (
-            rule(mirror, to_app) + OK,
+            rule(ext, to_app) + OK,
             "Accepted",
             Some("spec.rules[0].filters[0]"),
         ),
         (
-            OK.to_string() + &rule(&format!("[{mirror_inline}]"), to_app),
+            OK.to_string() + &rule(ext, to_app),
             "Accepted",
             Some("spec.rules[1].filters[0]"),
         ),
@@ -1313,6 +1311,7 @@ fn unsupported_filters_table() {
             None,
         ),
         (rule(cors, to_app), "Accepted", None),
+        (rule(mirror, to_app), "Accepted", None),
         (rule(&format!("[{redirect}]"), "[]"), "Accepted", None),
     ];
     for (rules, accepted, partial) in &cases {
@@ -1424,6 +1423,48 @@ fn rule_retry_table() {
     ];
     for (retry, want) in cases {
         assert_eq!(one_http_rule(retry).retry, *want, "{retry}");
+    }
+}
+
+/// `RequestMirror` filters resolve their backendRef like a backendRef (a missing one is
+/// `ResolvedRefs=False` and mirrors nothing) and keep their share: `percent`, `fraction`
+/// (denominator 100 by default), or every request.
+#[test]
+fn rule_mirrors_table() {
+    use crate::gateway::plan::Backend;
+    let cases: &[(&str, (u32, u32), bool)] = &[
+        ("{backendRef: {name: app, port: 80}}", (1, 1), true),
+        (
+            "{backendRef: {name: app, port: 80}, percent: 25}",
+            (25, 100),
+            true,
+        ),
+        (
+            "{backendRef: {name: app, port: 80}, fraction: {numerator: 1, denominator: 3}}",
+            (1, 3),
+            true,
+        ),
+        (
+            "{backendRef: {name: app, port: 80}, fraction: {numerator: 5}}",
+            (5, 100),
+            true,
+        ),
+        ("{backendRef: {name: nothere, port: 80}}", (1, 1), false),
+    ];
+    for (mirror, share, resolved) in cases {
+        let rule = one_http_rule(&format!(
+            "filters: [{{type: RequestMirror, requestMirror: {mirror}}}]"
+        ));
+        let [m] = &rule.mirrors[..] else {
+            panic!("{mirror}: {:?}", rule.mirrors);
+        };
+        assert_eq!((m.numerator, m.denominator), *share, "{mirror}");
+        assert_eq!(
+            !matches!(m.backend, Backend::Unresolved { .. }),
+            *resolved,
+            "{mirror}"
+        );
+        assert!(rule.unsupported_filter.is_none(), "{mirror}");
     }
 }
 

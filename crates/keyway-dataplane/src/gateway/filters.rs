@@ -196,6 +196,8 @@ pub fn compile_http(
             });
         } else if let Some(c) = &x.cors {
             f.cors = Some(Box::new(super::cors::Cors::compile(c, errors)));
+        } else if x.request_mirror.is_some() {
+            // Served from the plan, where its backendRef is resolved (`Rule::mirrors`).
         } else if f.unsupported.is_none() {
             f.unsupported = Some(format!(
                 "filter {} is not supported by keyway",

@@ -16,7 +16,7 @@ use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use keyway_core::ObjectKey;
-use keyway_core::gateway::plan::{Backend, Protocol};
+use keyway_core::gateway::plan::{Backend, MirrorPlan, Protocol};
 use prometheus_client::metrics::counter::Counter;
 
 use super::front;
@@ -928,6 +928,27 @@ async fn forward(
         && client_version < Version::HTTP_2
         && f.response_headers.is_empty()
         && f.cors.is_none();
+    // Copies for the rule's mirrors go first (the body read whole, when there is one, and
+    // counted then).
+    let mut counted = false;
+    let body = if rule.mirrors.is_empty() || upgrade {
+        body
+    } else {
+        match Box::pin(mirror(info, rule, &parts, body)).await {
+            Ok((body, c)) => {
+                counted = c;
+                body
+            }
+            Err(answer) => return answer,
+        }
+    };
+    let throwaway;
+    let bytes_in = if counted {
+        throwaway = Counter::default();
+        &throwaway
+    } else {
+        &rule.metrics.bytes_in
+    };
     let (resp, deadline) = match rule.retry.as_deref() {
         Some(policy) if policy.attempts > 0 && !upgrade && retry::replayable(&body) => {
             let to = Target {
@@ -935,7 +956,7 @@ async fn forward(
                 over_h2,
                 raw,
             };
-            match Box::pin(retrying(ctx, info, rule, policy, to, parts, body)).await {
+            match Box::pin(retrying(ctx, info, rule, policy, to, parts, body, bytes_in)).await {
                 Ok(sent) => sent,
                 Err(answer) => return answer,
             }
@@ -944,10 +965,9 @@ async fn forward(
             // The rare paths are boxed: the future of every request stays small. Pinned where
             // it is made: awaited as a value, it would be copied whole into the awaiting
             // state first.
-            let bytes_in = &rule.metrics.bytes_in;
             let mut send = std::pin::pin!(attempt(
                 ctx,
-                info,
+                &info.upstream,
                 &wb.backend,
                 over_h2,
                 raw,
@@ -1049,7 +1069,7 @@ fn earliest(
 #[allow(clippy::too_many_arguments)]
 async fn attempt(
     ctx: &Ctx,
-    info: &ConnInfo,
+    sticky: &Arc<Sticky>,
     backend: &Backend,
     over_h2: bool,
     raw: bool,
@@ -1068,7 +1088,7 @@ async fn attempt(
         if retried {
             out = out.no_replay();
         }
-        send_h1(ctx, info, backend, out).await.map(|(head, c)| {
+        send_h1(ctx, sticky, backend, out).await.map(|(head, c)| {
             head.response.map(|()| Sent::H1 {
                 conn: c,
                 body: head.body,
@@ -1091,6 +1111,7 @@ struct Target<'a> {
 /// backend request outlives `timeouts.backendRequest`, or when its response has a listed
 /// status; at most `attempts` times, and never past `timeouts.request`. Returns the response
 /// kept and when its body must have ended.
+#[allow(clippy::too_many_arguments)]
 async fn retrying(
     ctx: &Ctx,
     info: &ConnInfo,
@@ -1099,6 +1120,7 @@ async fn retrying(
     to: Target<'_>,
     parts: hyper::http::request::Parts,
     body: Body,
+    bytes_in: &Counter,
 ) -> Result<(Response<Sent>, Option<tokio::time::Instant>), Response<Body>> {
     use tokio::time::Instant;
     let overall = rule.timeout.map(|t| Instant::now() + t);
@@ -1112,7 +1134,7 @@ async fn retrying(
             tokio::time::timeout_at(until.unwrap_or_else(Instant::now), retry::collect(body));
         match read.await {
             Ok(Ok(data)) => {
-                rule.metrics.bytes_in.inc_by(data.len() as u64);
+                bytes_in.inc_by(data.len() as u64);
                 data
             }
             Ok(Err(e)) => return Err(full(StatusCode::BAD_REQUEST, &e.to_string())),
@@ -1137,7 +1159,7 @@ async fn retrying(
         };
         let sent = attempt(
             ctx,
-            info,
+            &info.upstream,
             backend,
             to.over_h2,
             to.raw,
@@ -1180,6 +1202,135 @@ async fn retrying(
         rule.metrics.retries.inc();
         backend = repick(rule, to.over_h2).unwrap_or(to.first);
     }
+}
+
+/// Sends a copy of the request to each of the rule's mirrors whose share draws it, in a task
+/// of its own whose answer is discarded (the request's own exchange never waits for it). A
+/// body is read whole first and given back, counted, for the request itself (`true`); one
+/// too large to keep ([`retry::replayable`]) is not mirrored.
+async fn mirror(
+    info: &ConnInfo,
+    rule: &Rule,
+    parts: &hyper::http::request::Parts,
+    body: Body,
+) -> Result<(Body, bool), Response<Body>> {
+    let ctx = &info.ctx;
+    let chosen: Vec<&MirrorPlan> = rule
+        .mirrors
+        .iter()
+        .filter(|m| !matches!(m.backend, Backend::Unresolved { .. }))
+        .filter(|m| fastrand::u32(0..m.denominator.max(1)) < m.numerator)
+        .collect();
+    if chosen.is_empty() {
+        return Ok((body, false));
+    }
+    let data = if body.is_end_stream() {
+        Bytes::new()
+    } else if retry::replayable(&body) {
+        match tokio::time::timeout(ctx.http_idle_timeout, retry::collect(body)).await {
+            Ok(Ok(data)) => {
+                rule.metrics.bytes_in.inc_by(data.len() as u64);
+                data
+            }
+            Ok(Err(e)) => return Err(full(StatusCode::BAD_REQUEST, &e.to_string())),
+            Err(_) => {
+                let stalled = h1::Error::BodyStalled.to_string();
+                return Err(full(StatusCode::REQUEST_TIMEOUT, &stalled));
+            }
+        }
+    } else {
+        tracing::debug!(
+            "request not mirrored: its body is larger than 64 KiB or of unknown length"
+        );
+        return Ok((body, false));
+    };
+    let as_body = |data: &Bytes| {
+        if data.is_empty() {
+            Body::Empty
+        } else {
+            Body::full(data.clone())
+        }
+    };
+    for m in chosen {
+        let h2 = matches!(m.backend, Backend::Service { h2c: true, .. });
+        let Some(head) = spoken_as(parts, h2) else {
+            continue;
+        };
+        let (ctx, backend, body) = (ctx.clone(), m.backend.clone(), as_body(&data));
+        tokio::spawn(async move {
+            let limit = ctx.http_idle_timeout;
+            let _ = tokio::time::timeout(limit, mirror_one(&ctx, &backend, h2, head, body)).await;
+        });
+    }
+    Ok((as_body(&data), true))
+}
+
+/// One mirrored request, its response read to the end and dropped (so that an HTTP/1.1
+/// connection goes back to the pool).
+async fn mirror_one(
+    ctx: &Ctx,
+    backend: &Backend,
+    h2: bool,
+    head: hyper::http::request::Parts,
+    body: Body,
+) {
+    use http_body_util::BodyExt;
+    // No client connection to keep it for: the connection goes straight to the pool.
+    let sticky = Arc::new(Sticky::default());
+    ctx.pool.close_sticky(&sticky);
+    let ignored = Counter::default();
+    match attempt(
+        ctx, &sticky, backend, h2, false, false, head, body, &ignored,
+    )
+    .await
+    {
+        Ok(resp) => {
+            let mut body = match resp.into_body() {
+                Sent::H1 { conn, body, .. } => {
+                    Relay::start(conn, body, sticky.clone(), ctx.pool.clone())
+                }
+                Sent::H2(b) => b,
+            };
+            while let Some(Ok(_)) = body.frame().await {}
+        }
+        Err(f) => {
+            tracing::debug!(
+                status = f.answer.status().as_u16(),
+                "mirrored request failed"
+            );
+        }
+    }
+}
+
+/// A request head prepared for one backend, rewritten for one that speaks the other protocol:
+/// HTTP/2 takes the host as the target's authority, HTTP/1.1 as the Host header.
+fn spoken_as(p: &hyper::http::request::Parts, h2: bool) -> Option<hyper::http::request::Parts> {
+    let mut q = same_parts(p);
+    if h2 == (p.version == Version::HTTP_2) {
+        return Some(q);
+    }
+    let path = p.uri.path_and_query()?.clone();
+    if h2 {
+        let authority = match q.headers.remove(header::HOST) {
+            Some(h) => h.to_str().ok()?.parse::<Authority>().ok()?,
+            None => Authority::from_static("backend"),
+        };
+        q.uri = Uri::builder()
+            .scheme(Scheme::HTTP)
+            .authority(authority)
+            .path_and_query(path)
+            .build()
+            .ok()?;
+        q.version = Version::HTTP_2;
+    } else {
+        if let Some(a) = p.uri.authority() {
+            q.headers
+                .insert(header::HOST, HeaderValue::from_str(a.as_str()).ok()?);
+        }
+        q.uri = Uri::from(path);
+        q.version = Version::HTTP_11;
+    }
+    Some(q)
 }
 
 /// A retry's backend, picked by weight as the first was, among those spoken to alike (the
@@ -1254,7 +1405,7 @@ fn connect_error(e: &ConnectError) -> Failed {
 /// with the response head: the response body is read from it (see [`Relay`]).
 async fn send_h1(
     ctx: &Ctx,
-    info: &ConnInfo,
+    sticky: &Arc<Sticky>,
     backend: &Backend,
     mut req: Outbound,
 ) -> Result<(h1::Head, H1), Failed> {
@@ -1265,10 +1416,7 @@ async fn send_h1(
     let chosen = ctx.pool.choose(backend);
     let mut endpoint = chosen.as_deref();
     let mut c = loop {
-        while let Some(mut c) = ctx
-            .pool
-            .take_h1(&ctx.shared, backend, &info.upstream, endpoint)
-        {
+        while let Some(mut c) = ctx.pool.take_h1(&ctx.shared, backend, sticky, endpoint) {
             match c.send(req).await {
                 Ok(head) => return Ok((head, c)),
                 Err(SendError::Retry(r)) => req = r,

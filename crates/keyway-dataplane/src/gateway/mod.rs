@@ -254,6 +254,8 @@ pub struct Rule {
     pub attempt_timeout: Option<Duration>,
     /// `retry` (boxed: rare).
     pub retry: Option<Box<retry::Policy>>,
+    /// `RequestMirror` filters, with their backends resolved.
+    pub mirrors: Vec<keyway_core::gateway::plan::MirrorPlan>,
     pub metrics: Arc<RouteMetrics>,
 }
 
@@ -784,6 +786,7 @@ impl Gateways {
                                 .backend_request_timeout_ms
                                 .map(Duration::from_millis),
                             retry: r.retry.as_ref().map(|p| Box::new(retry::Policy::new(p))),
+                            mirrors: r.mirrors.clone(),
                             metrics: metrics.clone(),
                         });
                     }
@@ -807,6 +810,7 @@ impl Gateways {
                             timeout: None,
                             attempt_timeout: None,
                             retry: None,
+                            mirrors: Vec::new(),
                             metrics: metrics.clone(),
                         });
                     }
