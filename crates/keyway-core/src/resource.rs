@@ -379,14 +379,14 @@ fn tidy_serde_message(msg: &str) -> String {
         && let Some((number, expected)) = rest.split_once("`, expected ")
     {
         let range = match expected {
-            "i64" => Some(format!("{}..={}", i64::MIN, i64::MAX)),
-            "i32" => Some(format!("{}..={}", i32::MIN, i32::MAX)),
-            "u32" => Some(format!("0..={}", u32::MAX)),
-            "u16" => Some(format!("0..={}", u16::MAX)),
+            "i64" => Some((i64::MIN.to_string(), i64::MAX.to_string())),
+            "i32" => Some((i32::MIN.to_string(), i32::MAX.to_string())),
+            "u32" => Some(("0".into(), u32::MAX.to_string())),
+            "u16" => Some(("0".into(), u16::MAX.to_string())),
             _ => None,
         };
-        if let Some(range) = range {
-            return format!("{number} is out of range (the field takes {range})");
+        if let Some((low, high)) = range {
+            return format!("{number} is out of range (the field takes {low} to {high})");
         }
     }
     let mut out = msg

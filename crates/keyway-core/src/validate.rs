@@ -1087,46 +1087,55 @@ fn check_retry(p: &mut Problems, at: &str, r: &Value) {
 }
 
 /// A CORS filter as the upstream schema bounds it: origins `*` or `http(s)://host[:port]`,
-/// methods from the HTTP method enum or a lone `*`, header names, `maxAge` at least 1.
+/// methods from the HTTP method enum, header names, a `*` alone in its list, no repeats, the
+/// lists' lengths, `maxAge` at least 1.
 fn check_cors(p: &mut Problems, at: &str, c: &Value) {
     let list = |field: &str| c[field].as_array().map(Vec::as_slice).unwrap_or_default();
-    for (k, o) in list("allowOrigins").iter().enumerate() {
-        let o = o.as_str().unwrap_or_default();
-        if o != "*" && !is_cors_origin(o) {
-            p.add(
-                format!("{at}.allowOrigins[{k}]"),
-                format!("`{o}` is not `*` or an origin like https://example.com or http://*.example.com:8080"),
-            );
-        }
-    }
-    let methods = list("allowMethods");
     const METHODS: [&str; 10] = [
         "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH", "*",
     ];
-    for (k, m) in methods.iter().enumerate() {
-        let m = m.as_str().unwrap_or_default();
-        if !METHODS.contains(&m) {
+    for (field, what, most) in [
+        ("allowOrigins", "origins", 64),
+        ("allowMethods", "methods", 9),
+        ("allowHeaders", "headers", 64),
+        ("exposeHeaders", "headers", 64),
+    ] {
+        let items = list(field);
+        for (k, item) in items.iter().enumerate() {
+            let text = item.as_str().unwrap_or_default();
+            let problem = match field {
+                _ if items[..k].contains(item) => Some(format!("duplicate value `{text}`")),
+                "allowOrigins" if text != "*" && !is_cors_origin(text) => Some(format!(
+                    "`{text}` is not `*` or an origin like https://example.com or http://*.example.com:8080"
+                )),
+                "allowMethods" if !METHODS.contains(&text) => Some(format!(
+                    "unsupported value `{text}`: one of {}",
+                    METHODS.join(", ")
+                )),
+                "allowHeaders" | "exposeHeaders"
+                    if text != "*" && !(is_header_name(text) && text.len() <= 256) =>
+                {
+                    Some(format!("`{text}` is not a header name"))
+                }
+                _ => None,
+            };
+            if let Some(m) = problem {
+                p.add(format!("{at}.{field}[{k}]"), m);
+            }
+        }
+        if items.len() > most {
             p.add(
-                format!("{at}.allowMethods[{k}]"),
-                format!("unsupported value `{m}`: one of {}", METHODS.join(", ")),
+                format!("{at}.{field}"),
+                format!("must have at most {most} items"),
             );
         }
-    }
-    if methods.len() > 1 && methods.iter().any(|m| m == "*") {
-        p.add(
-            format!("{at}.allowMethods"),
-            "AllowMethods cannot contain '*' alongside other methods",
-        );
-    }
-    for field in ["allowHeaders", "exposeHeaders"] {
-        for (k, h) in list(field).iter().enumerate() {
-            let h = h.as_str().unwrap_or_default();
-            if h != "*" && !is_header_name(h) {
-                p.add(
-                    format!("{at}.{field}[{k}]"),
-                    format!("`{h}` is not a header name"),
-                );
-            }
+        // Upstream's CEL for origins, methods and allowed headers.
+        if field != "exposeHeaders" && items.len() > 1 && items.iter().any(|m| m == "*") {
+            let name = format!("{}{}", field[..1].to_ascii_uppercase(), &field[1..]);
+            p.add(
+                format!("{at}.{field}"),
+                format!("{name} cannot contain '*' alongside other {what}"),
+            );
         }
     }
     if c["maxAge"].as_i64().is_some_and(|n| n < 1) {
@@ -1155,16 +1164,19 @@ fn check_mirror_share(p: &mut Problems, at: &str, m: &Value) {
         let denominator = fraction["denominator"].as_i64().unwrap_or(100);
         if denominator < 1 {
             p.add(format!("{at}.fraction.denominator"), "must be at least 1");
-        } else if !(0..=denominator).contains(&numerator) {
+        } else if numerator < 0 {
+            p.add(format!("{at}.fraction.numerator"), "must be at least 0");
+        } else if numerator > denominator {
             p.add(
                 format!("{at}.fraction"),
-                "numerator must be from 0 to the denominator",
+                "numerator must be less than or equal to denominator",
             );
         }
     }
 }
 
-/// `http(s)://host[:port]`, the host possibly with `*` (the schema's CORSOrigin).
+/// `http(s)://host[:port]` (the schema's CORSOrigin), lower-case scheme; the host may start
+/// with a `*.` label (any labels to its left) or be `*`, and has no other `*`.
 fn is_cors_origin(o: &str) -> bool {
     let Some(rest) = o
         .strip_prefix("https://")
@@ -1176,10 +1188,12 @@ fn is_cors_origin(o: &str) -> bool {
         Some((h, port)) => (h, Some(port)),
         None => (rest, None),
     };
-    let host_ok = !host.is_empty()
-        && host
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '*'));
+    let named = host.strip_prefix("*.").unwrap_or(host);
+    let host_ok = host == "*"
+        || (!named.is_empty()
+            && named.split('.').all(|l| {
+                !l.is_empty() && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            }));
     host_ok && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0))
 }
 

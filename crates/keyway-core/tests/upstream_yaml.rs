@@ -222,7 +222,7 @@ spec:
     filters:
     - type: CORS
       cors:
-        allowOrigins: [\"https://www.foo.com\", \"https://*.bar.com:8443\", \"*\"]
+        allowOrigins: [\"https://www.foo.com\", \"https://*.bar.com:8443\"]
         allowMethods: [GET, OPTIONS]
         allowHeaders: [x-header-1]
         exposeHeaders: [\"*\"]
@@ -265,6 +265,30 @@ spec:
             "`x header` is not a header name",
         ),
         ("3600", "0", format!("{at}.maxAge"), "must be at least 1"),
+        (
+            "[\"https://www.foo.com\", \"https://*.bar.com:8443\"]",
+            "[\"*\", \"https://x.com\"]",
+            format!("{at}.allowOrigins"),
+            "AllowOrigins cannot contain '*' alongside other origins",
+        ),
+        (
+            "[x-header-1]",
+            "[\"*\", x-a]",
+            format!("{at}.allowHeaders"),
+            "AllowHeaders cannot contain '*' alongside other headers",
+        ),
+        (
+            "[GET, OPTIONS]",
+            "[GET, GET]",
+            format!("{at}.allowMethods[1]"),
+            "duplicate value `GET`",
+        ),
+        (
+            "\"https://*.bar.com:8443\"",
+            "\"https://*x.com\"",
+            format!("{at}.allowOrigins[1]"),
+            "`https://*x.com` is not `*` or an origin like https://example.com or http://*.example.com:8080",
+        ),
     ] {
         let load = load_file("r.yaml", &yaml.replace(from, to));
         match &load.outcomes[..] {
@@ -300,7 +324,7 @@ fn mirror_shares_are_checked() {
         (
             ", fraction: {numerator: 3, denominator: 2}",
             format!("{at}.fraction"),
-            "numerator must be from 0 to the denominator",
+            "numerator must be less than or equal to denominator",
         ),
         (
             ", fraction: {numerator: 1, denominator: 0}",

@@ -378,8 +378,8 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
     backendRefs: [{name: svc, port: 80}]
   - matches: [{path: {type: PathPrefix, value: /missing}}]
     backendRefs: [{name: nosuch, port: 80}]
-  - matches: [{path: {type: PathPrefix, value: /mirror}}]
-    filters: [{type: RequestMirror, requestMirror: {backendRef: {name: svc, port: 80}}}]
+  - matches: [{path: {type: PathPrefix, value: /ext}}]
+    filters: [{type: ExtensionRef, extensionRef: {group: auth.example, kind: Policy, name: p}}]
     backendRefs: [{name: svc, port: 80}]
   - backendRefs: [{name: svc, port: 80}]
 ";
@@ -440,9 +440,9 @@ async fn filters_redirects_rewrites_and_forwarded_headers() {
 
     // A filter keyway does not implement is never skipped: its rule answers 500 and the
     // request does not fall through to the catch-all rule.
-    let r = get(&c, port, "h.example", "/mirror/x").await;
+    let r = get(&c, port, "h.example", "/ext/x").await;
     assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert!(r.body.contains("RequestMirror"), "{}", r.body);
+    assert!(r.body.contains("ExtensionRef"), "{}", r.body);
     assert_eq!(
         get(&c, port, "h.example", "/other").await.status,
         StatusCode::OK

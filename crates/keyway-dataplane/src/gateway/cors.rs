@@ -88,28 +88,35 @@ impl Cors {
         }
     }
 
-    /// The request's `Origin` when this filter allows it to share the response.
+    /// The `Access-Control-Allow-Origin` for the request's `Origin`, when this filter allows
+    /// it: the origin itself, or for `allowOrigins: ["*"]` without credentials the wildcard
+    /// (also right for an origin such as `null`). With credentials, only a well-formed origin
+    /// is echoed: never `null` (sandboxed frames, `data:` documents) or garbage.
     pub fn allowed_origin(&self, req: &HeaderMap) -> Option<HeaderValue> {
         let origin = req.get(header::ORIGIN)?;
-        let text = origin.to_str().ok()?;
-        let allowed = self.any_origin
-            || OriginPattern::parse(text)
-                .is_some_and(|o| self.origins.iter().any(|p| p.matches(&o)));
+        if self.any_origin && !self.credentials {
+            return Some(HeaderValue::from_static("*"));
+        }
+        let parsed = OriginPattern::parse(origin.to_str().ok()?)?;
+        let allowed = self.any_origin || self.origins.iter().any(|p| p.matches(&parsed));
         allowed.then(|| origin.clone())
     }
 
     /// The status and headers of the answer to a preflight request (see [`is_preflight`]): 200,
-    /// with the CORS headers only when its origin is allowed.
+    /// with the CORS headers only when its origin is allowed, and `Vary: Origin` always.
     pub fn preflight(&self, req: &HeaderMap) -> (StatusCode, HeaderMap) {
         let mut h = HeaderMap::new();
+        h.insert(header::VARY, HeaderValue::from_static("Origin"));
         let Some(origin) = self.allowed_origin(req) else {
             return (StatusCode::OK, h);
         };
         h.insert(ALLOW_ORIGIN, origin);
-        h.insert(header::VARY, HeaderValue::from_static("Origin"));
-        // A wildcard answers with what was asked (valid with credentials too, where `*` is not).
+        // A wildcard answers with what was asked (valid with credentials too, where `*` is
+        // not), when that is a method name / a list of header names.
         let methods = if self.any_method {
-            req.get(REQUEST_METHOD).cloned()
+            req.get(REQUEST_METHOD)
+                .filter(|m| m.to_str().is_ok_and(is_token))
+                .cloned()
         } else {
             self.methods.clone()
         };
@@ -117,7 +124,7 @@ impl Cors {
             h.insert(ALLOW_METHODS, m);
         }
         let headers = if self.any_header {
-            req.get(REQUEST_HEADERS).cloned()
+            asked_headers(req)
         } else {
             self.headers.clone()
         };
@@ -134,24 +141,32 @@ impl Cors {
         (StatusCode::OK, h)
     }
 
-    /// Adds the CORS headers to the response of an actual request from an allowed `origin`,
-    /// replacing any the backend set.
-    pub fn decorate(&self, origin: HeaderValue, resp: &mut HeaderMap) {
-        let exposed = self.exposed(Some(resp));
-        resp.insert(ALLOW_ORIGIN, origin);
+    /// Sets the CORS headers of a response on this filter's rule (the backend's or keyway's
+    /// own): the backend's `Access-Control-*` headers are dropped, so the rule's policy is the
+    /// only one a browser sees; `allowed` (from [`Cors::allowed_origin`]) gets this policy's;
+    /// `Vary: Origin` always, since the answer depends on the origin.
+    pub fn decorate(&self, allowed: Option<HeaderValue>, resp: &mut HeaderMap) {
+        let exposed = allowed.as_ref().and_then(|_| self.exposed(Some(resp)));
+        for name in [
+            ALLOW_ORIGIN,
+            ALLOW_CREDENTIALS,
+            EXPOSE_HEADERS,
+            ALLOW_METHODS,
+            ALLOW_HEADERS,
+            MAX_AGE,
+        ] {
+            resp.remove(name);
+        }
         resp.append(header::VARY, HeaderValue::from_static("Origin"));
+        let Some(origin) = allowed else {
+            return;
+        };
+        resp.insert(ALLOW_ORIGIN, origin);
         if self.credentials {
             resp.insert(ALLOW_CREDENTIALS, HeaderValue::from_static("true"));
-        } else {
-            resp.remove(ALLOW_CREDENTIALS);
         }
-        match exposed {
-            Some(v) => {
-                resp.insert(EXPOSE_HEADERS, v);
-            }
-            None => {
-                resp.remove(EXPOSE_HEADERS);
-            }
+        if let Some(v) = exposed {
+            resp.insert(EXPOSE_HEADERS, v);
         }
     }
 
@@ -174,6 +189,36 @@ impl Cors {
             .then(|| HeaderValue::from_str(&names.join(", ")).ok())
             .flatten()
     }
+}
+
+/// The header names a preflight asks for, all its `Access-Control-Request-Headers` lines
+/// joined; `None` when it asks for none, or for something that is not a list of names.
+fn asked_headers(req: &HeaderMap) -> Option<HeaderValue> {
+    let mut names = Vec::new();
+    for v in req.get_all(REQUEST_HEADERS) {
+        for n in v
+            .to_str()
+            .ok()?
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+        {
+            if !is_token(n) {
+                return None;
+            }
+            names.push(n);
+        }
+    }
+    (!names.is_empty())
+        .then(|| HeaderValue::from_str(&names.join(", ")).ok())
+        .flatten()
+}
+
+/// An RFC 9110 token: a method or a header name.
+fn is_token(t: &str) -> bool {
+    !t.is_empty()
+        && t.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))
 }
 
 /// A CORS preflight: OPTIONS with `Origin` and `Access-Control-Request-Method`.
@@ -277,13 +322,23 @@ mod tests {
             assert_eq!(c.allowed_origin(&h).is_some(), want, "{origin}");
         }
         let any = cors(serde_json::json!({"allowOrigins": ["*"]}));
-        assert!(
-            any.allowed_origin(&headers(&[("origin", "null")]))
-                .is_some()
-        );
+        let null = headers(&[("origin", "null")]);
+        let value = |v: Option<HeaderValue>| v.map(|v| v.to_str().unwrap_or_default().to_string());
+        assert_eq!(value(any.allowed_origin(&null)).as_deref(), Some("*"));
         assert!(
             any.allowed_origin(&HeaderMap::new()).is_none(),
             "no Origin: not CORS"
+        );
+        let credentialed =
+            cors(serde_json::json!({"allowOrigins": ["*"], "allowCredentials": true}));
+        assert!(
+            credentialed.allowed_origin(&null).is_none(),
+            "null is never echoed"
+        );
+        let other = headers(&[("origin", "https://x.example:8443")]);
+        assert_eq!(
+            value(credentialed.allowed_origin(&other)).as_deref(),
+            Some("https://x.example:8443")
         );
     }
 
@@ -327,9 +382,11 @@ mod tests {
             ("origin", "https://foobar.com"),
             ("access-control-request-method", "GET"),
         ]));
-        assert!(
-            h.is_empty(),
-            "an origin not allowed gets no CORS headers: {h:?}"
+        let names: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        assert_eq!(
+            names,
+            ["vary"],
+            "an origin not allowed gets no CORS headers"
         );
 
         let wild = cors(serde_json::json!({
@@ -341,7 +398,8 @@ mod tests {
         let (_, h) = wild.preflight(&headers(&[
             ("origin", "https://other.foo.com"),
             ("access-control-request-method", "PUT"),
-            ("access-control-request-headers", "x-a, x-b"),
+            ("access-control-request-headers", "x-a"),
+            ("access-control-request-headers", "x-b"),
         ]));
         let get = |n: &str| h.get(n).and_then(|v| v.to_str().ok());
         assert_eq!(
@@ -368,8 +426,12 @@ mod tests {
             ("content-type", "text/plain"),
             ("x-trace", "1"),
             ("access-control-allow-origin", "*"),
+            ("access-control-max-age", "99"),
         ]);
-        c.decorate(HeaderValue::from_static("https://a.example"), &mut resp);
+        c.decorate(
+            Some(HeaderValue::from_static("https://a.example")),
+            &mut resp,
+        );
         let get = |n: &str| resp.get(n).and_then(|v| v.to_str().ok());
         assert_eq!(
             get("access-control-allow-origin"),
@@ -382,6 +444,15 @@ mod tests {
             exposed.contains("x-trace") && !exposed.contains('*'),
             "{exposed}"
         );
+        assert_eq!(get("access-control-max-age"), None);
+        // Not allowed: the backend's own policy does not pass either.
+        let mut resp = headers(&[
+            ("access-control-allow-origin", "https://evil.example"),
+            ("access-control-allow-credentials", "true"),
+        ]);
+        c.decorate(None, &mut resp);
+        let names: Vec<&str> = resp.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["vary"]);
     }
 
     #[test]

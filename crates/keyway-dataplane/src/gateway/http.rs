@@ -612,19 +612,20 @@ async fn with_cors(
     req: Request<Body>,
 ) -> Response<Body> {
     if super::cors::is_preflight(req.method(), req.headers()) {
-        let (status, headers) = cors.preflight(req.headers());
+        let (status, cors_headers) = cors.preflight(req.headers());
         let mut resp = Response::new(Body::Empty);
         *resp.status_mut() = status;
-        *resp.headers_mut() = headers;
+        // As on other responses: the header filters first, the CORS headers last.
         apply_header_filters(resp.headers_mut(), &rule.filters.response_headers, false);
+        for (name, value) in cors_headers.iter() {
+            resp.headers_mut().insert(name, value.clone());
+        }
         resp.extensions_mut().insert(LocalReply);
         return resp;
     }
-    let origin = cors.allowed_origin(req.headers());
+    let allowed = cors.allowed_origin(req.headers());
     let mut resp = forward(ctx, cfg, listener, rule, prefix, info, req).await;
-    if let Some(origin) = origin {
-        cors.decorate(origin, resp.headers_mut());
-    }
+    cors.decorate(allowed, resp.headers_mut());
     resp
 }
 
