@@ -190,17 +190,7 @@ spec:
             "`0.1s` is not a duration like 100ms, 1s or 1m30s",
         ),
     ] {
-        let load = load_file("r.yaml", &yaml.replace(from, to));
-        match &load.outcomes[..] {
-            [DocOutcome::Rejected(e)] => {
-                assert_eq!(
-                    (e.path.as_str(), e.message.as_str()),
-                    (path, message),
-                    "{to}"
-                );
-            }
-            other => panic!("{to}: want one Rejected, got {other:?}"),
-        }
+        assert_rejected(&yaml.replace(from, to), path, message, to);
     }
 }
 
@@ -290,17 +280,7 @@ spec:
             "`https://*x.com` is not `*` or an origin like https://example.com or http://*.example.com:8080",
         ),
     ] {
-        let load = load_file("r.yaml", &yaml.replace(from, to));
-        match &load.outcomes[..] {
-            [DocOutcome::Rejected(e)] => {
-                assert_eq!(
-                    (e.path.as_str(), e.message.as_str()),
-                    (path.as_str(), message),
-                    "{to}"
-                );
-            }
-            other => panic!("{to}: want one Rejected, got {other:?}"),
-        }
+        assert_rejected(&yaml.replace(from, to), path.as_str(), message, to);
     }
 }
 
@@ -337,17 +317,23 @@ fn mirror_shares_are_checked() {
             "Only one of percent or fraction may be specified in HTTPRequestMirrorFilter",
         ),
     ] {
-        let load = load_file("r.yaml", &base(mirror));
-        match &load.outcomes[..] {
-            [DocOutcome::Rejected(e)] => {
-                assert_eq!(
-                    (e.path.as_str(), e.message.as_str()),
-                    (path.as_str(), message),
-                    "{mirror}"
-                );
-            }
-            other => panic!("{mirror}: want one Rejected, got {other:?}"),
+        assert_rejected(&base(mirror), path.as_str(), message, mirror);
+    }
+}
+
+/// `yaml` (as `r.yaml`) is one document, rejected at `path` with `message`; `what` names the
+/// case in a failure.
+fn assert_rejected(yaml: &str, path: &str, message: &str, what: &str) {
+    let load = load_file("r.yaml", yaml);
+    match &load.outcomes[..] {
+        [DocOutcome::Rejected(e)] => {
+            assert_eq!(
+                (e.path.as_str(), e.message.as_str()),
+                (path, message),
+                "{what}"
+            );
         }
+        other => panic!("{what}: want one Rejected, got {other:?}"),
     }
 }
 
