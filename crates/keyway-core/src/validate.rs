@@ -952,6 +952,28 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                     format!("{field} is required for filter type {t}"),
                 );
             }
+            // Upstream's CEL: a filter carries only its own type's configuration (the data
+            // plane would otherwise act on a field the type does not name).
+            for (ty, field) in FILTER_CONFIG.iter().filter(|(ty, _)| *ty != t) {
+                if !f[*field].is_null() {
+                    p.add(
+                        format!("{at}.filters[{j}].{field}"),
+                        format!("filter.{field} must be nil if the filter.type is not {ty}"),
+                    );
+                }
+            }
+            // Upstream's CEL on a mirror's backendRef, as on a backendRef.
+            let mirror = &f["requestMirror"]["backendRef"];
+            if mirror.is_object()
+                && mirror["kind"].as_str().unwrap_or("Service") == "Service"
+                && mirror["group"].as_str().unwrap_or("").is_empty()
+                && mirror["port"].is_null()
+            {
+                p.add(
+                    format!("{at}.filters[{j}].requestMirror.backendRef.port"),
+                    "port is required for a Service backend",
+                );
+            }
         }
         for (j, b) in rule["backendRefs"]
             .as_array()

@@ -321,6 +321,32 @@ fn mirror_shares_are_checked() {
     }
 }
 
+/// A filter carries only its own type's configuration, and a mirror's Service backendRef
+/// needs a port, as the upstream schema's CEL rules say.
+#[test]
+fn filters_carry_only_their_own_configuration() {
+    let route = |filter: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  rules:\n  - backendRefs: [{{name: a, port: 80}}]\n    filters:\n    - {filter}\n"
+        )
+    };
+    let at = "spec.rules[0].filters[0]";
+    assert_rejected(
+        &route(
+            "{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: a, value: b}]}, requestMirror: {backendRef: {name: m, port: 80}}}",
+        ),
+        &format!("{at}.requestMirror"),
+        "filter.requestMirror must be nil if the filter.type is not RequestMirror",
+        "stray requestMirror",
+    );
+    assert_rejected(
+        &route("{type: RequestMirror, requestMirror: {backendRef: {name: m}}}"),
+        &format!("{at}.requestMirror.backendRef.port"),
+        "port is required for a Service backend",
+        "mirror without a port",
+    );
+}
+
 /// `yaml` (as `r.yaml`) is one document, rejected at `path` with `message`; `what` names the
 /// case in a failure.
 fn assert_rejected(yaml: &str, path: &str, message: &str, what: &str) {

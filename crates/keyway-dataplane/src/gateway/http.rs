@@ -1254,13 +1254,21 @@ async fn mirror(
     };
     for m in chosen {
         let h2 = matches!(m.backend, Backend::Service { h2c: true, .. });
-        let Some(head) = spoken_as(parts, h2) else {
+        let Some(mut head) = spoken_as(parts, h2) else {
             continue;
         };
+        // The body is here whole: nothing to wait for.
+        head.headers.remove(header::EXPECT);
         let (ctx, backend, body) = (ctx.clone(), m.backend.clone(), as_body(&data));
         tokio::spawn(async move {
             let limit = ctx.http_idle_timeout;
-            let _ = tokio::time::timeout(limit, mirror_one(&ctx, &backend, h2, head, body)).await;
+            let sent = mirror_one(&ctx, &backend, h2, head, body);
+            if tokio::time::timeout(limit, sent).await.is_err() {
+                tracing::debug!(
+                    mirror = mirror_name(&backend),
+                    "mirrored request cut after {limit:?} (--http-idle-timeout)"
+                );
+            }
         });
     }
     Ok((as_body(&data), true))
@@ -1296,10 +1304,20 @@ async fn mirror_one(
         }
         Err(f) => {
             tracing::debug!(
+                mirror = mirror_name(backend),
                 status = f.answer.status().as_u16(),
                 "mirrored request failed"
             );
         }
+    }
+}
+
+/// A mirror's backend as a log line names it.
+fn mirror_name(backend: &Backend) -> &str {
+    match backend {
+        Backend::Service { service, .. } => service,
+        Backend::Skupper { listener, .. } => listener,
+        Backend::Unresolved { reason } => reason,
     }
 }
 
