@@ -1815,7 +1815,7 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     ]
     .concat();
     yaml.push_str(&http_route("r", 1, "", &rules));
-    let _dp = start(&yaml, port).await;
+    let dp = start(&yaml, port).await;
     let entries = || seen.lock().map(|l| l.clone()).unwrap_or_default();
     let wait_for = |want: usize| async move {
         eventually(Duration::from_secs(3), || async { entries().len() >= want }).await
@@ -1846,4 +1846,9 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(entries().len(), 3, "{:?}", entries());
+    let text = dp.metrics().encode();
+    assert!(
+        text.contains("keyway_gateway_mirrored_requests_total{route=\"HTTPRoute/default/r\"} 3"),
+        "{text}"
+    );
 }

@@ -1260,6 +1260,7 @@ async fn mirror(
         // The body is here whole: nothing to wait for.
         head.headers.remove(header::EXPECT);
         let (ctx, backend, body) = (ctx.clone(), m.backend.clone(), as_body(&data));
+        rule.metrics.mirrored.inc();
         tokio::spawn(async move {
             let limit = ctx.http_idle_timeout;
             let sent = mirror_one(&ctx, &backend, h2, head, body);

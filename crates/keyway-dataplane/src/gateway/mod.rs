@@ -56,6 +56,7 @@ pub struct GatewayMetrics {
     requests: Family<Labels, Counter>,
     responses: Family<Labels, Counter>,
     retries: Family<Labels, Counter>,
+    mirrored: Family<Labels, Counter>,
     bytes: Family<Labels, Counter>,
     /// Routes given series, and those compiled by the apply in progress: a route no longer in
     /// the plan has its series removed (so deleted routes do not stay on /metrics for ever).
@@ -73,6 +74,7 @@ impl GatewayMetrics {
             requests: Family::default(),
             responses: Family::default(),
             retries: Family::default(),
+            mirrored: Family::default(),
             bytes: Family::default(),
             routes: Mutex::default(),
         };
@@ -102,6 +104,11 @@ impl GatewayMetrics {
             g.retries.clone(),
         );
         m.register(
+            "gateway_mirrored_requests",
+            "HTTP requests copied to a route rule's RequestMirror backend, by route",
+            g.mirrored.clone(),
+        );
+        m.register(
             "gateway_stream_bytes",
             "Bytes forwarded, by route and direction (in = from client): HTTP request and response bodies (an upgraded connection's bytes when it ends), TLS passthrough and TCP streams",
             g.bytes.clone(),
@@ -129,6 +136,11 @@ impl GatewayMetrics {
         } else {
             Counter::default()
         };
+        let mirrored = if http {
+            self.mirrored.get_or_create(&l(None)).clone()
+        } else {
+            Counter::default()
+        };
         let mut classes = Vec::with_capacity(5);
         for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
             classes.push(if http {
@@ -149,6 +161,7 @@ impl GatewayMetrics {
             requests,
             classes,
             retries,
+            mirrored,
             bytes_in,
             bytes_out,
         })
@@ -206,6 +219,7 @@ impl GatewayMetrics {
             let l = |extra| route_labels(gone, extra);
             self.requests.remove(&l(None));
             self.retries.remove(&l(None));
+            self.mirrored.remove(&l(None));
             for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
                 self.responses.remove(&l(Some(("class", c))));
             }
@@ -230,6 +244,8 @@ pub struct RouteMetrics {
     classes: Vec<Counter>,
     /// Requests made again under the rule's retry policy.
     pub retries: Counter,
+    /// Copies sent to the rule's mirrors.
+    pub mirrored: Counter,
     pub bytes_in: Counter,
     pub bytes_out: Counter,
 }
