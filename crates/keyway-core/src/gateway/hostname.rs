@@ -11,6 +11,13 @@ fn covered_by(wildcard: &str, host: &str) -> bool {
     host.len() > suffix.len() && host.ends_with(suffix)
 }
 
+/// Whether `host` is `pattern` or, for a wildcard pattern (`*.example.com`, or `*` alone),
+/// falls under it; compared case-insensitively.
+pub fn matches(pattern: &str, host: &str) -> bool {
+    pattern.eq_ignore_ascii_case(host)
+        || covered_by(&pattern.to_ascii_lowercase(), &host.to_ascii_lowercase())
+}
+
 /// The more specific of two hostnames when they overlap.
 fn pair(a: &str, b: &str) -> Option<String> {
     if a.eq_ignore_ascii_case(b) {

@@ -13,7 +13,7 @@
 //! may depend on) still drops every cache.
 
 mod fxhash;
-mod hostname;
+pub mod hostname;
 #[cfg(test)]
 mod kind_props;
 mod listeners;

@@ -886,20 +886,7 @@ async fn forward(
         ),
     };
     let uri = if over_h2 {
-        let authority = parts
-            .headers
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .and_then(|h| h.parse::<Authority>().ok())
-            .unwrap_or_else(|| Authority::from_static("backend"));
-        path_and_query.and_then(|p| {
-            Uri::builder()
-                .scheme(Scheme::HTTP)
-                .authority(authority)
-                .path_and_query(p)
-                .build()
-                .ok()
-        })
+        path_and_query.and_then(|p| h2_target(parts.headers.get(header::HOST), p))
     } else if parts.uri.scheme().is_none()
         && parts.uri.authority().is_none()
         && path_and_query
@@ -929,40 +916,50 @@ async fn forward(
         && client_version < Version::HTTP_2
         && f.response_headers.is_empty()
         && f.cors.is_none();
-    // Copies for the rule's mirrors go first (the body read whole, when there is one, and
-    // counted then).
-    let mut counted = false;
-    let body = if rule.mirrors.is_empty() || upgrade {
-        body
+    let overall = rule.timeout.map(|t| tokio::time::Instant::now() + t);
+    // A rule that mirrors this request or may retry it keeps its body (see `keep_body`); a
+    // body too large to keep is neither mirrored nor retried.
+    let mirrors = if upgrade {
+        Vec::new()
     } else {
-        match Box::pin(mirror(info, rule, &parts, body)).await {
-            Ok((body, c)) => {
-                counted = c;
-                body
-            }
+        drawn_mirrors(rule)
+    };
+    let policy = rule.retry.as_deref().filter(|p| p.attempts > 0 && !upgrade);
+    let (kept, body) = if (!mirrors.is_empty() || policy.is_some()) && retry::replayable(&body) {
+        match Box::pin(keep_body(ctx, rule, overall, body)).await {
+            Ok(data) => (Some(data), Body::Empty),
             Err(answer) => return answer,
         }
-    };
-    let throwaway;
-    let bytes_in = if counted {
-        throwaway = Counter::default();
-        &throwaway
     } else {
-        &rule.metrics.bytes_in
+        if !mirrors.is_empty() {
+            tracing::debug!(
+                "request not mirrored: its body is larger than 64 KiB or of unknown length"
+            );
+        }
+        (None, body)
     };
-    let (resp, deadline) = match rule.retry.as_deref() {
-        Some(policy) if policy.attempts > 0 && !upgrade && retry::replayable(&body) => {
+    if let Some(data) = &kept {
+        mirror(info, rule, &mirrors, &parts, data);
+    }
+    let (resp, deadline) = match (policy, kept) {
+        (Some(policy), Some(data)) => {
             let to = Target {
                 first: &wb.backend,
                 over_h2,
                 raw,
             };
-            match Box::pin(retrying(ctx, info, rule, policy, to, parts, body, bytes_in)).await {
+            match Box::pin(retrying(ctx, info, rule, policy, to, overall, parts, data)).await {
                 Ok(sent) => sent,
                 Err(answer) => return answer,
             }
         }
-        _ => {
+        (_, kept) => {
+            // A kept body was counted when it was read.
+            let counted = Counter::default();
+            let (body, bytes_in) = match kept {
+                Some(data) => (replay(&data), &counted),
+                None => (body, &rule.metrics.bytes_in),
+            };
             // The rare paths are boxed: the future of every request stays small. Pinned where
             // it is made: awaited as a value, it would be copied whole into the awaiting
             // state first.
@@ -981,7 +978,7 @@ async fn forward(
             // received: 504 without a response head by then, and a body still streaming is
             // cut. With one request to a backend, the shorter of the two bounds it.
             let deadline = earliest(
-                rule.timeout.map(|t| tokio::time::Instant::now() + t),
+                overall,
                 rule.attempt_timeout
                     .map(|t| tokio::time::Instant::now() + t),
             );
@@ -1049,6 +1046,20 @@ async fn forward(
     Response::from_parts(parts, body)
 }
 
+/// An HTTP/2 request's target: the routed host (its Host header) as the authority.
+fn h2_target(host: Option<&HeaderValue>, path: PathAndQuery) -> Option<Uri> {
+    let authority = host
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.parse::<Authority>().ok())
+        .unwrap_or_else(|| Authority::from_static("backend"));
+    Uri::builder()
+        .scheme(Scheme::HTTP)
+        .authority(authority)
+        .path_and_query(path)
+        .build()
+        .ok()
+}
+
 fn timed_out() -> Response<Body> {
     full(StatusCode::GATEWAY_TIMEOUT, "request timed out")
 }
@@ -1106,11 +1117,11 @@ struct Target<'a> {
     raw: bool,
 }
 
-/// [`forward`]'s exchange for a rule with a `retry` policy and a body small enough to keep
-/// (see [`retry::replayable`]): the request is made again, after the policy's backoff and on a
-/// backend picked afresh, when it fails in a way a retry may mend (see [`Reach`]), when a
-/// backend request outlives `timeouts.backendRequest`, or when its response has a listed
-/// status; at most `attempts` times, and never past `timeouts.request`. Returns the response
+/// [`forward`]'s exchange for a rule with a `retry` policy and a kept body (see
+/// [`keep_body`]): the request is made again, after the policy's backoff and on a backend
+/// picked afresh, when it fails in a way a retry may mend (see [`Reach`]), when a backend
+/// request outlives `timeouts.backendRequest`, or when its response has a listed status; at
+/// most `attempts` times, and never past `overall` (`timeouts.request`). Returns the response
 /// kept and when its body must have ended.
 #[allow(clippy::too_many_arguments)]
 async fn retrying(
@@ -1119,45 +1130,16 @@ async fn retrying(
     rule: &Rule,
     policy: &retry::Policy,
     to: Target<'_>,
+    overall: Option<tokio::time::Instant>,
     parts: hyper::http::request::Parts,
-    body: Body,
-    bytes_in: &Counter,
+    data: Bytes,
 ) -> Result<(Response<Sent>, Option<tokio::time::Instant>), Response<Body>> {
     use tokio::time::Instant;
-    let overall = rule.timeout.map(|t| Instant::now() + t);
-    // The body is read whole first (a `100 Continue` owed goes out as it is wanted), and
-    // counted once, however many times it is sent.
-    let data = if body.is_end_stream() {
-        Bytes::new()
-    } else {
-        let until = earliest(overall, Some(Instant::now() + ctx.http_idle_timeout));
-        let read =
-            tokio::time::timeout_at(until.unwrap_or_else(Instant::now), retry::collect(body));
-        match read.await {
-            Ok(Ok(data)) => {
-                bytes_in.inc_by(data.len() as u64);
-                data
-            }
-            Ok(Err(e)) => return Err(full(StatusCode::BAD_REQUEST, &e.to_string())),
-            Err(_) if overall.is_some_and(|o| Instant::now() >= o) => return Err(timed_out()),
-            Err(_) => {
-                return Err(full(
-                    StatusCode::REQUEST_TIMEOUT,
-                    &h1::Error::BodyStalled.to_string(),
-                ));
-            }
-        }
-    };
     let counted_already = Counter::default();
     let mut backend = to.first;
     let mut retries = 0;
     loop {
         let deadline = earliest(overall, rule.attempt_timeout.map(|t| Instant::now() + t));
-        let body = if data.is_empty() {
-            Body::Empty
-        } else {
-            Body::full(data.clone())
-        };
         let sent = attempt(
             ctx,
             &info.upstream,
@@ -1166,7 +1148,7 @@ async fn retrying(
             to.raw,
             true,
             same_parts(&parts),
-            body,
+            replay(&data),
             &counted_already,
         );
         let outcome = match deadline {
@@ -1205,53 +1187,64 @@ async fn retrying(
     }
 }
 
-/// Sends a copy of the request to each of the rule's mirrors whose share draws it, in a task
-/// of its own whose answer is discarded (the request's own exchange never waits for it). A
-/// body is read whole first and given back, counted, for the request itself (`true`); one
-/// too large to keep ([`retry::replayable`]) is not mirrored.
-async fn mirror(
-    info: &ConnInfo,
+/// Reads a request body whole, to send it more than once (mirrors, retries), and counts it
+/// on the route: by `overall` (`timeouts.request`, else 504) and within the idle timeout
+/// (else 408); a body that fails is the client's error (400).
+async fn keep_body(
+    ctx: &Ctx,
     rule: &Rule,
-    parts: &hyper::http::request::Parts,
+    overall: Option<tokio::time::Instant>,
     body: Body,
-) -> Result<(Body, bool), Response<Body>> {
-    let ctx = &info.ctx;
-    let chosen: Vec<&MirrorPlan> = rule
-        .mirrors
+) -> Result<Bytes, Response<Body>> {
+    use tokio::time::Instant;
+    if body.is_end_stream() {
+        return Ok(Bytes::new());
+    }
+    let until = earliest(overall, Some(Instant::now() + ctx.http_idle_timeout));
+    let read = tokio::time::timeout_at(until.unwrap_or_else(Instant::now), retry::collect(body));
+    match read.await {
+        Ok(Ok(data)) => {
+            rule.metrics.bytes_in.inc_by(data.len() as u64);
+            Ok(data)
+        }
+        Ok(Err(e)) => Err(full(StatusCode::BAD_REQUEST, &e.to_string())),
+        Err(_) if overall.is_some_and(|o| Instant::now() >= o) => Err(timed_out()),
+        Err(_) => Err(full(
+            StatusCode::REQUEST_TIMEOUT,
+            &h1::Error::BodyStalled.to_string(),
+        )),
+    }
+}
+
+/// A kept body, to be sent once more.
+fn replay(data: &Bytes) -> Body {
+    if data.is_empty() {
+        Body::Empty
+    } else {
+        Body::full(data.clone())
+    }
+}
+
+/// The rule's mirrors that this request goes to: each draws its share.
+fn drawn_mirrors(rule: &Rule) -> Vec<&MirrorPlan> {
+    rule.mirrors
         .iter()
         .filter(|m| !matches!(m.backend, Backend::Unresolved { .. }))
         .filter(|m| fastrand::u32(0..m.denominator.max(1)) < m.numerator)
-        .collect();
-    if chosen.is_empty() {
-        return Ok((body, false));
-    }
-    let data = if body.is_end_stream() {
-        Bytes::new()
-    } else if retry::replayable(&body) {
-        match tokio::time::timeout(ctx.http_idle_timeout, retry::collect(body)).await {
-            Ok(Ok(data)) => {
-                rule.metrics.bytes_in.inc_by(data.len() as u64);
-                data
-            }
-            Ok(Err(e)) => return Err(full(StatusCode::BAD_REQUEST, &e.to_string())),
-            Err(_) => {
-                let stalled = h1::Error::BodyStalled.to_string();
-                return Err(full(StatusCode::REQUEST_TIMEOUT, &stalled));
-            }
-        }
-    } else {
-        tracing::debug!(
-            "request not mirrored: its body is larger than 64 KiB or of unknown length"
-        );
-        return Ok((body, false));
-    };
-    let as_body = |data: &Bytes| {
-        if data.is_empty() {
-            Body::Empty
-        } else {
-            Body::full(data.clone())
-        }
-    };
+        .collect()
+}
+
+/// Sends a copy of the request, with its kept body, to each of `chosen` (see
+/// [`drawn_mirrors`]), in a task of its own whose answer is discarded: the request's own
+/// exchange never waits for it.
+fn mirror(
+    info: &ConnInfo,
+    rule: &Rule,
+    chosen: &[&MirrorPlan],
+    parts: &hyper::http::request::Parts,
+    data: &Bytes,
+) {
+    let ctx = &info.ctx;
     for m in chosen {
         let h2 = matches!(m.backend, Backend::Service { h2c: true, .. });
         let Some(mut head) = spoken_as(parts, h2) else {
@@ -1259,7 +1252,7 @@ async fn mirror(
         };
         // The body is here whole: nothing to wait for.
         head.headers.remove(header::EXPECT);
-        let (ctx, backend, body) = (ctx.clone(), m.backend.clone(), as_body(&data));
+        let (ctx, backend, body) = (ctx.clone(), m.backend.clone(), replay(data));
         rule.metrics.mirrored.inc();
         tokio::spawn(async move {
             let limit = ctx.http_idle_timeout;
@@ -1272,7 +1265,6 @@ async fn mirror(
             }
         });
     }
-    Ok((as_body(&data), true))
 }
 
 /// One mirrored request, its response read to the end and dropped (so that an HTTP/1.1
@@ -1331,16 +1323,7 @@ fn spoken_as(p: &hyper::http::request::Parts, h2: bool) -> Option<hyper::http::r
     }
     let path = p.uri.path_and_query()?.clone();
     if h2 {
-        let authority = match q.headers.remove(header::HOST) {
-            Some(h) => h.to_str().ok()?.parse::<Authority>().ok()?,
-            None => Authority::from_static("backend"),
-        };
-        q.uri = Uri::builder()
-            .scheme(Scheme::HTTP)
-            .authority(authority)
-            .path_and_query(path)
-            .build()
-            .ok()?;
+        q.uri = h2_target(q.headers.remove(header::HOST).as_ref(), path)?;
         q.version = Version::HTTP_2;
     } else {
         if let Some(a) = p.uri.authority() {

@@ -88,7 +88,7 @@ impl Reach {
 }
 
 /// RFC 9110 §9.2.2.
-fn idempotent(method: &Method) -> bool {
+pub fn idempotent(method: &Method) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE

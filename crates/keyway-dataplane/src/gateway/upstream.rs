@@ -20,7 +20,6 @@ use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use hyper::Method;
 use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 use hyper::client::conn::http2;
 use hyper::http::request;
@@ -296,16 +295,7 @@ impl Outbound {
             };
             (body, framing)
         });
-        let retry_safe = body.is_none()
-            && matches!(
-                parts.method,
-                Method::GET
-                    | Method::HEAD
-                    | Method::OPTIONS
-                    | Method::TRACE
-                    | Method::PUT
-                    | Method::DELETE
-            );
+        let retry_safe = body.is_none() && super::retry::idempotent(&parts.method);
         Outbound {
             head,
             body,
