@@ -3,6 +3,8 @@
 //! isolation, an HTTPRoute whose backend is a MultiKeyListener failing over when the preferred
 //! connector's backend dies, and an unbindable port reported as `PortUnavailable`.
 
+mod scratch;
+use scratch::Scratch;
 mod admin;
 mod http_backend;
 
@@ -10,7 +12,7 @@ use admin::free_port;
 use http_backend::HttpBackend;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -60,11 +62,8 @@ impl Drop for Site {
     }
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("keyway-gw-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    dir
+fn temp_dir(name: &str) -> Scratch {
+    Scratch::new("gw", name)
 }
 
 /// `curl -k https://HOST:PORT/` (HOST resolved to 127.0.0.1), printing `--write-out` `what`.

@@ -2,12 +2,14 @@
 //! or swapped as Kubernetes does, odd files in it, the state directory. Each test drives a real
 //! `keyway run` child process.
 
+mod scratch;
+use scratch::Scratch;
 mod sites;
 
 use sites::{Backend, admin, free_port};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -80,11 +82,8 @@ impl Drop for Site {
     }
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("keyway-ops-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    dir
+fn temp_dir(name: &str) -> Scratch {
+    Scratch::new("ops", name)
 }
 
 fn listener(name: &str, key: &str, port: u16) -> String {

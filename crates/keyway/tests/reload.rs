@@ -1,12 +1,14 @@
 //! Hot reloads under live traffic (SPEC §7: "Hot reload applies a change within 1 s and never
 //! drops a connection whose listener still exists"), seen from a keep-alive client.
 
+mod scratch;
+use scratch::Scratch;
 mod admin;
 
 use admin::free_port;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -109,11 +111,8 @@ fn start(dir: &Path) -> Site {
     site
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("keyway-reload-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    dir
+fn temp_dir(name: &str) -> Scratch {
+    Scratch::new("reload", name)
 }
 
 /// Writes a config file atomically, as `kubectl`-style tooling and editors do.
@@ -156,7 +155,7 @@ fn within_budget(client: &mut Client, want: &str) -> Result<Duration, String> {
     }
 }
 
-fn setup(name: &str) -> (PathBuf, u16, Site) {
+fn setup(name: &str) -> (Scratch, u16, Site) {
     let dir = temp_dir(name);
     let (one, two) = (backend("one"), backend("two"));
     let port = free_port();

@@ -2,6 +2,8 @@
 //! the memory an idle connection keeps after it carried some bytes. Real sockets on 127.0.0.1,
 //! a real child process; memory is the child's VmRSS.
 
+mod scratch;
+use scratch::Scratch;
 mod admin;
 
 use admin::free_port;
@@ -164,11 +166,8 @@ impl Drop for Site {
     }
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("keyway-res-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    dir
+fn temp_dir(name: &str) -> Scratch {
+    Scratch::new("res", name)
 }
 
 fn listener_and_connector(name: &str, port: u16, backend: u16) -> String {

@@ -2,6 +2,8 @@
 //! Connector file is deleted, bad files keeping the last valid config, the admin endpoint,
 //! `keyway status --admin`, and graceful shutdown.
 
+mod scratch;
+use scratch::Scratch;
 mod admin;
 
 use admin::free_port;
@@ -137,11 +139,8 @@ impl Drop for Site {
     }
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("keyway-run-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    dir
+fn temp_dir(name: &str) -> Scratch {
+    Scratch::new("run", name)
 }
 
 fn connector(name: &str, key: &str, port: u16) -> String {
@@ -486,7 +485,7 @@ fn a_file_replaced_without_pause_is_reloaded_meanwhile() {
     let started = count();
     let port = free_port();
     let writer = {
-        let dir = dir.clone();
+        let dir = dir.to_path_buf();
         thread::spawn(move || {
             for _ in 0..50 {
                 let tmp = dir.join(".svc.yaml.tmp");
@@ -1020,7 +1019,7 @@ fn admin_endpoint_and_status_cli() {
 }
 
 /// A site with one Listener (on the returned port) to one greeting backend.
-fn site_with_listener(tag: &str) -> (Backend, PathBuf, Site, u16) {
+fn site_with_listener(tag: &str) -> (Backend, Scratch, Site, u16) {
     let a = Backend::start("a");
     let dir = temp_dir(tag);
     let port = free_port();
