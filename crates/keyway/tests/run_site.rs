@@ -660,7 +660,8 @@ fn edits_behind_symlinks_from_outside_apply() {
 #[test]
 fn a_relative_config_under_a_dot_directory_reloads() {
     let a = Backend::start("a");
-    let base = temp_dir("relative").join(".config");
+    let scratch = temp_dir("relative");
+    let base = scratch.join(".config");
     let dir = base.join("keyway.d");
     std::fs::create_dir_all(&dir).expect("mkdir");
     let (p1, p2) = (free_port(), free_port());
