@@ -1782,9 +1782,10 @@ async fn recording() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
 }
 
 /// `RequestMirror` (Gateway API `HTTPRouteRequestMirror`): a copy of each request, its body
-/// too, goes to the mirror's backend (over HTTP/2 where the Service says h2c) while the client
-/// gets the route's own backend's answer; a 0% share mirrors nothing, and a mirror whose
-/// backend cannot be resolved does not disturb the request.
+/// too (of any length or framing), goes to the mirror's backend (over HTTP/2 where the Service
+/// says h2c) while the client gets the route's own backend's answer; a 0% share mirrors
+/// nothing, a mirror whose backend cannot be resolved does not disturb the request, and a
+/// mirror that stalls does not hold it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     let be = http_backend("be").await;
@@ -1804,9 +1805,25 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
             "  - matches: [{{path: {{type: Exact, value: /{path}}}}}]\n    filters: [{{type: RequestMirror, requestMirror: {mirror}}}]\n    backendRefs: [{{name: app, port: 80}}]\n"
         )
     };
+    // The stalled mirror accepts connections and never reads from them.
+    let stalled = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    yaml.push_str(&service("stalled", stalled.local_addr().expect("addr")));
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = stalled.accept().await {
+            held.push(s);
+        }
+    });
+    let (primary, received) = recording().await;
+    yaml.push_str(&service("primary", primary));
     let rules = [
         rule("m", "{backendRef: {name: shadow, port: 80}}"),
         rule("h2m", "{backendRef: {name: shadow-h2, port: 80}}"),
+        rule("stall", "{backendRef: {name: stalled, port: 80}}")
+            .replace("backendRefs: [{name: app", "backendRefs: [{name: primary"),
+        // The route's backend reads the whole body (the copy follows it).
+        rule("big", "{backendRef: {name: shadow, port: 80}}")
+            .replace("backendRefs: [{name: app", "backendRefs: [{name: primary"),
         rule(
             "never",
             "{backendRef: {name: shadow, port: 80}, percent: 0}",
@@ -1840,15 +1857,59 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     assert!(wait_for(3).await, "{:?}", entries());
     assert_eq!(entries()[2], "PUT /h2m HTTP/2.0 x hi");
 
+    // Bodies of unknown length are copied as they stream (chunked here), and so are bodies
+    // larger than a retry would keep.
+    let chunked = "POST /m HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n6\r\nhello \r\n5\r\nworld\r\n0\r\n\r\n";
+    let (status, _) = send_raw(port, chunked.as_bytes()).await;
+    assert_eq!(status, 200);
+    assert!(wait_for(4).await, "{:?}", entries());
+    assert_eq!(entries()[3], "POST /m HTTP/1.1 x hello world");
+    let big = "b".repeat(512 * 1024);
+    let (status, _) = exchange(port, "PUT", "/big", &big).await;
+    assert_eq!(status, 200);
+    assert!(wait_for(5).await, "{:?}", entries());
+    assert_eq!(entries()[4], format!("PUT /big HTTP/1.1 x {big}"));
+
     for path in ["/never", "/gone"] {
         let (status, body) = exchange(port, "GET", path, "").await;
         assert_eq!(status, 200, "{path}: {body}");
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(entries().len(), 3, "{:?}", entries());
+    assert_eq!(entries().len(), 5, "{:?}", entries());
+
+    // A mirror that reads nothing never holds the request back: its copy is cut once it falls
+    // too far behind, and the route's backend gets the whole body.
+    let huge = "h".repeat(16 * 1024 * 1024);
+    let (status, body) = exchange(port, "PUT", "/stall", &huge).await;
+    assert_eq!((status, body.as_str()), (200, "mirror"));
+    let got = received.lock().map(|l| l.clone()).unwrap_or_default();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[1].len(), "PUT /stall HTTP/1.1 x ".len() + huge.len());
+
     let text = dp.metrics().encode();
     assert!(
-        text.contains("keyway_gateway_mirrored_requests_total{route=\"HTTPRoute/default/r\"} 3"),
+        text.contains("keyway_gateway_mirrored_requests_total{route=\"HTTPRoute/default/r\"} 6"),
         "{text}"
     );
+}
+
+/// Writes `bytes` as they are on a new connection and reads the answer to the end: (status,
+/// body).
+async fn send_raw(port: u16, bytes: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(bytes).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut out))
+        .await
+        .expect("answered in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
 }

@@ -69,6 +69,8 @@ struct Seen {
     requests: AtomicUsize,
     /// `/demo.Echo/Hold` streams whose client went away (the gateway reset them).
     cancelled: AtomicUsize,
+    /// Each request's path and body as received whole (`None`: the body failed).
+    bodies: std::sync::Mutex<Vec<(String, Option<Bytes>)>>,
 }
 
 /// An h2-only backend. `/demo.Echo/Unary`: one message and `grpc-status: 0` trailers.
@@ -101,6 +103,14 @@ async fn grpc_backend_max(name: &'static str, max: Option<u32>) -> (SocketAddr, 
                         seen.requests.fetch_add(1, Ordering::SeqCst);
                         let (tx, rx) = mpsc::channel::<Frame<Bytes>>(4);
                         let path = req.uri().path().to_string();
+                        let (record, at) = (seen.clone(), path.clone());
+                        tokio::spawn(async move {
+                            use http_body_util::BodyExt;
+                            let body = req.into_body().collect().await.ok().map(|b| b.to_bytes());
+                            if let Ok(mut b) = record.bodies.lock() {
+                                b.push((at, body));
+                            }
+                        });
                         let fails = path == "/demo.Echo/Fail";
                         if path == "/demo.Echo/GoAway" {
                             let _ = goaway_tx.try_send(());
@@ -707,5 +717,56 @@ async fn grpc_calls_alternating_between_services_reach_every_endpoint() {
     assert!(
         got.iter().all(|n| *n > 0),
         "calls per endpoint (a1 a2 b1 b2): {got:?}"
+    );
+}
+
+/// `RequestMirror` on a GRPCRoute (Extended): a copy of each call, its request messages too,
+/// goes to the mirror's Service over HTTP/2 while the client gets the route's own backend's
+/// answer. gRPC request bodies carry no `content-length`: the copy streams beside the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_are_mirrored_with_their_messages() {
+    let (be, seen) = grpc_backend("a").await;
+    let (shadow, shadowed) = grpc_backend("shadow").await;
+    let port = free_port();
+    let mut yaml = service_of("svc", &[be]);
+    yaml.push_str(&service_of("shadow", &[shadow]));
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&GRPC_ROUTE.replace(
+        "    backendRefs:",
+        "    filters: [{type: RequestMirror, requestMirror: {backendRef: {name: shadow, port: 80}}}]\n    backendRefs:",
+    ));
+    let dp = start(&yaml, port).await;
+    let mut c = h2_client(port, 1 << 20).await;
+    for _ in 0..3 {
+        let r = unary_within(&mut c, "/demo.Echo/Unary", Duration::from_secs(3))
+            .await
+            .expect("unary");
+        assert_eq!(&r.body[5..], b"a", "the route's own backend answers");
+        assert_eq!(grpc_status(&r).as_deref(), Some("0"));
+    }
+    let mirrored = || {
+        shadowed
+            .bodies
+            .lock()
+            .map(|b| b.clone())
+            .unwrap_or_default()
+    };
+    let all_in = common::eventually(Duration::from_secs(3), || async { mirrored().len() >= 3 });
+    assert!(all_in.await, "{:?}", mirrored());
+    for (path, body) in mirrored() {
+        assert_eq!(path, "/demo.Echo/Unary");
+        assert_eq!(
+            body.as_deref(),
+            Some(&grpc_msg(b"hi")[..]),
+            "the copy's messages"
+        );
+    }
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 3);
+    let text = dp.metrics().encode();
+    assert!(
+        text.contains("keyway_gateway_mirrored_requests_total{route=\"GRPCRoute/default/g\"} 3"),
+        "{text}"
     );
 }

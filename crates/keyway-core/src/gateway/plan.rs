@@ -218,6 +218,9 @@ pub struct GrpcRule {
     pub matches: Vec<GrpcRouteRulesMatches>,
     pub filters: Vec<GrpcRouteRulesFilters>,
     pub backends: Vec<WeightedBackend>,
+    /// As [`HttpRule::mirrors`].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mirrors: Vec<MirrorPlan>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

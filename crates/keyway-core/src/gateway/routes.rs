@@ -127,6 +127,45 @@ macro_rules! backends {
     };
 }
 
+/// Resolves the `RequestMirror` filters of one rule (HTTPRoute's and GRPCRoute's have the same
+/// shape): each backendRef like a backendRef, remembering failures, and its share of requests.
+macro_rules! mirrors {
+    ($world:expr, $kind:expr, $ns:expr, $filters:expr, $at:expr, $err:expr, $deps:expr) => {
+        $filters
+            .iter()
+            .flatten()
+            .enumerate()
+            .filter_map(|(j, f)| {
+                let m = f.request_mirror.as_ref()?;
+                let b = &m.backend_ref;
+                let r = Ref {
+                    group: b.group.clone().unwrap_or_default(),
+                    kind: b.kind.clone().unwrap_or_else(|| "Service".into()),
+                    name: b.name.clone(),
+                    namespace: b.namespace.clone(),
+                };
+                if let Some(dep) = r.backend_key($ns) {
+                    $deps.push(backend_hash(&dep));
+                }
+                let (wb, e) = $world.backend($kind, $ns, &r, b.port, None);
+                if let Some(e) = e {
+                    $err.push((format!("{}.filters[{j}].requestMirror.backendRef", $at), e));
+                }
+                let (numerator, denominator) = match (&m.fraction, m.percent) {
+                    (Some(f), _) => (f.numerator, f.denominator.unwrap_or(100)),
+                    (None, Some(p)) => (p, 100),
+                    (None, None) => (1, 1),
+                };
+                Some(super::plan::MirrorPlan {
+                    backend: wb.backend,
+                    numerator: u32::try_from(numerator).unwrap_or(0),
+                    denominator: u32::try_from(denominator).unwrap_or(1).max(1),
+                })
+            })
+            .collect()
+    };
+}
+
 /// Normalizes a route object; `None` for other kinds.
 pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn> {
     let ns = obj.key.namespace.as_str();
@@ -171,42 +210,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                                 .and_then(|t| t.backend_request.as_deref()),
                         ),
                         retry: r.retry(i).and_then(super::plan::RetryPlan::from_upstream),
-                        mirrors: rule
-                            .filters
-                            .iter()
-                            .flatten()
-                            .enumerate()
-                            .filter_map(|(j, f)| {
-                                let m = f.request_mirror.as_ref()?;
-                                let b = &m.backend_ref;
-                                let r = Ref {
-                                    group: b.group.clone().unwrap_or_default(),
-                                    kind: b.kind.clone().unwrap_or_else(|| "Service".into()),
-                                    name: b.name.clone(),
-                                    namespace: b.namespace.clone(),
-                                };
-                                if let Some(dep) = r.backend_key(ns) {
-                                    deps.push(backend_hash(&dep));
-                                }
-                                let (wb, e) = world.backend(kind, ns, &r, b.port, None);
-                                if let Some(e) = e {
-                                    err.push((
-                                        format!("{at}.filters[{j}].requestMirror.backendRef"),
-                                        e,
-                                    ));
-                                }
-                                let (numerator, denominator) = match (&m.fraction, m.percent) {
-                                    (Some(f), _) => (f.numerator, f.denominator.unwrap_or(100)),
-                                    (None, Some(p)) => (p, 100),
-                                    (None, None) => (1, 1),
-                                };
-                                Some(super::plan::MirrorPlan {
-                                    backend: wb.backend,
-                                    numerator: u32::try_from(numerator).unwrap_or(0),
-                                    denominator: u32::try_from(denominator).unwrap_or(1).max(1),
-                                })
-                            })
-                            .collect(),
+                        mirrors: mirrors!(world, kind, ns, rule.filters, at, &mut err, &mut deps),
                     }
                 })
                 .collect();
@@ -243,6 +247,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                             &mut err,
                             &mut deps
                         ),
+                        mirrors: mirrors!(world, kind, ns, rule.filters, at, &mut err, &mut deps),
                     }
                 })
                 .collect();
@@ -330,13 +335,13 @@ fn http_rule_problem(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
     )
 }
 
-/// [`http_rule_problem`] for GRPCRoute rules (header modifiers are implemented).
+/// [`http_rule_problem`] for GRPCRoute rules (header modifiers and mirrors are implemented).
 fn grpc_rule_problem(rule: &GrpcRouteRules, at: &str) -> Option<Problem> {
     use GrpcRouteRulesFiltersType as T;
     rule_problem(
         at,
         rule.filters.iter().flatten().map(|f| &f.r#type),
-        |t| matches!(t, T::RequestMirror | T::ExtensionRef),
+        |t| matches!(t, T::ExtensionRef),
         rule.backend_refs
             .iter()
             .flatten()

@@ -1468,6 +1468,52 @@ fn rule_mirrors_table() {
     }
 }
 
+/// GRPCRoute `RequestMirror` (Extended): resolved as an HTTPRoute's are, and the rule is served.
+#[test]
+fn grpc_rule_mirrors_table() {
+    use crate::gateway::plan::Backend;
+    let cases: &[(&str, (u32, u32), bool)] = &[
+        ("{backendRef: {name: app, port: 80}}", (1, 1), true),
+        (
+            "{backendRef: {name: app, port: 80}, percent: 10}",
+            (10, 100),
+            true,
+        ),
+        ("{backendRef: {name: nothere, port: 80}}", (1, 1), false),
+    ];
+    for (mirror, share, resolved) in cases {
+        let route = format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata: {{name: g, namespace: team-a}}\nspec:\n  parentRefs: {TO_LS}\n  rules:\n  - backendRefs: [{APP}]\n    filters: [{{type: RequestMirror, requestMirror: {mirror}}}]\n"
+        );
+        let r = routes_world(&route);
+        let l = r.plan.gateways[0]
+            .ports
+            .iter()
+            .flat_map(|p| &p.listeners)
+            .find(|l| l.name == "one");
+        let Some(plan::RouteRules::Grpc(rules)) =
+            l.and_then(|l| l.routes.first()).map(|r| &*r.rules)
+        else {
+            panic!("{mirror}: no GRPCRoute in the plan");
+        };
+        let [m] = &rules[0].mirrors[..] else {
+            panic!("{mirror}: {:?}", rules[0].mirrors);
+        };
+        assert_eq!((m.numerator, m.denominator), *share, "{mirror}");
+        assert_eq!(
+            !matches!(m.backend, Backend::Unresolved { .. }),
+            *resolved,
+            "{mirror}"
+        );
+        assert!(rules[0].unsupported_filter.is_none(), "{mirror}");
+        let at: Vec<&str> = r.problems.iter().map(|p| p.path.as_str()).collect();
+        let unresolved = at
+            .iter()
+            .any(|p| p.ends_with("filters[0].requestMirror.backendRef"));
+        assert_eq!(unresolved, !resolved, "{mirror}: {at:?}");
+    }
+}
+
 /// The plan of the one rule of an HTTPRoute on the ListenerSet whose rule says `extra`.
 fn one_http_rule(extra: &str) -> crate::gateway::plan::HttpRule {
     let route = format!(

@@ -212,7 +212,7 @@ fn type_name<T: std::fmt::Debug>(t: &T) -> String {
     format!("{t:?}")
 }
 
-/// Compiles GRPCRoute filters (header modifiers; the rest answer 500).
+/// Compiles GRPCRoute filters (header modifiers; mirrors come from the plan; the rest answer 500).
 pub fn compile_grpc(
     list: &[GrpcRouteRulesFilters],
     unsupported: Option<&String>,
@@ -224,6 +224,8 @@ pub fn compile_grpc(
             f.request_headers.push(header_mod!(m, errors));
         } else if let Some(m) = &x.response_header_modifier {
             f.response_headers.push(header_mod!(m, errors));
+        } else if x.request_mirror.is_some() {
+            // Served from the plan, where its backendRef is resolved (`Rule::mirrors`).
         } else if f.unsupported.is_none() {
             f.unsupported = Some(format!(
                 "filter {} is not supported by keyway",

@@ -24,6 +24,7 @@ use super::h1::{self, BodyKind};
 use super::idle::{Activity, Watched};
 use super::retry::{self, Reach};
 use super::route_match::{self, PathMatch};
+use super::tee;
 use super::upstream::{Body, ConnectError, H1, H2Error, Io, Outbound, Relay, SendError, Sticky};
 use super::{Ctx, Listener, PortConfig, Rule, filters, pick};
 use crate::metrics::Unrouted;
@@ -917,30 +918,34 @@ async fn forward(
         && f.response_headers.is_empty()
         && f.cors.is_none();
     let overall = rule.timeout.map(|t| tokio::time::Instant::now() + t);
-    // A rule that mirrors this request or may retry it keeps its body (see `keep_body`); a
-    // body too large to keep is neither mirrored nor retried.
-    let mirrors = if upgrade {
-        Vec::new()
-    } else {
-        drawn_mirrors(rule)
-    };
+    // A rule that may retry this request keeps its body whole first (see `keep_body`); a
+    // body too large to keep goes once. Mirrors take a copy of a kept body, or of the body
+    // as it streams to the backend (see `tee`).
     let policy = rule.retry.as_deref().filter(|p| p.attempts > 0 && !upgrade);
-    let (kept, body) = if (!mirrors.is_empty() || policy.is_some()) && retry::replayable(&body) {
+    let (kept, body) = if policy.is_some() && retry::replayable(&body) {
         match Box::pin(keep_body(ctx, rule, overall, body)).await {
             Ok(data) => (Some(data), Body::Empty),
             Err(answer) => return answer,
         }
     } else {
-        if !mirrors.is_empty() {
-            tracing::debug!(
-                "request not mirrored: its body is larger than 64 KiB or of unknown length"
-            );
-        }
         (None, body)
     };
-    if let Some(data) = &kept {
-        mirror(info, rule, &mirrors, &parts, data);
-    }
+    let mirrors = if upgrade {
+        Vec::new()
+    } else {
+        drawn_mirrors(rule)
+    };
+    let body = if mirrors.is_empty() {
+        body
+    } else {
+        let (body, copies) = match &kept {
+            Some(data) => (body, mirrors.iter().map(|_| replay(data)).collect()),
+            None if body.is_end_stream() => (body, mirrors.iter().map(|_| Body::Empty).collect()),
+            None => tee::split(body, mirrors.len()),
+        };
+        mirror(info, rule, &mirrors, &parts, copies);
+        body
+    };
     let (resp, deadline) = match (policy, kept) {
         (Some(policy), Some(data)) => {
             let to = Target {
@@ -1234,25 +1239,26 @@ fn drawn_mirrors(rule: &Rule) -> Vec<&MirrorPlan> {
         .collect()
 }
 
-/// Sends a copy of the request, with its kept body, to each of `chosen` (see
-/// [`drawn_mirrors`]), in a task of its own whose answer is discarded: the request's own
-/// exchange never waits for it.
+/// Sends a copy of the request to each of `chosen` (see [`drawn_mirrors`]) with its body in
+/// `bodies` (one each, in order), in a task of its own whose answer is discarded: the
+/// request's own exchange never waits for it.
 fn mirror(
     info: &ConnInfo,
     rule: &Rule,
     chosen: &[&MirrorPlan],
     parts: &hyper::http::request::Parts,
-    data: &Bytes,
+    bodies: Vec<Body>,
 ) {
     let ctx = &info.ctx;
-    for m in chosen {
-        let h2 = matches!(m.backend, Backend::Service { h2c: true, .. });
+    for (m, body) in chosen.iter().zip(bodies) {
+        // gRPC, and Services whose port says `appProtocol: kubernetes.io/h2c`, get HTTP/2.
+        let h2 = rule.grpc || matches!(m.backend, Backend::Service { h2c: true, .. });
         let Some(mut head) = spoken_as(parts, h2) else {
             continue;
         };
-        // The body is here whole: nothing to wait for.
+        // The request's own backend decides whether its body comes: the copy follows it.
         head.headers.remove(header::EXPECT);
-        let (ctx, backend, body) = (ctx.clone(), m.backend.clone(), replay(data));
+        let (ctx, backend) = (ctx.clone(), m.backend.clone());
         rule.metrics.mirrored.inc();
         tokio::spawn(async move {
             let limit = ctx.http_idle_timeout;

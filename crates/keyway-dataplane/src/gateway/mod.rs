@@ -20,6 +20,7 @@ pub mod retry;
 pub mod route_match;
 pub mod sni;
 pub mod tcp;
+pub mod tee;
 pub mod upstream;
 
 use std::collections::HashMap;
@@ -826,7 +827,7 @@ impl Gateways {
                             timeout: None,
                             attempt_timeout: None,
                             retry: None,
-                            mirrors: Vec::new(),
+                            mirrors: r.mirrors.clone(),
                             metrics: metrics.clone(),
                         });
                     }

@@ -66,6 +66,10 @@ pub enum Body {
     /// A body whose data bytes are counted for its route (boxed: HTTP/2 backends only; an
     /// HTTP/1.1 backend's `Relay` counts by itself).
     Counted(Box<(Body, Counter)>),
+    /// A request body whose frames also go to the rule's mirrors (see [`super::tee`]).
+    Teed(Box<(Body, super::tee::Tee)>),
+    /// A mirror's copy of a request body (see [`super::tee`]).
+    Mirrored(Box<super::tee::Copy>),
 }
 
 impl Body {
@@ -90,7 +94,9 @@ impl Body {
             | Body::Front(_)
             | Body::Held(_)
             | Body::Leased(_)
-            | Body::Counted(_) => Body::Held(Box::new((self, in_flight))),
+            | Body::Counted(_)
+            | Body::Teed(_)
+            | Body::Mirrored(_) => Body::Held(Box::new((self, in_flight))),
             Body::Empty | Body::Full(_) => self,
         }
     }
@@ -111,7 +117,9 @@ impl Body {
             | Body::Front(_)
             | Body::Held(_)
             | Body::Leased(_)
-            | Body::Counted(_) => Body::Counted(Box::new((self, bytes.clone()))),
+            | Body::Counted(_)
+            | Body::Teed(_)
+            | Body::Mirrored(_) => Body::Counted(Box::new((self, bytes.clone()))),
             Body::Empty | Body::Full(_) => self,
         }
     }
@@ -175,6 +183,8 @@ impl hyper::body::Body for Body {
                 }
                 Poll::Ready(f)
             }
+            Body::Teed(t) => super::tee::poll_teed(t, cx),
+            Body::Mirrored(c) => c.poll_frame(cx),
         }
     }
 
@@ -189,6 +199,8 @@ impl hyper::body::Body for Body {
             Body::Held(h) => h.0.is_end_stream(),
             Body::Leased(l) => l.0.is_end_stream(),
             Body::Counted(c) => c.0.is_end_stream(),
+            Body::Teed(t) => t.0.is_end_stream(),
+            Body::Mirrored(c) => c.is_end_stream(),
         }
     }
 
@@ -203,6 +215,8 @@ impl hyper::body::Body for Body {
             Body::Held(h) => h.0.size_hint(),
             Body::Leased(l) => l.0.size_hint(),
             Body::Counted(c) => c.0.size_hint(),
+            Body::Teed(t) => t.0.size_hint(),
+            Body::Mirrored(c) => c.size_hint(),
         }
     }
 }
