@@ -60,7 +60,7 @@ pub fn split(body: Body, n: usize) -> (Body, Vec<Body>) {
             let copy = Copy {
                 frames: rx,
                 behind: behind.clone(),
-                hint: hint.clone(),
+                hint,
                 ended: false,
             };
             let follower = Follower { frames: tx, behind };
@@ -154,7 +154,7 @@ impl Copy {
     }
 
     pub fn size_hint(&self) -> SizeHint {
-        self.hint.clone()
+        self.hint
     }
 }
 
