@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -78,6 +78,8 @@ impl Drop for ActiveGuard {
 
 pub struct Metrics {
     registry: Mutex<Registry>,
+    /// Metrics named by convention rather than by keyway (`process_*`).
+    unprefixed: Mutex<Registry>,
     pub connections_opened: Family<Labels, Counter>,
     pub connections_active: Family<Labels, Gauge>,
     pub bytes: Family<Labels, Counter>,
@@ -109,6 +111,7 @@ impl Default for Metrics {
         let mut registry = Registry::with_prefix("keyway");
         let m = Metrics {
             registry: Mutex::new(Registry::default()),
+            unprefixed: Mutex::default(),
             connections_opened: Family::default(),
             connections_active: Family::default(),
             bytes: Family::default(),
@@ -246,8 +249,12 @@ impl Metrics {
         self.sweep_retired();
         let mut out = String::new();
         if let Ok(registry) = self.registry.lock() {
-            let _ = encode(&mut out, &registry);
+            let _ = encode_registry(&mut out, &registry);
         }
+        if let Ok(registry) = self.unprefixed.lock() {
+            let _ = encode_registry(&mut out, &registry);
+        }
+        let _ = encode_eof(&mut out);
         out
     }
 
@@ -266,6 +273,14 @@ impl Metrics {
     ) {
         if let Ok(mut r) = self.registry.lock() {
             r.register(name, help, metric);
+        }
+    }
+
+    /// Registers a collector whose metrics are read at each scrape, under the names it gives
+    /// them (the standard `process_*` ones have no `keyway_` prefix).
+    pub fn register_collector(&self, collector: Box<dyn prometheus_client::collector::Collector>) {
+        if let Ok(mut r) = self.unprefixed.lock() {
+            r.register_collector(collector);
         }
     }
 

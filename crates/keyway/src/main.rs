@@ -6,6 +6,7 @@ mod allocator;
 mod cli;
 mod demo;
 mod grants;
+mod process_metrics;
 mod run;
 mod site;
 mod site_create;

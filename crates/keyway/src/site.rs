@@ -106,6 +106,9 @@ impl Site {
         let objects = state::load(&state_dir)?;
         let grants = GrantBook::load(&state_dir)?;
         let network = Network::new(dataplane.clone());
+        dataplane
+            .metrics()
+            .register_collector(Box::new(crate::process_metrics::ProcessCollector));
         Ok(Site {
             config,
             state_dir,

@@ -621,3 +621,41 @@ fn every_400_the_gateway_answers_is_counted_as_invalid() {
         site.get("/metrics").unwrap_or_default()
     );
 }
+
+/// The standard `process_*` metrics describe the site's own process: its descriptors (and
+/// their limit), threads, memory and start time, as `/proc/PID` has them.
+#[cfg(target_os = "linux")]
+#[test]
+fn process_metrics_describe_the_site_process() {
+    let _s = serial();
+    let site = SiteProc::start("process", &[site_yaml("process")]);
+    let m = site.get("/metrics").expect("metrics");
+    let fds = std::fs::read_dir(format!("/proc/{}/fd", site.pid()))
+        .expect("fd dir")
+        .count() as f64;
+    let open = value(&m, "process_open_fds", &[]);
+    assert!(
+        (open - fds).abs() <= 8.0 && open >= 3.0,
+        "open fds {open}, /proc says {fds}:\n{m}"
+    );
+    assert!(value(&m, "process_max_fds", &[]) >= open, "{m}");
+    assert!(value(&m, "process_threads", &[]) >= 2.0, "{m}");
+    assert!(value(&m, "process_resident_memory_bytes", &[]) > 1e6, "{m}");
+    assert!(value(&m, "process_virtual_memory_bytes", &[]) > 1e6, "{m}");
+    assert!(value(&m, "process_cpu_seconds_total", &[]) > 0.0, "{m}");
+    let started = value(&m, "process_start_time_seconds", &[]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs_f64();
+    assert!(
+        started > now - 120.0 && started <= now + 1.0,
+        "start {started}, now {now}"
+    );
+    for family in [
+        "process_cpu_seconds_total counter",
+        "process_open_fds gauge",
+    ] {
+        assert!(m.contains(&format!("# TYPE {family}")), "{family}:\n{m}");
+    }
+}
