@@ -96,7 +96,6 @@ pub struct FileLoad {
 /// kind (a manifest set may well hold them), though some are spelled close to one it serves.
 const UNSERVED_KINDS: &[&str] = &[
     "UDPRoute",
-    "BackendTLSPolicy",
     "BackendLBPolicy",
     "BackendTrafficPolicy",
     "XBackendTrafficPolicy",

@@ -268,8 +268,18 @@ pub fn tables_width(items: &[Value], width: usize) -> String {
                 rows.push(columns.iter().map(|(_, f)| f(item)).collect());
             }
         }
-        let plural = if kind.ends_with('s') { "es" } else { "s" };
-        let _ = writeln!(out, "{kind}{plural}:");
+        let plural = if kind.ends_with('s') {
+            format!("{kind}es")
+        } else if let Some(stem) = kind
+            .strip_suffix('y')
+            .filter(|s| !s.ends_with(['a', 'e', 'i', 'o', 'u']))
+        {
+            // BackendTLSPolicy → BackendTLSPolicies (but Gateway → Gateways).
+            format!("{stem}ies")
+        } else {
+            format!("{kind}s")
+        };
+        let _ = writeln!(out, "{plural}:");
         out.push_str(&render_rows(&rows, width));
         out.push('\n');
     }
@@ -398,6 +408,23 @@ fn columns_for(kind: &str) -> Vec<Column> {
             ("HOSTNAMES", |v| list(&v["spec"]["hostnames"])),
             ("PARENTS", route_parents),
             ("RESOLVED REFS", route_resolved),
+        ],
+        "BackendTLSPolicy" => vec![
+            ("TARGETS", |v| {
+                v["spec"]["targetRefs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|t| match t["sectionName"].as_str() {
+                        Some(section) => format!("{}/{section}", s(&t["name"])),
+                        None => s(&t["name"]),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }),
+            ("HOSTNAME", |v| s(&v["spec"]["validation"]["hostname"])),
+            ("GATEWAYS", |v| policy_ancestors(v, "Accepted")),
+            ("RESOLVED REFS", |v| policy_ancestors(v, "ResolvedRefs")),
         ],
         _ => vec![],
     }
@@ -703,6 +730,33 @@ fn route_parents(v: &Value) -> String {
         .join(", ")
 }
 
+/// A policy's condition `type_` per Gateway it affects: `gateway: Accepted` or the reason;
+/// `-` when no Gateway sends traffic to its targets.
+fn policy_ancestors(v: &Value, type_: &str) -> String {
+    let list: Vec<String> = v["status"]["ancestors"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| {
+            let c = condition(a, type_);
+            let state = match c.as_str() {
+                "True" => type_.to_string(),
+                other => other
+                    .strip_prefix("False (")
+                    .and_then(|r| r.strip_suffix(')'))
+                    .unwrap_or(other)
+                    .to_string(),
+            };
+            format!("{}: {state}", s(&a["ancestorRef"]["name"]))
+        })
+        .collect();
+    if list.is_empty() {
+        "-".to_string()
+    } else {
+        list.join(", ")
+    }
+}
+
 /// `True` when every parent resolved its backends, else the first failing reason.
 fn route_resolved(v: &Value) -> String {
     let parents = v["status"]["parents"].as_array();
@@ -960,6 +1014,43 @@ mod table_tests {
             "[::1]:8080",
             "{out}"
         );
+    }
+
+    /// Table headings are English plurals, and a BackendTLSPolicy shows its targets, hostname
+    /// and conditions per Gateway.
+    #[test]
+    fn backend_tls_policies_are_tabled_by_their_plural() {
+        let policy = serde_json::json!({
+            "kind": "BackendTLSPolicy",
+            "metadata": {"name": "p", "namespace": "default"},
+            "spec": {
+                "targetRefs": [{"group": "", "kind": "Service", "name": "app", "sectionName": "https"}],
+                "validation": {"hostname": "app.example"},
+            },
+            "status": {"ancestors": [{
+                "ancestorRef": {"name": "gw"},
+                "conditions": [
+                    {"type": "Accepted", "status": "False", "reason": "Conflicted"},
+                    {"type": "ResolvedRefs", "status": "True", "reason": "ResolvedRefs"},
+                ],
+            }]},
+        });
+        let gateway = serde_json::json!({"kind": "Gateway", "metadata": {"name": "gw"}});
+        let out = tables(&[policy, gateway]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], "BackendTLSPolicies:");
+        assert_eq!(
+            cells(lines[2]),
+            [
+                "p",
+                "app/https",
+                "app.example",
+                "gw: Conflicted",
+                "gw: ResolvedRefs"
+            ],
+            "{out}"
+        );
+        assert!(out.contains("\nGateways:\n"), "{out}");
     }
 
     #[test]

@@ -4,13 +4,14 @@
 use std::fmt;
 
 use gateway_api::apis::experimental::tcproutes::TcpRoute as TCPRoute;
+use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicy as BackendTLSPolicy;
 use gateway_api::apis::standard::gatewayclasses::GatewayClass;
 use gateway_api::apis::standard::gateways::Gateway;
 use gateway_api::apis::standard::grpcroutes::GrpcRoute as GRPCRoute;
 use gateway_api::apis::standard::listenersets::ListenerSet;
 use gateway_api::apis::standard::referencegrants::ReferenceGrant;
 use gateway_api::apis::standard::tlsroutes::TlsRoute as TLSRoute;
-use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
@@ -148,8 +149,10 @@ kinds! {
     TLSRoute => TLSRoute, "TLSRoute", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1alpha2", "gateway.networking.k8s.io/v1alpha3"], true;
     TCPRoute => TCPRoute, "TCPRoute", "gateway.networking.k8s.io/v1alpha2", ["gateway.networking.k8s.io/v1"], true;
     ReferenceGrant => ReferenceGrant, "ReferenceGrant", "gateway.networking.k8s.io/v1beta1", ["gateway.networking.k8s.io/v1"], true;
+    BackendTLSPolicy => BackendTLSPolicy, "BackendTLSPolicy", "gateway.networking.k8s.io/v1", ["gateway.networking.k8s.io/v1alpha3"], true;
     Namespace => Namespace, "Namespace", "v1", [], false;
     Secret => Secret, "Secret", "v1", [], true;
+    ConfigMap => ConfigMap, "ConfigMap", "v1", [], true;
     Service => Service, "Service", "v1", [], true;
     EndpointSlice => EndpointSlice, "EndpointSlice", "discovery.k8s.io/v1", [], true;
 }
@@ -162,6 +165,8 @@ impl Kind {
             Kind::Gateway => &["gtw", "gw"],
             Kind::ListenerSet => &["lset", "ls", "xls", "xlistenerset", "xlistenersets"],
             Kind::ReferenceGrant => &["refgrant"],
+            Kind::BackendTLSPolicy => &["btlspolicy", "backendtlspolicies"],
+            Kind::ConfigMap => &["cm"],
             Kind::Namespace => &["ns"],
             Kind::Service => &["svc"],
             Kind::AccessGrant => &["grant", "grants"],

@@ -314,9 +314,183 @@ fn validate_spec(resource: &Resource) -> Vec<Problem> {
                 }
             }
         }
-        Resource::Site(_) | Resource::GatewayClass(_) | Resource::Namespace(_) => {}
+        Resource::BackendTLSPolicy(b) => check_backend_tls_policy(&mut p, &b.spec),
+        Resource::Site(_)
+        | Resource::GatewayClass(_)
+        | Resource::Namespace(_)
+        | Resource::ConfigMap(_) => {}
     }
     p.0
+}
+
+/// A BackendTLSPolicy as the upstream schema and its CEL rules have it.
+fn check_backend_tls_policy(
+    p: &mut Problems,
+    spec: &gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicySpec,
+) {
+    use gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicyValidationSubjectAltNamesType as San;
+    let targets = &spec.target_refs;
+    if !(1..=16).contains(&targets.len()) {
+        p.add("spec.targetRefs", "must have between 1 and 16 entries");
+    }
+    for (i, a) in targets.iter().enumerate() {
+        let at = format!("spec.targetRefs[{i}]");
+        if a.name.is_empty() {
+            p.add(format!("{at}.name"), "name is required");
+        }
+        if a.kind.is_empty() {
+            p.add(format!("{at}.kind"), "kind is required");
+        }
+        if let Some(s) = a.section_name.as_deref().filter(|s| !s.is_empty())
+            && !is_section_name(s)
+        {
+            p.add(
+                format!("{at}.sectionName"),
+                format!("`{s}` is not a valid section name (a lowercase RFC 1123 subdomain)"),
+            );
+        }
+        for b in &targets[..i] {
+            if (&a.group, &a.kind, &a.name) != (&b.group, &b.kind, &b.name) {
+                continue;
+            }
+            if section_of(a).is_some() != section_of(b).is_some() {
+                p.add(
+                    "spec.targetRefs",
+                    "sectionName must be specified when targetRefs includes 2 or more references to the same target",
+                );
+            } else if section_of(a) == section_of(b) {
+                p.add(
+                    "spec.targetRefs",
+                    "sectionName must be unique when targetRefs includes 2 or more references to the same target",
+                );
+            }
+        }
+    }
+    let v = &spec.validation;
+    let refs = v.ca_certificate_refs.as_deref().unwrap_or_default();
+    let well_known = v
+        .well_known_ca_certificates
+        .as_deref()
+        .filter(|w| !w.is_empty());
+    match (refs.is_empty(), well_known) {
+        (false, Some(_)) => p.add(
+            "spec.validation",
+            "must not contain both CACertificateRefs and WellKnownCACertificates",
+        ),
+        (true, None) => p.add(
+            "spec.validation",
+            "must specify either CACertificateRefs or WellKnownCACertificates",
+        ),
+        _ => {}
+    }
+    if refs.len() > 8 {
+        p.add(
+            "spec.validation.caCertificateRefs",
+            "must have at most 8 entries",
+        );
+    }
+    for (i, r) in refs.iter().enumerate() {
+        if r.name.is_empty() {
+            p.add(
+                format!("spec.validation.caCertificateRefs[{i}].name"),
+                "name is required",
+            );
+        }
+    }
+    if let Some(w) = well_known
+        && w != "System"
+    {
+        p.add(
+            "spec.validation.wellKnownCACertificates",
+            format!("wellKnownCACertificates must be System, found `{w}`"),
+        );
+    }
+    if !is_dns_subdomain(&v.hostname) {
+        p.add(
+            "spec.validation.hostname",
+            format!(
+                "`{}` must be a precise hostname: lowercase DNS labels, no wildcard, no IP address, no port",
+                v.hostname
+            ),
+        );
+    }
+    let sans = v.subject_alt_names.as_deref().unwrap_or_default();
+    if sans.len() > 5 {
+        p.add(
+            "spec.validation.subjectAltNames",
+            "must have at most 5 entries",
+        );
+    }
+    for (i, s) in sans.iter().enumerate() {
+        let at = format!("spec.validation.subjectAltNames[{i}]");
+        let hostname = s.hostname.as_deref().filter(|h| !h.is_empty());
+        let uri = s.uri.as_deref().filter(|u| !u.is_empty());
+        match s.r#type {
+            San::Hostname => {
+                match hostname {
+                    None => p.add(
+                        &at,
+                        "SubjectAltName element must contain Hostname, if Type is set to Hostname",
+                    ),
+                    Some(h) if !is_gateway_hostname(h) => p.add(
+                        format!("{at}.hostname"),
+                        format!("`{h}` is not a valid hostname"),
+                    ),
+                    Some(_) => {}
+                }
+                if uri.is_some() {
+                    p.add(
+                        &at,
+                        "SubjectAltName element must not contain URI, if Type is not set to URI",
+                    );
+                }
+            }
+            San::Uri => {
+                match uri {
+                    None => p.add(
+                        &at,
+                        "SubjectAltName element must contain URI, if Type is set to URI",
+                    ),
+                    Some(u) if !is_absolute_uri(u) => p.add(
+                        format!("{at}.uri"),
+                        format!("`{u}` is not an absolute URI (a scheme, `:`, then the rest)"),
+                    ),
+                    Some(_) => {}
+                }
+                if hostname.is_some() {
+                    p.add(
+                        &at,
+                        "SubjectAltName element must not contain Hostname, if Type is not set to Hostname",
+                    );
+                }
+            }
+        }
+    }
+    if spec.options.as_ref().is_some_and(|o| o.len() > 16) {
+        p.add("spec.options", "must have at most 16 entries");
+    }
+}
+
+/// A targetRef's `sectionName`, if set (empty counts as unset, as the CEL rules have it).
+pub(crate) fn section_of(
+    r: &gateway_api::apis::standard::backendtlspolicies::BackendTlsPolicyTargetRefs,
+) -> Option<&str> {
+    r.section_name.as_deref().filter(|s| !s.is_empty())
+}
+
+/// Gateway API `AbsoluteURI`: a scheme (RFC 3986: a letter, then letters, digits, `+`, `-`,
+/// `.`), `:`, and a non-empty rest without spaces (`spiffe://cluster.local/ns/a/sa/b`).
+fn is_absolute_uri(u: &str) -> bool {
+    let Some((scheme, rest)) = u.split_once(':') else {
+        return false;
+    };
+    let mut s = scheme.bytes();
+    s.next().is_some_and(|b| b.is_ascii_alphabetic())
+        && s.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+        && !rest.is_empty()
+        && !rest
+            .bytes()
+            .any(|b| b.is_ascii_whitespace() || b.is_ascii_control())
 }
 
 fn check_strategy(p: &mut Problems, s: &skupper::MultiKeyListenerStrategy) {

@@ -394,9 +394,25 @@ fn endpoint_slice() {
 }
 
 #[test]
+fn backend_tls_policy() {
+    round_trip(
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: BackendTLSPolicy\nmetadata:\n  name: tls\nspec:\n  targetRefs:\n  - group: \"\"\n    kind: Service\n    name: api\n    sectionName: https\n  validation:\n    caCertificateRefs:\n    - group: \"\"\n      kind: ConfigMap\n      name: api-ca\n    hostname: api.example.com\n    subjectAltNames:\n    - type: URI\n      uri: spiffe://cluster.local/ns/default/sa/api\n  options:\n    example.com/min-version: \"1.3\"\n",
+        Kind::BackendTLSPolicy,
+    );
+}
+
+#[test]
+fn config_map() {
+    round_trip(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: api-ca\ndata:\n  ca.crt: |\n    -----BEGIN CERTIFICATE-----\n    MIIB\n    -----END CERTIFICATE-----\n",
+        Kind::ConfigMap,
+    );
+}
+
+#[test]
 fn every_kind_is_covered_by_these_tests() {
     // A reminder to extend this file when a kind is added.
-    assert_eq!(Kind::ALL.len(), 20);
+    assert_eq!(Kind::ALL.len(), 22);
 }
 
 #[test]
@@ -646,7 +662,7 @@ fn unknown_kinds_warn_and_unknown_fields_reject() {
             "gateway.networking.x-k8s.io/v1alpha1",
             "XBackendTrafficPolicy",
         ),
-        ("v1", "ConfigMap"),
+        ("v1", "Pod"),
         ("example.com/v1", "Listener"),
     ] {
         let text = format!("apiVersion: {api}\nkind: {kind}\nmetadata:\n  name: a\n");

@@ -577,3 +577,87 @@ spec:
         "status written for a parent keyway does not own: {parents:#?}"
     );
 }
+
+/// BackendTLSPolicy as the upstream schema and its CEL rules have it: the example of the
+/// Gateway API guide loads (v1, and v1alpha3 as older manifests say); each broken rule is
+/// refused at its field.
+#[test]
+fn backend_tls_policies_are_checked() {
+    let policy = |version: &str, targets: &str, validation: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/{version}\nkind: BackendTLSPolicy\nmetadata: {{name: p}}\nspec:\n  targetRefs: {targets}\n  validation: {validation}\n"
+        )
+    };
+    let svc = "[{group: \"\", kind: Service, name: app, sectionName: https}]";
+    let ca = "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: ca}], hostname: app.example.com}";
+    for version in ["v1", "v1alpha3"] {
+        let load = load_file("p.yaml", &policy(version, svc, ca));
+        assert!(
+            matches!(load.outcomes[..], [DocOutcome::Object(_)]),
+            "{version}: {:?}",
+            load.outcomes
+        );
+    }
+    let sans = |list: &str| {
+        format!("{{wellKnownCACertificates: System, hostname: a.example, subjectAltNames: {list}}}")
+    };
+    for (targets, validation, path, message) in [
+        (svc, "{hostname: a.example}".to_string(), "spec.validation", "must specify either CACertificateRefs or WellKnownCACertificates"),
+        (
+            svc,
+            "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: ca}], wellKnownCACertificates: System, hostname: a.example}".to_string(),
+            "spec.validation",
+            "must not contain both CACertificateRefs and WellKnownCACertificates",
+        ),
+        (
+            svc,
+            "{wellKnownCACertificates: Mozilla, hostname: a.example}".to_string(),
+            "spec.validation.wellKnownCACertificates",
+            "wellKnownCACertificates must be System, found `Mozilla`",
+        ),
+        (
+            svc,
+            "{wellKnownCACertificates: System, hostname: \"*.example.com\"}".to_string(),
+            "spec.validation.hostname",
+            "`*.example.com` must be a precise hostname: lowercase DNS labels, no wildcard, no IP address, no port",
+        ),
+        (
+            svc,
+            sans("[{type: Hostname}]"),
+            "spec.validation.subjectAltNames[0]",
+            "SubjectAltName element must contain Hostname, if Type is set to Hostname",
+        ),
+        (
+            svc,
+            sans("[{type: URI, uri: \"spiffe://a/b\", hostname: a.example}]"),
+            "spec.validation.subjectAltNames[0]",
+            "SubjectAltName element must not contain Hostname, if Type is not set to Hostname",
+        ),
+        (
+            svc,
+            sans("[{type: URI, uri: no-scheme}]"),
+            "spec.validation.subjectAltNames[0].uri",
+            "`no-scheme` is not an absolute URI (a scheme, `:`, then the rest)",
+        ),
+        (
+            "[]",
+            ca.to_string(),
+            "spec.targetRefs",
+            "must have between 1 and 16 entries",
+        ),
+        (
+            "[{group: \"\", kind: Service, name: app}, {group: \"\", kind: Service, name: app, sectionName: https}]",
+            ca.to_string(),
+            "spec.targetRefs",
+            "sectionName must be specified when targetRefs includes 2 or more references to the same target",
+        ),
+        (
+            "[{group: \"\", kind: Service, name: app, sectionName: https}, {group: \"\", kind: Service, name: app, sectionName: https}]",
+            ca.to_string(),
+            "spec.targetRefs",
+            "sectionName must be unique when targetRefs includes 2 or more references to the same target",
+        ),
+    ] {
+        assert_rejected(&policy("v1", targets, &validation), path, message, &validation);
+    }
+}

@@ -871,7 +871,7 @@ fn warnings_are_logged_once() {
     std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
     std::fs::write(
         dir.join("cm.yaml"),
-        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: settings\n",
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: settings\n",
     )
     .expect("write");
     let site = Site::start(&dir);
@@ -884,7 +884,7 @@ fn warnings_are_logged_once() {
         site.wait_for("/metrics", |_, body| reload_count(body) > before);
     }
     let log = std::fs::read_to_string(dir.join(".keyway.log")).expect("log");
-    assert_eq!(log.matches("unknown kind ConfigMap").count(), 1, "{log}");
+    assert_eq!(log.matches("unknown kind Pod").count(), 1, "{log}");
 }
 
 /// The config directory itself replaced (a new one renamed over it, or removed and made again):

@@ -12,6 +12,7 @@
 //! Namespaces, ReferenceGrants or GatewayClasses (which selectors and permissions of anything
 //! may depend on) still drops every cache.
 
+mod backend_tls;
 mod fxhash;
 pub mod hostname;
 #[cfg(test)]
@@ -114,9 +115,9 @@ pub fn foreign_class_warnings(index: &Index) -> Vec<ConfigError> {
 }
 
 /// Warnings about Gateway API references that are valid config but serve nothing: Gateways of
-/// a class keyway does not serve ([`foreign_class_warnings`]), and route parentRefs naming a
+/// a class keyway does not serve ([`foreign_class_warnings`]), route parentRefs naming a
 /// Gateway or ListenerSet the config does not have (a misspelt name detaches a route without
-/// any error). A site logs each when it appears; `validate` and `status` print them.
+/// any error), and BackendTLSPolicy targetRefs naming no Service of the config. A site logs each when it appears; `validate` and `status` print them.
 pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
     let mut out = foreign_class_warnings(index);
     let route_kinds = [
@@ -141,6 +142,36 @@ pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
                     parent.kind, parent.namespace, parent.name
                 ),
             ));
+        }
+    }
+    // A BackendTLSPolicy that names no Service of the config, or another kind, applies to
+    // nothing: a misspelt name would leave a backend in cleartext without a word.
+    for obj in index.of_kind(Kind::BackendTLSPolicy) {
+        let Resource::BackendTLSPolicy(p) = &obj.resource else {
+            continue;
+        };
+        for (i, t) in p.spec.target_refs.iter().enumerate() {
+            let at = format!("spec.targetRefs[{i}]");
+            if !((t.group.is_empty() || t.group == "core") && t.kind == "Service") {
+                out.push(obj.error_at(
+                    &at,
+                    format!(
+                        "{} {} is not a Service: keyway applies BackendTLSPolicies to Services only, so this targetRef applies to nothing",
+                        t.kind, t.name
+                    ),
+                ));
+                continue;
+            }
+            let svc = ObjectKey::new(Kind::Service, obj.key.namespace.clone(), t.name.clone());
+            if index.get(&svc).is_none() && index.rejected(&svc).is_none() {
+                out.push(obj.error_at(
+                    &at,
+                    format!(
+                        "no Service {}/{} in the config: this targetRef applies to nothing",
+                        obj.key.namespace, t.name
+                    ),
+                ));
+            }
         }
     }
     out
@@ -208,6 +239,8 @@ pub struct GatewayResolver {
     /// Per route: the listeners (owner slot, listener) where it lost a route conflict, in slot
     /// order.
     conflicted: HashMap<ObjectKey, Vec<(usize, usize)>>,
+    /// BackendTLSPolicies with a status, to remove those gone.
+    policy_keys: Vec<ObjectKey>,
     out: GatewayResolution,
 }
 
@@ -524,7 +557,9 @@ impl GatewayResolver {
                 | Kind::Service
                 | Kind::EndpointSlice
                 | Kind::Listener
-                | Kind::MultiKeyListener => dep_objs.push(obj),
+                | Kind::MultiKeyListener
+                | Kind::BackendTLSPolicy
+                | Kind::ConfigMap => dep_objs.push(obj),
                 _ => {}
             }
         }
@@ -545,6 +580,10 @@ impl GatewayResolver {
                     }
                     Kind::EndpointSlice => {
                         backends.extend(refs::slice_service(&o).map(|k| refs::backend_hash(&k)))
+                    }
+                    // A policy changes how its Services are spoken to.
+                    Kind::BackendTLSPolicy => {
+                        backends.extend(backend_tls::targets(&o).map(|k| refs::backend_hash(&k)))
                     }
                     _ => drop_all = true,
                 }
@@ -1333,6 +1372,29 @@ impl GatewayResolver {
         for key in &removed {
             self.out.statuses.remove(key);
         }
+        // BackendTLSPolicies: their status from the plan as it now stands (they are few).
+        let policies: Vec<&Arc<LoadedObject>> = dep_objs
+            .iter()
+            .filter(|o| o.key.kind == Kind::BackendTLSPolicy)
+            .copied()
+            .collect();
+        let models = backend_tls::statuses(
+            &world,
+            &world.tls_policies,
+            &policies,
+            &self.out.plan,
+            &mut problems,
+        );
+        let keys: Vec<ObjectKey> = models.iter().map(|(k, _)| k.clone()).collect();
+        for gone in std::mem::take(&mut self.policy_keys) {
+            if !keys.contains(&gone) {
+                self.out.statuses.remove(&gone);
+            }
+        }
+        for (key, model) in models {
+            self.out.statuses.put(&key, model, now);
+        }
+        self.policy_keys = keys;
         problems.sort();
         problems.dedup();
         self.out.problems = problems;

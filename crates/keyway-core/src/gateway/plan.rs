@@ -242,6 +242,10 @@ pub enum Backend {
         /// HTTP/2 with prior knowledge (gRPC always does).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         h2c: bool,
+        /// TLS to the endpoints, from the BackendTLSPolicy that applies to this Service port
+        /// (HTTPRoute and GRPCRoute backends); `None`: cleartext.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tls: Option<Arc<BackendTls>>,
     },
     /// keyway's bridge into the service network: a skupper `Listener` or `MultiKeyListener`.
     Skupper {
@@ -250,6 +254,54 @@ pub enum Backend {
     },
     /// Cannot be resolved: the data plane answers 500 for this share of traffic.
     Unresolved { reason: String },
+}
+
+/// How the Gateway speaks TLS to a Service's endpoints (Gateway API BackendTLSPolicy).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendTls {
+    /// The policy, `namespace/name`.
+    pub policy: String,
+    /// The SNI, and the name the certificate must be valid for unless `subject_alt_names`
+    /// are given.
+    pub hostname: String,
+    /// What the certificate must chain to.
+    pub roots: TlsRoots,
+    /// Names of which the certificate must carry at least one (instead of `hostname`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub subject_alt_names: Vec<SubjectAltName>,
+    /// ALPN `h2` (the route speaks HTTP/2 to this backend: gRPC, or appProtocol h2c), else
+    /// `http/1.1`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub h2: bool,
+    /// Tells configurations apart (the data plane keys connections by it): a hash of
+    /// everything above.
+    #[serde(skip)]
+    pub id: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum TlsRoots {
+    /// The system's trusted CAs (`wellKnownCACertificates: System`).
+    System,
+    /// The `ca.crt` certificates of the policy's ConfigMaps.
+    Certificates {
+        /// The ConfigMaps, `namespace/name`.
+        from: Vec<String>,
+        #[serde(skip)]
+        der: Vec<rustls_pki_types::CertificateDer<'static>>,
+    },
+    /// A CA reference that does not resolve: every connection fails (the client gets a 5xx),
+    /// never falling back to cleartext or to other CAs.
+    Invalid { reason: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum SubjectAltName {
+    Hostname(String),
+    Uri(String),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]

@@ -132,6 +132,7 @@ pub(crate) struct World<'a> {
     ns_labels: HashMap<&'a str, &'a BTreeMap<String, String>>,
     grants: HashMap<&'a str, Vec<Grant>>,
     slices: HashMap<(&'a str, &'a str), Vec<&'a EndpointSlice>>,
+    pub tls_policies: super::backend_tls::Policies<'a>,
 }
 
 impl<'a> World<'a> {
@@ -142,6 +143,7 @@ impl<'a> World<'a> {
             ns_labels: HashMap::new(),
             grants: HashMap::new(),
             slices: HashMap::new(),
+            tls_policies: Default::default(),
         };
         for obj in objects {
             match &obj.resource {
@@ -170,6 +172,7 @@ impl<'a> World<'a> {
                                 .collect(),
                         });
                 }
+                Resource::BackendTLSPolicy(_) => world.tls_policies.add(obj),
                 Resource::EndpointSlice(s) => {
                     if let Some(svc) = s
                         .metadata
@@ -440,10 +443,21 @@ impl<'a> World<'a> {
         }
         endpoints.sort();
         endpoints.dedup();
+        // A BackendTLSPolicy on this Service port makes its HTTP and gRPC traffic TLS.
+        let tls = match route_kind {
+            Kind::HTTPRoute | Kind::GRPCRoute => self
+                .tls_policies
+                .applying(ns, &r.name, wanted)
+                .and_then(|p| {
+                    super::backend_tls::tls_of(self, p, h2c || route_kind == Kind::GRPCRoute)
+                }),
+            _ => None,
+        };
         Ok(Backend::Service {
             service: format!("{ns}/{}", r.name),
             endpoints,
             h2c,
+            tls,
         })
     }
 }

@@ -91,6 +91,11 @@ pub(crate) enum Model {
         generation: i64,
         parents: Vec<ParentStatus>,
     },
+    /// A policy (BackendTLSPolicy): its conditions for each Gateway it affects.
+    Policy {
+        generation: i64,
+        ancestors: Vec<(ObjectKey, Vec<C>)>,
+    },
 }
 
 fn conds<'a>(list: impl IntoIterator<Item = &'a C>, generation: &Value, now: &Value) -> Value {
@@ -189,6 +194,28 @@ fn render_with(model: &Model, now: &Value, top: &[Value]) -> Value {
                 .collect();
             json!({ "parents": parents })
         }
+        Model::Policy {
+            generation,
+            ancestors,
+        } => {
+            let generation = Value::from(*generation);
+            let ancestors: Vec<Value> = ancestors
+                .iter()
+                .map(|(gateway, conditions)| {
+                    json!({
+                        "ancestorRef": {
+                            "group": GATEWAY_GROUP,
+                            "kind": "Gateway",
+                            "namespace": gateway.namespace,
+                            "name": gateway.name,
+                        },
+                        "controllerName": CONTROLLER_NAME,
+                        "conditions": conds(conditions, &generation, now),
+                    })
+                })
+                .collect();
+            json!({ "ancestors": ancestors })
+        }
     };
     if let Some(list) = v.get_mut("conditions").and_then(Value::as_array_mut) {
         for (cond, time) in list.iter_mut().zip(top) {
@@ -209,7 +236,7 @@ impl Model {
             Model::Listeners { conditions, .. } => {
                 conditions.iter().map(|c| (c.type_, c.status)).collect()
             }
-            Model::Route { .. } => Vec::new(),
+            Model::Route { .. } | Model::Policy { .. } => Vec::new(),
         }
     }
 }

@@ -1668,6 +1668,7 @@ fn service_backends_resolve_ready_endpoints_at_the_target_port() {
                 port: 8080
             }],
             h2c: false,
+            tls: None,
         }
     );
     assert_eq!(rules[0].backends[0].weight, 1);
@@ -2549,4 +2550,329 @@ fn overlapping_https_hostnames_on_a_port_are_reported() {
     assert_eq!(overlap(Kind::Gateway, "infra", "gw", "wild"), yes);
     assert_eq!(overlap(Kind::ListenerSet, "team", "ls", "a"), yes);
     assert_eq!(overlap(Kind::Gateway, "infra", "gw", "other"), None);
+}
+
+// ---- BackendTLSPolicy -------------------------------------------------------------------------
+
+fn tls_policy(name: &str, created: &str, targets: &str, validation: &str) -> String {
+    format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: BackendTLSPolicy\nmetadata: {{name: {name}, namespace: team-a, creationTimestamp: \"{created}\"}}\nspec:\n  targetRefs: {targets}\n  validation: {validation}\n"
+    )
+}
+
+fn config_map(name: &str, data: &str) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}, namespace: team-a}}\ndata: {data}\n"
+    )
+}
+
+const APP_TARGET: &str = "[{group: \"\", kind: Service, name: app}]";
+const CA_REF: &str =
+    "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: ca}], hostname: app.example}";
+const T1: &str = "2026-01-01T00:00:00Z";
+const T2: &str = "2026-02-01T00:00:00Z";
+
+/// The TLS of the route's one backend, with the world's other objects `extra`.
+fn backend_tls_of(extra: &str) -> Option<Arc<plan::BackendTls>> {
+    let r = routes_world(&(http_route("team-a", "r", TO_LS, "[]", APP) + extra));
+    let rules = http_rules_on_one(&r).expect("route");
+    match &rules[0].backends[0].backend {
+        Backend::Service { tls, .. } => tls.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Which BackendTLSPolicy applies to a Service port (a port named by `sectionName` first, then
+/// the whole Service; among equals the oldest, then the first by name) and the CAs it asks for:
+/// its ConfigMaps' `ca.crt`, the system's, or, when a reference does not resolve, none at all
+/// (connections fail rather than going without TLS).
+#[test]
+fn backend_tls_policies_table() {
+    let ca = config_map("ca", &format!("{{ca.crt: {CERT:?}}}"));
+    let system = "{wellKnownCACertificates: System, hostname: sys.example}";
+    let section =
+        |s: &str| format!("[{{group: \"\", kind: Service, name: app, sectionName: {s}}}]");
+    // (objects, the policy that applies and its roots: "certs", "system" or "invalid")
+    let cases: Vec<(String, Option<(&str, &str)>)> = vec![
+        (String::new(), None),
+        (
+            tls_policy("p", T1, APP_TARGET, CA_REF) + &ca,
+            Some(("p", "certs")),
+        ),
+        (
+            tls_policy("p", T1, APP_TARGET, system),
+            Some(("p", "system")),
+        ),
+        (
+            tls_policy("whole", T1, APP_TARGET, system)
+                + &tls_policy("port", T2, &section("http"), CA_REF)
+                + &ca,
+            Some(("port", "certs")),
+        ),
+        (tls_policy("port", T1, &section("metrics"), system), None),
+        (
+            tls_policy("newer", T2, APP_TARGET, system)
+                + &tls_policy("older", T1, APP_TARGET, CA_REF)
+                + &ca,
+            Some(("older", "certs")),
+        ),
+        (
+            tls_policy("b", T1, APP_TARGET, CA_REF)
+                + &tls_policy("a", T1, APP_TARGET, system)
+                + &ca,
+            Some(("a", "system")),
+        ),
+        (
+            tls_policy("p", T1, APP_TARGET, CA_REF),
+            Some(("p", "invalid")),
+        ),
+        (
+            tls_policy("p", T1, APP_TARGET, CA_REF) + &config_map("ca", "{other: x}"),
+            Some(("p", "invalid")),
+        ),
+        (
+            tls_policy("p", T1, APP_TARGET, CA_REF)
+                + &config_map("ca", "{ca.crt: not a certificate}"),
+            Some(("p", "invalid")),
+        ),
+        (
+            tls_policy(
+                "p",
+                T1,
+                APP_TARGET,
+                "{caCertificateRefs: [{group: \"\", kind: Secret, name: ca}], hostname: app.example}",
+            ),
+            Some(("p", "invalid")),
+        ),
+        (
+            tls_policy(
+                "p",
+                T1,
+                "[{group: apps, kind: Deployment, name: app}]",
+                system,
+            ),
+            None,
+        ),
+        (
+            tls_policy("p", T1, APP_TARGET, system)
+                .replace("namespace: team-a", "namespace: team-b"),
+            None,
+        ),
+    ];
+    for (extra, want) in &cases {
+        let got = backend_tls_of(extra);
+        let got = got.as_deref().map(|t| {
+            let roots = match &t.roots {
+                plan::TlsRoots::Certificates { der, from } => {
+                    assert_eq!(
+                        (der.len(), from.as_slice()),
+                        (1, &["team-a/ca".to_string()][..])
+                    );
+                    "certs"
+                }
+                plan::TlsRoots::System => "system",
+                plan::TlsRoots::Invalid { .. } => "invalid",
+            };
+            (t.policy.trim_start_matches("team-a/"), roots)
+        });
+        assert_eq!(got, *want, "{extra}");
+    }
+}
+
+/// The TLS of a policy carries its hostname and subjectAltNames; a gRPC backend asks for h2 by
+/// ALPN; a TCPRoute's backend goes without TLS; another configuration has another id.
+#[test]
+fn backend_tls_follows_the_route_kind() {
+    let sans = "{wellKnownCACertificates: System, hostname: app.example, subjectAltNames: [{type: Hostname, hostname: a.example}, {type: URI, uri: \"spiffe://c/ns/a/sa/b\"}]}";
+    let tls = backend_tls_of(&tls_policy("p", T1, APP_TARGET, sans)).expect("tls");
+    assert_eq!(tls.hostname, "app.example");
+    assert_eq!(
+        tls.subject_alt_names,
+        vec![
+            plan::SubjectAltName::Hostname("a.example".into()),
+            plan::SubjectAltName::Uri("spiffe://c/ns/a/sa/b".into())
+        ]
+    );
+    assert!(!tls.h2);
+    let other = backend_tls_of(&tls_policy(
+        "p",
+        T1,
+        APP_TARGET,
+        &sans.replace("hostname: a.example}", "hostname: b.example}"),
+    ));
+    assert_ne!(other.map(|t| t.id), Some(tls.id));
+
+    let grpc = "---\napiVersion: gateway.networking.k8s.io/v1\nkind: GRPCRoute\nmetadata: {name: g, namespace: team-a}\nspec:\n  parentRefs: [{name: ls, namespace: team-a, kind: ListenerSet, sectionName: two}]\n  rules:\n  - backendRefs: [{name: app, port: 80}]\n";
+    let r = routes_world(&(grpc.to_string() + &tls_policy("p", T1, APP_TARGET, sans)));
+    let l = r.plan.gateways[0]
+        .ports
+        .iter()
+        .flat_map(|p| &p.listeners)
+        .find(|l| l.name == "two");
+    let Some(plan::RouteRules::Grpc(rules)) = l.and_then(|l| l.routes.first()).map(|r| &*r.rules)
+    else {
+        panic!("no GRPCRoute on two");
+    };
+    let Backend::Service { tls: Some(t), .. } = &rules[0].backends[0].backend else {
+        panic!("{:?}", rules[0].backends[0].backend);
+    };
+    assert!(t.h2, "gRPC speaks HTTP/2 over TLS");
+}
+
+/// A BackendTLSPolicy's status: per Gateway whose routes use a Service it names, Accepted
+/// (Conflicted for the one that lost, NoValidCACertificate when no CA reference resolves) and
+/// ResolvedRefs (InvalidCACertificateRef, InvalidKind); a reference that does not resolve is
+/// also a config error at its field. A policy no Gateway's traffic meets has no ancestors.
+#[test]
+fn backend_tls_policy_status_table() {
+    let ca = config_map("ca", &format!("{{ca.crt: {CERT:?}}}"));
+    let route = http_route("team-a", "r", TO_LS, "[]", APP);
+    let secret_ref =
+        "{caCertificateRefs: [{group: \"\", kind: Secret, name: ca}], hostname: app.example}";
+    // (objects, policy, (Accepted reason, ResolvedRefs reason), error path)
+    type Case<'a> = (String, &'a str, Option<(&'a str, &'a str)>, Option<&'a str>);
+    let cases: Vec<Case> = vec![
+        (
+            route.clone() + &tls_policy("p", T1, APP_TARGET, CA_REF) + &ca,
+            "p",
+            Some(("Accepted", "ResolvedRefs")),
+            None,
+        ),
+        (
+            route.clone()
+                + &tls_policy("p", T1, APP_TARGET, CA_REF)
+                + &tls_policy("q", T2, APP_TARGET, CA_REF)
+                + &ca,
+            "q",
+            Some(("Conflicted", "ResolvedRefs")),
+            None,
+        ),
+        (
+            route.clone() + &tls_policy("p", T1, APP_TARGET, CA_REF),
+            "p",
+            Some(("NoValidCACertificate", "InvalidCACertificateRef")),
+            Some("spec.validation.caCertificateRefs[0]"),
+        ),
+        (
+            route.clone() + &tls_policy("p", T1, APP_TARGET, secret_ref),
+            "p",
+            Some(("NoValidCACertificate", "InvalidKind")),
+            Some("spec.validation.caCertificateRefs[0]"),
+        ),
+        (
+            tls_policy("p", T1, APP_TARGET, CA_REF) + &ca,
+            "p",
+            None,
+            None,
+        ),
+    ];
+    for (extra, name, want, error_at) in &cases {
+        let r = routes_world(extra);
+        let s = status(&r, Kind::BackendTLSPolicy, "team-a", name);
+        let ancestors = s["ancestors"].as_array().expect("ancestors");
+        match want {
+            None => assert!(ancestors.is_empty(), "{extra}: {s:#}"),
+            Some((accepted, resolved)) => {
+                assert_eq!(ancestors.len(), 1, "{s:#}");
+                let a = &ancestors[0];
+                assert_eq!(a["ancestorRef"]["name"], "gw");
+                assert_eq!(a["ancestorRef"]["namespace"], "infra");
+                assert_eq!(a["ancestorRef"]["kind"], "Gateway");
+                assert_eq!(a["controllerName"], CONTROLLER_NAME);
+                assert_eq!(
+                    cond(&a["conditions"], "Accepted").1,
+                    *accepted,
+                    "{extra}: {s:#}"
+                );
+                assert_eq!(
+                    cond(&a["conditions"], "ResolvedRefs").1,
+                    *resolved,
+                    "{extra}: {s:#}"
+                );
+            }
+        }
+        let paths: Vec<&str> = r
+            .problems
+            .iter()
+            .filter(|p| {
+                p.object
+                    .as_ref()
+                    .is_some_and(|k| k.kind == Kind::BackendTLSPolicy)
+            })
+            .map(|p| p.path.as_str())
+            .collect();
+        assert_eq!(
+            paths,
+            error_at.iter().copied().collect::<Vec<_>>(),
+            "{extra}"
+        );
+    }
+}
+
+/// A long-lived resolver follows BackendTLSPolicies and their ConfigMaps as they come, change
+/// and go, as a fresh resolve does: the route's backend takes the policy's TLS, its CA once the
+/// ConfigMap exists, its new hostname, and cleartext again once the policy is gone.
+#[test]
+fn incremental_backend_tls_follows_policies_and_config_maps() {
+    let world = base("from: All")
+        + &svc("team-a", "app")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &l("one", 80, "HTTP", Some("a.example.com")),
+        )
+        + &http_route("team-a", "r", TO_LS, "[]", APP);
+    let ca = config_map("ca", &format!("{{ca.crt: {CERT:?}}}"));
+    let policy = tls_policy("p", T1, APP_TARGET, CA_REF);
+    let renamed = policy.replace("hostname: app.example", "hostname: new.example");
+    type Step<'a> = (String, Option<(&'a str, &'a str)>, bool);
+    let steps: [Step; 5] = [
+        (String::new(), None, false),
+        (policy.clone(), Some(("app.example", "invalid")), true),
+        (policy.clone() + &ca, Some(("app.example", "certs")), true),
+        (renamed + &ca, Some(("new.example", "certs")), true),
+        (ca.clone(), None, false),
+    ];
+    let tls_of = |r: &GatewayResolution| {
+        let rules = http_rules_on_one(r).expect("route");
+        match &rules[0].backends[0].backend {
+            Backend::Service { tls, .. } => tls.as_ref().map(|t| {
+                let roots = match t.roots {
+                    plan::TlsRoots::Certificates { .. } => "certs",
+                    plan::TlsRoots::System => "system",
+                    plan::TlsRoots::Invalid { .. } => "invalid",
+                };
+                (t.hostname.clone(), roots)
+            }),
+            other => panic!("{other:?}"),
+        }
+    };
+    let mut index = Index::default();
+    let mut state = ObjectState::default();
+    let mut resolver = GatewayResolver::default();
+    for (step, (extra, want, has_status)) in steps.into_iter().enumerate() {
+        let mut loads = vec![load_file("w.yaml", &world)];
+        if !extra.is_empty() {
+            loads.push(load_file("p.yaml", &extra));
+        }
+        reconcile(&mut index, &mut state, &loads, &now());
+        let incremental = resolver.update(&index, &now()).clone();
+        let fresh = resolve(&index, &now());
+        let want = want.map(|(h, r)| (h.to_string(), r));
+        assert_eq!(tls_of(&fresh), want, "step {step}");
+        assert_eq!(tls_of(&incremental), want, "step {step}");
+        let policy_key = key(Kind::BackendTLSPolicy, "team-a", "p");
+        assert_eq!(
+            incremental.statuses.contains_key(&policy_key),
+            has_status,
+            "step {step}"
+        );
+        assert_eq!(
+            incremental.statuses.get(&policy_key),
+            fresh.statuses.get(&policy_key),
+            "step {step}"
+        );
+    }
 }

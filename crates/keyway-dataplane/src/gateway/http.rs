@@ -1405,6 +1405,12 @@ fn connect_error(e: &ConnectError) -> Failed {
             answer: full(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
             reach: Reach::NotSent,
         },
+        // The backend cannot be spoken to as its BackendTLSPolicy asks (its certificate, the
+        // policy's CA reference): the backend's fault, as a gateway sees it.
+        ConnectError::Tls(_) => Failed {
+            answer: full(StatusCode::BAD_GATEWAY, &e.to_string()),
+            reach: Reach::NotSent,
+        },
     }
 }
 
@@ -1437,8 +1443,9 @@ async fn send_h1(
             // probed in the background). If it cannot be reached, an idle connection to
             // another endpoint comes before a new one.
             Some(p) => {
-                if !ctx.pool.probe(p)
-                    && let Some(c) = Box::pin(ctx.pool.connect_endpoint(p)).await
+                let tls = super::upstream::backend_tls(backend);
+                if !ctx.pool.probe(p, tls)
+                    && let Ok(c) = Box::pin(ctx.pool.connect_endpoint(p, tls)).await
                 {
                     break ctx.pool.open_h1(c);
                 }

@@ -7,6 +7,7 @@
 //! connections see the new routes on their next request. A port that cannot be bound is
 //! reported per listener, so status says `Programmed=False/PortUnavailable` instead of healthy.
 
+pub mod backend_tls;
 pub(crate) mod batch;
 pub mod cors;
 pub mod filters;

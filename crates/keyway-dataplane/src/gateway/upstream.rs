@@ -24,7 +24,7 @@ use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 use hyper::client::conn::http2;
 use hyper::http::request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use keyway_core::gateway::plan::Backend;
+use keyway_core::gateway::plan::{Backend, BackendTls, TlsRoots};
 use keyway_core::plan::KeySelection;
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -254,6 +254,9 @@ pub enum ConnectError {
     Unresolved(String),
     #[error("no endpoint of {0} could be reached")]
     Unreachable(String),
+    /// No endpoint could be spoken to over TLS as the Service's BackendTLSPolicy asks.
+    #[error("{0}")]
+    Tls(String),
 }
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -959,6 +962,8 @@ pub struct Pool {
     /// Routing keys a priorityFailover backend's connect just failed over from, with when and
     /// the registry's version then (see [`Pool::first_usable`]).
     failed_keys: Mutex<HashMap<String, (Instant, u64)>>,
+    /// Client configurations for BackendTLSPolicies.
+    tls: super::backend_tls::BackendTlsConfigs,
 }
 
 /// Requests one HTTP/2 backend connection carries at once; past that, another connection.
@@ -1107,8 +1112,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Whether `key` is [`endpoint_key`]`(address, port)`.
-fn is_endpoint_key(key: &str, address: &str, port: u16) -> bool {
+/// Whether `key` is [`endpoint_key`]`(address, port, tls)`.
+fn is_endpoint_key(key: &str, address: &str, port: u16, tls: Option<&BackendTls>) -> bool {
+    let (key, id) = match key.split_once('#') {
+        Some((k, id)) => (k, Some(id)),
+        None => (key, None),
+    };
+    if id != tls.map(|t| format!("{:016x}", t.id)).as_deref() {
+        return false;
+    }
     let Some((host, p)) = key.rsplit_once(':') else {
         return false;
     };
@@ -1119,11 +1131,22 @@ fn is_endpoint_key(key: &str, address: &str, port: u16) -> bool {
     host == address && p.parse() == Ok(port)
 }
 
-fn endpoint_key(address: &str, port: u16) -> String {
+/// The pool key of a Service endpoint: its socket address, and for TLS (a BackendTLSPolicy)
+/// the configuration's id after `#`, so that a connection is only reused as it was made.
+fn endpoint_key(address: &str, port: u16, tls: Option<&BackendTls>) -> String {
+    let tag = tls.map(|t| format!("#{:016x}", t.id)).unwrap_or_default();
     if address.contains(':') {
-        format!("[{address}]:{port}")
+        format!("[{address}]:{port}{tag}")
     } else {
-        format!("{address}:{port}")
+        format!("{address}:{port}{tag}")
+    }
+}
+
+/// A Service backend's TLS (see [`endpoint_key`]).
+pub fn backend_tls(backend: &Backend) -> Option<&BackendTls> {
+    match backend {
+        Backend::Service { tls, .. } => tls.as_deref(),
+        _ => None,
     }
 }
 
@@ -1213,8 +1236,12 @@ impl Pool {
         match backend {
             Backend::Unresolved { reason } => Err(ConnectError::Unresolved(reason.clone())),
             Backend::Service {
-                service, endpoints, ..
+                service,
+                endpoints,
+                tls,
+                ..
             } => {
+                let tls = tls.as_deref();
                 let n = endpoints.len();
                 if n == 0 {
                     return Err(ConnectError::Unreachable(service.clone()));
@@ -1225,7 +1252,7 @@ impl Pool {
                         .chain(
                             endpoints
                                 .iter()
-                                .map(|e| endpoint_key(&e.address, e.port))
+                                .map(|e| endpoint_key(&e.address, e.port, tls))
                                 .filter(|k| k != first),
                         )
                         .collect(),
@@ -1233,7 +1260,7 @@ impl Pool {
                         let start = self.turn(service) % n;
                         (0..n)
                             .map(|i| &endpoints[(start + i) % n])
-                            .map(|e| endpoint_key(&e.address, e.port))
+                            .map(|e| endpoint_key(&e.address, e.port, tls))
                             .collect()
                     }
                 };
@@ -1247,12 +1274,17 @@ impl Pool {
                     })
                 };
                 fresh.extend(stale);
+                let mut why = None;
                 for key in fresh {
-                    if let Some(c) = self.connect_endpoint(&key).await {
-                        return Ok(c);
+                    match self.connect_endpoint(&key, tls).await {
+                        Ok(c) => return Ok(c),
+                        Err(e) => why = e.or(why),
                     }
                 }
-                Err(ConnectError::Unreachable(service.clone()))
+                Err(match why {
+                    Some(why) => ConnectError::Tls(why),
+                    None => ConnectError::Unreachable(service.clone()),
+                })
             }
             Backend::Skupper {
                 listener,
@@ -1297,15 +1329,51 @@ impl Pool {
         }
     }
 
-    /// Connects to the Service endpoint `key` (an [`endpoint_key`]); a failure is remembered
-    /// for [`PENALTY`].
-    pub async fn connect_endpoint(&self, key: &str) -> Option<Connected> {
-        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(key)).await {
+    /// Connects to the Service endpoint `key` (an [`endpoint_key`]), over TLS when `tls`
+    /// (the backend's BackendTLSPolicy) says so; a failure is remembered for [`PENALTY`]. The
+    /// error is why TLS failed, if it did.
+    pub async fn connect_endpoint(
+        &self,
+        key: &str,
+        tls: Option<&BackendTls>,
+    ) -> Result<Connected, Option<String>> {
+        if let Some(BackendTls {
+            roots: TlsRoots::Invalid { reason },
+            policy,
+            ..
+        }) = tls
+        {
+            return Err(Some(format!("BackendTLSPolicy {policy}: {reason}")));
+        }
+        let addr = key.split_once('#').map_or(key, |(a, _)| a);
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
             Ok(Ok(s)) => {
                 let _ = s.set_nodelay(true);
+                let io: Box<dyn Io> = match tls {
+                    None => Box::new(s),
+                    Some(tls) => {
+                        let shake = self.tls.handshake(tls, s);
+                        match tokio::time::timeout(CONNECT_TIMEOUT, shake).await {
+                            Ok(Ok(s)) => Box::new(s),
+                            Ok(Err(why)) => {
+                                tracing::debug!(endpoint = %addr, "{why}");
+                                lock(&self.failed).insert(key.to_string(), Instant::now());
+                                return Err(Some(why));
+                            }
+                            Err(_) => {
+                                let why = format!(
+                                    "TLS to the backend (BackendTLSPolicy {}): no handshake within {CONNECT_TIMEOUT:?}",
+                                    tls.policy
+                                );
+                                lock(&self.failed).insert(key.to_string(), Instant::now());
+                                return Err(Some(why));
+                            }
+                        }
+                    }
+                };
                 lock(&self.failed).remove(key);
-                return Some(Connected {
-                    io: Box::new(s),
+                return Ok(Connected {
+                    io,
                     guard: None,
                     key: key.to_string(),
                 });
@@ -1322,22 +1390,23 @@ impl Pool {
                 lock(&self.failed).insert(key.to_string(), Instant::now());
             }
         }
-        None
+        Err(None)
     }
 
     /// Probes the endpoint `key` in the background if a connect to it failed before (its
     /// penalty has run out): it stays passed over meanwhile, and a connection it gets goes to
     /// the pool. Thus a connect that hangs (a node gone) holds no request. False if it has not
     /// failed.
-    pub fn probe(self: &Arc<Pool>, key: &str) -> bool {
+    pub fn probe(self: &Arc<Pool>, key: &str, tls: Option<&BackendTls>) -> bool {
         match lock(&self.failed).get_mut(key) {
             Some(t) => *t = Instant::now(),
             None => return false,
         }
         let pool = self.clone();
         let key = key.to_string();
+        let tls = tls.cloned();
         tokio::spawn(async move {
-            if let Some(c) = pool.connect_endpoint(&key).await {
+            if let Ok(c) = pool.connect_endpoint(&key, tls.as_ref()).await {
                 let c = pool.open_h1(c);
                 pool.put_h1(c);
             }
@@ -1369,9 +1438,9 @@ impl Pool {
     /// fail-back take effect on the next request.
     fn idle_keys(&self, shared: &Shared, backend: &Backend) -> Vec<String> {
         match backend {
-            Backend::Service { endpoints, .. } => endpoints
+            Backend::Service { endpoints, tls, .. } => endpoints
                 .iter()
-                .map(|e| endpoint_key(&e.address, e.port))
+                .map(|e| endpoint_key(&e.address, e.port, tls.as_deref()))
                 .collect(),
             Backend::Skupper { selection, .. } => {
                 let keys = listener::key_order(selection, &shared.registry);
@@ -1413,9 +1482,9 @@ impl Pool {
     fn accepts(&self, shared: &Shared, backend: &Backend, key: &str) -> bool {
         match backend {
             // The common case, without building every endpoint's key.
-            Backend::Service { endpoints, .. } => endpoints
+            Backend::Service { endpoints, tls, .. } => endpoints
                 .iter()
-                .any(|e| is_endpoint_key(key, &e.address, e.port)),
+                .any(|e| is_endpoint_key(key, &e.address, e.port, tls.as_deref())),
             _ => self.idle_keys(shared, backend).iter().any(|k| k == key),
         }
     }
@@ -1427,16 +1496,20 @@ impl Pool {
     /// over while another remains. `None`: one endpoint, or not a Service.
     pub fn choose(&self, backend: &Backend) -> Option<String> {
         let Backend::Service {
-            service, endpoints, ..
+            service,
+            endpoints,
+            tls,
+            ..
         } = backend
         else {
             return None;
         };
+        let tls = tls.as_deref();
         let n = endpoints.len();
         if n < 2 {
             return None;
         }
-        let key = |i: usize| endpoint_key(&endpoints[i].address, endpoints[i].port);
+        let key = |i: usize| endpoint_key(&endpoints[i].address, endpoints[i].port, tls);
         let first = self.turn(service) % n;
         let second = (first + 1 + fastrand::usize(..n - 1)) % n;
         let (a, b) = (key(first), key(second));
@@ -1626,7 +1699,7 @@ impl Pool {
         // reached, another endpoint's connection with room comes before a new one.
         let mut turned = None;
         if let (Some(key), Backend::Service { .. }) = (turn, backend) {
-            turned = self.connect_endpoint(key).await;
+            turned = self.connect_endpoint(key, backend_tls(backend)).await.ok();
             if turned.is_none() {
                 let pool = lock(&self.h2);
                 if let Some(lease) = keys

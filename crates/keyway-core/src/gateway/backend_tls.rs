@@ -1,0 +1,363 @@
+//! BackendTLSPolicy (Gateway API, standard since v1.4): which policy applies to a Service port,
+//! the TLS it asks for (the CA certificates of its ConfigMaps or the system's, the SNI, the
+//! names the certificate must carry), and the policy's status per Gateway that uses the
+//! Service (`status.ancestors`).
+//!
+//! Where several policies name the same Service and `sectionName`, the oldest applies, then the
+//! first by name; the others are `Accepted=False/Conflicted`. A policy naming a port by
+//! `sectionName` applies to that port before one naming the whole Service. Only HTTPRoute and
+//! GRPCRoute backends speak TLS by a policy: a TCPRoute's bytes go as they are.
+
+use std::collections::BTreeMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
+use std::sync::Arc;
+
+use gateway_api::apis::standard::backendtlspolicies::{
+    BackendTlsPolicy, BackendTlsPolicyTargetRefs, BackendTlsPolicyValidationSubjectAltNamesType,
+};
+
+use super::fxhash::FxHasher;
+use super::plan::{Backend, BackendTls, GatewayPlan, RouteRules, SubjectAltName, TlsRoots};
+use super::refs::World;
+use super::status::{C, Model};
+use crate::load::{ConfigError, LoadedObject};
+use crate::resource::{Kind, ObjectKey, Resource};
+use crate::validate::section_of;
+
+/// The policies of one namespace, by the Service names their targetRefs give.
+#[derive(Default)]
+pub(crate) struct Policies<'a> {
+    by_service: BTreeMap<(&'a str, &'a str), Vec<Targeting<'a>>>,
+}
+
+/// A policy naming a Service, and the port it names (`sectionName`), if one.
+type Targeting<'a> = (&'a LoadedObject, Option<&'a str>);
+
+impl<'a> Policies<'a> {
+    pub fn add(&mut self, obj: &'a LoadedObject) {
+        let Resource::BackendTLSPolicy(p) = &obj.resource else {
+            return;
+        };
+        for t in &p.spec.target_refs {
+            if is_service(t) {
+                self.by_service
+                    .entry((obj.key.namespace.as_str(), t.name.as_str()))
+                    .or_default()
+                    .push((obj, section_of(t)));
+            }
+        }
+    }
+
+    /// The policy that applies to the Service `ns/name` on its port named `port_name`: one
+    /// naming that port first, else one naming the whole Service.
+    pub fn applying(&self, ns: &str, name: &str, port_name: &str) -> Option<&'a LoadedObject> {
+        let list = self.by_service.get(&(ns, name))?;
+        let winner = |section: Option<&str>| {
+            list.iter()
+                .filter(|(_, s)| *s == section)
+                .map(|(o, _)| *o)
+                .min_by(|a, b| precedence(a).cmp(&precedence(b)))
+        };
+        (!port_name.is_empty())
+            .then(|| winner(Some(port_name)))
+            .flatten()
+            .or_else(|| winner(None))
+    }
+
+    /// The policy that takes precedence over `obj` on one of its targets, if any.
+    fn beaten_by(&self, obj: &LoadedObject) -> Option<&'a LoadedObject> {
+        let Resource::BackendTLSPolicy(p) = &obj.resource else {
+            return None;
+        };
+        p.spec
+            .target_refs
+            .iter()
+            .filter(|t| is_service(t))
+            .find_map(|t| {
+                let list = self
+                    .by_service
+                    .get(&(obj.key.namespace.as_str(), t.name.as_str()))?;
+                list.iter()
+                    .filter(|(_, s)| *s == section_of(t))
+                    .map(|(o, _)| *o)
+                    .find(|o| precedence(o) < precedence(obj))
+            })
+    }
+}
+
+/// The Services a BackendTLSPolicy names, as backend keys.
+pub(crate) fn targets(obj: &LoadedObject) -> impl Iterator<Item = super::refs::BackendKey> + '_ {
+    let refs = match &obj.resource {
+        Resource::BackendTLSPolicy(p) => p.spec.target_refs.as_slice(),
+        _ => &[],
+    };
+    refs.iter()
+        .filter(|t| is_service(t))
+        .map(|t| (Kind::Service, obj.key.namespace.clone(), t.name.clone()))
+}
+
+fn is_service(t: &BackendTlsPolicyTargetRefs) -> bool {
+    (t.group.is_empty() || t.group == "core") && t.kind == "Service"
+}
+
+/// Older first, then by name (the Gateway API's order for conflicting policies).
+fn precedence(obj: &LoadedObject) -> (Option<&crate::Time>, &str) {
+    (
+        obj.resource.meta().creation_timestamp.as_ref(),
+        obj.key.name.as_str(),
+    )
+}
+
+/// Why a CA reference does not resolve: (reason, field path, message).
+type RefProblem = (&'static str, String, String);
+
+/// The CA certificates `policy` names, or why they cannot be used.
+fn roots(world: &World<'_>, ns: &str, policy: &BackendTlsPolicy) -> (TlsRoots, Vec<RefProblem>) {
+    let v = &policy.spec.validation;
+    let refs = v.ca_certificate_refs.as_deref().unwrap_or_default();
+    if refs.is_empty() {
+        return (TlsRoots::System, Vec::new());
+    }
+    let mut problems = Vec::new();
+    let mut from = Vec::new();
+    let mut der = Vec::new();
+    for (i, r) in refs.iter().enumerate() {
+        let at = format!("spec.validation.caCertificateRefs[{i}]");
+        if !(r.group.is_empty() || r.group == "core") || r.kind != "ConfigMap" {
+            let kind = if r.group.is_empty() {
+                r.kind.clone()
+            } else {
+                format!("{}.{}", r.kind, r.group)
+            };
+            problems.push((
+                "InvalidKind",
+                at,
+                format!(
+                    "{kind} {} is not a ConfigMap (the only kind keyway reads CA certificates from)",
+                    r.name
+                ),
+            ));
+            continue;
+        }
+        let pem = match world.index.resource(Kind::ConfigMap, ns, &r.name) {
+            Some(Resource::ConfigMap(cm)) => cm
+                .data
+                .as_ref()
+                .and_then(|d| d.get("ca.crt"))
+                .map(|s| s.as_bytes().to_vec())
+                .or_else(|| {
+                    cm.binary_data
+                        .as_ref()
+                        .and_then(|d| d.get("ca.crt"))
+                        .map(|b| b.0.clone())
+                })
+                .ok_or_else(|| format!("ConfigMap {ns}/{} has no key ca.crt", r.name)),
+            _ => Err(world.index.absence(Kind::ConfigMap, ns, &r.name)),
+        };
+        match pem.and_then(|p| {
+            crate::tls::parse_certificates(&p)
+                .map_err(|e| format!("ConfigMap {ns}/{} ca.crt: {e}", r.name))
+        }) {
+            Ok(certs) => {
+                from.push(format!("{ns}/{}", r.name));
+                der.extend(certs);
+            }
+            Err(why) => problems.push(("InvalidCACertificateRef", at, why)),
+        }
+    }
+    let roots = match problems.first() {
+        Some((_, at, why)) => TlsRoots::Invalid {
+            reason: format!("{at}: {why}"),
+        },
+        None => TlsRoots::Certificates { from, der },
+    };
+    (roots, problems)
+}
+
+/// The TLS that `obj` (a BackendTLSPolicy) asks for; `h2`: ALPN h2, else http/1.1.
+pub(crate) fn tls_of(world: &World<'_>, obj: &LoadedObject, h2: bool) -> Option<Arc<BackendTls>> {
+    let Resource::BackendTLSPolicy(p) = &obj.resource else {
+        return None;
+    };
+    let v = &p.spec.validation;
+    let (roots, _) = roots(world, &obj.key.namespace, p);
+    let subject_alt_names: Vec<SubjectAltName> = v
+        .subject_alt_names
+        .iter()
+        .flatten()
+        .filter_map(|s| match s.r#type {
+            BackendTlsPolicyValidationSubjectAltNamesType::Hostname => {
+                s.hostname.clone().map(SubjectAltName::Hostname)
+            }
+            BackendTlsPolicyValidationSubjectAltNamesType::Uri => {
+                s.uri.clone().map(SubjectAltName::Uri)
+            }
+        })
+        .collect();
+    let mut h = BuildHasherDefault::<FxHasher>::default().build_hasher();
+    v.hostname.hash(&mut h);
+    subject_alt_names.hash(&mut h);
+    h2.hash(&mut h);
+    match &roots {
+        TlsRoots::System => 0u8.hash(&mut h),
+        TlsRoots::Certificates { der, .. } => {
+            1u8.hash(&mut h);
+            for c in der {
+                c.as_ref().hash(&mut h);
+            }
+        }
+        TlsRoots::Invalid { reason } => {
+            2u8.hash(&mut h);
+            reason.hash(&mut h);
+        }
+    }
+    Some(Arc::new(BackendTls {
+        policy: format!("{}/{}", obj.key.namespace, obj.key.name),
+        hostname: v.hostname.clone(),
+        roots,
+        subject_alt_names,
+        h2,
+        id: h.finish(),
+    }))
+}
+
+/// The status of every BackendTLSPolicy in `policies`: for each Gateway of `plan` whose HTTP or
+/// gRPC routes send traffic to a Service the policy names, `Accepted` and `ResolvedRefs`. Also
+/// a config error per CA reference that does not resolve.
+pub(crate) fn statuses(
+    world: &World<'_>,
+    table: &Policies<'_>,
+    policies: &[&Arc<LoadedObject>],
+    plan: &GatewayPlan,
+    problems: &mut Vec<ConfigError>,
+) -> Vec<(ObjectKey, Model)> {
+    if policies.is_empty() {
+        return Vec::new();
+    }
+    // Which Gateways use which Services.
+    let mut users: BTreeMap<&str, Vec<&ObjectKey>> = BTreeMap::new();
+    for g in &plan.gateways {
+        for listener in g.ports.iter().flat_map(|p| &p.listeners) {
+            for route in &listener.routes {
+                let backends: Vec<&Backend> = match &*route.rules {
+                    RouteRules::Http(rules) => rules
+                        .iter()
+                        .flat_map(|r| {
+                            r.backends
+                                .iter()
+                                .map(|b| &b.backend)
+                                .chain(r.mirrors.iter().map(|m| &m.backend))
+                        })
+                        .collect(),
+                    RouteRules::Grpc(rules) => rules
+                        .iter()
+                        .flat_map(|r| {
+                            r.backends
+                                .iter()
+                                .map(|b| &b.backend)
+                                .chain(r.mirrors.iter().map(|m| &m.backend))
+                        })
+                        .collect(),
+                    RouteRules::Tls(_) | RouteRules::Tcp(_) => Vec::new(),
+                };
+                for b in backends {
+                    if let Backend::Service { service, .. } = b {
+                        let list = users.entry(service.as_str()).or_default();
+                        if !list.contains(&&g.gateway) {
+                            list.push(&g.gateway);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    policies
+        .iter()
+        .filter_map(|obj| {
+            let Resource::BackendTLSPolicy(p) = &obj.resource else {
+                return None;
+            };
+            let ns = obj.key.namespace.as_str();
+            let mut gateways: Vec<&ObjectKey> = p
+                .spec
+                .target_refs
+                .iter()
+                .filter(|t| is_service(t))
+                .flat_map(|t| {
+                    users
+                        .get(format!("{ns}/{}", t.name).as_str())
+                        .into_iter()
+                        .flatten()
+                        .copied()
+                })
+                .collect();
+            gateways.sort();
+            gateways.dedup();
+            let conditions = conditions(world, table, obj, p, problems);
+            Some((
+                obj.key.clone(),
+                Model::Policy {
+                    generation: obj.resource.meta().generation.unwrap_or(1),
+                    ancestors: gateways
+                        .into_iter()
+                        .map(|g| (g.clone(), conditions.clone()))
+                        .collect(),
+                },
+            ))
+        })
+        .collect()
+}
+
+fn conditions(
+    world: &World<'_>,
+    table: &Policies<'_>,
+    obj: &LoadedObject,
+    p: &BackendTlsPolicy,
+    errors: &mut Vec<ConfigError>,
+) -> Vec<C> {
+    let (roots, problems) = roots(world, &obj.key.namespace, p);
+    errors.extend(
+        problems.iter().map(|(_, at, why)| {
+            obj.error_at(at, format!("{why}: connections to the Service fail"))
+        }),
+    );
+    let refs = p
+        .spec
+        .validation
+        .ca_certificate_refs
+        .as_deref()
+        .unwrap_or_default()
+        .len();
+    let accepted = if let Some(winner) = table.beaten_by(obj) {
+        C::new(
+            "Accepted",
+            false,
+            "Conflicted",
+            format!(
+                "BackendTLSPolicy {} targets the same Service and sectionName and takes precedence (the older policy, then the first by name)",
+                winner.key.name
+            ),
+        )
+    } else if refs > 0 && problems.len() == refs {
+        C::new(
+            "Accepted",
+            false,
+            "NoValidCACertificate",
+            "none of the caCertificateRefs can be used: connections to the Service fail",
+        )
+    } else {
+        C::new("Accepted", true, "Accepted", "Policy has been accepted")
+    };
+    let resolved = match (problems.first(), &roots) {
+        (Some((reason, at, why)), _) => {
+            C::new("ResolvedRefs", false, reason, format!("{at}: {why}"))
+        }
+        _ => C::new(
+            "ResolvedRefs",
+            true,
+            "ResolvedRefs",
+            "All CA certificate references resolved",
+        ),
+    };
+    vec![accepted, resolved]
+}

@@ -1,0 +1,202 @@
+//! TLS to a Service's endpoints under a BackendTLSPolicy (see `keyway_core::gateway::backend_tls`):
+//! the policy's hostname as SNI, its CA certificates (or the system's) as the only trust
+//! anchors, and the certificate checked against the hostname, or against the policy's
+//! `subjectAltNames` when it lists some. A policy whose CA reference does not resolve fails
+//! every connection: never cleartext, never other CAs.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use keyway_core::gateway::plan::{BackendTls, SubjectAltName, TlsRoots};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::{verify_server_cert_signed_by_trust_anchor, verify_server_name};
+use rustls::crypto::WebPkiSupportedAlgorithms;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::server::ParsedCertificate;
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+
+/// Client configurations by policy configuration (`BackendTls::id`), built on first use.
+#[derive(Default)]
+pub struct BackendTlsConfigs {
+    built: Mutex<HashMap<u64, Built>>,
+}
+
+type Built = Result<(Arc<ClientConfig>, ServerName<'static>), String>;
+
+/// Policies in a plan are few; configurations of policies gone are dropped past this many.
+const MAX_CONFIGS: usize = 256;
+
+impl BackendTlsConfigs {
+    /// The TLS handshake over `tcp` as `tls` asks; the error says why it failed.
+    pub async fn handshake(
+        &self,
+        tls: &BackendTls,
+        tcp: TcpStream,
+    ) -> Result<TlsStream<TcpStream>, String> {
+        let (config, name) = self.config(tls)?;
+        tokio_rustls::TlsConnector::from(config)
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS to the backend (BackendTLSPolicy {}): {e}", tls.policy))
+    }
+
+    fn config(&self, tls: &BackendTls) -> Built {
+        let mut built = self.built.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = built.get(&tls.id) {
+            return b.clone();
+        }
+        if built.len() >= MAX_CONFIGS {
+            built.clear();
+        }
+        let b = build(tls);
+        built.insert(tls.id, b.clone());
+        b
+    }
+}
+
+fn build(tls: &BackendTls) -> Built {
+    let fail = |why: String| format!("BackendTLSPolicy {}: {why}", tls.policy);
+    let roots = match &tls.roots {
+        TlsRoots::Invalid { reason } => return Err(fail(reason.clone())),
+        TlsRoots::System => system_roots().map_err(fail)?,
+        TlsRoots::Certificates { der, .. } => {
+            let mut store = RootCertStore::empty();
+            for c in der {
+                store
+                    .add(c.clone())
+                    .map_err(|e| fail(format!("CA certificate: {e}")))?;
+            }
+            Arc::new(store)
+        }
+    };
+    let provider = crate::tls::provider();
+    let verifier = Arc::new(PolicyVerifier {
+        roots,
+        names: tls.subject_alt_names.clone(),
+        algorithms: provider.signature_verification_algorithms,
+    });
+    let mut config = ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| fail(e.to_string()))?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![if tls.h2 {
+        b"h2".to_vec()
+    } else {
+        b"http/1.1".to_vec()
+    }];
+    let name = ServerName::try_from(tls.hostname.clone())
+        .map_err(|e| fail(format!("hostname {}: {e}", tls.hostname)))?;
+    Ok((Arc::new(config), name))
+}
+
+/// The system's trusted CAs (`wellKnownCACertificates: System`), read once: the platform's
+/// store, or the file `SSL_CERT_FILE` names.
+fn system_roots() -> Result<Arc<RootCertStore>, String> {
+    static ROOTS: OnceLock<Result<Arc<RootCertStore>, String>> = OnceLock::new();
+    ROOTS
+        .get_or_init(|| {
+            let found = rustls_native_certs::load_native_certs();
+            let mut store = RootCertStore::empty();
+            let (added, _) = store.add_parsable_certificates(found.certs);
+            if added == 0 {
+                let why = found
+                    .errors
+                    .first()
+                    .map_or("none found".to_string(), |e| e.to_string());
+                return Err(format!("no system CA certificates could be read ({why})"));
+            }
+            Ok(Arc::new(store))
+        })
+        .clone()
+}
+
+/// Checks the chain against the policy's CAs, then the name: the SNI hostname, or, when the
+/// policy lists `subjectAltNames`, one of those (the hostname then only selects the
+/// certificate, as the Gateway API asks).
+#[derive(Debug)]
+struct PolicyVerifier {
+    roots: Arc<RootCertStore>,
+    names: Vec<SubjectAltName>,
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for PolicyVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let cert = ParsedCertificate::try_from(end_entity)?;
+        verify_server_cert_signed_by_trust_anchor(
+            &cert,
+            &self.roots,
+            intermediates,
+            now,
+            self.algorithms.all,
+        )?;
+        if self.names.is_empty() {
+            verify_server_name(&cert, server_name)?;
+            return Ok(ServerCertVerified::assertion());
+        }
+        if self.names.iter().any(|n| carries(&cert, end_entity, n)) {
+            return Ok(ServerCertVerified::assertion());
+        }
+        Err(rustls::Error::InvalidCertificate(
+            rustls::CertificateError::NotValidForName,
+        ))
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+/// Whether the certificate carries `name`: a hostname as TLS matches one (the certificate's
+/// wildcards included); a wildcard hostname or a URI (a SPIFFE ID, say) as a subjectAltName
+/// entry equal to it.
+fn carries(cert: &ParsedCertificate<'_>, der: &CertificateDer<'_>, name: &SubjectAltName) -> bool {
+    use x509_parser::extensions::GeneralName;
+    match name {
+        SubjectAltName::Hostname(h) if !h.starts_with("*.") => {
+            ServerName::try_from(h.as_str()).is_ok_and(|n| verify_server_name(cert, &n).is_ok())
+        }
+        SubjectAltName::Hostname(h) | SubjectAltName::Uri(h) => {
+            let Ok((_, parsed)) = x509_parser::parse_x509_certificate(der.as_ref()) else {
+                return false;
+            };
+            let Ok(Some(sans)) = parsed.subject_alternative_name() else {
+                return false;
+            };
+            sans.value.general_names.iter().any(|g| match (g, name) {
+                (GeneralName::DNSName(d), SubjectAltName::Hostname(_)) => d.eq_ignore_ascii_case(h),
+                (GeneralName::URI(u), SubjectAltName::Uri(_)) => *u == h.as_str(),
+                _ => false,
+            })
+        }
+    }
+}
