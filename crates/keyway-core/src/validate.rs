@@ -405,7 +405,7 @@ fn check_backend_tls_policy(
             format!("wellKnownCACertificates must be System, found `{w}`"),
         );
     }
-    if !is_dns_subdomain(&v.hostname) {
+    if !is_dns_subdomain(&v.hostname) || v.hostname.parse::<std::net::Ipv4Addr>().is_ok() {
         p.add(
             "spec.validation.hostname",
             format!(

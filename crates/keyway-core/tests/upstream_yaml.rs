@@ -623,6 +623,12 @@ fn backend_tls_policies_are_checked() {
         ),
         (
             svc,
+            "{wellKnownCACertificates: System, hostname: 127.0.0.1}".to_string(),
+            "spec.validation.hostname",
+            "`127.0.0.1` must be a precise hostname: lowercase DNS labels, no wildcard, no IP address, no port",
+        ),
+        (
+            svc,
             sans("[{type: Hostname}]"),
             "spec.validation.subjectAltNames[0]",
             "SubjectAltName element must contain Hostname, if Type is set to Hostname",

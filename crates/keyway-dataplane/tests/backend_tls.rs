@@ -84,7 +84,15 @@ fn config_map(name: &str, ca: &Ca) -> String {
 }
 
 /// Each of these paths goes to the Service of the same name.
-const SERVICES: [&str; 6] = ["app", "wrong", "untrusted", "spiffe", "noca", "h2"];
+const SERVICES: [&str; 7] = [
+    "app",
+    "wrong",
+    "untrusted",
+    "spiffe",
+    "sanmiss",
+    "noca",
+    "h2",
+];
 
 /// `GET /<path>` on a keep-alive connection `s`: (status, body).
 async fn get(s: &mut TcpStream, path: &str) -> (u16, String) {
@@ -163,6 +171,14 @@ async fn backends_are_spoken_to_over_tls_as_their_policy_says() {
         ),
     ));
     yaml.push_str(&policy(
+        "sanmiss",
+        "sanmiss",
+        &trusted.replace(
+            "hostname: app.example",
+            "hostname: app.example, subjectAltNames: [{type: URI, uri: \"spiffe://cluster.local/ns/default/sa/other\"}]",
+        ),
+    ));
+    yaml.push_str(&policy(
         "noca",
         "noca",
         &trusted.replace("backend-ca", "missing-ca"),
@@ -211,6 +227,16 @@ async fn backends_are_spoken_to_over_tls_as_their_policy_says() {
     assert_eq!(
         (status, body.as_str()),
         (200, "proto=HTTP/1.1 sni=other.example path=/spiffe")
+    );
+
+    // With subjectAltNames, the hostname is not enough: the certificate must carry one.
+    let (status, body) = get(&mut client, "sanmiss").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body.contains(
+            "the certificate carries none of the policy's subjectAltNames (spiffe://cluster.local/ns/default/sa/other)"
+        ),
+        "{body}"
     );
 
     // A CA reference that does not resolve: no connection is even made.

@@ -1864,7 +1864,8 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     assert_eq!(status, 200);
     assert!(wait_for(4).await, "{:?}", entries());
     assert_eq!(entries()[3], "POST /m HTTP/1.1 x hello world");
-    let big = "b".repeat(512 * 1024);
+    // Larger than a retry would keep, within what a mirror may fall behind (4 MiB).
+    let big = "b".repeat(3 * 1024 * 1024);
     let (status, _) = exchange(port, "PUT", "/big", &big).await;
     assert_eq!(status, 200);
     assert!(wait_for(5).await, "{:?}", entries());
@@ -1878,13 +1879,19 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     assert_eq!(entries().len(), 5, "{:?}", entries());
 
     // A mirror that reads nothing never holds the request back: its copy is cut once it falls
-    // too far behind, and the route's backend gets the whole body.
-    let huge = "h".repeat(16 * 1024 * 1024);
+    // too far behind, and the route's backend gets the whole body. The cut copy's exchange is
+    // dropped at once, not when the idle timeout (60 s) ends it.
+    let huge = "h".repeat(32 * 1024 * 1024);
     let (status, body) = exchange(port, "PUT", "/stall", &huge).await;
     assert_eq!((status, body.as_str()), (200, "mirror"));
     let got = received.lock().map(|l| l.clone()).unwrap_or_default();
     assert_eq!(got.len(), 2);
     assert_eq!(got[1].len(), "PUT /stall HTTP/1.1 x ".len() + huge.len());
+    let failed = "keyway_gateway_mirrored_requests_failed_total{route=\"HTTPRoute/default/r\"} 1";
+    let counted = eventually(Duration::from_secs(3), || async {
+        dp.metrics().encode().contains(failed)
+    });
+    assert!(counted.await, "{}", dp.metrics().encode());
 
     let text = dp.metrics().encode();
     assert!(

@@ -328,7 +328,32 @@ fn conditions(
         .as_deref()
         .unwrap_or_default()
         .len();
-    let accepted = if let Some(winner) = table.beaten_by(obj) {
+    let missing_port = p.spec.target_refs.iter().find_map(|t| {
+        let section = section_of(t)?;
+        let named = match world
+            .index
+            .resource(Kind::Service, &obj.key.namespace, &t.name)
+        {
+            Some(Resource::Service(s)) => s
+                .spec
+                .iter()
+                .flat_map(|s| s.ports.iter().flatten())
+                .any(|port| port.name.as_deref() == Some(section)),
+            _ => true,
+        };
+        (!named).then(|| (t.name.as_str(), section))
+    });
+    let accepted = if let Some((service, section)) = missing_port {
+        C::new(
+            "Accepted",
+            false,
+            "TargetNotFound",
+            format!(
+                "Service {}/{service} has no port named {section}: the policy applies to nothing there",
+                obj.key.namespace
+            ),
+        )
+    } else if let Some(winner) = table.beaten_by(obj) {
         C::new(
             "Accepted",
             false,

@@ -163,14 +163,33 @@ pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
                 continue;
             }
             let svc = ObjectKey::new(Kind::Service, obj.key.namespace.clone(), t.name.clone());
-            if index.get(&svc).is_none() && index.rejected(&svc).is_none() {
-                out.push(obj.error_at(
+            match index.get(&svc).map(|o| &o.resource) {
+                None if index.rejected(&svc).is_none() => out.push(obj.error_at(
                     &at,
                     format!(
                         "no Service {}/{} in the config: this targetRef applies to nothing",
                         obj.key.namespace, t.name
                     ),
-                ));
+                )),
+                Some(Resource::Service(s)) => {
+                    let section = t.section_name.as_deref().filter(|s| !s.is_empty());
+                    let named = |name: &str| {
+                        s.spec
+                            .iter()
+                            .flat_map(|s| s.ports.iter().flatten())
+                            .any(|p| p.name.as_deref() == Some(name))
+                    };
+                    if let Some(section) = section.filter(|n| !named(n)) {
+                        out.push(obj.error_at(
+                            &format!("{at}.sectionName"),
+                            format!(
+                                "Service {}/{} has no port named {section}: this targetRef applies to nothing",
+                                obj.key.namespace, t.name
+                            ),
+                        ));
+                    }
+                }
+                _ => {}
             }
         }
     }

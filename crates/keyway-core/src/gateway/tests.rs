@@ -2765,6 +2765,19 @@ fn backend_tls_policy_status_table() {
             None,
             None,
         ),
+        (
+            route.clone()
+                + &tls_policy(
+                    "p",
+                    T1,
+                    "[{group: \"\", kind: Service, name: app, sectionName: htps}]",
+                    CA_REF,
+                )
+                + &ca,
+            "p",
+            Some(("TargetNotFound", "ResolvedRefs")),
+            None,
+        ),
     ];
     for (extra, name, want, error_at) in &cases {
         let r = routes_world(extra);
@@ -2874,5 +2887,50 @@ fn incremental_backend_tls_follows_policies_and_config_maps() {
             fresh.statuses.get(&policy_key),
             "step {step}"
         );
+    }
+}
+
+/// A BackendTLSPolicy that applies to nothing is a warning where it says so: a targetRef to
+/// another kind, to a Service the config does not have, or to a port the Service does not
+/// name (a misspelt name would otherwise leave the backend in cleartext without a word).
+#[test]
+fn backend_tls_policies_that_apply_to_nothing_warn() {
+    let cases = [
+        (APP_TARGET.to_string(), None),
+        (
+            "[{group: apps, kind: Deployment, name: app}]".to_string(),
+            Some(("spec.targetRefs[0]", "Deployment app is not a Service")),
+        ),
+        (
+            APP_TARGET.replace("name: app", "name: nope"),
+            Some(("spec.targetRefs[0]", "no Service team-a/nope in the config")),
+        ),
+        (
+            "[{group: \"\", kind: Service, name: app, sectionName: htps}]".to_string(),
+            Some((
+                "spec.targetRefs[0].sectionName",
+                "Service team-a/app has no port named htps",
+            )),
+        ),
+        (
+            "[{group: \"\", kind: Service, name: app, sectionName: http}]".to_string(),
+            None,
+        ),
+    ];
+    for (targets, want) in cases {
+        let y = svc("team-a", "app") + &tls_policy("p", T1, &targets, CA_REF);
+        let warnings = super::reference_warnings(&index_of(&y));
+        let got: Vec<(&str, &str)> = warnings
+            .iter()
+            .map(|w| (w.path.as_str(), w.message.as_str()))
+            .collect();
+        match want {
+            None => assert!(got.is_empty(), "{targets}: {got:?}"),
+            Some((path, text)) => {
+                assert_eq!(got.len(), 1, "{targets}: {got:?}");
+                assert_eq!(got[0].0, path, "{targets}");
+                assert!(got[0].1.starts_with(text), "{targets}: {}", got[0].1);
+            }
+        }
     }
 }

@@ -39,7 +39,13 @@ impl BackendTlsConfigs {
         tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
-            .map_err(|e| format!("TLS to the backend (BackendTLSPolicy {}): {e}", tls.policy))
+            .map_err(|e| {
+                format!(
+                    "TLS to the backend (BackendTLSPolicy {}): {}",
+                    tls.policy,
+                    describe(&e)
+                )
+            })
     }
 
     fn config(&self, tls: &BackendTls) -> Built {
@@ -148,8 +154,20 @@ impl ServerCertVerifier for PolicyVerifier {
         if self.names.iter().any(|n| carries(&cert, end_entity, n)) {
             return Ok(ServerCertVerified::assertion());
         }
+        let wanted: Vec<&str> = self
+            .names
+            .iter()
+            .map(|n| match n {
+                SubjectAltName::Hostname(h) | SubjectAltName::Uri(h) => h.as_str(),
+            })
+            .collect();
         Err(rustls::Error::InvalidCertificate(
-            rustls::CertificateError::NotValidForName,
+            rustls::CertificateError::Other(rustls::OtherError(Arc::new(NoSubjectAltName(
+                format!(
+                    "the certificate carries none of the policy's subjectAltNames ({})",
+                    wanted.join(", ")
+                ),
+            )))),
         ))
     }
 
@@ -173,6 +191,37 @@ impl ServerCertVerifier for PolicyVerifier {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.algorithms.supported_schemes()
+    }
+}
+
+/// A certificate without any of the names a policy lists.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct NoSubjectAltName(String);
+
+/// A handshake's failure as a person reads it: rustls' own text, except where that is a
+/// debug dump (checks of ours, a CA certificate served as a server's).
+fn describe(e: &std::io::Error) -> String {
+    use rustls::CertificateError;
+    let Some(rustls::Error::InvalidCertificate(c)) =
+        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
+    else {
+        return e.to_string();
+    };
+    match c {
+        CertificateError::Other(o) => match o.0.downcast_ref::<NoSubjectAltName>() {
+            Some(n) => format!("invalid peer certificate: {n}"),
+            None if format!("{o:?}").contains("CaUsedAsEndEntity") => {
+                "invalid peer certificate: it is a CA certificate, not a server's (CaUsedAsEndEntity)"
+                    .to_string()
+            }
+            None => e.to_string(),
+        },
+        CertificateError::UnknownIssuer => {
+            "invalid peer certificate: it does not chain to the policy's CA certificates (UnknownIssuer)"
+                .to_string()
+        }
+        _ => e.to_string(),
     }
 }
 

@@ -939,8 +939,20 @@ async fn forward(
         body
     } else {
         let (body, copies) = match &kept {
-            Some(data) => (body, mirrors.iter().map(|_| replay(data)).collect()),
-            None if body.is_end_stream() => (body, mirrors.iter().map(|_| Body::Empty).collect()),
+            Some(data) => (
+                body,
+                mirrors
+                    .iter()
+                    .map(|_| (replay(data), tee::CutWatch::never()))
+                    .collect(),
+            ),
+            None if body.is_end_stream() => (
+                body,
+                mirrors
+                    .iter()
+                    .map(|_| (Body::Empty, tee::CutWatch::never()))
+                    .collect(),
+            ),
             None => tee::split(body, mirrors.len()),
         };
         mirror(info, rule, &mirrors, &parts, copies);
@@ -1241,16 +1253,17 @@ fn drawn_mirrors(rule: &Rule) -> Vec<&MirrorPlan> {
 
 /// Sends a copy of the request to each of `chosen` (see [`drawn_mirrors`]) with its body in
 /// `bodies` (one each, in order), in a task of its own whose answer is discarded: the
-/// request's own exchange never waits for it.
+/// request's own exchange never waits for it. A copy whose body is cut (see [`tee`]) is
+/// dropped at once, whatever its exchange is waiting on.
 fn mirror(
     info: &ConnInfo,
     rule: &Rule,
     chosen: &[&MirrorPlan],
     parts: &hyper::http::request::Parts,
-    bodies: Vec<Body>,
+    bodies: Vec<(Body, tee::CutWatch)>,
 ) {
     let ctx = &info.ctx;
-    for (m, body) in chosen.iter().zip(bodies) {
+    for (m, (body, cut)) in chosen.iter().zip(bodies) {
         // gRPC, and Services whose port says `appProtocol: kubernetes.io/h2c`, get HTTP/2.
         let h2 = rule.grpc || matches!(m.backend, Backend::Service { h2c: true, .. });
         let Some(mut head) = spoken_as(parts, h2) else {
@@ -1259,29 +1272,41 @@ fn mirror(
         // The request's own backend decides whether its body comes: the copy follows it.
         head.headers.remove(header::EXPECT);
         let (ctx, backend) = (ctx.clone(), m.backend.clone());
+        let failures = rule.metrics.mirror_failures.clone();
         rule.metrics.mirrored.inc();
         tokio::spawn(async move {
             let limit = ctx.http_idle_timeout;
-            let sent = mirror_one(&ctx, &backend, h2, head, body);
-            if tokio::time::timeout(limit, sent).await.is_err() {
-                tracing::debug!(
-                    mirror = mirror_name(&backend),
-                    "mirrored request cut after {limit:?} (--http-idle-timeout)"
-                );
-            }
+            let sent = tokio::time::timeout(limit, mirror_one(&ctx, &backend, h2, head, body));
+            let why = tokio::select! {
+                biased;
+                () = cut.cut() => format!(
+                    "its copy of the body was cut: it fell more than {} MiB behind the request, or the request's body failed or was not read to its end",
+                    tee::BEHIND_BYTES >> 20
+                ),
+                done = sent => match done {
+                    Ok(Ok(())) => return,
+                    Ok(Err(why)) => why,
+                    Err(_) => format!("no complete answer within {limit:?} (--http-idle-timeout)"),
+                },
+            };
+            failures.inc();
+            tracing::debug!(
+                mirror = mirror_name(&backend),
+                "mirrored request failed: {why}"
+            );
         });
     }
 }
 
 /// One mirrored request, its response read to the end and dropped (so that an HTTP/1.1
-/// connection goes back to the pool).
+/// connection goes back to the pool); the error says why it got no complete answer.
 async fn mirror_one(
     ctx: &Ctx,
     backend: &Backend,
     h2: bool,
     head: hyper::http::request::Parts,
     body: Body,
-) {
+) -> Result<(), String> {
     use http_body_util::BodyExt;
     // No client connection to keep it for: the connection goes straight to the pool.
     let sticky = Arc::new(Sticky::default());
@@ -1299,15 +1324,18 @@ async fn mirror_one(
                 }
                 Sent::H2(b) => b,
             };
-            while let Some(Ok(_)) = body.frame().await {}
+            while let Some(frame) = body.frame().await {
+                if let Err(e) = frame {
+                    return Err(format!("its answer's body failed: {e}"));
+                }
+            }
+            Ok(())
         }
-        Err(f) => {
-            tracing::debug!(
-                mirror = mirror_name(backend),
-                status = f.answer.status().as_u16(),
-                "mirrored request failed"
-            );
-        }
+        // keyway's own answer to the request had it been the client's: its text says why.
+        Err(f) => Err(match f.answer.body() {
+            Body::Full(Some(text)) => String::from_utf8_lossy(text).into_owned(),
+            _ => format!("status {}", f.answer.status().as_u16()),
+        }),
     }
 }
 

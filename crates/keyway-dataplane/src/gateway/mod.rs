@@ -59,6 +59,7 @@ pub struct GatewayMetrics {
     responses: Family<Labels, Counter>,
     retries: Family<Labels, Counter>,
     mirrored: Family<Labels, Counter>,
+    mirror_failures: Family<Labels, Counter>,
     bytes: Family<Labels, Counter>,
     /// Routes given series, and those compiled by the apply in progress: a route no longer in
     /// the plan has its series removed (so deleted routes do not stay on /metrics for ever).
@@ -77,6 +78,7 @@ impl GatewayMetrics {
             responses: Family::default(),
             retries: Family::default(),
             mirrored: Family::default(),
+            mirror_failures: Family::default(),
             bytes: Family::default(),
             routes: Mutex::default(),
         };
@@ -111,6 +113,11 @@ impl GatewayMetrics {
             g.mirrored.clone(),
         );
         m.register(
+            "gateway_mirrored_requests_failed",
+            "Copies a route rule's RequestMirror sent that got no complete answer (the mirror could not be reached or failed, or its copy of the body was cut), by route",
+            g.mirror_failures.clone(),
+        );
+        m.register(
             "gateway_stream_bytes",
             "Bytes forwarded, by route and direction (in = from client): HTTP request and response bodies (an upgraded connection's bytes when it ends), TLS passthrough and TCP streams",
             g.bytes.clone(),
@@ -143,6 +150,11 @@ impl GatewayMetrics {
         } else {
             Counter::default()
         };
+        let mirror_failures = if http {
+            self.mirror_failures.get_or_create(&l(None)).clone()
+        } else {
+            Counter::default()
+        };
         let mut classes = Vec::with_capacity(5);
         for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
             classes.push(if http {
@@ -164,6 +176,7 @@ impl GatewayMetrics {
             classes,
             retries,
             mirrored,
+            mirror_failures,
             bytes_in,
             bytes_out,
         })
@@ -222,6 +235,7 @@ impl GatewayMetrics {
             self.requests.remove(&l(None));
             self.retries.remove(&l(None));
             self.mirrored.remove(&l(None));
+            self.mirror_failures.remove(&l(None));
             for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
                 self.responses.remove(&l(Some(("class", c))));
             }
@@ -248,6 +262,8 @@ pub struct RouteMetrics {
     pub retries: Counter,
     /// Copies sent to the rule's mirrors.
     pub mirrored: Counter,
+    /// Of those, copies that got no complete answer.
+    pub mirror_failures: Counter,
     pub bytes_in: Counter,
     pub bytes_out: Counter,
 }

@@ -1698,15 +1698,24 @@ impl Pool {
         // A new connection goes to the Service endpoint whose turn it is. If it cannot be
         // reached, another endpoint's connection with room comes before a new one.
         let mut turned = None;
-        if let (Some(key), Backend::Service { .. }) = (turn, backend) {
-            turned = self.connect_endpoint(key, backend_tls(backend)).await.ok();
-            if turned.is_none() {
-                let pool = lock(&self.h2);
-                if let Some(lease) = keys
-                    .iter()
-                    .find_map(|k| pool.get(k)?.iter().find_map(|c| c.lease(k)))
-                {
-                    return Ok(lease);
+        if let (Some(key), Backend::Service { endpoints, .. }) = (turn, backend) {
+            match self.connect_endpoint(key, backend_tls(backend)).await {
+                Ok(c) => turned = Some(c),
+                Err(why) => {
+                    let pool = lock(&self.h2);
+                    if let Some(lease) = keys
+                        .iter()
+                        .find_map(|k| pool.get(k)?.iter().find_map(|c| c.lease(k)))
+                    {
+                        return Ok(lease);
+                    }
+                    // Its only endpoint just failed: trying it again would double the wait.
+                    if endpoints.len() == 1 {
+                        return Err(H2Error::Connect(match why {
+                            Some(why) => ConnectError::Tls(why),
+                            None => ConnectError::Unreachable(name.to_string()),
+                        }));
+                    }
                 }
             }
         }
