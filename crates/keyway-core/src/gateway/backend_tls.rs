@@ -341,7 +341,7 @@ fn conditions(
                 .any(|port| port.name.as_deref() == Some(section)),
             _ => true,
         };
-        (!named).then(|| (t.name.as_str(), section))
+        (!named).then_some((t.name.as_str(), section))
     });
     let accepted = if let Some((service, section)) = missing_port {
         C::new(
