@@ -1346,26 +1346,11 @@ async fn scripted(script: &'static [Act]) -> (SocketAddr, Arc<std::sync::atomic:
 
 /// One request on a new connection, read to its end: the status and the body.
 async fn exchange(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
     let req = format!(
         "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut out = Vec::new();
-    tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut out))
-        .await
-        .expect("answered in time")
-        .expect("read");
-    let text = String::from_utf8_lossy(&out).into_owned();
-    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
+    send_raw(port, req.as_bytes()).await
 }
 
 /// `rules[].retry` (Gateway API v1.7): a listed status is retried, on a copy of the request

@@ -17,7 +17,10 @@ use gateway_api::apis::standard::backendtlspolicies::{
 };
 
 use super::fxhash::FxHasher;
-use super::plan::{Backend, BackendTls, GatewayPlan, RouteRules, SubjectAltName, TlsRoots};
+use super::plan::{
+    Backend, BackendTls, GatewayPlan, MirrorPlan, RouteRules, SubjectAltName, TlsRoots,
+    WeightedBackend,
+};
 use super::refs::World;
 use super::status::{C, Model};
 use crate::load::{ConfigError, LoadedObject};
@@ -242,21 +245,11 @@ pub(crate) fn statuses(
                 let backends: Vec<&Backend> = match &*route.rules {
                     RouteRules::Http(rules) => rules
                         .iter()
-                        .flat_map(|r| {
-                            r.backends
-                                .iter()
-                                .map(|b| &b.backend)
-                                .chain(r.mirrors.iter().map(|m| &m.backend))
-                        })
+                        .flat_map(|r| spoken_to(&r.backends, &r.mirrors))
                         .collect(),
                     RouteRules::Grpc(rules) => rules
                         .iter()
-                        .flat_map(|r| {
-                            r.backends
-                                .iter()
-                                .map(|b| &b.backend)
-                                .chain(r.mirrors.iter().map(|m| &m.backend))
-                        })
+                        .flat_map(|r| spoken_to(&r.backends, &r.mirrors))
                         .collect(),
                     RouteRules::Tls(_) | RouteRules::Tcp(_) => Vec::new(),
                 };
@@ -306,6 +299,17 @@ pub(crate) fn statuses(
             ))
         })
         .collect()
+}
+
+/// Every backend an HTTP or gRPC rule sends requests to: its backendRefs and its mirrors.
+fn spoken_to<'a>(
+    backends: &'a [WeightedBackend],
+    mirrors: &'a [MirrorPlan],
+) -> impl Iterator<Item = &'a Backend> {
+    backends
+        .iter()
+        .map(|b| &b.backend)
+        .chain(mirrors.iter().map(|m| &m.backend))
 }
 
 fn conditions(
