@@ -45,16 +45,47 @@ async fn https_backend(leaf: &common::Leaf) -> (SocketAddr, Arc<AtomicUsize>) {
                 };
                 count.fetch_add(1, Ordering::SeqCst);
                 let sni = tls.get_ref().1.server_name().unwrap_or("-").to_string();
-                let svc = service_fn(move |req: Request<Incoming>| {
+                let svc = service_fn(move |mut req: Request<Incoming>| {
                     let text = format!(
                         "proto={:?} sni={sni} path={}",
                         req.version(),
                         req.uri().path()
                     );
-                    async move { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(text)))) }
+                    // WebSocket-like: 101, then an echo of what the client sends.
+                    let upgrade = req
+                        .headers()
+                        .contains_key(hyper::header::UPGRADE)
+                        .then(|| hyper::upgrade::on(&mut req));
+                    async move {
+                        let Some(up) = upgrade else {
+                            return Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
+                                text,
+                            ))));
+                        };
+                        tokio::spawn(async move {
+                            if let Ok(u) = up.await {
+                                let mut u = TokioIo::new(u);
+                                let mut buf = [0u8; 1024];
+                                while let Ok(n) = u.read(&mut buf).await {
+                                    if n == 0 || u.write_all(&buf[..n]).await.is_err() {
+                                        break;
+                                    }
+                                }
+                            }
+                        });
+                        let mut r = Response::new(Full::new(Bytes::new()));
+                        *r.status_mut() = hyper::StatusCode::SWITCHING_PROTOCOLS;
+                        r.headers_mut().insert(
+                            "connection",
+                            hyper::header::HeaderValue::from_static("upgrade"),
+                        );
+                        r.headers_mut()
+                            .insert("upgrade", hyper::header::HeaderValue::from_static("echo"));
+                        Ok(r)
+                    }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tls), svc)
+                    .serve_connection_with_upgrades(TokioIo::new(tls), svc)
                     .await;
             });
         }
@@ -84,7 +115,7 @@ fn config_map(name: &str, ca: &Ca) -> String {
 }
 
 /// Each of these paths goes to the Service of the same name.
-const SERVICES: [&str; 7] = [
+const SERVICES: [&str; 8] = [
     "app",
     "wrong",
     "untrusted",
@@ -92,6 +123,7 @@ const SERVICES: [&str; 7] = [
     "sanmiss",
     "noca",
     "h2",
+    "ws",
 ];
 
 /// `GET /<path>` on a keep-alive connection `s`: (status, body).
@@ -140,10 +172,10 @@ async fn backends_are_spoken_to_over_tls_as_their_policy_says() {
         "  - {{name: web, port: {port}, protocol: HTTP}}\n"
     ));
     for name in SERVICES {
-        let h2 = if name == "h2" {
-            ", appProtocol: kubernetes.io/h2c"
-        } else {
-            ""
+        let h2 = match name {
+            "h2" => ", appProtocol: kubernetes.io/h2c",
+            "ws" => ", appProtocol: kubernetes.io/wss",
+            _ => "",
         };
         yaml.push_str(&service(name, backend, h2));
     }
@@ -152,6 +184,7 @@ async fn backends_are_spoken_to_over_tls_as_their_policy_says() {
     let trusted = "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: backend-ca}], hostname: app.example}";
     yaml.push_str(&policy("app", "app", trusted));
     yaml.push_str(&policy("h2", "h2", trusted));
+    yaml.push_str(&policy("ws", "ws", trusted));
     yaml.push_str(&policy(
         "wrong",
         "wrong",
@@ -255,4 +288,15 @@ async fn backends_are_spoken_to_over_tls_as_their_policy_says() {
         (status, body.as_str()),
         (200, "proto=HTTP/2.0 sni=app.example path=/h2")
     );
+
+    // WebSocket over TLS (appProtocol kubernetes.io/wss): the upgrade passes through.
+    let (mut ws, head) = common::upgrade_echo(port).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    ws.write_all(b"ping").await.expect("write");
+    let mut echo = [0u8; 4];
+    tokio::time::timeout(common::IO_TIMEOUT, ws.read_exact(&mut echo))
+        .await
+        .expect("echoed in time")
+        .expect("read");
+    assert_eq!(&echo, b"ping");
 }

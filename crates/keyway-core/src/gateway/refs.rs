@@ -395,23 +395,41 @@ impl<'a> World<'a> {
         // route kind's backends make the backend invalid (BackendRef: ResolvedRefs=False /
         // UnsupportedProtocol); other values leave the protocol to the route kind.
         let app_protocol = svc_port.app_protocol.as_deref();
-        let unsupported = matches!(
-            (app_protocol, route_kind),
-            (Some(WSS), Kind::HTTPRoute | Kind::GRPCRoute) | (Some(WS), Kind::GRPCRoute)
-        );
+        let wanted = svc_port.name.as_deref().unwrap_or_default();
+        let h2c = app_protocol == Some(H2C);
+        // A BackendTLSPolicy on this Service port makes its HTTP and gRPC traffic TLS.
+        let tls = match route_kind {
+            Kind::HTTPRoute | Kind::GRPCRoute => self
+                .tls_policies
+                .applying(ns, &r.name, wanted)
+                .and_then(|p| {
+                    super::backend_tls::tls_of(self, p, h2c || route_kind == Kind::GRPCRoute)
+                }),
+            _ => None,
+        };
+        // WebSocket over TLS is HTTP/1.1 over TLS: an HTTPRoute speaks it where a policy says
+        // how to verify the backend.
+        let unsupported = match (app_protocol, route_kind) {
+            (Some(WSS), Kind::HTTPRoute) => tls.is_none(),
+            (Some(WSS), Kind::GRPCRoute) | (Some(WS), Kind::GRPCRoute) => true,
+            _ => false,
+        };
         if let (true, Some(p)) = (unsupported, app_protocol) {
             return Err(RefError::UnsupportedProtocol(format!(
-                "Service {ns}/{} port {port} has appProtocol {p}, which keyway does not speak to a {route_kind}'s backends",
-                r.name
+                "Service {ns}/{} port {port} has appProtocol {p}, which keyway does not speak to a {route_kind}'s backends{}",
+                r.name,
+                if p == WSS && route_kind == Kind::HTTPRoute {
+                    " without a BackendTLSPolicy for the port"
+                } else {
+                    ""
+                }
             )));
         }
-        let h2c = app_protocol == Some(H2C);
         let target_int = match &svc_port.target_port {
             Some(IntOrString::Int(n)) => Some(*n),
             Some(IntOrString::String(_)) => None,
             None => Some(port),
         };
-        let wanted = svc_port.name.as_deref().unwrap_or_default();
         let mut endpoints = Vec::new();
         for slice in self
             .slices
@@ -443,16 +461,6 @@ impl<'a> World<'a> {
         }
         endpoints.sort();
         endpoints.dedup();
-        // A BackendTLSPolicy on this Service port makes its HTTP and gRPC traffic TLS.
-        let tls = match route_kind {
-            Kind::HTTPRoute | Kind::GRPCRoute => self
-                .tls_policies
-                .applying(ns, &r.name, wanted)
-                .and_then(|p| {
-                    super::backend_tls::tls_of(self, p, h2c || route_kind == Kind::GRPCRoute)
-                }),
-            _ => None,
-        };
         Ok(Backend::Service {
             service: format!("{ns}/{}", r.name),
             endpoints,

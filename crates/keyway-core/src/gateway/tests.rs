@@ -1250,6 +1250,20 @@ fn backend_refs_table() {
             "{backend}: {b:?}"
         );
     }
+    // WebSocket over TLS is spoken where a BackendTLSPolicy says how to verify the backend.
+    let policy = tls_policy(
+        "wss",
+        T1,
+        "[{group: \"\", kind: Service, name: wss}]",
+        "{wellKnownCACertificates: System, hostname: wss.example}",
+    );
+    let r = routes_world(
+        &(protocols.clone()
+            + &policy
+            + &http_route("team-a", "r", TO_LS, "[]", "{name: wss, port: 80}")),
+    );
+    let got = pcond(&r, "team-a", "r", 0, "ResolvedRefs");
+    assert_eq!((got.0.as_str(), got.1.as_str()), ("True", "ResolvedRefs"));
 }
 
 /// The HTTP rules of the first route on listener `one` in the plan; `None` without one.
