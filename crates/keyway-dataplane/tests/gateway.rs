@@ -1801,6 +1801,9 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     });
     let (primary, received) = recording().await;
     yaml.push_str(&service("primary", primary));
+    let dead = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    yaml.push_str(&service("dead", dead.local_addr().expect("addr")));
+    drop(dead);
     let rules = [
         rule("m", "{backendRef: {name: shadow, port: 80}}"),
         rule("h2m", "{backendRef: {name: shadow-h2, port: 80}}"),
@@ -1809,6 +1812,9 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
         // The route's backend reads the whole body (the copy follows it).
         rule("big", "{backendRef: {name: shadow, port: 80}}")
             .replace("backendRefs: [{name: app", "backendRefs: [{name: primary"),
+        // The route's backend cannot be reached.
+        rule("dead", "{backendRef: {name: shadow, port: 80}}")
+            .replace("backendRefs: [{name: app", "backendRefs: [{name: dead"),
         rule(
             "never",
             "{backendRef: {name: shadow, port: 80}, percent: 0}",
@@ -1872,6 +1878,13 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
     let got = received.lock().map(|l| l.clone()).unwrap_or_default();
     assert_eq!(got.len(), 2);
     assert_eq!(got[1].len(), "PUT /stall HTTP/1.1 x ".len() + huge.len());
+    // A small body is kept whole: its mirror gets it even when the route's backend cannot be
+    // reached.
+    let (status, _) = exchange(port, "POST", "/dead", "kept").await;
+    assert_eq!(status, 503);
+    assert!(wait_for(6).await, "{:?}", entries());
+    assert_eq!(entries()[5], "POST /dead HTTP/1.1 x kept");
+
     let failed = "keyway_gateway_mirrored_requests_failed_total{route=\"HTTPRoute/default/r\"} 1";
     let counted = eventually(Duration::from_secs(3), || async {
         dp.metrics().encode().contains(failed)
@@ -1880,7 +1893,7 @@ async fn requests_are_mirrored_and_the_mirror_answer_is_dropped() {
 
     let text = dp.metrics().encode();
     assert!(
-        text.contains("keyway_gateway_mirrored_requests_total{route=\"HTTPRoute/default/r\"} 6"),
+        text.contains("keyway_gateway_mirrored_requests_total{route=\"HTTPRoute/default/r\"} 7"),
         "{text}"
     );
 }

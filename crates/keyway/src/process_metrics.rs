@@ -91,14 +91,12 @@ impl Collector for ProcessCollector {
                 n,
             )?;
         }
-        // A float gauge would need another type; whole seconds are what dashboards show.
-        gauge(
-            &mut encoder,
+        ConstGauge::new(s.start_time_seconds).encode(encoder.encode_descriptor(
             "process_start_time",
             "Start time of the process since unix epoch in seconds.",
             Some(&Unit::Seconds),
-            s.start_time_seconds as i64,
-        )
+            MetricType::Gauge,
+        )?)
     }
 }
 

@@ -9,14 +9,12 @@
 //! GRPCRoute backends speak TLS by a policy: a TCPRoute's bytes go as they are.
 
 use std::collections::BTreeMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
 use std::sync::Arc;
 
 use gateway_api::apis::standard::backendtlspolicies::{
     BackendTlsPolicy, BackendTlsPolicyTargetRefs, BackendTlsPolicyValidationSubjectAltNamesType,
 };
 
-use super::fxhash::FxHasher;
 use super::plan::{
     Backend, BackendTls, GatewayPlan, MirrorPlan, RouteRules, SubjectAltName, TlsRoots,
     WeightedBackend,
@@ -26,6 +24,7 @@ use super::status::{C, Model};
 use crate::load::{ConfigError, LoadedObject};
 use crate::resource::{Kind, ObjectKey, Resource};
 use crate::validate::section_of;
+use sha2::{Digest, Sha256};
 
 /// The policies of one namespace, by the Service names their targetRefs give.
 #[derive(Default)]
@@ -99,6 +98,18 @@ pub(crate) fn targets(obj: &LoadedObject) -> impl Iterator<Item = super::refs::B
         .map(|t| (Kind::Service, obj.key.namespace.clone(), t.name.clone()))
 }
 
+/// The ConfigMaps a BackendTLSPolicy takes CA certificates from (in its namespace).
+pub(crate) fn ca_config_maps(obj: &LoadedObject) -> impl Iterator<Item = &str> + '_ {
+    let refs = match &obj.resource {
+        Resource::BackendTLSPolicy(p) => p.spec.validation.ca_certificate_refs.as_deref(),
+        _ => None,
+    };
+    refs.unwrap_or_default()
+        .iter()
+        .filter(|r| (r.group.is_empty() || r.group == "core") && r.kind == "ConfigMap")
+        .map(|r| r.name.as_str())
+}
+
 fn is_service(t: &BackendTlsPolicyTargetRefs) -> bool {
     (t.group.is_empty() || t.group == "core") && t.kind == "Service"
 }
@@ -110,6 +121,9 @@ fn precedence(obj: &LoadedObject) -> (Option<&crate::Time>, &str) {
         obj.key.name.as_str(),
     )
 }
+
+/// Entries of `status.ancestors` at most (upstream `MaxItems`).
+const MAX_ANCESTORS: usize = 16;
 
 /// Why a CA reference does not resolve: (reason, field path, message).
 type RefProblem = (&'static str, String, String);
@@ -197,30 +211,47 @@ pub(crate) fn tls_of(world: &World<'_>, obj: &LoadedObject, h2: bool) -> Option<
             }
         })
         .collect();
-    let mut h = BuildHasherDefault::<FxHasher>::default().build_hasher();
-    v.hostname.hash(&mut h);
-    subject_alt_names.hash(&mut h);
-    h2.hash(&mut h);
+    let policy = format!("{}/{}", obj.key.namespace, obj.key.name);
+    // The data plane keys client configurations and pooled connections by this id, so it
+    // must not be made to match another policy's: SHA-256 over every field, each
+    // length-prefixed, the policy's own name included.
+    let mut h = Sha256::new();
+    let mut field = |bytes: &[u8]| {
+        h.update((bytes.len() as u64).to_be_bytes());
+        h.update(bytes);
+    };
+    field(policy.as_bytes());
+    field(v.hostname.as_bytes());
+    for san in &subject_alt_names {
+        match san {
+            SubjectAltName::Hostname(n) => field(&[b"h", n.as_bytes()].concat()),
+            SubjectAltName::Uri(u) => field(&[b"u", u.as_bytes()].concat()),
+        }
+    }
+    field(&[u8::from(h2)]);
     match &roots {
-        TlsRoots::System => 0u8.hash(&mut h),
+        TlsRoots::System => field(b"system"),
         TlsRoots::Certificates { der, .. } => {
-            1u8.hash(&mut h);
+            field(b"certificates");
             for c in der {
-                c.as_ref().hash(&mut h);
+                field(c.as_ref());
             }
         }
         TlsRoots::Invalid { reason } => {
-            2u8.hash(&mut h);
-            reason.hash(&mut h);
+            field(b"invalid");
+            field(reason.as_bytes());
         }
     }
+    let digest = h.finalize();
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&digest[..8]);
     Some(Arc::new(BackendTls {
-        policy: format!("{}/{}", obj.key.namespace, obj.key.name),
+        policy,
         hostname: v.hostname.clone(),
         roots,
         subject_alt_names,
         h2,
-        id: h.finish(),
+        id: u64::from_be_bytes(id),
     }))
 }
 
@@ -237,8 +268,9 @@ pub(crate) fn statuses(
     if policies.is_empty() {
         return Vec::new();
     }
-    // Which Gateways use which Services.
+    // Which Gateways use which Services, and where each policy applied.
     let mut users: BTreeMap<&str, Vec<&ObjectKey>> = BTreeMap::new();
+    let mut applied: BTreeMap<&str, Vec<&ObjectKey>> = BTreeMap::new();
     for g in &plan.gateways {
         for listener in g.ports.iter().flat_map(|p| &p.listeners) {
             for route in &listener.routes {
@@ -254,10 +286,16 @@ pub(crate) fn statuses(
                     RouteRules::Tls(_) | RouteRules::Tcp(_) => Vec::new(),
                 };
                 for b in backends {
-                    if let Backend::Service { service, .. } = b {
+                    if let Backend::Service { service, tls, .. } = b {
                         let list = users.entry(service.as_str()).or_default();
                         if !list.contains(&&g.gateway) {
                             list.push(&g.gateway);
+                        }
+                        if let Some(tls) = tls {
+                            let list = applied.entry(tls.policy.as_str()).or_default();
+                            if !list.contains(&&g.gateway) {
+                                list.push(&g.gateway);
+                            }
                         }
                     }
                 }
@@ -271,21 +309,30 @@ pub(crate) fn statuses(
                 return None;
             };
             let ns = obj.key.namespace.as_str();
-            let mut gateways: Vec<&ObjectKey> = p
-                .spec
-                .target_refs
-                .iter()
-                .filter(|t| is_service(t))
-                .flat_map(|t| {
-                    users
-                        .get(format!("{ns}/{}", t.name).as_str())
-                        .into_iter()
-                        .flatten()
-                        .copied()
-                })
-                .collect();
+            // The Gateways whose traffic the policy applied to; for one that applied nowhere
+            // (it lost a conflict, names no port of the Service), those using its Services,
+            // so that they see why.
+            let mut gateways: Vec<&ObjectKey> =
+                match applied.get(format!("{ns}/{}", obj.key.name).as_str()) {
+                    Some(list) => list.clone(),
+                    None => p
+                        .spec
+                        .target_refs
+                        .iter()
+                        .filter(|t| is_service(t))
+                        .flat_map(|t| {
+                            users
+                                .get(format!("{ns}/{}", t.name).as_str())
+                                .into_iter()
+                                .flatten()
+                                .copied()
+                        })
+                        .collect(),
+                };
             gateways.sort();
             gateways.dedup();
+            // The upstream schema's bound on status.ancestors.
+            gateways.truncate(MAX_ANCESTORS);
             let conditions = conditions(world, table, obj, p, problems);
             Some((
                 obj.key.clone(),

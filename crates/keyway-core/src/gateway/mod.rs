@@ -587,6 +587,7 @@ impl GatewayResolver {
         let mut secrets: HashSet<(String, String)> = HashSet::default();
         let mut backends: HashSet<u64> = HashSet::default();
         let mut drop_all = false;
+        let mut config_maps: HashSet<(String, String)> = HashSet::default();
         for (old, new) in dep_changes(&self.deps, &dep_objs) {
             for o in [old, new].into_iter().flatten() {
                 match o.key.kind {
@@ -604,8 +605,22 @@ impl GatewayResolver {
                     Kind::BackendTLSPolicy => {
                         backends.extend(backend_tls::targets(&o).map(|k| refs::backend_hash(&k)))
                     }
+                    // A ConfigMap, the Services of the policies that take CAs from it (below).
+                    Kind::ConfigMap => {
+                        config_maps.insert((o.key.namespace.clone(), o.key.name.clone()));
+                    }
                     _ => drop_all = true,
                 }
+            }
+        }
+        for policy in dep_objs
+            .iter()
+            .filter(|o| o.key.kind == Kind::BackendTLSPolicy)
+        {
+            if backend_tls::ca_config_maps(policy)
+                .any(|name| config_maps.contains(&(policy.key.namespace.clone(), name.to_string())))
+            {
+                backends.extend(backend_tls::targets(policy).map(|k| refs::backend_hash(&k)));
             }
         }
         let rejected_refs: BTreeMap<ObjectKey, crate::load::Origin> = [

@@ -20,7 +20,8 @@ use tokio_rustls::client::TlsStream;
 /// Client configurations by policy configuration (`BackendTls::id`), built on first use.
 #[derive(Default)]
 pub struct BackendTlsConfigs {
-    built: Mutex<HashMap<u64, Built>>,
+    /// By id, with the configuration each was built for: one is only used for an equal one.
+    built: Mutex<HashMap<u64, (Arc<BackendTls>, Built)>>,
 }
 
 type Built = Result<(Arc<ClientConfig>, ServerName<'static>), String>;
@@ -50,14 +51,16 @@ impl BackendTlsConfigs {
 
     fn config(&self, tls: &BackendTls) -> Built {
         let mut built = self.built.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(b) = built.get(&tls.id) {
+        if let Some((made_for, b)) = built.get(&tls.id)
+            && **made_for == *tls
+        {
             return b.clone();
         }
         if built.len() >= MAX_CONFIGS {
             built.clear();
         }
         let b = build(tls);
-        built.insert(tls.id, b.clone());
+        built.insert(tls.id, (Arc::new(tls.clone()), b.clone()));
         b
     }
 }

@@ -918,22 +918,24 @@ async fn forward(
         && f.response_headers.is_empty()
         && f.cors.is_none();
     let overall = rule.timeout.map(|t| tokio::time::Instant::now() + t);
-    // A rule that may retry this request keeps its body whole first (see `keep_body`); a
-    // body too large to keep goes once. Mirrors take a copy of a kept body, or of the body
-    // as it streams to the backend (see `tee`).
+    // A rule that may retry this request or mirrors it keeps a small body whole first (see
+    // `keep_body`): a retry can send it again, and a mirror gets it whatever becomes of the
+    // request (a backend that cannot be reached, a timeout). A larger body goes once, and
+    // mirrors take a copy of it as it streams to the backend (see `tee`).
     let policy = rule.retry.as_deref().filter(|p| p.attempts > 0 && !upgrade);
-    let (kept, body) = if policy.is_some() && retry::replayable(&body) {
+    let mirrors = if upgrade {
+        Vec::new()
+    } else {
+        drawn_mirrors(rule)
+    };
+    let keep = (policy.is_some() || !mirrors.is_empty()) && retry::replayable(&body);
+    let (kept, body) = if keep {
         match Box::pin(keep_body(ctx, rule, overall, body)).await {
             Ok(data) => (Some(data), Body::Empty),
             Err(answer) => return answer,
         }
     } else {
         (None, body)
-    };
-    let mirrors = if upgrade {
-        Vec::new()
-    } else {
-        drawn_mirrors(rule)
     };
     let body = if mirrors.is_empty() {
         body

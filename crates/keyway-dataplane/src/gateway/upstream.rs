@@ -1118,7 +1118,12 @@ fn is_endpoint_key(key: &str, address: &str, port: u16, tls: Option<&BackendTls>
         Some((k, id)) => (k, Some(id)),
         None => (key, None),
     };
-    if id != tls.map(|t| format!("{:016x}", t.id)).as_deref() {
+    let same_tls = match (id, tls) {
+        (None, None) => true,
+        (Some(id), Some(t)) => u64::from_str_radix(id, 16) == Ok(t.id),
+        _ => false,
+    };
+    if !same_tls {
         return false;
     }
     let Some((host, p)) = key.rsplit_once(':') else {
