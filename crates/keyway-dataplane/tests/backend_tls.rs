@@ -55,33 +55,11 @@ async fn https_backend(leaf: &common::Leaf) -> (SocketAddr, Arc<AtomicUsize>) {
                     let upgrade = req
                         .headers()
                         .contains_key(hyper::header::UPGRADE)
-                        .then(|| hyper::upgrade::on(&mut req));
+                        .then(|| common::upgrade_to_echo(&mut req));
                     async move {
-                        let Some(up) = upgrade else {
-                            return Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
-                                text,
-                            ))));
-                        };
-                        tokio::spawn(async move {
-                            if let Ok(u) = up.await {
-                                let mut u = TokioIo::new(u);
-                                let mut buf = [0u8; 1024];
-                                while let Ok(n) = u.read(&mut buf).await {
-                                    if n == 0 || u.write_all(&buf[..n]).await.is_err() {
-                                        break;
-                                    }
-                                }
-                            }
-                        });
-                        let mut r = Response::new(Full::new(Bytes::new()));
-                        *r.status_mut() = hyper::StatusCode::SWITCHING_PROTOCOLS;
-                        r.headers_mut().insert(
-                            "connection",
-                            hyper::header::HeaderValue::from_static("upgrade"),
-                        );
-                        r.headers_mut()
-                            .insert("upgrade", hyper::header::HeaderValue::from_static("echo"));
-                        Ok(r)
+                        Ok::<_, Infallible>(
+                            upgrade.unwrap_or_else(|| Response::new(Full::new(Bytes::from(text)))),
+                        )
                     }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())

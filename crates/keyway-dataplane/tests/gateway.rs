@@ -46,25 +46,7 @@ async fn http_backend_on(name: &'static str, bind: &str) -> SocketAddr {
             tokio::spawn(async move {
                 let svc = service_fn(move |mut req: Request<Incoming>| async move {
                     if req.headers().contains_key(hyper::header::UPGRADE) {
-                        let up = hyper::upgrade::on(&mut req);
-                        tokio::spawn(async move {
-                            if let Ok(u) = up.await {
-                                let mut u = TokioIo::new(u);
-                                let mut buf = [0u8; 1024];
-                                while let Ok(n) = u.read(&mut buf).await {
-                                    if n == 0 || u.write_all(&buf[..n]).await.is_err() {
-                                        break;
-                                    }
-                                }
-                            }
-                        });
-                        let mut r = Response::new(Full::new(Bytes::new()));
-                        *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-                        r.headers_mut()
-                            .insert("connection", "upgrade".parse().expect("hv"));
-                        r.headers_mut()
-                            .insert("upgrade", "echo".parse().expect("hv"));
-                        return Ok::<_, Infallible>(r);
+                        return Ok::<_, Infallible>(common::upgrade_to_echo(&mut req));
                     }
                     if req.uri().path() == "/sleep" {
                         tokio::time::sleep(Duration::from_secs(2)).await;

@@ -101,6 +101,36 @@ pub(crate) fn parent_refs_of(obj: &LoadedObject) -> Vec<Arc<ParentRefIn>> {
     }
 }
 
+/// A backendRef of any route kind's type (they share the fields) as a [`Ref`]; the kind
+/// defaults to Service.
+macro_rules! backend_ref {
+    ($b:expr) => {
+        Ref {
+            group: $b.group.clone().unwrap_or_default(),
+            kind: $b.kind.clone().unwrap_or_else(|| "Service".into()),
+            name: $b.name.clone(),
+            namespace: $b.namespace.clone(),
+        }
+    };
+}
+
+/// Resolves one backend reference (a backendRef, or a mirror's), noting the backend the route
+/// now depends on in `deps`.
+fn resolve_ref(
+    world: &World<'_>,
+    kind: Kind,
+    ns: &str,
+    r: Ref,
+    port: Option<i32>,
+    weight: Option<i32>,
+    deps: &mut Vec<u64>,
+) -> (WeightedBackend, Option<RefError>) {
+    if let Some(dep) = r.backend_key(ns) {
+        deps.push(backend_hash(&dep));
+    }
+    world.backend(kind, ns, &r, port, weight)
+}
+
 /// Resolves the backendRefs of one rule; remembers every failure.
 macro_rules! backends {
     ($world:expr, $kind:expr, $ns:expr, $refs:expr, $at:expr, $err:expr, $deps:expr) => {
@@ -108,16 +138,15 @@ macro_rules! backends {
             .iter()
             .enumerate()
             .map(|(j, b)| {
-                let r = Ref {
-                    group: b.group.clone().unwrap_or_default(),
-                    kind: b.kind.clone().unwrap_or_else(|| "Service".into()),
-                    name: b.name.clone(),
-                    namespace: b.namespace.clone(),
-                };
-                if let Some(dep) = r.backend_key($ns) {
-                    $deps.push(backend_hash(&dep));
-                }
-                let (wb, e) = $world.backend($kind, $ns, &r, b.port, b.weight);
+                let (wb, e) = resolve_ref(
+                    $world,
+                    $kind,
+                    $ns,
+                    backend_ref!(b),
+                    b.port,
+                    b.weight,
+                    &mut $deps,
+                );
                 if let Some(e) = e {
                     $err.push((format!("{}.backendRefs[{j}]", $at), e));
                 }
@@ -138,16 +167,15 @@ macro_rules! mirrors {
             .filter_map(|(j, f)| {
                 let m = f.request_mirror.as_ref()?;
                 let b = &m.backend_ref;
-                let r = Ref {
-                    group: b.group.clone().unwrap_or_default(),
-                    kind: b.kind.clone().unwrap_or_else(|| "Service".into()),
-                    name: b.name.clone(),
-                    namespace: b.namespace.clone(),
-                };
-                if let Some(dep) = r.backend_key($ns) {
-                    $deps.push(backend_hash(&dep));
-                }
-                let (wb, e) = $world.backend($kind, $ns, &r, b.port, None);
+                let (wb, e) = resolve_ref(
+                    $world,
+                    $kind,
+                    $ns,
+                    backend_ref!(b),
+                    b.port,
+                    None,
+                    &mut $deps,
+                );
                 if let Some(e) = e {
                     $err.push((format!("{}.filters[{j}].requestMirror.backendRef", $at), e));
                 }

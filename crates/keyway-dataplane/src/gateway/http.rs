@@ -790,8 +790,7 @@ async fn forward(
             &format!("backend cannot be resolved ({reason})"),
         );
     }
-    // gRPC, and Services whose port says `appProtocol: kubernetes.io/h2c`, get HTTP/2.
-    let over_h2 = rule.grpc || matches!(wb.backend, Backend::Service { h2c: true, .. });
+    let over_h2 = speaks_h2(rule, &wb.backend);
     let client_version = req.version();
     let upgrade = is_upgrade(&req);
     if upgrade && over_h2 {
@@ -1065,6 +1064,12 @@ async fn forward(
     Response::from_parts(parts, body)
 }
 
+/// Whether `backend` gets a rule's requests as HTTP/2: gRPC always, and Services whose port
+/// says `appProtocol: kubernetes.io/h2c`.
+fn speaks_h2(rule: &Rule, backend: &Backend) -> bool {
+    rule.grpc || matches!(backend, Backend::Service { h2c: true, .. })
+}
+
 /// An HTTP/2 request's target: the routed host (its Host header) as the authority.
 fn h2_target(host: Option<&HeaderValue>, path: PathAndQuery) -> Option<Uri> {
     let authority = host
@@ -1266,8 +1271,7 @@ fn mirror(
 ) {
     let ctx = &info.ctx;
     for (m, (body, cut)) in chosen.iter().zip(bodies) {
-        // gRPC, and Services whose port says `appProtocol: kubernetes.io/h2c`, get HTTP/2.
-        let h2 = rule.grpc || matches!(m.backend, Backend::Service { h2c: true, .. });
+        let h2 = speaks_h2(rule, &m.backend);
         let Some(mut head) = spoken_as(parts, h2) else {
             continue;
         };
@@ -1376,7 +1380,7 @@ fn spoken_as(p: &hyper::http::request::Parts, h2: bool) -> Option<hyper::http::r
 /// request was prepared for HTTP/2 or HTTP/1.1).
 fn repick(rule: &Rule, over_h2: bool) -> Option<&Backend> {
     let wb = pick(&rule.backends)?;
-    let h2 = rule.grpc || matches!(wb.backend, Backend::Service { h2c: true, .. });
+    let h2 = speaks_h2(rule, &wb.backend);
     (h2 == over_h2 && !matches!(wb.backend, Backend::Unresolved { .. })).then_some(&wb.backend)
 }
 

@@ -135,26 +135,18 @@ impl GatewayMetrics {
         }
         let l = |extra| route_labels(route, extra);
         // One family lookup per statement: the guard of `get_or_create` must not outlive it.
-        let requests = if http {
-            self.requests.get_or_create(&l(None)).clone()
-        } else {
-            Counter::default()
+        // An HTTP or gRPC route's series; a detached counter for a TLS or TCP route.
+        let http_only = |family: &Family<Labels, Counter>| {
+            if http {
+                family.get_or_create(&l(None)).clone()
+            } else {
+                Counter::default()
+            }
         };
-        let retries = if http {
-            self.retries.get_or_create(&l(None)).clone()
-        } else {
-            Counter::default()
-        };
-        let mirrored = if http {
-            self.mirrored.get_or_create(&l(None)).clone()
-        } else {
-            Counter::default()
-        };
-        let mirror_failures = if http {
-            self.mirror_failures.get_or_create(&l(None)).clone()
-        } else {
-            Counter::default()
-        };
+        let requests = http_only(&self.requests);
+        let retries = http_only(&self.retries);
+        let mirrored = http_only(&self.mirrored);
+        let mirror_failures = http_only(&self.mirror_failures);
         let mut classes = Vec::with_capacity(5);
         for c in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
             classes.push(if http {

@@ -1358,18 +1358,17 @@ impl Pool {
                     None => Box::new(s),
                     Some(tls) => {
                         let shake = self.tls.handshake(tls, s);
-                        match tokio::time::timeout(CONNECT_TIMEOUT, shake).await {
-                            Ok(Ok(s)) => Box::new(s),
-                            Ok(Err(why)) => {
+                        let shaken = match tokio::time::timeout(CONNECT_TIMEOUT, shake).await {
+                            Ok(shaken) => shaken,
+                            Err(_) => Err(format!(
+                                "TLS to the backend (BackendTLSPolicy {}): no handshake within {CONNECT_TIMEOUT:?}",
+                                tls.policy
+                            )),
+                        };
+                        match shaken {
+                            Ok(s) => Box::new(s),
+                            Err(why) => {
                                 tracing::debug!(endpoint = %addr, "{why}");
-                                lock(&self.failed).insert(key.to_string(), Instant::now());
-                                return Err(Some(why));
-                            }
-                            Err(_) => {
-                                let why = format!(
-                                    "TLS to the backend (BackendTLSPolicy {}): no handshake within {CONNECT_TIMEOUT:?}",
-                                    tls.policy
-                                );
                                 lock(&self.failed).insert(key.to_string(), Instant::now());
                                 return Err(Some(why));
                             }

@@ -602,3 +602,31 @@ pub async fn read_head(s: &mut TcpStream) -> String {
     }
     String::from_utf8_lossy(&head).into_owned()
 }
+
+/// A backend's answer to an Upgrade request: 101 to the `echo` protocol, then what the client
+/// sends comes back.
+pub fn upgrade_to_echo(
+    req: &mut hyper::Request<hyper::body::Incoming>,
+) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
+    let up = hyper::upgrade::on(req);
+    tokio::spawn(async move {
+        if let Ok(u) = up.await {
+            let mut u = hyper_util::rt::TokioIo::new(u);
+            let mut buf = [0u8; 1024];
+            while let Ok(n) = u.read(&mut buf).await {
+                if n == 0 || u.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut r = hyper::Response::new(http_body_util::Full::new(bytes::Bytes::new()));
+    *r.status_mut() = hyper::StatusCode::SWITCHING_PROTOCOLS;
+    r.headers_mut().insert(
+        "connection",
+        hyper::header::HeaderValue::from_static("upgrade"),
+    );
+    r.headers_mut()
+        .insert("upgrade", hyper::header::HeaderValue::from_static("echo"));
+    r
+}
