@@ -244,6 +244,7 @@ fn validate_spec(resource: &Resource) -> Vec<Problem> {
                 &v["spec"]["allowedListeners"]["namespaces"],
                 "spec.allowedListeners.namespaces",
             );
+            check_frontend_tls(&mut p, &v["spec"]["tls"]["frontend"]);
         }
         Resource::ListenerSet(ls) => {
             let v = resource.to_value();
@@ -1648,6 +1649,67 @@ mod name_tests {
         assert!(
             !is_dns_subdomain(&long_part),
             "a hostname part is at most 63"
+        );
+    }
+}
+
+/// A Gateway's `spec.tls.frontend` (GEP-91), as the upstream schema and CEL rules check it:
+/// 1–8 CA references per `validation`, at most 64 `perPort` entries with distinct ports.
+fn check_frontend_tls(p: &mut Problems, frontend: &serde_json::Value) {
+    let check_validation = |p: &mut Problems, v: &serde_json::Value, at: &str| {
+        let Some(refs) = v["caCertificateRefs"].as_array() else {
+            return;
+        };
+        if refs.is_empty() {
+            p.add(
+                format!("{at}.caCertificateRefs"),
+                "must have at least 1 item",
+            );
+        } else if refs.len() > 8 {
+            p.add(
+                format!("{at}.caCertificateRefs"),
+                "must have at most 8 items",
+            );
+        }
+        for (i, r) in refs.iter().enumerate() {
+            if r["name"].as_str().is_none_or(str::is_empty) {
+                p.add(
+                    format!("{at}.caCertificateRefs[{i}].name"),
+                    "name is required",
+                );
+            }
+        }
+    };
+    check_validation(
+        p,
+        &frontend["default"]["validation"],
+        "spec.tls.frontend.default.validation",
+    );
+    let Some(ports) = frontend["perPort"].as_array() else {
+        return;
+    };
+    if ports.len() > 64 {
+        p.add("spec.tls.frontend.perPort", "must have at most 64 items");
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, entry) in ports.iter().enumerate() {
+        let port = entry["port"].as_i64().unwrap_or(0);
+        if !(1..=65535).contains(&port) {
+            p.add(
+                format!("spec.tls.frontend.perPort[{i}].port"),
+                format!("port must be between 1 and 65535, found {port}"),
+            );
+        }
+        if !seen.insert(port) {
+            p.add(
+                "spec.tls.frontend.perPort",
+                "Port for TLS configuration must be unique within the Gateway",
+            );
+        }
+        check_validation(
+            p,
+            &entry["tls"]["validation"],
+            &format!("spec.tls.frontend.perPort[{i}].tls.validation"),
         );
     }
 }

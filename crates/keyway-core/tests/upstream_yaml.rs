@@ -25,12 +25,13 @@ fn cond<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
 }
 
 /// `kubernetes-sigs/gateway-api` `examples/standard/frontend-cert-validation.yaml` (Gateway API
-/// v1.5, `spec.tls.frontend`, GEP-91): the Gateway asks for client certificates signed by a CA.
-/// keyway does not implement it; serving the listeners anyway (Accepted/Programmed=True, no
-/// warning) lets clients without a certificate in. It must fail closed, visibly.
+/// v1.5, `spec.tls.frontend`, GEP-91), with the Secrets and ConfigMaps it names: `foo-https` on
+/// 443 checks client certificates against the default's CA, `bar-https` on 8443 against its
+/// port's own. Without its ConfigMap, `bar-https` is `Accepted=False/NoValidCACertificate` and
+/// `foo-https` is untouched.
 #[test]
-fn gateway_frontend_client_cert_validation_is_not_served_without_it() {
-    let yaml = r#"
+fn gateway_frontend_client_cert_validation_per_port() {
+    let gateway = r#"
 apiVersion: gateway.networking.k8s.io/v1
 kind: Gateway
 metadata:
@@ -45,29 +46,126 @@ spec:
           - kind: ConfigMap
             group: ""
             name: foo-example-com-ca-cert
+      perPort:
+      - port: 8443
+        tls:
+          validation:
+            caCertificateRefs:
+            - kind: ConfigMap
+              group: ""
+              name: bar-example-com-ca-cert
   listeners:
-  - name: http
-    protocol: HTTP
-    port: 8080
+  - name: foo-https
+    protocol: HTTPS
+    port: 443
+    hostname: foo.example.com
+    tls:
+      certificateRefs:
+      - kind: Secret
+        group: ""
+        name: foo-example-com-cert
+  - name: bar-https
+    protocol: HTTPS
+    port: 8443
+    hostname: bar.example.com
+    tls:
+      certificateRefs:
+      - kind: Secret
+        group: ""
+        name: bar-example-com-cert
 "#;
-    let c = compile(yaml);
-    let key = ObjectKey::new(Kind::Gateway, "default", "client-validation-basic");
-    let status = &c.statuses[&key];
-    let accepted = cond(status, "Accepted").expect("Accepted condition");
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["foo.example.com".into(), "bar.example.com".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+    let (cert, key) = (cert.pem(), key.serialize_pem());
+    let mut objects = String::new();
+    for name in ["foo-example-com-cert", "bar-example-com-cert"] {
+        objects += &format!(
+            "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\ntype: kubernetes.io/tls\nstringData: {{tls.crt: {cert:?}, tls.key: {key:?}}}\n"
+        );
+    }
+    let ca_map = |name: &str| {
+        format!(
+            "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}}}\ndata: {{ca.crt: {cert:?}}}\n"
+        )
+    };
+    let gw = ObjectKey::new(Kind::Gateway, "default", "client-validation-basic");
+    let listener = |c: &offline::Compiled, name: &str| -> (Value, Option<Vec<String>>) {
+        let status = c.statuses[&gw]["listeners"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["name"] == name))
+            .cloned()
+            .unwrap_or_default();
+        let served = c
+            .gateway
+            .plan
+            .gateways
+            .iter()
+            .flat_map(|g| &g.ports)
+            .flat_map(|p| &p.listeners)
+            .find(|l| l.name == name)
+            .and_then(|l| l.tls.as_ref()?.client_validation.as_ref())
+            .map(|v| v.from.clone());
+        (status, served)
+    };
+    let reason = |status: &Value, t: &str| {
+        let c = cond(status, t).cloned().unwrap_or_default();
+        format!(
+            "{}/{}",
+            c["status"].as_str().unwrap_or("?"),
+            c["reason"].as_str().unwrap_or("?")
+        )
+    };
+
+    let both = compile(&format!(
+        "{gateway}{objects}{}{}",
+        ca_map("foo-example-com-ca-cert"),
+        ca_map("bar-example-com-ca-cert")
+    ));
+    assert!(
+        both.reconciled.errors.is_empty(),
+        "{:#?}",
+        both.reconciled.errors
+    );
+    for (name, ca) in [("foo-https", "foo"), ("bar-https", "bar")] {
+        let (status, served) = listener(&both, name);
+        assert_eq!(
+            reason(&status, "Accepted"),
+            "True/Accepted",
+            "{name}: {status:#}"
+        );
+        assert_eq!(reason(&status, "Programmed"), "True/Programmed", "{name}");
+        assert_eq!(
+            served,
+            Some(vec![format!("ConfigMap default/{ca}-example-com-ca-cert")]),
+            "{name}"
+        );
+    }
+
+    let foo_only = compile(&format!(
+        "{gateway}{objects}{}",
+        ca_map("foo-example-com-ca-cert")
+    ));
+    let (status, served) = listener(&foo_only, "bar-https");
     assert_eq!(
-        accepted["status"], "False",
-        "a Gateway whose client-certificate validation keyway ignores must not be accepted: {status:#}"
+        reason(&status, "Accepted"),
+        "False/NoValidCACertificate",
+        "{status:#}"
     );
-    assert!(
-        accepted["message"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("spec.tls.frontend"),
-        "{accepted:#}"
+    assert_eq!(
+        reason(&status, "ResolvedRefs"),
+        "False/InvalidCACertificateRef"
     );
-    assert!(
-        c.gateway.plan.gateways.iter().all(|g| g.gateway != key),
-        "the Gateway must not be served"
+    assert_eq!(served, None);
+    let (status, served) = listener(&foo_only, "foo-https");
+    assert_eq!(reason(&status, "Accepted"), "True/Accepted", "{status:#}");
+    assert!(served.is_some());
+    assert_eq!(
+        reason(&foo_only.statuses[&gw], "Accepted"),
+        "True/ListenersNotValid"
     );
 }
 

@@ -3,13 +3,41 @@
 
 use std::sync::Arc;
 
+use keyway_core::gateway::plan::{ClientValidation, ClientValidationMode};
 use keyway_core::plan::{ClientTls, ServerTls};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
+
+/// The signature checks of a verifier that wraps another (`self.0`): a wrapper decides only
+/// about the certificate itself.
+macro_rules! signatures_of_inner {
+    () => {
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.0.verify_tls12_signature(message, cert, dss)
+        }
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.0.verify_tls13_signature(message, cert, dss)
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.supported_verify_schemes()
+        }
+    };
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -94,11 +122,12 @@ pub struct ClientTlsConfig {
 }
 
 /// A server config presenting, of several certificates (an ECDSA one next to an RSA one, say),
-/// the first whose key can sign with a scheme the client offers. One certificate is
-/// [`server_config`] without client authentication.
+/// the first whose key can sign with a scheme the client offers; with `clients`, asking for a
+/// client certificate and checking it as the Gateway's `spec.tls.frontend` says.
 pub fn server_config_choosing(
     materials: &[keyway_core::tls::TlsMaterial],
     alpn: &[&[u8]],
+    clients: Option<&ClientValidation>,
 ) -> Result<Arc<ServerConfig>, TlsError> {
     let [first, rest @ ..] = materials else {
         return Err(TlsError::Material {
@@ -106,35 +135,92 @@ pub fn server_config_choosing(
             message: "no certificate to terminate TLS with".into(),
         });
     };
-    if rest.is_empty() {
-        let tls = ServerTls {
-            material: first.clone(),
-            require_client_cert: false,
-        };
-        return server_config(&tls, alpn);
-    }
     let provider = provider();
-    let keys = materials
-        .iter()
-        .map(|m| {
-            CertifiedKey::from_der(m.cert_chain.clone(), private_key(m)?, &provider)
-                .map(Arc::new)
-                .map_err(|source| TlsError::Rustls {
-                    secret: m.secret.clone(),
-                    source,
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut config = ServerConfig::builder_with_provider(provider)
+    let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|source| TlsError::Rustls {
             secret: first.secret.clone(),
             source,
-        })?
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(BySignatureScheme(keys)));
+        })?;
+    let builder = match clients {
+        Some(v) => builder.with_client_cert_verifier(client_verifier(v)?),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = if rest.is_empty() {
+        builder
+            .with_single_cert(first.cert_chain.clone(), private_key(first)?)
+            .map_err(|source| TlsError::Rustls {
+                secret: first.secret.clone(),
+                source,
+            })?
+    } else {
+        let keys = materials
+            .iter()
+            .map(|m| {
+                CertifiedKey::from_der(m.cert_chain.clone(), private_key(m)?, &provider)
+                    .map(Arc::new)
+                    .map_err(|source| TlsError::Rustls {
+                        secret: m.secret.clone(),
+                        source,
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        builder.with_cert_resolver(Arc::new(BySignatureScheme(keys)))
+    };
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
+}
+
+/// The client certificate check of a Gateway port (GEP-91): the certificate must chain to the
+/// roots (`AllowValidOnly`), or is asked for and let pass whatever it is (`AllowInsecureFallback`).
+fn client_verifier(v: &ClientValidation) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+    let from = v.from.join(", ");
+    let builder =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots(&from, &v.roots)?), provider());
+    let fallback = v.mode == ClientValidationMode::AllowInsecureFallback;
+    let builder = if fallback {
+        builder.allow_unauthenticated()
+    } else {
+        builder
+    };
+    let verifier = builder.build().map_err(|e| TlsError::Material {
+        secret: from,
+        message: e.to_string(),
+    })?;
+    Ok(if fallback {
+        Arc::new(LetThrough(verifier))
+    } else {
+        verifier
+    })
+}
+
+/// `AllowInsecureFallback`: a client certificate that does not verify is let through (the
+/// handshake still needs the client to prove it holds the certificate's key).
+#[derive(Debug)]
+struct LetThrough(Arc<dyn ClientCertVerifier>);
+
+impl ClientCertVerifier for LetThrough {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.0.root_hint_subjects()
+    }
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        if let Err(e) = self.0.verify_client_cert(end_entity, intermediates, now) {
+            tracing::debug!("client certificate let through (AllowInsecureFallback): {e}");
+        }
+        Ok(ClientCertVerified::assertion())
+    }
+    signatures_of_inner!();
 }
 
 /// Picks, among the certificates valid for the server name the client asked for (all of them
@@ -248,25 +334,7 @@ impl ServerCertVerifier for ChainOnly {
             other => other,
         }
     }
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
-    }
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
-    }
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
+    signatures_of_inner!();
 }
 
 /// Accepts any server certificate but still checks the handshake signatures.
@@ -570,7 +638,7 @@ mod tests {
         let ed25519 = material(&PKCS_ED25519);
         let trusted = [ecdsa.cert_chain[0].clone(), ed25519.cert_chain[0].clone()];
         let config =
-            server_config_choosing(&[ecdsa.clone(), ed25519.clone()], &[]).expect("config");
+            server_config_choosing(&[ecdsa.clone(), ed25519.clone()], &[], None).expect("config");
         let got = |schemes| presented(config.clone(), &trusted, schemes);
         assert_eq!(
             got(vec![SignatureScheme::ED25519]),
@@ -597,7 +665,7 @@ mod tests {
         let mut a = material(&PKCS_ECDSA_P256_SHA256);
         let b = material(&PKCS_ECDSA_P256_SHA256);
         a.key = b.key.clone();
-        let err = server_config_choosing(&[a, b], &[]).expect_err("mismatched key");
+        let err = server_config_choosing(&[a, b], &[], None).expect_err("mismatched key");
         assert!(err.to_string().contains("key"), "{err}");
     }
 }

@@ -826,3 +826,148 @@ async fn adding_and_removing_a_hostname_on_a_port_keeps_its_open_connections() {
         .expect("new connections to a");
     assert!(again.contains("backend=A"), "{again}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Client certificates (Gateway `spec.tls.frontend`, GEP-91)
+
+/// `GET /` over TLS as `client` (its certificate and key; `None`: none offered), `Host` =
+/// `sni`: the whole response, or empty when the handshake or the read failed (in TLS 1.3 a
+/// refused client certificate shows as an alert after the client's own handshake is done).
+async fn https_get_as(port: u16, ca: &Ca, sni: &str, client: Option<&Leaf>) -> String {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.der()).expect("root");
+    let builder = rustls::ClientConfig::builder_with_provider(common::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots);
+    let config = match client {
+        Some(leaf) => builder
+            .with_client_auth_cert(
+                vec![common::cert(&leaf.cert_pem)],
+                common::private_key(&leaf.key_pem),
+            )
+            .expect("client cert"),
+        None => builder.with_no_client_auth(),
+    };
+    let Ok(tcp) = common::connect(port).await else {
+        return String::new();
+    };
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let name = ServerName::try_from(sni.to_string()).expect("name");
+    let Ok(Ok(mut t)) = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp)).await else {
+        return String::new();
+    };
+    let req = format!("GET / HTTP/1.1\r\nhost: {sni}\r\nconnection: close\r\n\r\n");
+    if t.write_all(req.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    read_all(&mut t).await
+}
+
+/// A Gateway with `spec.tls.frontend` as given: listener `a` (a.example.com) on `p1` and `b`
+/// on `p2`, and a ListenerSet's listener `c` (c.example.com) on `p1`, each routing to a
+/// backend named after it. The client CA is ConfigMap `client-ca`.
+fn frontend_gateway(
+    frontend: &str,
+    p1: u16,
+    p2: u16,
+    backends: &[std::net::SocketAddr; 3],
+) -> String {
+    let mut y = format!(
+        "---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  allowedListeners: {{namespaces: {{from: Same}}}}\n{frontend}  listeners:\n  - {{name: a, port: {p1}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert}}]}}}}\n  - {{name: b, port: {p2}, protocol: HTTPS, hostname: b.example.com, tls: {{certificateRefs: [{{name: cert}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {{name: team}}\nspec:\n  parentRef: {{name: gw}}\n  listeners:\n  - {{name: c, port: {p1}, protocol: HTTPS, hostname: c.example.com, tls: {{certificateRefs: [{{name: cert}}]}}}}\n"
+    );
+    for (name, addr) in ["a", "b", "c"].iter().zip(backends) {
+        y.push_str(&service(&format!("svc-{name}"), *addr));
+        let parent = if *name == "c" {
+            "{name: team, kind: ListenerSet}".to_string()
+        } else {
+            format!("{{name: gw, sectionName: {name}}}")
+        };
+        y.push_str(&format!(
+            "---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r{name}}}\nspec:\n  parentRefs: [{parent}]\n  rules:\n  - backendRefs: [{{name: svc-{name}, port: 80}}]\n"
+        ));
+    }
+    y
+}
+
+/// Client certificate validation on a Gateway's HTTPS ports: `default` makes every HTTPS
+/// listener of the port (the Gateway's and its ListenerSets') require a certificate chaining to
+/// the ConfigMap's CA; `perPort` gives another port AllowInsecureFallback. A CA that stops
+/// resolving keeps the last valid check in force; removing `spec.tls.frontend` ends it.
+#[tokio::test]
+async fn client_certificates_are_checked_per_port() {
+    let ca = Ca::new("server ca");
+    let clients = Ca::new("client ca");
+    let stranger = Ca::new("someone else");
+    let good = clients.leaf(&["client.example"]);
+    let bad = stranger.leaf(&["client.example"]);
+    let (p1, p2) = (free_port(), free_port());
+    let backends = [
+        http_backend("A").await,
+        http_backend("B").await,
+        http_backend("C").await,
+    ];
+    let objects = secret_yaml(
+        "cert",
+        &ca.leaf(&["a.example.com", "b.example.com", "c.example.com"]),
+    ) + &format!(
+        "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: client-ca}}\ndata:\n  ca.crt: {:?}\n",
+        clients.pem()
+    );
+    let validation = "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: client-ca}]}";
+    let frontend = format!(
+        "  tls:\n    frontend:\n      default: {{validation: {validation}}}\n      perPort: [{{port: {p2}, tls: {{validation: {}}}}}]\n",
+        validation.replacen('{', "{mode: AllowInsecureFallback, ", 1)
+    );
+    let dp = start(
+        &(objects.clone() + &frontend_gateway(&frontend, p1, p2, &backends)),
+        p1,
+    )
+    .await;
+    let served =
+        |r: &str, by: &str| r.starts_with("HTTP/1.1 200") && r.contains(&format!("backend={by}"));
+    // Port 1: a certificate from the client CA, and nothing else, gets in; listener c of the
+    // ListenerSet on the same port alike.
+    for (host, by) in [("a.example.com", "A"), ("c.example.com", "C")] {
+        let r = https_get_as(p1, &ca, host, Some(&good)).await;
+        assert!(served(&r, by), "{host} with a valid certificate: {r:?}");
+        let r = https_get_as(p1, &ca, host, None).await;
+        assert!(r.is_empty(), "{host} without a certificate: {r:?}");
+        let r = https_get_as(p1, &ca, host, Some(&bad)).await;
+        assert!(r.is_empty(), "{host} with another CA's certificate: {r:?}");
+    }
+    // Port 2: AllowInsecureFallback lets every client in.
+    for client in [Some(&good), None, Some(&bad)] {
+        let r = https_get_as(p2, &ca, "b.example.com", client).await;
+        assert!(served(&r, "B"), "b.example.com: {r:?}");
+    }
+    // openssl as a client without a certificate: refused on port 1 (its handshake output
+    // shows the server asked for one).
+    let out = openssl_s_client(p1, "a.example.com").await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("Acceptable client certificate CA names") && text.contains("client ca"),
+        "{text}"
+    );
+
+    // The ConfigMap goes: the check stays as it was (the last valid configuration).
+    let without_ca = objects.replace("name: client-ca", "name: renamed");
+    dp.apply(&compile(
+        &(without_ca + &frontend_gateway(&frontend, p1, p2, &backends)),
+    ));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = https_get_as(p1, &ca, "a.example.com", None).await;
+    assert!(r.is_empty(), "without a certificate, CA gone: {r:?}");
+    let r = https_get_as(p1, &ca, "a.example.com", Some(&good)).await;
+    assert!(served(&r, "A"), "with a valid certificate, CA gone: {r:?}");
+
+    // No spec.tls.frontend: no certificate asked for.
+    dp.apply(&compile(
+        &(objects + &frontend_gateway("", p1, p2, &backends)),
+    ));
+    let open = common::eventually(Duration::from_secs(3), || async {
+        served(&https_get_as(p1, &ca, "a.example.com", None).await, "A")
+    })
+    .await;
+    assert!(open, "validation off once spec.tls.frontend is removed");
+}

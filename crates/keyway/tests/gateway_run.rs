@@ -114,12 +114,18 @@ impl Pki {
         }
     }
 
-    /// A TLS Secret for `host` (CN and SAN).
-    fn secret(&self, name: &str, host: &str) -> String {
+    /// A certificate for `host` (CN and SAN) and its key, PEM.
+    fn leaf(&self, host: &str) -> (String, String) {
         let mut params = CertificateParams::new(vec![host.to_string()]).expect("params");
         params.distinguished_name.push(DnType::CommonName, host);
         let key = KeyPair::generate().expect("key");
         let cert = params.signed_by(&key, &self.ca).expect("sign");
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// A TLS Secret for `host` (CN and SAN).
+    fn secret(&self, name: &str, host: &str) -> String {
+        let (cert, key) = self.leaf(host);
         let indent = |pem: &str| {
             pem.lines()
                 .map(|l| format!("    {l}\n"))
@@ -127,8 +133,8 @@ impl Pki {
         };
         format!(
             "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
-            indent(&cert.pem()),
-            indent(&key.serialize_pem())
+            indent(&cert),
+            indent(&key)
         )
     }
 }
@@ -972,4 +978,86 @@ fn a_misspelt_parent_ref_and_a_foreign_class_are_warned_about() {
     let log = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
     assert_eq!(log.matches(misspelt).count(), 1, "{log}");
     assert_eq!(log.matches(foreign).count(), 1, "{log}");
+}
+
+/// Mutual TLS at the edge (`spec.tls.frontend`, GEP-91) with `keyway run` and curl: a client
+/// certificate from the ConfigMap's CA gets in, none does not; switching the Gateway to
+/// `AllowInsecureFallback` on a running site lets clients without one in and says so in the
+/// Gateway's status.
+#[test]
+fn client_certificates_are_required_where_the_gateway_asks() {
+    let dir = temp_dir("client-certs");
+    let port = free_port();
+    let pki = Pki::new();
+    let clients = Pki::new();
+    let (cert, key) = clients.leaf("client.example");
+    std::fs::write(dir.join(".client.crt"), &cert).expect("write");
+    std::fs::write(dir.join(".client.key"), &key).expect("write");
+    let ca = clients.ca.pem();
+    let gateway = |mode: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  tls:\n    frontend:\n      default:\n        validation:\n          {mode}caCertificateRefs: [{{group: \"\", kind: ConfigMap, name: client-ca}}]\n  listeners:\n  - {{name: https, port: {port}, protocol: HTTPS, hostname: a.example, tls: {{certificateRefs: [{{name: cert}}]}}}}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r}}\nspec:\n  parentRefs: [{{name: gw}}]\n  rules:\n  - filters: [{{type: RequestRedirect, requestRedirect: {{hostname: in.example, statusCode: 302}}}}]\n"
+        )
+    };
+    let objects = pki.secret("cert", "a.example")
+        + &format!(
+            "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: client-ca}}\ndata:\n  ca.crt: {ca:?}\n"
+        );
+    std::fs::write(dir.join("objects.yaml"), &objects).expect("write");
+    std::fs::write(dir.join("gw.yaml"), gateway("")).expect("write");
+    let site = Site::start(&dir, true);
+    let curl = |with_cert: bool| {
+        let mut c = Command::new("curl");
+        c.args([
+            "-s",
+            "-k",
+            "--max-time",
+            "5",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["--resolve", &format!("a.example:{port}:127.0.0.1")]);
+        if with_cert {
+            c.arg("--cert")
+                .arg(dir.join(".client.crt"))
+                .arg("--key")
+                .arg(dir.join(".client.key"));
+        }
+        let out = c
+            .arg(format!("https://a.example:{port}/"))
+            .output()
+            .expect("run curl");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(curl(true), "302", "a client certificate from the CA");
+    assert_eq!(curl(false), "000", "no client certificate");
+
+    std::fs::write(
+        dir.join("gw.yaml"),
+        gateway("mode: AllowInsecureFallback\n          "),
+    )
+    .expect("write");
+    assert!(
+        eventually(Duration::from_secs(5), || curl(false) == "302"),
+        "AllowInsecureFallback lets a client without a certificate in: {}",
+        curl(false)
+    );
+    assert_eq!(curl(true), "302");
+    let (_, status) = site.get("/status");
+    let status: serde_json::Value = serde_json::from_str(&status).expect("status json");
+    let gw = status["items"]
+        .as_array()
+        .and_then(|items| items.iter().find(|i| i["kind"] == "Gateway"))
+        .expect("the Gateway's status");
+    let insecure = gw["status"]["conditions"]
+        .as_array()
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c["type"] == "InsecureFrontendValidationMode")
+        })
+        .expect("InsecureFrontendValidationMode");
+    assert_eq!(insecure["status"], "True", "{insecure:#}");
+    assert_eq!(insecure["reason"], "ConfigurationChanged", "{insecure:#}");
 }

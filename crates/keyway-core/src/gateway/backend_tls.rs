@@ -156,25 +156,7 @@ fn roots(world: &World<'_>, ns: &str, policy: &BackendTlsPolicy) -> (TlsRoots, V
             ));
             continue;
         }
-        let pem = match world.index.resource(Kind::ConfigMap, ns, &r.name) {
-            Some(Resource::ConfigMap(cm)) => cm
-                .data
-                .as_ref()
-                .and_then(|d| d.get("ca.crt"))
-                .map(|s| s.as_bytes().to_vec())
-                .or_else(|| {
-                    cm.binary_data
-                        .as_ref()
-                        .and_then(|d| d.get("ca.crt"))
-                        .map(|b| b.0.clone())
-                })
-                .ok_or_else(|| format!("ConfigMap {ns}/{} has no key ca.crt", r.name)),
-            _ => Err(world.index.absence(Kind::ConfigMap, ns, &r.name)),
-        };
-        match pem.and_then(|p| {
-            crate::tls::parse_certificates(&p)
-                .map_err(|e| format!("ConfigMap {ns}/{} ca.crt: {e}", r.name))
-        }) {
+        match world.ca_bundle(false, ns, &r.name) {
             Ok(certs) => {
                 from.push(format!("{ns}/{}", r.name));
                 der.extend(certs);

@@ -229,11 +229,18 @@ pub(crate) fn check(world: &World<'_>, owner: &ObjectKey, spec: ListenerSpec) ->
                 Ok(Some(Arc::new(ListenerTls {
                     mode,
                     certificates: Vec::new(),
+                    client_validation: None,
                 })))
             } else {
                 world
                     .certificates(owner.kind, &owner.namespace, refs)
-                    .map(|certificates| Some(Arc::new(ListenerTls { mode, certificates })))
+                    .map(|certificates| {
+                        Some(Arc::new(ListenerTls {
+                            mode,
+                            certificates,
+                            client_validation: None,
+                        }))
+                    })
             }
         }
         _ => Ok(None),

@@ -13,6 +13,7 @@
 //! may depend on) still drops every cache.
 
 mod backend_tls;
+mod frontend_tls;
 mod fxhash;
 pub mod hostname;
 #[cfg(test)]
@@ -41,6 +42,7 @@ use crate::Time;
 use crate::index::Index;
 use crate::load::{ConfigError, LoadedObject};
 use crate::resource::{Kind, ObjectKey, Resource};
+use frontend_tls::{Frontend, PortValidation};
 use fxhash::{FxMap as HashMap, FxSet as HashSet};
 use listeners::{ListenerIn, ListenerSpec, Standing};
 use merge::Merge;
@@ -335,6 +337,8 @@ struct Owner<'a> {
     gateway: usize,
     /// Everything routes see of this owner, hashed (see [`Owner::fingerprint`]).
     fp: u64,
+    /// Its Gateway's client certificate validation (`spec.tls.frontend`), if any.
+    frontend: Option<Arc<Frontend>>,
 }
 
 impl Owner<'_> {
@@ -361,11 +365,20 @@ impl Owner<'_> {
         self.standings.get(i).copied()
     }
 
-    /// Serving traffic: resource accepted, listener won, certificates loaded.
+    /// Serving traffic: resource accepted, listener won, certificates loaded, and the client
+    /// validation of its port usable.
     fn programmed(&self, i: usize) -> bool {
         self.accepted()
             && self.standing(i) == Some(Standing::Accepted)
-            && self.listeners.get(i).is_some_and(|l| l.tls.is_ok())
+            && self
+                .listeners
+                .get(i)
+                .is_some_and(|l| l.tls.is_ok() && !without_ca(self.frontend.as_deref(), l))
+    }
+
+    /// The client certificate validation of listener `i`'s port (HTTPS listeners only).
+    fn validation(&self, i: usize) -> Option<&PortValidation> {
+        validation_of(self.frontend.as_deref(), self.listeners.get(i)?)
     }
 
     /// Won its hostname but its certificates do not resolve: in the plan without any, with its
@@ -374,14 +387,34 @@ impl Owner<'_> {
     fn holding(&self, i: usize) -> bool {
         (self.accepted() || self.admission == Admission::ListenersNotValid)
             && self.standing(i) == Some(Standing::Accepted)
-            && self.listeners.get(i).is_some_and(|l| l.tls.is_err())
+            && self
+                .listeners
+                .get(i)
+                .is_some_and(|l| l.tls.is_err() || without_ca(self.frontend.as_deref(), l))
     }
 
     fn fingerprint(&self) -> u64 {
         let mut h = DefaultHasher::new();
         (self.version, self.admission, &self.standings).hash(&mut h);
+        self.frontend.as_ref().map(|f| f.fp).hash(&mut h);
         h.finish()
     }
+}
+
+/// The client certificate validation `frontend` asks of listener `l`: only HTTPS listeners
+/// check client certificates.
+fn validation_of<'f>(frontend: Option<&'f Frontend>, l: &ListenerIn) -> Option<&'f PortValidation> {
+    if l.protocol != Ok(plan::Protocol::Https) {
+        return None;
+    }
+    frontend?.at(l.spec.port)
+}
+
+/// An HTTPS listener whose port asks for client certificates but has no CA to check them
+/// against (`Accepted=False/NoValidCACertificate`): it holds its hostname, and is not served
+/// as written.
+fn without_ca(frontend: Option<&Frontend>, l: &ListenerIn) -> bool {
+    validation_of(frontend, l).is_some_and(|v| v.validation.is_none())
 }
 
 /// A route on a contested listener, with the hostnames it attached there.
@@ -802,6 +835,7 @@ impl GatewayResolver {
                     admission: Admission::ParentNotAccepted,
                     gateway: usize::MAX,
                     fp: 0,
+                    frontend: None,
                 });
             }
             // A Gateway of another class: its controller's business.
@@ -869,6 +903,7 @@ impl GatewayResolver {
             let own_standings = standings.next().unwrap_or_default();
             let listeners_ok = own.is_empty() || own_standings.contains(&Standing::Accepted);
             let unsupported_address = unsupported_spec(gw).is_some();
+            let frontend = Frontend::of(&world, gw_obj, gw).map(Arc::new);
             let accepted = listeners_ok && !unsupported_address;
             let gw_index = owners.len();
             owners.push(Owner {
@@ -883,6 +918,7 @@ impl GatewayResolver {
                 },
                 gateway: gw_index,
                 fp: 0,
+                frontend: frontend.clone(),
             });
             for (((kid, slot), (version, listeners)), standings) in
                 admitted.into_iter().zip(kid_inputs).zip(standings)
@@ -890,10 +926,9 @@ impl GatewayResolver {
                 // Valid: unconflicted and with its references resolved (a listener whose
                 // certificate cannot be used still holds its hostname, but does not make the
                 // set valid; conformance ListenerSetReferenceGrant).
-                let valid = standings
-                    .iter()
-                    .zip(listeners.iter())
-                    .any(|(s, l)| *s == Standing::Accepted && l.tls.is_ok());
+                let valid = standings.iter().zip(listeners.iter()).any(|(s, l)| {
+                    *s == Standing::Accepted && l.tls.is_ok() && !without_ca(frontend.as_deref(), l)
+                });
                 let admission = if !accepted {
                     Admission::ParentNotAccepted
                 } else if valid {
@@ -910,6 +945,7 @@ impl GatewayResolver {
                     admission,
                     gateway: gw_index,
                     fp: 0,
+                    frontend: frontend.clone(),
                 });
             }
             for (kid, slot) in refused {
@@ -923,6 +959,7 @@ impl GatewayResolver {
                     admission: Admission::NotAllowed,
                     gateway: gw_index,
                     fp: 0,
+                    frontend: None,
                 });
             }
         }
@@ -1278,6 +1315,11 @@ impl GatewayResolver {
             if let Some(slot) = &self.slots[o.slot] {
                 problems.extend(slot.problems.iter().cloned());
             }
+            if matches!(o.admission, Admission::Gateway { .. })
+                && let Some(f) = &o.frontend
+            {
+                f.problems(o.obj, &mut problems);
+            }
             if !dirty[i] {
                 continue;
             }
@@ -1311,15 +1353,25 @@ impl GatewayResolver {
                     continue;
                 };
                 let tls = match &l.tls {
-                    Ok(tls) if o.programmed(j) => tls.clone(),
+                    Ok(Some(tls)) if o.programmed(j) => match o.validation(j) {
+                        Some(v) => Some(Arc::new(plan::ListenerTls {
+                            client_validation: v.validation.clone(),
+                            ..(**tls).clone()
+                        })),
+                        None => Some(tls.clone()),
+                    },
+                    Ok(None) if o.programmed(j) => None,
                     // Holds its hostname without a usable certificate: in the plan with none,
                     // so the data plane refuses handshakes for it instead of letting a less
                     // specific listener (another team's wildcard) answer; or, if it was
                     // serving, keeps serving its routes with its last valid certificate
                     // (SPEC §7: bad input loses nothing already running).
-                    Err(_) if o.holding(j) => Some(Arc::new(plan::ListenerTls {
+                    // So does an HTTPS listener whose port's client validation has no CA: it
+                    // keeps what it served with (its last valid configuration), else refuses.
+                    _ if o.holding(j) => Some(Arc::new(plan::ListenerTls {
                         mode: plan::TlsMode::Terminate,
                         certificates: Vec::new(),
+                        client_validation: None,
                     })),
                     _ => continue,
                 };
@@ -1788,16 +1840,6 @@ fn unsupported_spec(gw: &Gateway) -> Option<(&'static str, String)> {
             ),
         ));
     }
-    // Client certificate validation (GEP-91) is not implemented: serving the listeners without
-    // it would let in clients the Gateway's owner meant to keep out, so fail closed and say so.
-    if gw.spec.tls.as_ref().is_some_and(|t| t.frontend.is_some()) {
-        return Some((
-            "Invalid",
-            "spec.tls.frontend: client certificate validation is not supported by keyway; \
-             the Gateway is not served rather than served without it"
-                .to_string(),
-        ));
-    }
     unsupported_address(gw).map(|m| ("UnsupportedAddress", m))
 }
 
@@ -1843,7 +1885,10 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
             accepted,
             unsupported_address,
         } => {
-            let broken = o.standings.iter().any(|s| *s != Standing::Accepted);
+            let broken = o.standings.iter().any(|s| *s != Standing::Accepted)
+                || o.listeners
+                    .iter()
+                    .any(|l| without_ca(o.frontend.as_deref(), l));
             let unsupported = unsupported_address
                 .then(|| match &o.obj.resource {
                     Resource::Gateway(gw) => self::unsupported_spec(gw),
@@ -1874,7 +1919,17 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
             } else {
                 C::new("Programmed", false, "Invalid", "no listener is programmed")
             };
-            vec![accepted_cond, programmed_cond]
+            let mut conds = vec![accepted_cond, programmed_cond];
+            // Said for as long as it lasts (GEP-91), and gone when the mode is back.
+            if let Some(message) = o.frontend.as_ref().and_then(|f| f.insecure()) {
+                conds.push(C::new(
+                    "InsecureFrontendValidationMode",
+                    true,
+                    "ConfigurationChanged",
+                    message,
+                ));
+            }
+            conds
         }
         Admission::Accepted => vec![
             C::new("Accepted", true, "Accepted", "accepted"),
@@ -1917,8 +1972,18 @@ fn owner_reason(admission: Admission) -> Option<(&'static str, &'static str)> {
 
 /// Accepted, Programmed, ResolvedRefs and Conflicted of listener `j` of `owner`.
 fn listener_conditions(owner: &Owner<'_>, j: usize, l: &ListenerIn) -> Vec<C> {
+    let validation = owner.validation(j);
+    let ca_errors = validation.map(|v| v.errors.as_slice()).unwrap_or_default();
     let resolved = match (&l.tls, &l.invalid_kinds) {
         (Err(e), _) => C::new("ResolvedRefs", false, e.reason(), e.to_string()),
+        (Ok(_), _) if !ca_errors.is_empty() => {
+            let message = ca_errors
+                .iter()
+                .map(|(at, e)| format!("{at}: {e}"))
+                .collect::<Vec<_>>()
+                .join("; ");
+            C::new("ResolvedRefs", false, ca_errors[0].1.reason(), message)
+        }
         (Ok(_), Some(msg)) => C::new("ResolvedRefs", false, "InvalidRouteKinds", msg.clone()),
         (Ok(_), None) => C::new(
             "ResolvedRefs",
@@ -1963,6 +2028,18 @@ fn listener_conditions(owner: &Owner<'_>, j: usize, l: &ListenerIn) -> Vec<C> {
                 C::new("Programmed", false, c.reason(), message.clone()),
                 resolved,
                 C::new("Conflicted", true, c.reason(), message),
+            ]
+        }
+        _ if validation.is_some_and(|v| v.validation.is_none()) => {
+            let message = format!(
+                "no CA certificate of the Gateway's spec.tls.frontend for port {} resolves, so client certificates cannot be checked; the listener is not served without them (one that was serving keeps its last valid configuration)",
+                l.spec.port
+            );
+            vec![
+                C::new("Accepted", false, "NoValidCACertificate", message.clone()),
+                C::new("Programmed", false, "Invalid", message),
+                resolved,
+                no_conflict,
             ]
         }
         _ => {

@@ -99,6 +99,33 @@ pub struct ListenerTls {
     pub mode: TlsMode,
     /// Parsed serving certificates (empty for passthrough).
     pub certificates: Vec<TlsMaterial>,
+    /// Client certificates asked for and checked in the handshake: the Gateway's
+    /// `spec.tls.frontend` for this port (HTTPS listeners only, GEP-91).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_validation: Option<Arc<ClientValidation>>,
+}
+
+/// How an HTTPS port checks client certificates (Gateway `spec.tls.frontend`, GEP-91). It is
+/// per port, not per listener, because one connection may carry requests for every hostname
+/// of its port (HTTP/2 connection coalescing).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientValidation {
+    pub mode: ClientValidationMode,
+    /// The ConfigMaps and Secrets the trust anchors come from, `Kind namespace/name`.
+    pub from: Vec<String>,
+    /// The trust anchors: the certificates of every `ca.crt` that resolved.
+    #[serde(skip)]
+    pub roots: Vec<rustls_pki_types::CertificateDer<'static>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum ClientValidationMode {
+    /// A client must present a certificate that chains to the roots.
+    AllowValidOnly,
+    /// A certificate is asked for; a client without one, or with one that does not chain,
+    /// is let in all the same.
+    AllowInsecureFallback,
 }
 
 /// A route attached to one listener. `hostnames` is the intersection of the route's and the

@@ -105,6 +105,10 @@ pub(crate) enum RefError {
     InvalidKind(String),
     #[error("{0}")]
     UnsupportedProtocol(String),
+    #[error("{0}")]
+    InvalidCACertificateRef(String),
+    #[error("{0}")]
+    InvalidCACertificateKind(String),
 }
 
 impl RefError {
@@ -115,6 +119,8 @@ impl RefError {
             RefError::BackendNotFound(_) => "BackendNotFound",
             RefError::InvalidKind(_) => "InvalidKind",
             RefError::UnsupportedProtocol(_) => "UnsupportedProtocol",
+            RefError::InvalidCACertificateRef(_) => "InvalidCACertificateRef",
+            RefError::InvalidCACertificateKind(_) => "InvalidCACertificateKind",
         }
     }
 }
@@ -288,6 +294,44 @@ impl<'a> World<'a> {
             out.push(material.map_err(RefError::InvalidCertificateRef)?);
         }
         Ok(out)
+    }
+
+    /// The certificates of the `ca.crt` key of ConfigMap (or, with `secret`, Secret) `ns/name`,
+    /// or why there are none: CA bundles for BackendTLSPolicy and client certificate validation.
+    pub fn ca_bundle(
+        &self,
+        secret: bool,
+        ns: &str,
+        name: &str,
+    ) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
+        let (kind, pem) = if secret {
+            let pem = match self.index.resource(Kind::Secret, ns, name) {
+                Some(Resource::Secret(s)) => tls::secret_value(s, "ca.crt")
+                    .ok_or_else(|| format!("Secret {ns}/{name} has no key ca.crt")),
+                _ => Err(self.index.absence(Kind::Secret, ns, name)),
+            };
+            ("Secret", pem)
+        } else {
+            let pem = match self.index.resource(Kind::ConfigMap, ns, name) {
+                Some(Resource::ConfigMap(cm)) => cm
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get("ca.crt"))
+                    .map(|s| s.as_bytes().to_vec())
+                    .or_else(|| {
+                        cm.binary_data
+                            .as_ref()
+                            .and_then(|d| d.get("ca.crt"))
+                            .map(|b| b.0.clone())
+                    })
+                    .ok_or_else(|| format!("ConfigMap {ns}/{name} has no key ca.crt")),
+                _ => Err(self.index.absence(Kind::ConfigMap, ns, name)),
+            };
+            ("ConfigMap", pem)
+        };
+        pem.and_then(|p| {
+            tls::parse_certificates(&p).map_err(|e| format!("{kind} {ns}/{name} ca.crt: {e}"))
+        })
     }
 
     /// Resolves one backendRef of a route in `route_ns`. An unresolvable backend still takes its

@@ -2948,3 +2948,380 @@ fn backend_tls_policies_that_apply_to_nothing_warn() {
         }
     }
 }
+
+// ---- spec.tls.frontend: client certificate validation (GEP-91) ----------------------------------
+
+/// A Gateway in `infra` with an HTTP and an HTTPS listener, `spec.tls.frontend` as given, and a
+/// ListenerSet in `team-a` with HTTPS listeners on the Gateway's port 443 and on 9443.
+fn frontend_world(frontend: &str, extra: &str) -> String {
+    let own = l("web", 80, "HTTP", Some("gw.example.com"))
+        + &l("https", 443, "HTTPS", Some("gw.example.com"));
+    let mut y = base("from: All").replace(
+        "  - {name: web, port: 80, protocol: HTTP, hostname: gw.example.com, allowedRoutes: {namespaces: {from: All}}}\n",
+        &own,
+    );
+    if !frontend.is_empty() {
+        y = y.replacen(
+            "  listeners:\n",
+            &format!("  tls:\n    frontend: {frontend}\n  listeners:\n"),
+            1,
+        );
+    }
+    y + &listener_set(
+        "team-a",
+        "ls",
+        1,
+        "gw",
+        &(l("a", 443, "HTTPS", Some("a.example.com"))
+            + &l("b", 9443, "HTTPS", Some("b.example.com"))),
+    ) + extra
+}
+
+fn ca_map(ns: &str, name: &str) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}, namespace: {ns}}}\ndata: {{ca.crt: {CERT:?}}}\n"
+    )
+}
+
+/// The client validation the plan gives listener `name` of `owner`: (mode, sources).
+fn validation_in_plan(
+    r: &GatewayResolution,
+    owner: &str,
+    name: &str,
+) -> Option<Option<(plan::ClientValidationMode, Vec<String>)>> {
+    let l = r
+        .plan
+        .gateways
+        .iter()
+        .flat_map(|g| &g.ports)
+        .flat_map(|p| &p.listeners)
+        .find(|l| l.owner.name == owner && l.name == name)?;
+    Some(
+        l.tls
+            .as_ref()
+            .and_then(|t| t.client_validation.as_ref())
+            .map(|v| (v.mode, v.from.clone())),
+    )
+}
+
+/// Each way `spec.tls.frontend` can be written and resolve, and what the HTTPS listeners on
+/// its ports (the Gateway's and its ListenerSets') report and are served with. HTTP listeners
+/// are never affected.
+#[test]
+fn frontend_validation_table() {
+    use plan::ClientValidationMode::{AllowInsecureFallback, AllowValidOnly};
+    let cm = |name: &str| format!("{{group: \"\", kind: ConfigMap, name: {name}}}");
+    let default =
+        |refs: &str| format!("{{default: {{validation: {{caCertificateRefs: [{refs}]}}}}}}");
+    let grant = "---\napiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata: {name: g, namespace: pki}\nspec:\n  from: [{group: gateway.networking.k8s.io, kind: Gateway, namespace: infra}]\n  to: [{group: \"\", kind: ConfigMap}]\n";
+    let secret_ca = format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: ca-secret, namespace: infra}}\nstringData: {{ca.crt: {CERT:?}}}\n"
+    );
+    let ok = || Some(("True", "Accepted", "True", "ResolvedRefs"));
+    let from = |s: &str| vec![s.to_string()];
+    // (frontend, extra objects, (Accepted, reason, ResolvedRefs, reason) on 443 and on 9443,
+    //  validation served on 443 and on 9443, error path)
+    type Want<'a> = Option<(&'a str, &'a str, &'a str, &'a str)>;
+    type Served = Option<(plan::ClientValidationMode, Vec<String>)>;
+    type Case<'a> = (String, String, [Want<'a>; 2], [Served; 2], Option<&'a str>);
+    let cases: Vec<Case> = vec![
+        // No frontend: nothing asked.
+        (
+            String::new(),
+            String::new(),
+            [ok(), ok()],
+            [None, None],
+            None,
+        ),
+        // A default with a ConfigMap: every HTTPS port checks client certificates.
+        (
+            default(&cm("ca")),
+            ca_map("infra", "ca"),
+            [ok(), ok()],
+            [
+                Some((AllowValidOnly, from("ConfigMap infra/ca"))),
+                Some((AllowValidOnly, from("ConfigMap infra/ca"))),
+            ],
+            None,
+        ),
+        // Its ConfigMap missing: no CA, so no HTTPS listener is served as written.
+        (
+            default(&cm("ca")),
+            String::new(),
+            [
+                Some((
+                    "False",
+                    "NoValidCACertificate",
+                    "False",
+                    "InvalidCACertificateRef",
+                )),
+                Some((
+                    "False",
+                    "NoValidCACertificate",
+                    "False",
+                    "InvalidCACertificateRef",
+                )),
+            ],
+            [None, None],
+            Some("spec.tls.frontend.default.validation.caCertificateRefs[0]"),
+        ),
+        // One of two references resolves: served with it, ResolvedRefs says what is wrong.
+        (
+            default(&format!("{}, {}", cm("ca"), cm("nope"))),
+            ca_map("infra", "ca"),
+            [
+                Some(("True", "Accepted", "False", "InvalidCACertificateRef")),
+                Some(("True", "Accepted", "False", "InvalidCACertificateRef")),
+            ],
+            [
+                Some((AllowValidOnly, from("ConfigMap infra/ca"))),
+                Some((AllowValidOnly, from("ConfigMap infra/ca"))),
+            ],
+            Some("spec.tls.frontend.default.validation.caCertificateRefs[1]"),
+        ),
+        // A kind keyway does not read CAs from.
+        (
+            default("{group: \"\", kind: Service, name: ca}"),
+            ca_map("infra", "ca"),
+            [
+                Some((
+                    "False",
+                    "NoValidCACertificate",
+                    "False",
+                    "InvalidCACertificateKind",
+                )),
+                Some((
+                    "False",
+                    "NoValidCACertificate",
+                    "False",
+                    "InvalidCACertificateKind",
+                )),
+            ],
+            [None, None],
+            Some("spec.tls.frontend.default.validation.caCertificateRefs[0]"),
+        ),
+        // Another namespace needs a ReferenceGrant from Gateways.
+        (
+            default("{group: \"\", kind: ConfigMap, name: ca, namespace: pki}"),
+            ca_map("pki", "ca"),
+            [
+                Some(("False", "NoValidCACertificate", "False", "RefNotPermitted")),
+                Some(("False", "NoValidCACertificate", "False", "RefNotPermitted")),
+            ],
+            [None, None],
+            Some("spec.tls.frontend.default.validation.caCertificateRefs[0]"),
+        ),
+        (
+            default("{group: \"\", kind: ConfigMap, name: ca, namespace: pki}"),
+            ca_map("pki", "ca") + grant,
+            [ok(), ok()],
+            [
+                Some((AllowValidOnly, from("ConfigMap pki/ca"))),
+                Some((AllowValidOnly, from("ConfigMap pki/ca"))),
+            ],
+            None,
+        ),
+        // A Secret's ca.crt (cert-manager keeps CAs there).
+        (
+            default("{group: \"\", kind: Secret, name: ca-secret}"),
+            secret_ca.clone(),
+            [ok(), ok()],
+            [
+                Some((AllowValidOnly, from("Secret infra/ca-secret"))),
+                Some((AllowValidOnly, from("Secret infra/ca-secret"))),
+            ],
+            None,
+        ),
+        // AllowInsecureFallback.
+        (
+            format!(
+                "{{default: {{validation: {{mode: AllowInsecureFallback, caCertificateRefs: [{}]}}}}}}",
+                cm("ca")
+            ),
+            ca_map("infra", "ca"),
+            [ok(), ok()],
+            [
+                Some((AllowInsecureFallback, from("ConfigMap infra/ca"))),
+                Some((AllowInsecureFallback, from("ConfigMap infra/ca"))),
+            ],
+            None,
+        ),
+        // perPort overrides the default on its port: here, validation off on 9443.
+        (
+            format!(
+                "{{default: {{validation: {{caCertificateRefs: [{}]}}}}, perPort: [{{port: 9443, tls: {{}}}}]}}",
+                cm("ca")
+            ),
+            ca_map("infra", "ca"),
+            [ok(), ok()],
+            [Some((AllowValidOnly, from("ConfigMap infra/ca"))), None],
+            None,
+        ),
+        // ... and here a port of its own whose reference does not resolve: only 9443 suffers.
+        (
+            format!(
+                "{{default: {{}}, perPort: [{{port: 9443, tls: {{validation: {{caCertificateRefs: [{}]}}}}}}]}}",
+                cm("nope")
+            ),
+            String::new(),
+            [
+                ok(),
+                Some((
+                    "False",
+                    "NoValidCACertificate",
+                    "False",
+                    "InvalidCACertificateRef",
+                )),
+            ],
+            [None, None],
+            Some("spec.tls.frontend.perPort[0].tls.validation.caCertificateRefs[0]"),
+        ),
+    ];
+    for (frontend, extra, want, served, error_at) in cases {
+        let r = resolve(&index_of(&frontend_world(&frontend, &extra)), &now());
+        let ctx = format!("frontend {frontend:?}");
+        // The Gateway's own HTTPS listener and the ListenerSet's on the same port alike.
+        for (kind, owner, name, i) in [
+            (GW, "gw", "https", 0),
+            (LS, "ls", "a", 0),
+            (LS, "ls", "b", 1),
+        ] {
+            let ns = if kind == GW { "infra" } else { "team-a" };
+            let (accepted, a_reason, resolved, r_reason) = want[i].unwrap_or_default();
+            assert_eq!(
+                lcond(&r, kind, ns, owner, name, "Accepted"),
+                (accepted.to_string(), a_reason.to_string()),
+                "{ctx}: {owner}/{name}"
+            );
+            assert_eq!(
+                lcond(&r, kind, ns, owner, name, "ResolvedRefs"),
+                (resolved.to_string(), r_reason.to_string()),
+                "{ctx}: {owner}/{name}"
+            );
+            let programmed = lcond(&r, kind, ns, owner, name, "Programmed");
+            assert_eq!(programmed.0, accepted, "{ctx}: {owner}/{name}");
+            // Served with its port's validation; one without a CA holds its hostname with
+            // no certificate (the data plane keeps its last valid configuration or refuses).
+            let in_plan = validation_in_plan(&r, owner, name);
+            assert_eq!(in_plan, Some(served[i].clone()), "{ctx}: {owner}/{name}");
+            if accepted == "False" {
+                let held = r
+                    .plan
+                    .gateways
+                    .iter()
+                    .flat_map(|g| &g.ports)
+                    .flat_map(|p| &p.listeners)
+                    .find(|l| l.owner.name == owner && l.name == name)
+                    .and_then(|l| l.tls.as_ref())
+                    .is_some_and(|t| t.certificates.is_empty());
+                assert!(held, "{ctx}: {owner}/{name}");
+            }
+        }
+        // HTTP listeners are not affected.
+        assert_eq!(
+            lcond(&r, GW, "infra", "gw", "web", "Accepted"),
+            yes("Accepted")
+        );
+        assert_eq!(validation_in_plan(&r, "gw", "web"), Some(None), "{ctx}");
+        // The Gateway says when some listeners are not accepted, and when it lets clients in
+        // without a valid certificate.
+        let gw_accepted = top(&r, GW, "infra", "gw", "Accepted");
+        let some_refused = want[0].is_some_and(|w| w.0 == "False");
+        assert_eq!(
+            gw_accepted,
+            yes(if some_refused {
+                "ListenersNotValid"
+            } else {
+                "Accepted"
+            }),
+            "{ctx}"
+        );
+        let insecure = status(&r, GW, "infra", "gw")["conditions"]
+            .as_array()
+            .and_then(|c| {
+                c.iter()
+                    .find(|c| c["type"] == "InsecureFrontendValidationMode")
+            })
+            .map(|c| (c["status"].clone(), c["reason"].clone()));
+        let want_insecure = served[0]
+            .as_ref()
+            .is_some_and(|(m, _)| *m == AllowInsecureFallback)
+            .then(|| (Value::from("True"), Value::from("ConfigurationChanged")));
+        assert_eq!(insecure, want_insecure, "{ctx}");
+        let errors: Vec<&str> = r
+            .problems
+            .iter()
+            .filter(|p| p.object.as_ref().is_some_and(|k| k.kind == GW))
+            .map(|p| p.path.as_str())
+            .collect();
+        assert_eq!(errors, error_at.into_iter().collect::<Vec<_>>(), "{ctx}");
+    }
+}
+
+/// The incremental resolver follows a Gateway's frontend validation into its ListenerSets'
+/// listeners (which did not change) and follows the ConfigMaps it names.
+#[test]
+fn incremental_frontend_validation_follows_gateways_and_config_maps() {
+    let frontend =
+        "{default: {validation: {caCertificateRefs: [{group: \"\", kind: ConfigMap, name: ca}]}}}";
+    let steps: [(String, String, (&str, &str), bool); 4] = [
+        (String::new(), String::new(), ("True", "Accepted"), false),
+        (
+            frontend.to_string(),
+            String::new(),
+            ("False", "NoValidCACertificate"),
+            false,
+        ),
+        (
+            frontend.to_string(),
+            ca_map("infra", "ca"),
+            ("True", "Accepted"),
+            true,
+        ),
+        (
+            String::new(),
+            ca_map("infra", "ca"),
+            ("True", "Accepted"),
+            false,
+        ),
+    ];
+    let mut index = Index::default();
+    let mut state = ObjectState::default();
+    let mut resolver = GatewayResolver::default();
+    for (step, (frontend, extra, accepted, validated)) in steps.into_iter().enumerate() {
+        // The Gateway alone in a file: everything else (its ListenerSet, the Secrets) stays
+        // the same object from step to step. The ConfigMap in another file.
+        let world = frontend_world(&frontend, "");
+        let (gw, rest): (Vec<&str>, Vec<&str>) = world
+            .split("---\n")
+            .filter(|d| !d.is_empty())
+            .partition(|d| d.contains("kind: Gateway\n"));
+        let mut loads = vec![
+            load_file("gw.yaml", &gw.concat()),
+            load_file("rest.yaml", &rest.join("---\n")),
+        ];
+        if !extra.is_empty() {
+            loads.push(load_file("ca.yaml", &extra));
+        }
+        reconcile(&mut index, &mut state, &loads, &now());
+        let incremental = resolver.update(&index, &now()).clone();
+        let fresh = resolve(&index, &now());
+        for r in [&incremental, &fresh] {
+            assert_eq!(
+                lcond(r, LS, "team-a", "ls", "a", "Accepted"),
+                (accepted.0.to_string(), accepted.1.to_string()),
+                "step {step}"
+            );
+            let served = validation_in_plan(r, "ls", "a").flatten().is_some();
+            assert_eq!(served, validated, "step {step}");
+        }
+        assert_eq!(incremental.plan, fresh.plan, "step {step}");
+        for k in [key(LS, "team-a", "ls"), key(GW, "infra", "gw")] {
+            assert_eq!(
+                incremental.statuses.get(&k),
+                fresh.statuses.get(&k),
+                "step {step}"
+            );
+        }
+    }
+}

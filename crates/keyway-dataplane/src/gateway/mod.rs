@@ -407,7 +407,8 @@ pub fn terminating_config(l: &ListenerBind) -> Result<Option<Arc<ServerConfig>>,
                 &[]
             };
             // Several certificates (one per domain, RSA next to ECDSA): by server name, then by key.
-            crate::tls::server_config_choosing(&t.certificates, alpn)
+            let clients = t.client_validation.as_deref();
+            crate::tls::server_config_choosing(&t.certificates, alpn, clients)
                 .map(Some)
                 .map_err(|e| e.to_string())
         }

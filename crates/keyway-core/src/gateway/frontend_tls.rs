@@ -1,0 +1,226 @@
+//! Client certificate validation on a Gateway's HTTPS ports (`spec.tls.frontend`, GEP-91,
+//! standard since Gateway API v1.4): which CA certificates each port's HTTPS listeners check
+//! client certificates against, in which mode, and what does not resolve.
+//!
+//! `default` applies to every HTTPS listener of the Gateway and of its ListenerSets, except on
+//! a port that `perPort` names (an entry there without `validation` turns validation off for
+//! its port). It is per port because a client may send requests for every hostname of a port
+//! over one connection (HTTP/2 connection coalescing, GEP-3567): a per-listener check could be
+//! bypassed. TLS listeners (TLSRoute) are not affected, as the Gateway API says.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
+
+use gateway_api::apis::standard::gateways::{
+    Gateway, GatewayTlsFrontendDefaultValidationMode as DefaultMode,
+    GatewayTlsFrontendPerPortTlsValidationMode as PortMode,
+};
+
+use super::plan::{ClientValidation, ClientValidationMode};
+use super::refs::{GATEWAY_GROUP, Ref, RefError, World};
+use crate::load::{ConfigError, LoadedObject};
+
+/// One `validation` block, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct PortValidation {
+    /// `None` when no CA reference resolved: the port's HTTPS listeners are
+    /// `Accepted=False/NoValidCACertificate` and are not served without it.
+    pub validation: Option<Arc<ClientValidation>>,
+    /// Each reference that does not resolve: (field path under the Gateway, why).
+    pub errors: Vec<(String, RefError)>,
+    pub mode: ClientValidationMode,
+}
+
+/// A Gateway's `spec.tls.frontend`, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Frontend {
+    default: Option<PortValidation>,
+    /// `perPort`: an entry without `validation` turns it off on its port.
+    per_port: Vec<(i32, Option<PortValidation>)>,
+    /// A hash of everything above, for the fingerprints of the Gateway and its ListenerSets.
+    pub fp: u64,
+}
+
+/// A `validation` block as written: the default's and a port's are distinct upstream types.
+struct Written {
+    refs: Vec<Ref>,
+    insecure: bool,
+    at: String,
+}
+
+macro_rules! written {
+    ($v:expr, $Mode:ident, $at:expr) => {{
+        let v = $v;
+        Written {
+            refs: v
+                .ca_certificate_refs
+                .iter()
+                .map(|r| Ref {
+                    group: r.group.clone(),
+                    kind: r.kind.clone(),
+                    name: r.name.clone(),
+                    namespace: r.namespace.clone(),
+                })
+                .collect(),
+            insecure: matches!(v.mode, Some($Mode::AllowInsecureFallback)),
+            at: $at,
+        }
+    }};
+}
+
+impl Frontend {
+    /// The Gateway's frontend validation, if it asks for any.
+    pub fn of(world: &World<'_>, obj: &LoadedObject, gw: &Gateway) -> Option<Frontend> {
+        let f = gw.spec.tls.as_ref()?.frontend.as_ref()?;
+        let ns = obj.key.namespace.as_str();
+        let default = f.default.validation.as_ref().map(|v| {
+            resolve(
+                world,
+                ns,
+                written!(
+                    v,
+                    DefaultMode,
+                    "spec.tls.frontend.default.validation".into()
+                ),
+            )
+        });
+        let per_port = f
+            .per_port
+            .iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, p)| {
+                let at = format!("spec.tls.frontend.perPort[{i}].tls.validation");
+                let v = p.tls.validation.as_ref();
+                (
+                    p.port,
+                    v.map(|v| resolve(world, ns, written!(v, PortMode, at))),
+                )
+            })
+            .collect();
+        let mut frontend = Frontend {
+            default,
+            per_port,
+            fp: 0,
+        };
+        let mut h = DefaultHasher::new();
+        for v in std::iter::once(&frontend.default).chain(frontend.per_port.iter().map(|p| &p.1)) {
+            let Some(v) = v else {
+                0u8.hash(&mut h);
+                continue;
+            };
+            v.mode.hash(&mut h);
+            v.errors.hash(&mut h);
+            if let Some(c) = &v.validation {
+                c.from.hash(&mut h);
+                for root in &c.roots {
+                    root.as_ref().hash(&mut h);
+                }
+            }
+        }
+        frontend.per_port.iter().for_each(|p| p.0.hash(&mut h));
+        frontend.fp = h.finish();
+        Some(frontend)
+    }
+
+    /// What applies to an HTTPS listener on `port`; `None`: no client certificate is asked for.
+    pub fn at(&self, port: i32) -> Option<&PortValidation> {
+        match self.per_port.iter().find(|(p, _)| *p == port) {
+            Some((_, v)) => v.as_ref(),
+            None => self.default.as_ref(),
+        }
+    }
+
+    /// Where `AllowInsecureFallback` is asked for, in words (the Gateway's
+    /// `InsecureFrontendValidationMode` condition); `None` if nowhere.
+    pub fn insecure(&self) -> Option<String> {
+        let mut places = Vec::new();
+        if self
+            .default
+            .as_ref()
+            .is_some_and(|v| v.mode == ClientValidationMode::AllowInsecureFallback)
+        {
+            places.push("by default".to_string());
+        }
+        for (port, v) in &self.per_port {
+            if v.as_ref()
+                .is_some_and(|v| v.mode == ClientValidationMode::AllowInsecureFallback)
+            {
+                places.push(format!("on port {port}"));
+            }
+        }
+        (!places.is_empty()).then(|| {
+            format!(
+                "client certificates are validated in mode AllowInsecureFallback {}: clients without a valid certificate are let in",
+                places.join(" and ")
+            )
+        })
+    }
+
+    /// A config error per CA reference that does not resolve, at its field.
+    pub fn problems(&self, obj: &LoadedObject, out: &mut Vec<ConfigError>) {
+        let all = std::iter::once(&self.default).chain(self.per_port.iter().map(|p| &p.1));
+        for (at, e) in all.flatten().flat_map(|v| &v.errors) {
+            out.push(obj.error_at(at, e.to_string()));
+        }
+    }
+}
+
+/// Resolves one `validation` block of a Gateway in `gw_ns`.
+fn resolve(world: &World<'_>, gw_ns: &str, w: Written) -> PortValidation {
+    let mut errors = Vec::new();
+    let mut from = Vec::new();
+    let mut roots = Vec::new();
+    for (i, r) in w.refs.iter().enumerate() {
+        let at = format!("{}.caCertificateRefs[{i}]", w.at);
+        let core = r.group.is_empty() || r.group == "core";
+        let secret = match r.kind.as_str() {
+            "ConfigMap" if core => false,
+            "Secret" if core => true,
+            _ => {
+                let kind = if core {
+                    r.kind.clone()
+                } else {
+                    format!("{}.{}", r.kind, r.group)
+                };
+                errors.push((
+                    at,
+                    RefError::InvalidCACertificateKind(format!(
+                        "caCertificateRef {kind} {} is not a ConfigMap or Secret (the kinds keyway reads ca.crt from)",
+                        r.name
+                    )),
+                ));
+                continue;
+            }
+        };
+        let kind = if secret { "Secret" } else { "ConfigMap" };
+        let ns = r.namespace.as_deref().unwrap_or(gw_ns);
+        if !world.permitted(GATEWAY_GROUP, &["Gateway"], gw_ns, "", kind, ns, &r.name) {
+            errors.push((
+                at,
+                RefError::RefNotPermitted(format!(
+                    "caCertificateRef to {kind} {} in namespace {ns} is not permitted by a ReferenceGrant for Gateway",
+                    r.name
+                )),
+            ));
+            continue;
+        }
+        match world.ca_bundle(secret, ns, &r.name) {
+            Ok(certs) => {
+                from.push(format!("{kind} {ns}/{}", r.name));
+                roots.extend(certs);
+            }
+            Err(why) => errors.push((at, RefError::InvalidCACertificateRef(why))),
+        }
+    }
+    let mode = if w.insecure {
+        ClientValidationMode::AllowInsecureFallback
+    } else {
+        ClientValidationMode::AllowValidOnly
+    };
+    PortValidation {
+        validation: (!roots.is_empty()).then(|| Arc::new(ClientValidation { mode, from, roots })),
+        errors,
+        mode,
+    }
+}
