@@ -22,12 +22,30 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// An HTTPS backend (HTTP/1.1 and HTTP/2 by ALPN) answering `proto=<version> sni=<name>
-/// path=<path>`; counts the TLS connections it accepted.
-async fn https_backend(leaf: &common::Leaf) -> (SocketAddr, Arc<AtomicUsize>) {
-    let mut config = rustls::ServerConfig::builder_with_provider(provider())
+/// path=<path>`; counts the TLS connections it accepted. With `clients`, it requires a client
+/// certificate from that CA.
+async fn https_backend(
+    leaf: &common::Leaf,
+    clients: Option<&Ca>,
+) -> (SocketAddr, Arc<AtomicUsize>) {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_no_client_auth()
+        .expect("versions");
+    let builder = match clients {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            roots.add(ca.der()).expect("client ca");
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider(),
+            )
+            .build()
+            .expect("verifier");
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder
         .with_single_cert(vec![cert(&leaf.cert_pem)], private_key(&leaf.key_pem))
         .expect("server config");
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
@@ -144,7 +162,7 @@ async fn backends_are_spoken_to_over_tls_as_their_policy_says() {
         let uri = Ia5String::try_from("spiffe://cluster.local/ns/default/sa/app").expect("uri");
         p.subject_alt_names.push(SanType::URI(uri));
     });
-    let (backend, accepted) = https_backend(&leaf).await;
+    let (backend, accepted) = https_backend(&leaf, None).await;
     let port = free_port();
     let mut yaml = gateway(&format!(
         "  - {{name: web, port: {port}, protocol: HTTP}}\n"
@@ -277,4 +295,58 @@ async fn backends_are_spoken_to_over_tls_as_their_policy_says() {
         .expect("echoed in time")
         .expect("read");
     assert_eq!(&echo, b"ping");
+}
+
+/// The Gateway's `spec.tls.backend.clientCertificateRef` (GEP-3155): a backend that requires
+/// client certificates gets the Gateway's where a BackendTLSPolicy makes it TLS; a Gateway
+/// without one is refused by it (502), and connections made with the certificate are not
+/// reused once it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_presents_its_client_certificate_to_tls_backends() {
+    let ca = Ca::new("backend-ca");
+    let clients = Ca::new("client-ca");
+    let (backend, _) = https_backend(&ca.leaf(&["app.example"]), Some(&clients)).await;
+    let port = free_port();
+    let gw_cert = clients.leaf(&["gateway.example"]);
+    let objects = service("app", backend, "")
+        + &config_map("backend-ca", &ca)
+        + &policy(
+            "app",
+            "app",
+            "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: backend-ca}], hostname: app.example}",
+        )
+        + &format!(
+            "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: gw-client}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
+            gw_cert.cert_pem, gw_cert.key_pem
+        )
+        + &common::http_route("r", 1, "", "  - backendRefs: [{name: app, port: 80}]\n");
+    let listeners = format!("  - {{name: web, port: {port}, protocol: HTTP}}\n");
+    let with_cert = gateway(&listeners).replace(
+        "  listeners:\n",
+        "  tls: {backend: {clientCertificateRef: {name: gw-client}}}\n  listeners:\n",
+    );
+    assert_ne!(with_cert, gateway(&listeners));
+    let dp = start(&(objects.clone() + &with_cert), port).await;
+    let mut client = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let (status, body) = get(&mut client, "app").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "proto=HTTP/1.1 sni=app.example path=/app")
+    );
+
+    // Without it: the backend refuses the Gateway, even on a client connection that was
+    // served through a connection made with the certificate.
+    dp.apply(&common::compile(&(objects.clone() + &gateway(&listeners))));
+    let (status, body) = get(&mut client, "app").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("CertificateRequired"), "{body}");
+
+    dp.apply(&common::compile(&(objects + &with_cert)));
+    let (status, body) = get(&mut client, "app").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "proto=HTTP/1.1 sni=app.example path=/app")
+    );
 }

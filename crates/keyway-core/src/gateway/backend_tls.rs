@@ -233,6 +233,7 @@ pub(crate) fn tls_of(world: &World<'_>, obj: &LoadedObject, h2: bool) -> Option<
         roots,
         subject_alt_names,
         h2,
+        client_certificate: None,
         id: u64::from_be_bytes(id),
     }))
 }

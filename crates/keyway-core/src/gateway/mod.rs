@@ -13,8 +13,8 @@
 //! may depend on) still drops every cache.
 
 mod backend_tls;
-mod frontend_tls;
 mod fxhash;
+mod gateway_tls;
 pub mod hostname;
 #[cfg(test)]
 mod kind_props;
@@ -42,13 +42,14 @@ use crate::Time;
 use crate::index::Index;
 use crate::load::{ConfigError, LoadedObject};
 use crate::resource::{Kind, ObjectKey, Resource};
-use frontend_tls::{Frontend, PortValidation};
 use fxhash::{FxMap as HashMap, FxSet as HashSet};
+use gateway_tls::{Frontend, PortValidation};
 use listeners::{ListenerIn, ListenerSpec, Standing};
 use merge::Merge;
+use plan::BackendClientCertificate;
 use plan::{AttachedRoute, GatewayBind, ListenerBind, PortBind, ProtocolFamily};
 pub(crate) use refs::GATEWAY_GROUP;
-use refs::{Selector, World};
+use refs::{RefError, Selector, World};
 use routes::{OwnerView, RouteIn};
 use status::{C, ListenerStatus, Model, ParentStatus};
 
@@ -339,6 +340,9 @@ struct Owner<'a> {
     fp: u64,
     /// Its Gateway's client certificate validation (`spec.tls.frontend`), if any.
     frontend: Option<Arc<Frontend>>,
+    /// A Gateway's certificate for TLS backends (`spec.tls.backend.clientCertificateRef`), if
+    /// it names one.
+    backend_certificate: Option<Result<BackendClientCertificate, RefError>>,
 }
 
 impl Owner<'_> {
@@ -397,6 +401,11 @@ impl Owner<'_> {
         let mut h = DefaultHasher::new();
         (self.version, self.admission, &self.standings).hash(&mut h);
         self.frontend.as_ref().map(|f| f.fp).hash(&mut h);
+        match &self.backend_certificate {
+            Some(Ok(c)) => c.id.hash(&mut h),
+            Some(Err(e)) => e.hash(&mut h),
+            None => {}
+        }
         h.finish()
     }
 }
@@ -836,6 +845,7 @@ impl GatewayResolver {
                     gateway: usize::MAX,
                     fp: 0,
                     frontend: None,
+                    backend_certificate: None,
                 });
             }
             // A Gateway of another class: its controller's business.
@@ -919,6 +929,7 @@ impl GatewayResolver {
                 gateway: gw_index,
                 fp: 0,
                 frontend: frontend.clone(),
+                backend_certificate: gateway_tls::backend_certificate(&world, gw_obj, gw),
             });
             for (((kid, slot), (version, listeners)), standings) in
                 admitted.into_iter().zip(kid_inputs).zip(standings)
@@ -946,6 +957,7 @@ impl GatewayResolver {
                     gateway: gw_index,
                     fp: 0,
                     frontend: frontend.clone(),
+                    backend_certificate: None,
                 });
             }
             for (kid, slot) in refused {
@@ -960,6 +972,7 @@ impl GatewayResolver {
                     gateway: gw_index,
                     fp: 0,
                     frontend: None,
+                    backend_certificate: None,
                 });
             }
         }
@@ -1315,10 +1328,16 @@ impl GatewayResolver {
             if let Some(slot) = &self.slots[o.slot] {
                 problems.extend(slot.problems.iter().cloned());
             }
-            if matches!(o.admission, Admission::Gateway { .. })
-                && let Some(f) = &o.frontend
-            {
-                f.problems(o.obj, &mut problems);
+            if matches!(o.admission, Admission::Gateway { .. }) {
+                if let Some(f) = &o.frontend {
+                    f.problems(o.obj, &mut problems);
+                }
+                if let Some(Err(e)) = &o.backend_certificate {
+                    problems.push(
+                        o.obj
+                            .error_at("spec.tls.backend.clientCertificateRef", e.to_string()),
+                    );
+                }
             }
             if !dirty[i] {
                 continue;
@@ -1424,11 +1443,11 @@ impl GatewayResolver {
         if !patched {
             self.build_plan(&owners);
         }
-        // Addresses come from the Gateway object itself, which a patch does not look at.
+        // Addresses and the backend client certificate come from the Gateway object itself,
+        // which a patch does not look at.
         for bind in &mut self.out.plan.gateways {
-            let ips = owners
-                .iter()
-                .find(|o| o.obj.key == bind.gateway)
+            let owner = owners.iter().find(|o| o.obj.key == bind.gateway);
+            let ips = owner
                 .and_then(|o| match &o.obj.resource {
                     Resource::Gateway(gw) => Some(gateway_ips(gw)),
                     _ => None,
@@ -1436,6 +1455,13 @@ impl GatewayResolver {
                 .unwrap_or_default();
             if bind.addresses != ips {
                 bind.addresses = ips;
+            }
+            let cert = owner
+                .and_then(|o| o.backend_certificate.as_ref())
+                .and_then(|c| c.as_ref().ok())
+                .cloned();
+            if bind.backend_client_certificate != cert {
+                bind.backend_client_certificate = cert;
             }
         }
 
@@ -1734,6 +1760,7 @@ impl GatewayResolver {
                     gateway: gateway.clone(),
                     addresses: Vec::new(),
                     ports: ports.into_values().collect(),
+                    backend_client_certificate: None,
                 })
                 .collect(),
         };
@@ -1920,6 +1947,22 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
                 C::new("Programmed", false, "Invalid", "no listener is programmed")
             };
             let mut conds = vec![accepted_cond, programmed_cond];
+            // GEP-3155: the Gateway's own references (its backend client certificate).
+            match &o.backend_certificate {
+                Some(Ok(_)) => conds.push(C::new(
+                    "ResolvedRefs",
+                    true,
+                    "ResolvedRefs",
+                    "all references resolved",
+                )),
+                Some(Err(e)) => conds.push(C::new(
+                    "ResolvedRefs",
+                    false,
+                    e.reason(),
+                    format!("spec.tls.backend.clientCertificateRef: {e}"),
+                )),
+                None => {}
+            }
             // Said for as long as it lasts (GEP-91), and gone when the mode is back.
             if let Some(message) = o.frontend.as_ref().and_then(|f| f.insecure()) {
                 conds.push(C::new(

@@ -32,6 +32,21 @@ pub struct GatewayBind {
     pub addresses: Vec<std::net::IpAddr>,
     /// Ascending by port.
     pub ports: Vec<PortBind>,
+    /// The certificate this Gateway presents to backends it speaks TLS to (a BackendTLSPolicy
+    /// applies): `spec.tls.backend.clientCertificateRef` (GEP-3155).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_client_certificate: Option<BackendClientCertificate>,
+}
+
+/// A Gateway's client certificate for TLS backends.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendClientCertificate {
+    pub material: Arc<TlsMaterial>,
+    /// Tells certificates apart (the data plane keys backend connections by it): the first 8
+    /// bytes of a SHA-256 over the certificate chain.
+    #[serde(skip)]
+    pub id: u64,
 }
 
 /// One port and the listeners served on it (all of one protocol family, by construction).
@@ -301,6 +316,11 @@ pub struct BackendTls {
     /// `http/1.1`.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub h2: bool,
+    /// The certificate to present: the Gateway's `spec.tls.backend.clientCertificateRef`.
+    /// The resolver leaves it out (routes are shared by Gateways); the data plane sets it, and
+    /// mixes its id into `id`, for the backends of each Gateway that has one.
+    #[serde(skip)]
+    pub client_certificate: Option<Arc<TlsMaterial>>,
     /// Tells configurations apart (the data plane keys connections by it): a hash of
     /// everything above.
     #[serde(skip)]

@@ -109,6 +109,8 @@ pub(crate) enum RefError {
     InvalidCACertificateRef(String),
     #[error("{0}")]
     InvalidCACertificateKind(String),
+    #[error("{0}")]
+    InvalidClientCertificateRef(String),
 }
 
 impl RefError {
@@ -121,6 +123,7 @@ impl RefError {
             RefError::UnsupportedProtocol(_) => "UnsupportedProtocol",
             RefError::InvalidCACertificateRef(_) => "InvalidCACertificateRef",
             RefError::InvalidCACertificateKind(_) => "InvalidCACertificateKind",
+            RefError::InvalidClientCertificateRef(_) => "InvalidClientCertificateRef",
         }
     }
 }

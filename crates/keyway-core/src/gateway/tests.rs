@@ -3325,3 +3325,86 @@ fn incremental_frontend_validation_follows_gateways_and_config_maps() {
         }
     }
 }
+
+/// `spec.tls.backend.clientCertificateRef` (GEP-3155): the Gateway's `ResolvedRefs` says
+/// whether its certificate for TLS backends resolves, and the plan carries it when it does.
+#[test]
+fn backend_client_certificate_table() {
+    let grant = "---\napiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata: {name: g, namespace: pki}\nspec:\n  from: [{group: gateway.networking.k8s.io, kind: Gateway, namespace: infra}]\n  to: [{group: \"\", kind: Secret}]\n";
+    // (clientCertificateRef, extra objects, ResolvedRefs, error)
+    type Case<'a> = (&'a str, String, Option<(&'a str, &'a str)>, bool);
+    let cases: [Case; 6] = [
+        ("", String::new(), None, false),
+        (
+            "{name: cert}",
+            String::new(),
+            Some(("True", "ResolvedRefs")),
+            false,
+        ),
+        (
+            "{name: nope}",
+            String::new(),
+            Some(("False", "InvalidClientCertificateRef")),
+            true,
+        ),
+        (
+            "{name: cert, kind: ConfigMap}",
+            String::new(),
+            Some(("False", "InvalidClientCertificateRef")),
+            true,
+        ),
+        (
+            "{name: cert, namespace: pki}",
+            secret("pki", "cert"),
+            Some(("False", "RefNotPermitted")),
+            true,
+        ),
+        (
+            "{name: cert, namespace: pki}",
+            secret("pki", "cert") + grant,
+            Some(("True", "ResolvedRefs")),
+            false,
+        ),
+    ];
+    for (reference, extra, want, error) in cases {
+        let mut y = base("from: All") + &extra;
+        if !reference.is_empty() {
+            y = y.replacen(
+                "  listeners:\n",
+                &format!(
+                    "  tls: {{backend: {{clientCertificateRef: {reference}}}}}\n  listeners:\n"
+                ),
+                1,
+            );
+        }
+        let r = resolve(&index_of(&y), &now());
+        let got = status(&r, GW, "infra", "gw")["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "ResolvedRefs"))
+            .map(|c| {
+                (
+                    c["status"].as_str().unwrap_or_default().to_string(),
+                    c["reason"].as_str().unwrap_or_default().to_string(),
+                )
+            });
+        let want_owned = want.map(|(s, r)| (s.to_string(), r.to_string()));
+        assert_eq!(got, want_owned, "{reference}");
+        assert_eq!(
+            top(&r, GW, "infra", "gw", "Accepted"),
+            yes("Accepted"),
+            "{reference}"
+        );
+        let in_plan = r.plan.gateways[0]
+            .backend_client_certificate
+            .as_ref()
+            .map(|c| c.material.secret.clone());
+        let resolved = want.is_some_and(|w| w.0 == "True");
+        assert_eq!(in_plan.is_some(), resolved, "{reference}");
+        let errors = r
+            .problems
+            .iter()
+            .filter(|p| p.path == "spec.tls.backend.clientCertificateRef")
+            .count();
+        assert_eq!(errors, usize::from(error), "{reference}");
+    }
+}

@@ -86,12 +86,26 @@ fn build(tls: &BackendTls) -> Built {
         names: tls.subject_alt_names.clone(),
         algorithms: provider.signature_verification_algorithms,
     });
-    let mut config = ClientConfig::builder_with_provider(provider.clone())
+    let config = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| fail(e.to_string()))?
         .dangerous()
-        .with_custom_certificate_verifier(verifier)
-        .with_no_client_auth();
+        .with_custom_certificate_verifier(verifier);
+    // The Gateway's certificate (`spec.tls.backend.clientCertificateRef`), where it has one.
+    let mut config = match &tls.client_certificate {
+        Some(m) => {
+            let key = m.key.as_ref().map(|k| k.to_key()).ok_or_else(|| {
+                fail(format!(
+                    "client certificate of Secret {}: no tls.key",
+                    m.secret
+                ))
+            })?;
+            config
+                .with_client_auth_cert(m.cert_chain.clone(), key)
+                .map_err(|e| fail(format!("client certificate of Secret {}: {e}", m.secret)))?
+        }
+        None => config.with_no_client_auth(),
+    };
     config.alpn_protocols = vec![if tls.h2 {
         b"h2".to_vec()
     } else {

@@ -33,8 +33,9 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use keyway_core::ObjectKey;
 use keyway_core::gateway::plan::{
-    AttachedRoute, GatewayPlan, ListenerBind, PortBind, Protocol, ProtocolFamily, RouteRules,
-    TlsMode, WeightedBackend,
+    AttachedRoute, Backend, BackendClientCertificate as ClientCert, BackendTls, GatewayPlan,
+    ListenerBind, MirrorPlan, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode,
+    WeightedBackend,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -416,6 +417,41 @@ pub fn terminating_config(l: &ListenerBind) -> Result<Option<Arc<ServerConfig>>,
     }
 }
 
+/// `backends` as a Gateway with `cert` speaks to them: those it speaks TLS to (a
+/// BackendTLSPolicy applies) present its certificate, under an id of their own, so their
+/// connections are never shared with another Gateway's.
+fn presenting(backends: &[WeightedBackend], cert: Option<&ClientCert>) -> Vec<WeightedBackend> {
+    backends
+        .iter()
+        .map(|b| WeightedBackend {
+            weight: b.weight,
+            backend: presenting_as(&b.backend, cert),
+        })
+        .collect()
+}
+
+fn presenting_to_mirrors(mirrors: &[MirrorPlan], cert: Option<&ClientCert>) -> Vec<MirrorPlan> {
+    mirrors
+        .iter()
+        .map(|m| MirrorPlan {
+            backend: presenting_as(&m.backend, cert),
+            ..m.clone()
+        })
+        .collect()
+}
+
+fn presenting_as(backend: &Backend, cert: Option<&ClientCert>) -> Backend {
+    let mut backend = backend.clone();
+    if let (Some(cert), Backend::Service { tls: Some(tls), .. }) = (cert, &mut backend) {
+        *tls = Arc::new(BackendTls {
+            client_certificate: Some(cert.material.clone()),
+            id: tls.id ^ cert.id.rotate_left(29),
+            ..(**tls).clone()
+        });
+    }
+    backend
+}
+
 /// A listener the data plane could not serve, for status.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListenerError {
@@ -530,7 +566,8 @@ impl Gateways {
     pub fn apply(&self, plan: &GatewayPlan) {
         let mut rejected = Vec::new();
         let mut kept = BTreeSet::new();
-        let mut wanted: BTreeMap<SocketAddr, (&ObjectKey, &PortBind)> = BTreeMap::new();
+        let mut wanted: BTreeMap<SocketAddr, (&ObjectKey, &PortBind, Option<&ClientCert>)> =
+            BTreeMap::new();
         let all = [IpAddr::V4(Ipv4Addr::UNSPECIFIED)];
         // Two Gateways cannot both own a port on overlapping addresses (the wildcard overlaps
         // every address). The Gateway serving the port now keeps it: a newcomer (say a
@@ -540,7 +577,7 @@ impl Gateways {
             .iter()
             .map(|(addr, h)| (addr.port(), h.owner.clone()))
             .collect();
-        let mut claims: Vec<(&ObjectKey, &[IpAddr], &PortBind)> = Vec::new();
+        let mut claims: Vec<(&ObjectKey, &[IpAddr], &PortBind, Option<&ClientCert>)> = Vec::new();
         for gw in &plan.gateways {
             let ips = if gw.addresses.is_empty() {
                 &all[..]
@@ -548,21 +585,22 @@ impl Gateways {
                 &gw.addresses[..]
             };
             for pb in &gw.ports {
-                claims.push((&gw.gateway, ips, pb));
+                let cert = gw.backend_client_certificate.as_ref();
+                claims.push((&gw.gateway, ips, pb, cert));
             }
         }
-        claims.sort_by_key(|(owner, _, pb)| {
+        claims.sort_by_key(|(owner, _, pb, _)| {
             !serving
                 .iter()
                 .any(|(port, o)| *port == pb.port && o == *owner)
         });
-        for (gw_key, ips, pb) in claims {
-            let taken = wanted.iter().find(|(addr, (owner, _))| {
+        for (gw_key, ips, pb, cert) in claims {
+            let taken = wanted.iter().find(|(addr, (owner, _, _))| {
                 addr.port() == pb.port
                     && *owner != gw_key
                     && ips.iter().any(|ip| overlap(*ip, addr.ip()))
             });
-            if let Some((_, (owner, _))) = taken {
+            if let Some((_, (owner, _, _))) = taken {
                 for l in &pb.listeners {
                     rejected.push(ListenerError {
                         owner: l.owner.clone(),
@@ -575,15 +613,16 @@ impl Gateways {
                 continue;
             }
             for ip in ips {
-                wanted.insert(SocketAddr::new(*ip, pb.port), (gw_key, pb));
+                wanted.insert(SocketAddr::new(*ip, pb.port), (gw_key, pb, cert));
             }
         }
         let mut ports = lock(&self.ports);
         let mut configs = lock(&self.configs);
         let mut next = BTreeMap::new();
-        for (addr, (owner, pb)) in wanted {
+        for (addr, (owner, pb, cert)) in wanted {
             let previous = ports.get(&addr).map(|h| h.config.load_full());
-            let config = Arc::new(self.compile(pb, previous.as_deref(), &mut rejected, &mut kept));
+            let config =
+                Arc::new(self.compile(pb, cert, previous.as_deref(), &mut rejected, &mut kept));
             let key = (owner.clone(), pb.port);
             let listeners = pb
                 .listeners
@@ -702,9 +741,11 @@ impl Gateways {
 
     /// `previous`: what the port served until now, whose certificates a listener keeps when
     /// its own stop resolving.
+    /// `cert`: the Gateway's certificate for TLS backends.
     fn compile(
         &self,
         pb: &PortBind,
+        cert: Option<&ClientCert>,
         previous: Option<&PortConfig>,
         rejected: &mut Vec<ListenerError>,
         kept_certificates: &mut BTreeSet<(ObjectKey, String)>,
@@ -731,14 +772,14 @@ impl Gateways {
                     if !lock(&self.kept).contains(&id) {
                         tracing::warn!(listener = %l.name, owner = %l.owner, "its certificate no longer resolves: it keeps serving the last valid one");
                     }
-                    let compiled = self.compile_listener(l, Some(kept)).map_err(Some);
+                    let compiled = self.compile_listener(l, cert, Some(kept)).map_err(Some);
                     if compiled.is_ok() {
                         kept_certificates.insert(id);
                     }
                     compiled
                 }
                 (true, None) => Err(None),
-                (false, _) => self.compile_listener(l, None).map_err(Some),
+                (false, _) => self.compile_listener(l, cert, None).map_err(Some),
             };
             match compiled {
                 Ok(c) => listeners.push(c),
@@ -771,6 +812,7 @@ impl Gateways {
     fn compile_listener(
         &self,
         l: &ListenerBind,
+        cert: Option<&ClientCert>,
         kept: Option<Arc<ServerConfig>>,
     ) -> Result<Listener, String> {
         let tls_mode = l.tls.as_ref().map(|t| t.mode);
@@ -807,13 +849,13 @@ impl Gateways {
                                 r.unsupported_filter.as_ref(),
                                 &mut errors,
                             ),
-                            backends: r.backends.clone(),
+                            backends: presenting(&r.backends, cert),
                             timeout: r.request_timeout_ms.map(Duration::from_millis),
                             attempt_timeout: r
                                 .backend_request_timeout_ms
                                 .map(Duration::from_millis),
                             retry: r.retry.as_ref().map(|p| Box::new(retry::Policy::new(p))),
-                            mirrors: r.mirrors.clone(),
+                            mirrors: presenting_to_mirrors(&r.mirrors, cert),
                             metrics: metrics.clone(),
                         });
                     }
@@ -833,11 +875,11 @@ impl Gateways {
                                 r.unsupported_filter.as_ref(),
                                 &mut errors,
                             ),
-                            backends: r.backends.clone(),
+                            backends: presenting(&r.backends, cert),
                             timeout: None,
                             attempt_timeout: None,
                             retry: None,
-                            mirrors: r.mirrors.clone(),
+                            mirrors: presenting_to_mirrors(&r.mirrors, cert),
                             metrics: metrics.clone(),
                         });
                     }

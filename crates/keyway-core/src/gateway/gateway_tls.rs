@@ -1,6 +1,9 @@
-//! Client certificate validation on a Gateway's HTTPS ports (`spec.tls.frontend`, GEP-91,
-//! standard since Gateway API v1.4): which CA certificates each port's HTTPS listeners check
-//! client certificates against, in which mode, and what does not resolve.
+//! A Gateway's own TLS settings (`spec.tls`): the client certificates its HTTPS ports ask for
+//! (`frontend`, GEP-91, standard since Gateway API v1.4) and the certificate it presents to
+//! TLS backends (`backend.clientCertificateRef`, GEP-3155).
+//!
+//! Frontend: which CA certificates each port's HTTPS listeners check client certificates
+//! against, in which mode, and what does not resolve.
 //!
 //! `default` applies to every HTTPS listener of the Gateway and of its ListenerSets, except on
 //! a port that `perPort` names (an entry there without `validation` turns validation off for
@@ -16,9 +19,10 @@ use gateway_api::apis::standard::gateways::{
     GatewayTlsFrontendPerPortTlsValidationMode as PortMode,
 };
 
-use super::plan::{ClientValidation, ClientValidationMode};
+use super::plan::{BackendClientCertificate, ClientValidation, ClientValidationMode};
 use super::refs::{GATEWAY_GROUP, Ref, RefError, World};
 use crate::load::{ConfigError, LoadedObject};
+use crate::resource::Kind;
 
 /// One `validation` block, resolved.
 #[derive(Clone, Debug, PartialEq)]
@@ -223,4 +227,53 @@ fn resolve(world: &World<'_>, gw_ns: &str, w: Written) -> PortValidation {
         errors,
         mode,
     }
+}
+
+/// The Gateway's certificate for TLS backends (`spec.tls.backend.clientCertificateRef`): a
+/// Secret with `tls.crt` and `tls.key` (another namespace needs a ReferenceGrant from
+/// `Gateway`); `None` when it names none. It is presented only where a BackendTLSPolicy makes
+/// a backend TLS; where it does not resolve, none is presented.
+pub(crate) fn backend_certificate(
+    world: &World<'_>,
+    obj: &LoadedObject,
+    gw: &Gateway,
+) -> Option<Result<BackendClientCertificate, RefError>> {
+    let r = gw
+        .spec
+        .tls
+        .as_ref()?
+        .backend
+        .as_ref()?
+        .client_certificate_ref
+        .as_ref()?;
+    let r = Ref {
+        group: r.group.clone().unwrap_or_default(),
+        kind: r.kind.clone().unwrap_or_else(|| "Secret".into()),
+        name: r.name.clone(),
+        namespace: r.namespace.clone(),
+    };
+    let material = world
+        .certificates(Kind::Gateway, &obj.key.namespace, std::slice::from_ref(&r))
+        .map_err(|e| match e {
+            RefError::InvalidCertificateRef(why) => RefError::InvalidClientCertificateRef(why),
+            other => other,
+        });
+    Some(material.and_then(|mut m| {
+        let material = m.pop().ok_or_else(|| {
+            RefError::InvalidClientCertificateRef(format!("Secret {} resolved to nothing", r.name))
+        })?;
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for c in &material.cert_chain {
+            h.update((c.as_ref().len() as u64).to_be_bytes());
+            h.update(c.as_ref());
+        }
+        let digest = h.finalize();
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&digest[..8]);
+        Ok(BackendClientCertificate {
+            material: Arc::new(material),
+            id: u64::from_be_bytes(id),
+        })
+    }))
 }
