@@ -108,6 +108,7 @@ spec:
             .flat_map(|p| &p.listeners)
             .find(|l| l.name == name)
             .and_then(|l| l.tls.as_ref()?.client_validation.as_ref())
+            .filter(|v| !v.roots.is_empty())
             .map(|v| v.from.clone());
         (status, served)
     };

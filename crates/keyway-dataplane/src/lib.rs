@@ -144,7 +144,7 @@ pub struct Observation {
     pub gateway_errors: Vec<gateway::ListenerError>,
     /// Gateway listeners (owner, name) whose certificate no longer resolves, serving on with
     /// their last valid one.
-    pub gateway_kept_certificates: Vec<(ObjectKey, String)>,
+    pub gateway_kept_certificates: Vec<(ObjectKey, String, keyway_core::gateway::Kept)>,
 }
 
 /// How a data plane serves, beyond what its config says.

@@ -864,6 +864,71 @@ async fn https_get_as(port: u16, ca: &Ca, sni: &str, client: Option<&Leaf>) -> S
     read_all(&mut t).await
 }
 
+/// A TLS connection to `port` as `client` (see [`https_get_as`]).
+async fn tls_as(
+    port: u16,
+    ca: &Ca,
+    sni: &str,
+    client: Option<&Leaf>,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.der()).expect("root");
+    let builder = rustls::ClientConfig::builder_with_provider(common::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots);
+    let config = match client {
+        Some(leaf) => builder
+            .with_client_auth_cert(
+                vec![common::cert(&leaf.cert_pem)],
+                common::private_key(&leaf.key_pem),
+            )
+            .expect("client cert"),
+        None => builder.with_no_client_auth(),
+    };
+    let tcp = common::connect(port).await.expect("connect");
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let name = ServerName::try_from(sni.to_string()).expect("name");
+    tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp))
+        .await
+        .expect("handshake in time")
+        .expect("handshake")
+}
+
+/// `GET /` on keep-alive connection `t`: the response (head and a body of its
+/// `content-length`), or what came before the connection ended.
+async fn keep_alive_get<S: AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    t: &mut S,
+    host: &str,
+) -> String {
+    let req = format!("GET / HTTP/1.1\r\nhost: {host}\r\n\r\n");
+    if t.write_all(req.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .and_then(|v| v.trim().parse().ok())
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                return text;
+            }
+        }
+        match tokio::time::timeout(IO_TIMEOUT, t.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return text,
+        }
+    }
+}
+
 /// A Gateway with `spec.tls.frontend` as given: listener `a` (a.example.com) on `p1` and `b`
 /// on `p2`, and a ListenerSet's listener `c` (c.example.com) on `p1`, each routing to a
 /// backend named after it. The client CA is ConfigMap `client-ca`.
@@ -892,8 +957,10 @@ fn frontend_gateway(
 
 /// Client certificate validation on a Gateway's HTTPS ports: `default` makes every HTTPS
 /// listener of the port (the Gateway's and its ListenerSets') require a certificate chaining to
-/// the ConfigMap's CA; `perPort` gives another port AllowInsecureFallback. A CA that stops
-/// resolving keeps the last valid check in force; removing `spec.tls.frontend` ends it.
+/// the ConfigMap's CA; `perPort` gives another port AllowInsecureFallback. A connection let in
+/// under rules no longer in force is closed (421). A CA that stops resolving keeps the last
+/// valid check in force, and a renewed server certificate still applies; removing
+/// `spec.tls.frontend` ends the check.
 #[tokio::test]
 async fn client_certificates_are_checked_per_port() {
     let ca = Ca::new("server ca");
@@ -950,8 +1017,33 @@ async fn client_certificates_are_checked_per_port() {
         "{text}"
     );
 
-    // The ConfigMap goes: the check stays as it was (the last valid configuration).
-    let without_ca = objects.replace("name: client-ca", "name: renamed");
+    // A keep-alive connection let in by AllowInsecureFallback (no certificate) is not served
+    // once its port requires one: 421, and it is closed.
+    let mut open = tls_as(p2, &ca, "b.example.com", None).await;
+    assert!(served(
+        &keep_alive_get(&mut open, "b.example.com").await,
+        "B"
+    ));
+    let strict = format!("  tls:\n    frontend:\n      default: {{validation: {validation}}}\n");
+    let objects_strict = objects.clone() + &frontend_gateway(&strict, p1, p2, &backends);
+    dp.apply(&compile(&objects_strict));
+    let r = keep_alive_get(&mut open, "b.example.com").await;
+    assert!(r.starts_with("HTTP/1.1 421"), "{r:?}");
+    assert!(read_all(&mut open).await.is_empty(), "closed after the 421");
+    let r = https_get_as(p2, &ca, "b.example.com", None).await;
+    assert!(
+        r.is_empty(),
+        "a new connection without a certificate: {r:?}"
+    );
+
+    // The ConfigMap goes: the check stays as it was (the last valid configuration), while a
+    // new server certificate still applies.
+    let renewed = ca.leaf(&["a.example.com", "b.example.com", "c.example.com"]);
+    let without_ca = secret_yaml("cert", &renewed)
+        + &objects[objects
+            .find("---\napiVersion: v1\nkind: ConfigMap")
+            .expect("map")..]
+            .replace("name: client-ca", "name: renamed");
     dp.apply(&compile(
         &(without_ca + &frontend_gateway(&frontend, p1, p2, &backends)),
     ));
@@ -960,6 +1052,24 @@ async fn client_certificates_are_checked_per_port() {
     assert!(r.is_empty(), "without a certificate, CA gone: {r:?}");
     let r = https_get_as(p1, &ca, "a.example.com", Some(&good)).await;
     assert!(served(&r, "A"), "with a valid certificate, CA gone: {r:?}");
+    let t = tls_as(p1, &ca, "a.example.com", Some(&good)).await;
+    let presented = t
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first().cloned());
+    assert_eq!(
+        presented,
+        Some(common::cert(&renewed.cert_pem)),
+        "the renewed server certificate is served"
+    );
+    assert!(
+        dp.observe()
+            .gateway_kept_certificates
+            .iter()
+            .any(|(_, l, k)| l == "a" && *k == keyway_core::gateway::Kept::ClientCheck),
+        "reported as kept"
+    );
 
     // No spec.tls.frontend: no certificate asked for.
     dp.apply(&compile(

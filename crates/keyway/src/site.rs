@@ -410,7 +410,7 @@ impl Site {
         }
         // A listener serving its last valid certificate is programmed, unless its port is
         // not serving either (unbound, held by another Gateway).
-        for (owner, listener) in &obs.gateway_kept_certificates {
+        for (owner, listener, kept) in &obs.gateway_kept_certificates {
             let failed = obs
                 .gateway_errors
                 .iter()
@@ -418,7 +418,7 @@ impl Site {
             if let Some(s) = statuses.get_mut(owner)
                 && !failed
             {
-                mark_kept_certificate(s, listener, &now_value);
+                mark_kept_certificate(s, listener, *kept, &now_value);
             }
         }
         if !obs.gateway_errors.is_empty() || !obs.gateway_kept_certificates.is_empty() {

@@ -222,11 +222,39 @@ fn resolve(world: &World<'_>, gw_ns: &str, w: Written) -> PortValidation {
     } else {
         ClientValidationMode::AllowValidOnly
     };
+    let validation = (!roots.is_empty()).then(|| {
+        let mode_tag = [u8::from(
+            mode == ClientValidationMode::AllowInsecureFallback,
+        )];
+        let id = digest_id(std::iter::once(&mode_tag[..]).chain(roots.iter().map(|r| r.as_ref())));
+        Arc::new(ClientValidation {
+            mode,
+            from,
+            roots,
+            id,
+        })
+    });
     PortValidation {
-        validation: (!roots.is_empty()).then(|| Arc::new(ClientValidation { mode, from, roots })),
+        validation,
         errors,
         mode,
     }
+}
+
+/// The first 8 bytes of a SHA-256 over `parts`, each length-prefixed: ids the data plane keys
+/// configurations and connections by, which one configuration must not be made to share
+/// with another.
+fn digest_id<'a>(parts: impl Iterator<Item = &'a [u8]>) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    let digest = h.finalize();
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(id)
 }
 
 /// The Gateway's certificate for TLS backends (`spec.tls.backend.clientCertificateRef`): a
@@ -262,18 +290,10 @@ pub(crate) fn backend_certificate(
         let material = m.pop().ok_or_else(|| {
             RefError::InvalidClientCertificateRef(format!("Secret {} resolved to nothing", r.name))
         })?;
-        use sha2::{Digest, Sha256};
-        let mut h = Sha256::new();
-        for c in &material.cert_chain {
-            h.update((c.as_ref().len() as u64).to_be_bytes());
-            h.update(c.as_ref());
-        }
-        let digest = h.finalize();
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&digest[..8]);
+        let id = digest_id(material.cert_chain.iter().map(|c| c.as_ref()));
         Ok(BackendClientCertificate {
             material: Arc::new(material),
-            id: u64::from_be_bytes(id),
+            id,
         })
     }))
 }

@@ -55,8 +55,8 @@ use status::{C, ListenerStatus, Model, ParentStatus};
 
 pub use plan::GatewayPlan;
 pub use status::{
-    StatusEntry, Statuses, mark_invalid_certificate, mark_kept_certificate, mark_overlapping_tls,
-    mark_port_unavailable, rederive_programmed,
+    Kept, StatusEntry, Statuses, mark_invalid_certificate, mark_kept_certificate,
+    mark_overlapping_tls, mark_port_unavailable, rederive_programmed,
 };
 
 /// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).
@@ -1380,13 +1380,26 @@ impl GatewayResolver {
                         None => Some(tls.clone()),
                     },
                     Ok(None) if o.programmed(j) => None,
+                    // Its port's client check has no CA: served with its own certificates
+                    // (a rotation applies) and a check without roots, which tells the data
+                    // plane to keep the check in force, or to refuse if there was none.
+                    Ok(Some(tls)) if o.holding(j) => match o.validation(j) {
+                        Some(v) => Some(Arc::new(plan::ListenerTls {
+                            client_validation: Some(Arc::new(plan::ClientValidation {
+                                mode: v.mode,
+                                from: Vec::new(),
+                                roots: Vec::new(),
+                                id: 0,
+                            })),
+                            ..(**tls).clone()
+                        })),
+                        None => Some(tls.clone()),
+                    },
                     // Holds its hostname without a usable certificate: in the plan with none,
                     // so the data plane refuses handshakes for it instead of letting a less
                     // specific listener (another team's wildcard) answer; or, if it was
                     // serving, keeps serving its routes with its last valid certificate
                     // (SPEC §7: bad input loses nothing already running).
-                    // So does an HTTPS listener whose port's client validation has no CA: it
-                    // keeps what it served with (its last valid configuration), else refuses.
                     _ if o.holding(j) => Some(Arc::new(plan::ListenerTls {
                         mode: plan::TlsMode::Terminate,
                         certificates: Vec::new(),

@@ -129,9 +129,15 @@ pub struct ClientValidation {
     pub mode: ClientValidationMode,
     /// The ConfigMaps and Secrets the trust anchors come from, `Kind namespace/name`.
     pub from: Vec<String>,
-    /// The trust anchors: the certificates of every `ca.crt` that resolved.
+    /// The trust anchors: the certificates of every `ca.crt` that resolved. Empty when none
+    /// resolves: the listener is not accepted, and the data plane keeps the check it had
+    /// (a listener that was serving goes on checking as before; one that was not, refuses).
     #[serde(skip)]
     pub roots: Vec<rustls_pki_types::CertificateDer<'static>>,
+    /// Tells checks apart (a connection made under another is closed): a hash of the mode
+    /// and the roots; 0 when `roots` is empty.
+    #[serde(skip)]
+    pub id: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]

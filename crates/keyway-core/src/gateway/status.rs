@@ -551,16 +551,34 @@ pub fn mark_invalid_certificate(status: &mut Value, listener: &str, message: &st
     );
 }
 
-/// Overrides a listener's status when the data plane serves it on with its last valid
-/// certificate, its own no longer resolving (SPEC §7: nothing already serving stops):
+/// What a listener serves on with while its own references do not resolve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kept {
+    /// Its last valid certificate (its certificateRefs do not resolve).
+    Certificate,
+    /// Its port's last valid client certificate check (no CA of the Gateway's
+    /// `spec.tls.frontend` resolves); its own certificate is current.
+    ClientCheck,
+}
+
+/// Overrides a listener's status when the data plane serves it on with what it had, its own
+/// references no longer resolving (SPEC §7: nothing already serving stops):
 /// `Programmed=True`, saying so; `ResolvedRefs` stays False with the resolver's reason.
-pub fn mark_kept_certificate(status: &mut Value, listener: &str, now: &Value) {
+pub fn mark_kept_certificate(status: &mut Value, listener: &str, kept: Kept, now: &Value) {
+    let message = match kept {
+        Kept::Certificate => {
+            "serving with its last valid certificate: its certificate references no longer resolve (see ResolvedRefs)"
+        }
+        Kept::ClientCheck => {
+            "serving with its port's last valid client certificate check: no CA certificate of the Gateway's spec.tls.frontend resolves (see ResolvedRefs)"
+        }
+    };
     set_listener_conditions(
         status,
         listener,
         true,
         &[("Programmed", "Programmed")],
-        "serving with its last valid certificate: its certificate references no longer resolve (see ResolvedRefs)",
+        message,
         now,
     );
 }

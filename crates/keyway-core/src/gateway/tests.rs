@@ -783,7 +783,7 @@ fn a_listener_serving_its_last_valid_certificate_is_programmed() {
         .collect();
     let at = Value::from("2030-01-01T00:00:00Z");
     if let Some(s) = statuses.get_mut(&key(LS, "team-a", "ls")) {
-        mark_kept_certificate(s, "x", &at);
+        mark_kept_certificate(s, "x", Kept::Certificate, &at);
     }
     rederive_programmed(&index, &mut statuses, &at);
     let ls = &statuses[&key(LS, "team-a", "ls")];
@@ -3200,21 +3200,33 @@ fn frontend_validation_table() {
             );
             let programmed = lcond(&r, kind, ns, owner, name, "Programmed");
             assert_eq!(programmed.0, accepted, "{ctx}: {owner}/{name}");
-            // Served with its port's validation; one without a CA holds its hostname with
-            // no certificate (the data plane keeps its last valid configuration or refuses).
+            // Served with its port's validation; one without a CA holds its hostname with its
+            // certificates and a check without roots (the data plane keeps the check it had,
+            // or refuses).
             let in_plan = validation_in_plan(&r, owner, name);
-            assert_eq!(in_plan, Some(served[i].clone()), "{ctx}: {owner}/{name}");
             if accepted == "False" {
-                let held = r
+                assert_eq!(
+                    in_plan,
+                    Some(Some((AllowValidOnly, Vec::new()))),
+                    "{ctx}: {owner}/{name}"
+                );
+                let tls = r
                     .plan
                     .gateways
                     .iter()
                     .flat_map(|g| &g.ports)
                     .flat_map(|p| &p.listeners)
                     .find(|l| l.owner.name == owner && l.name == name)
-                    .and_then(|l| l.tls.as_ref())
-                    .is_some_and(|t| t.certificates.is_empty());
+                    .and_then(|l| l.tls.clone());
+                let held = tls.is_some_and(|t| {
+                    !t.certificates.is_empty()
+                        && t.client_validation
+                            .as_ref()
+                            .is_some_and(|v| v.roots.is_empty())
+                });
                 assert!(held, "{ctx}: {owner}/{name}");
+            } else {
+                assert_eq!(in_plan, Some(served[i].clone()), "{ctx}: {owner}/{name}");
             }
         }
         // HTTP listeners are not affected.
@@ -3312,7 +3324,9 @@ fn incremental_frontend_validation_follows_gateways_and_config_maps() {
                 (accepted.0.to_string(), accepted.1.to_string()),
                 "step {step}"
             );
-            let served = validation_in_plan(r, "ls", "a").flatten().is_some();
+            let served = validation_in_plan(r, "ls", "a")
+                .flatten()
+                .is_some_and(|(_, from)| !from.is_empty());
             assert_eq!(served, validated, "step {step}");
         }
         assert_eq!(incremental.plan, fresh.plan, "step {step}");

@@ -58,6 +58,8 @@ pub struct TlsSession {
     pub sni: Option<String>,
     /// The listener whose certificate it was given: (owner, listener name).
     pub listener: (ObjectKey, String),
+    /// The client certificate check its handshake passed (`ClientValidation::id`; 0: none).
+    pub client_check: u64,
 }
 
 impl ConnInfo {
@@ -559,6 +561,23 @@ async fn route(
             full(
                 StatusCode::MISDIRECTED_REQUEST,
                 "this connection's certificate is from a listener that no longer serves this host; connect again",
+            ),
+        ));
+    }
+    // The port's client certificate check changed since the handshake (turned on, another
+    // CA, AllowInsecureFallback ended): this connection was let in by rules no longer in
+    // force, so it must not go on being served. 421, and the connection closes after it; its
+    // client connects again and is checked as the port says now.
+    if let Some(tls) = &info.tls
+        && listener.client_check.as_ref().map_or(0, |c| c.id) != tls.client_check
+    {
+        info.handed_over
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        return Err((
+            Unrouted::Misdirected,
+            full(
+                StatusCode::MISDIRECTED_REQUEST,
+                "the port's client certificate requirements changed since this connection's handshake; connect again",
             ),
         ));
     }

@@ -32,9 +32,10 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use keyway_core::ObjectKey;
+use keyway_core::gateway::Kept;
 use keyway_core::gateway::plan::{
-    AttachedRoute, Backend, BackendClientCertificate as ClientCert, BackendTls, GatewayPlan,
-    ListenerBind, MirrorPlan, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode,
+    AttachedRoute, Backend, BackendClientCertificate as ClientCert, BackendTls, ClientValidation,
+    GatewayPlan, ListenerBind, MirrorPlan, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode,
     WeightedBackend,
 };
 use prometheus_client::metrics::counter::Counter;
@@ -323,6 +324,9 @@ pub struct Listener {
     pub tls_mode: Option<TlsMode>,
     /// Terminating listeners: the certificate and ALPN to serve.
     pub server_config: Option<Arc<ServerConfig>>,
+    /// The client certificate check `server_config` makes (Gateway `spec.tls.frontend`), kept
+    /// to go on with while the CA references of a new one do not resolve.
+    pub client_check: Option<Arc<ClientValidation>>,
     pub http: HttpRoutes,
     pub streams: Vec<StreamRoute>,
 }
@@ -337,6 +341,7 @@ impl Listener {
             protocol: l.protocol,
             tls_mode: l.tls.as_ref().map(|t| t.mode),
             server_config: None,
+            client_check: None,
             http: HttpRoutes::default(),
             streams: Vec::new(),
         }
@@ -394,10 +399,30 @@ pub fn pick(backends: &[WeightedBackend]) -> Option<&WeightedBackend> {
     })
 }
 
+/// How a listener is compiled: as the plan says, or with what it served until now for what
+/// no longer resolves.
+enum Serve {
+    Own,
+    /// Its certificates no longer resolve: the server config (and the client check it makes)
+    /// it served with.
+    Kept(Option<Arc<ServerConfig>>, Option<Arc<ClientValidation>>),
+    /// Its port's client check has no CA: its own certificates, with the check it made.
+    Checking(Option<Arc<ClientValidation>>),
+}
+
 /// The TLS server configuration a terminating listener serves with; `None` for the others.
 /// Fails as the listener would at run time (a key that does not belong to its certificate, a
 /// chain rustls refuses), so `keyway validate` can say so without binding anything.
 pub fn terminating_config(l: &ListenerBind) -> Result<Option<Arc<ServerConfig>>, String> {
+    let check = l.tls.as_ref().and_then(|t| t.client_validation.as_deref());
+    terminating_config_with(l, check.filter(|v| !v.roots.is_empty()))
+}
+
+/// [`terminating_config`] with the client certificate check `check` (HTTPS listeners only).
+fn terminating_config_with(
+    l: &ListenerBind,
+    check: Option<&ClientValidation>,
+) -> Result<Option<Arc<ServerConfig>>, String> {
     match (&l.tls, l.protocol) {
         (Some(t), Protocol::Https | Protocol::Tls)
             if t.mode == TlsMode::Terminate && !t.certificates.is_empty() =>
@@ -408,7 +433,7 @@ pub fn terminating_config(l: &ListenerBind) -> Result<Option<Arc<ServerConfig>>,
                 &[]
             };
             // Several certificates (one per domain, RSA next to ECDSA): by server name, then by key.
-            let clients = t.client_validation.as_deref();
+            let clients = check.filter(|_| l.protocol == Protocol::Https);
             crate::tls::server_config_choosing(&t.certificates, alpn, clients)
                 .map(Some)
                 .map_err(|e| e.to_string())
@@ -519,7 +544,7 @@ pub struct Gateways {
     rejected: Mutex<Vec<ListenerError>>,
     /// Listeners whose certificate no longer resolves that serve on with their last valid
     /// one, as (Gateway or ListenerSet, listener): programmed, whatever the resolver expected.
-    kept: Mutex<BTreeSet<(ObjectKey, String)>>,
+    kept: Mutex<BTreeSet<(ObjectKey, String, Kept)>>,
 }
 
 /// Whether binding both addresses on one port would clash: the same address, or a wildcard of
@@ -684,7 +709,7 @@ impl Gateways {
     }
 
     /// Listeners serving their last valid certificate because their own no longer resolves.
-    pub fn kept_certificates(&self) -> Vec<(ObjectKey, String)> {
+    pub fn kept_certificates(&self) -> Vec<(ObjectKey, String, Kept)> {
         lock(&self.kept).iter().cloned().collect()
     }
 
@@ -748,7 +773,7 @@ impl Gateways {
         cert: Option<&ClientCert>,
         previous: Option<&PortConfig>,
         rejected: &mut Vec<ListenerError>,
-        kept_certificates: &mut BTreeSet<(ObjectKey, String)>,
+        kept_certificates: &mut BTreeSet<(ObjectKey, String, Kept)>,
     ) -> PortConfig {
         let mut listeners = Vec::with_capacity(pb.listeners.len());
         for l in &pb.listeners {
@@ -759,27 +784,54 @@ impl Gateways {
                 .tls
                 .as_ref()
                 .is_some_and(|t| t.mode == TlsMode::Terminate && t.certificates.is_empty());
-            let served = previous.and_then(|p| {
+            // Likewise a client certificate check without roots (no CA of the Gateway's
+            // `spec.tls.frontend` resolves): one that was serving goes on checking as it did,
+            // with its own (current) certificates.
+            let check_unresolved = l
+                .tls
+                .as_ref()
+                .and_then(|t| t.client_validation.as_ref())
+                .is_some_and(|v| v.roots.is_empty());
+            let before = previous.and_then(|p| {
                 p.listeners
                     .iter()
-                    .find(|o| o.owner == l.owner && o.name == l.name)
-                    .and_then(|o| o.server_config.clone())
+                    .find(|o| o.owner == l.owner && o.name == l.name && o.server_config.is_some())
             });
-            let compiled = match (unresolved, served) {
-                (true, Some(kept)) => {
-                    let id = (l.owner.clone(), l.name.clone());
-                    // Logged when it starts, not at every reload while it lasts.
-                    if !lock(&self.kept).contains(&id) {
-                        tracing::warn!(listener = %l.name, owner = %l.owner, "its certificate no longer resolves: it keeps serving the last valid one");
-                    }
-                    let compiled = self.compile_listener(l, cert, Some(kept)).map_err(Some);
+            let id = (l.owner.clone(), l.name.clone());
+            let mut keep = |what: Kept, message: &str| {
+                // Logged when it starts, not at every reload while it lasts.
+                let key = (id.0.clone(), id.1.clone(), what);
+                if !lock(&self.kept).contains(&key) {
+                    tracing::warn!(listener = %l.name, owner = %l.owner, "{message}");
+                }
+                kept_certificates.insert(key);
+            };
+            let compiled = match (unresolved, before) {
+                (true, Some(o)) => {
+                    let serve = Serve::Kept(o.server_config.clone(), o.client_check.clone());
+                    let compiled = self.compile_listener(l, cert, serve).map_err(Some);
                     if compiled.is_ok() {
-                        kept_certificates.insert(id);
+                        keep(
+                            Kept::Certificate,
+                            "its certificate no longer resolves: it keeps serving the last valid one",
+                        );
                     }
                     compiled
                 }
                 (true, None) => Err(None),
-                (false, _) => self.compile_listener(l, cert, None).map_err(Some),
+                (false, Some(o)) if check_unresolved => {
+                    let serve = Serve::Checking(o.client_check.clone());
+                    let compiled = self.compile_listener(l, cert, serve).map_err(Some);
+                    if compiled.is_ok() {
+                        keep(
+                            Kept::ClientCheck,
+                            "no CA certificate of its port's client certificate check (the Gateway's spec.tls.frontend) resolves: it keeps checking client certificates as it did",
+                        );
+                    }
+                    compiled
+                }
+                (false, None) if check_unresolved => Err(None),
+                (false, _) => self.compile_listener(l, cert, Serve::Own).map_err(Some),
             };
             match compiled {
                 Ok(c) => listeners.push(c),
@@ -807,18 +859,23 @@ impl Gateways {
         }
     }
 
-    /// `kept`: the certificate to serve instead of the listener's own (which no longer
-    /// resolves).
     fn compile_listener(
         &self,
         l: &ListenerBind,
         cert: Option<&ClientCert>,
-        kept: Option<Arc<ServerConfig>>,
+        serve: Serve,
     ) -> Result<Listener, String> {
         let tls_mode = l.tls.as_ref().map(|t| t.mode);
-        let server_config = match kept {
-            Some(kept) => Some(kept),
-            None => terminating_config(l)?,
+        let own_check = || {
+            l.tls
+                .as_ref()
+                .and_then(|t| t.client_validation.clone())
+                .filter(|_| l.protocol == Protocol::Https)
+        };
+        let (server_config, client_check) = match serve {
+            Serve::Own => (terminating_config(l)?, own_check()),
+            Serve::Kept(config, check) => (config, check),
+            Serve::Checking(check) => (terminating_config_with(l, check.as_deref())?, check),
         };
         let mut hostnames = Vec::new();
         let mut entries = Vec::new();
@@ -905,6 +962,7 @@ impl Gateways {
             protocol: l.protocol,
             tls_mode,
             server_config,
+            client_check,
             http: HttpRoutes {
                 table: Table::new(hostnames, entries),
                 rules,
@@ -1153,6 +1211,7 @@ async fn serve_tls(
         let session = http::TlsSession {
             sni: name,
             listener: (l.owner.clone(), l.name.clone()),
+            client_check: l.client_check.as_ref().map_or(0, |c| c.id),
         };
         http::serve(ctx, config.clone(), tls, peer, Some(session)).await;
     } else {
