@@ -218,44 +218,88 @@ pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMateri
     })
 }
 
-/// Certificates of the config's Secrets (`tls.crt`, `ca.crt`) that have expired or are not
-/// valid yet at `now`: a warning each, since clients refuse them, yet a Secret rotated to one
-/// is otherwise valid (and Kubernetes takes it too).
+/// Certificates of the config's Secrets (`tls.crt`, `ca.crt`) and ConfigMaps (`ca.crt`) that
+/// have expired or are not valid yet at `now`, and `ca.crt` certificates that are not CAs: a
+/// warning each, since peers are refused by them, yet a Secret rotated to one is otherwise
+/// valid (and Kubernetes takes it too).
 pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::ConfigError> {
     let now = now.0.as_second();
     let mut out = Vec::new();
-    for obj in index.of_kind(crate::Kind::Secret) {
+    let secrets = index.of_kind(crate::Kind::Secret).filter_map(|obj| {
         let crate::Resource::Secret(secret) = &obj.resource else {
-            continue;
+            return None;
         };
-        for key in ["tls.crt", "ca.crt"] {
-            let Some(Ok(chain)) = secret_value(secret, key).map(|pem| parse_certificates(&pem))
-            else {
-                continue;
-            };
-            let field = if secret
+        let entries = ["tls.crt", "ca.crt"].into_iter().filter_map(|key| {
+            let pem = secret_value(secret, key)?;
+            let in_string_data = secret
                 .string_data
                 .as_ref()
-                .is_some_and(|m| m.contains_key(key))
-            {
-                format!("stringData.{key}")
-            } else {
-                format!("data.{key}")
+                .is_some_and(|m| m.contains_key(key));
+            let field = if in_string_data { "stringData" } else { "data" };
+            Some((key, format!("{field}.{key}"), pem))
+        });
+        Some((obj, entries.collect::<Vec<_>>()))
+    });
+    let config_maps = index.of_kind(crate::Kind::ConfigMap).filter_map(|obj| {
+        let crate::Resource::ConfigMap(cm) = &obj.resource else {
+            return None;
+        };
+        let text = cm.data.as_ref().and_then(|d| d.get("ca.crt"));
+        let entry = match text {
+            Some(t) => ("ca.crt", "data.ca.crt".to_string(), t.as_bytes().to_vec()),
+            None => {
+                let b = cm.binary_data.as_ref()?.get("ca.crt")?;
+                ("ca.crt", "binaryData.ca.crt".to_string(), b.0.clone())
+            }
+        };
+        Some((obj, vec![entry]))
+    });
+    for (obj, entries) in secrets.chain(config_maps) {
+        for (key, field, pem) in entries {
+            let Ok(chain) = parse_certificates(&pem) else {
+                continue;
             };
             for (i, der) in chain.iter().enumerate() {
+                let which = match (key, i) {
+                    ("tls.crt", 0) => "the certificate".to_string(),
+                    ("tls.crt", i) => format!("certificate {} of the chain", i + 1),
+                    (_, 0) if chain.len() == 1 => "the CA certificate".to_string(),
+                    (_, i) => format!("CA certificate {}", i + 1),
+                };
                 if let Some(why) = validity_problem(der, now) {
-                    let which = match (key, i) {
-                        ("tls.crt", 0) => "the certificate".to_string(),
-                        ("tls.crt", i) => format!("certificate {} of the chain", i + 1),
-                        (_, 0) if chain.len() == 1 => "the CA certificate".to_string(),
-                        (_, i) => format!("CA certificate {}", i + 1),
-                    };
+                    out.push(obj.error_at(&field, format!("{which} {why}")));
+                }
+                if key == "ca.crt"
+                    && let Some(why) = not_a_ca(der)
+                {
                     out.push(obj.error_at(&field, format!("{which} {why}")));
                 }
             }
         }
     }
     out
+}
+
+/// Why a `ca.crt` certificate cannot be a CA: an X.509 v3 certificate without basicConstraints
+/// `CA:TRUE` is an end entity's (a peer presenting that very certificate is refused: it must
+/// be issued by the CA, not be it). `None` for a CA, a v1 certificate (no extensions, as old
+/// roots are) or one that does not parse (reported where it is read).
+fn not_a_ca(der: &CertificateDer<'_>) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+    if cert.version() != x509_parser::x509::X509Version::V3 {
+        return None;
+    }
+    let is_ca = cert
+        .basic_constraints()
+        .ok()
+        .flatten()
+        .is_some_and(|b| b.value.ca);
+    (!is_ca).then(|| {
+        format!(
+            "({}) is not a CA certificate (no basicConstraints CA:TRUE): peers' certificates must be issued by it to be trusted, and one presenting this very certificate is refused",
+            cert.subject()
+        )
+    })
 }
 
 /// "expired at …" or "is not valid before …" for a certificate outside its validity at `now`

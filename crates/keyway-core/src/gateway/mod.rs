@@ -196,7 +196,56 @@ pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
             }
         }
     }
+    // A `perPort` entry of `spec.tls.frontend` for a port without HTTPS listeners (a
+    // mistyped port) checks nothing, while the port meant goes on with the default.
+    for obj in index.of_kind(Kind::Gateway) {
+        let Resource::Gateway(gw) = &obj.resource else {
+            continue;
+        };
+        let per_port = gw
+            .spec
+            .tls
+            .as_ref()
+            .and_then(|t| t.frontend.as_ref())
+            .and_then(|f| f.per_port.as_ref());
+        for (i, entry) in per_port.into_iter().flatten().enumerate() {
+            if !https_on_port(index, obj, gw, entry.port) {
+                out.push(obj.error_at(
+                    &format!("spec.tls.frontend.perPort[{i}].port"),
+                    format!(
+                        "no HTTPS listener of this Gateway or of its ListenerSets is on port {}: this entry applies to nothing",
+                        entry.port
+                    ),
+                ));
+            }
+        }
+    }
     out
+}
+
+/// Whether the Gateway `obj`, or a ListenerSet naming it as parent, declares an HTTPS listener
+/// on `port`.
+fn https_on_port(index: &Index, obj: &LoadedObject, gw: &Gateway, port: i32) -> bool {
+    let own = gw
+        .spec
+        .listeners
+        .iter()
+        .any(|l| l.port == port && l.protocol == "HTTPS");
+    own || index.of_kind(Kind::ListenerSet).any(|ls| {
+        let Resource::ListenerSet(set) = &ls.resource else {
+            return false;
+        };
+        let p = &set.spec.parent_ref;
+        let ns = p.namespace.as_deref().unwrap_or(&ls.key.namespace);
+        p.name == obj.key.name
+            && ns == obj.key.namespace
+            && p.kind.as_deref().unwrap_or("Gateway") == "Gateway"
+            && set
+                .spec
+                .listeners
+                .iter()
+                .any(|l| l.port == port && l.protocol == "HTTPS")
+    })
 }
 
 /// Resolves the Gateway API objects of `index` from scratch.

@@ -3422,3 +3422,53 @@ fn backend_client_certificate_table() {
         assert_eq!(errors, usize::from(error), "{reference}");
     }
 }
+
+/// Mistakes that make a client certificate check do nothing useful are warned about at load:
+/// a `perPort` entry for a port without HTTPS listeners (its port meant goes on with the
+/// default), and a `ca.crt` holding an end entity's certificate instead of a CA's (nobody gets
+/// in, not even a client presenting that very certificate).
+#[test]
+fn client_check_mistakes_warn() {
+    let leaf = {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["client.example".to_string()]).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "client.example");
+        let cert = params.self_signed(&key).expect("cert");
+        cert.pem()
+    };
+    let frontend = "{default: {validation: {caCertificateRefs: [{group: \"\", kind: ConfigMap, name: ca}]}}, perPort: [{port: 9443, tls: {}}, {port: 9444, tls: {}}]}";
+    let with_leaf = format!(
+        "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: leaf, namespace: infra}}\ndata: {{ca.crt: {leaf:?}}}\n"
+    );
+    let index = index_of(&frontend_world(
+        frontend,
+        &(ca_map("infra", "ca") + &with_leaf),
+    ));
+    let mut warnings: Vec<(String, String)> = super::reference_warnings(&index)
+        .into_iter()
+        .chain(crate::tls::validity_warnings(
+            &index,
+            &Time(crate::jiff::Timestamp::now()),
+        ))
+        .filter(|w| w.object.as_ref().is_some_and(|k| k.namespace == "infra"))
+        .map(|w| (w.path, w.message))
+        .collect();
+    warnings.sort();
+    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    assert_eq!(warnings[0].0, "data.ca.crt");
+    assert!(
+        warnings[0].1.contains("CN=client.example")
+            && warnings[0].1.contains("is not a CA certificate"),
+        "{}",
+        warnings[0].1
+    );
+    assert_eq!(warnings[1].0, "spec.tls.frontend.perPort[1].port");
+    assert!(
+        warnings[1].1.starts_with(
+            "no HTTPS listener of this Gateway or of its ListenerSets is on port 9444"
+        )
+    );
+}
