@@ -392,6 +392,7 @@ fn columns_for(kind: &str) -> Vec<Column> {
             }),
             ("LISTENERS", listeners_accepted),
             ("ATTACHED SETS", |v| s(&v["status"]["attachedListenerSets"])),
+            ("CLIENT CERTS", client_certs),
             (CONFLICTS, conflicts_or_reason),
         ],
         "ListenerSet" | "XListenerSet" => vec![
@@ -652,6 +653,33 @@ fn attached_routes(v: &Value) -> String {
         .map(|l| l["attachedRoutes"].as_u64().unwrap_or(0))
         .sum::<u64>()
         .to_string()
+}
+
+/// What a Gateway's HTTPS ports ask of clients (`spec.tls.frontend`): `required` or `insecure
+/// fallback` by default, then each `perPort` entry (`8443: off`); `-` when nothing.
+fn client_certs(v: &Value) -> String {
+    let frontend = &v["spec"]["tls"]["frontend"];
+    let mode = |validation: &Value| {
+        if validation.is_null() {
+            "off"
+        } else if validation["mode"] == "AllowInsecureFallback" {
+            "insecure fallback"
+        } else {
+            "required"
+        }
+    };
+    if frontend.is_null() {
+        return "-".into();
+    }
+    let mut parts = vec![mode(&frontend["default"]["validation"]).to_string()];
+    for p in frontend["perPort"].as_array().into_iter().flatten() {
+        parts.push(format!(
+            "{}: {}",
+            s(&p["port"]),
+            mode(&p["tls"]["validation"])
+        ));
+    }
+    parts.join(", ")
 }
 
 /// `listener: Reason` for every listener with `Conflicted=True`; when there is none, the reason
@@ -1300,8 +1328,46 @@ mod table_tests {
                 "True",
                 "1/2",
                 "1",
+                "-",
                 "b: ProtocolConflict"
             ],
+            "{out}"
+        );
+    }
+
+    /// The CLIENT CERTS column sums up `spec.tls.frontend`: the default, then each port.
+    #[test]
+    fn gateway_client_certificate_checks_are_summed_up() {
+        let gw = |frontend: Value| {
+            json!({
+                "kind": "Gateway",
+                "metadata": {"name": "gw", "namespace": "default"},
+                "spec": {"gatewayClassName": "keyway", "tls": {"frontend": frontend}},
+                "status": {"conditions": [cond("Accepted", "True", "Accepted")]},
+            })
+        };
+        let ca = json!({"caCertificateRefs": [{"kind": "ConfigMap", "group": "", "name": "ca"}]});
+        let mut insecure = ca.clone();
+        insecure["mode"] = json!("AllowInsecureFallback");
+        let cases = [
+            (json!({"default": {"validation": ca}}), "required"),
+            (
+                json!({"default": {}, "perPort": [{"port": 8443, "tls": {"validation": insecure}}]}),
+                "off, 8443: insecure fallback",
+            ),
+            (
+                json!({"default": {"validation": ca}, "perPort": [{"port": 9443, "tls": {}}]}),
+                "required, 9443: off",
+            ),
+        ];
+        for (frontend, want) in cases {
+            assert_eq!(client_certs(&gw(frontend.clone())), want, "{frontend}");
+        }
+        let out = tables(&[gw(json!({"default": {"validation": ca}}))]);
+        assert!(
+            out.lines()
+                .nth(1)
+                .is_some_and(|h| h.contains("CLIENT CERTS")),
             "{out}"
         );
     }
