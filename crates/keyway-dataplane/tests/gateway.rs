@@ -1900,3 +1900,104 @@ async fn send_raw(port: u16, bytes: &[u8]) -> (u16, String) {
         .unwrap_or_default();
     (status, body)
 }
+
+/// A backend (hyper, so chunked bodies are read as such) whose first request is answered 503
+/// and the others 200 `try=<i> len=<body length>`; returns its address and the requests seen.
+async fn fails_first() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let count = count.clone();
+                    async move {
+                        let len = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map_or(0, |b| b.to_bytes().len());
+                        let i = count.fetch_add(1, Ordering::SeqCst);
+                        let status = if i == 0 { 503 } else { 200 };
+                        let mut resp =
+                            Response::new(Full::new(Bytes::from(format!("try={i} len={len}"))));
+                        *resp.status_mut() = StatusCode::from_u16(status).unwrap_or_default();
+                        Ok::<_, Infallible>(resp)
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// A retried rule keeps a request body of unknown length (chunked) when it has come whole
+/// within a few milliseconds and within 64 KiB, so a 503 is retried with it; a larger one, or
+/// one still coming, is sent once as it streams (never held back waiting for its end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_keep_short_bodies_of_unknown_length() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (short, short_seen) = fails_first().await;
+    let (large, large_seen) = fails_first().await;
+    let (slow, slow_seen) = fails_first().await;
+    let port = free_port();
+    let mut yaml = String::new();
+    let mut rules = String::new();
+    for (name, addr) in [("short", short), ("large", large), ("slow", slow)] {
+        yaml.push_str(&service(name, addr));
+        rules.push_str(&format!(
+            "  - matches: [{{path: {{type: Exact, value: /{name}}}}}]\n    backendRefs: [{{name: {name}, port: 80}}]\n    retry: {{codes: [503], attempts: 1, backoff: 10ms}}\n"
+        ));
+    }
+    yaml.push_str(&gateway(&format!(
+        "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+    )));
+    yaml.push_str(&http_route("r", 1, "", &rules));
+    let _dp = start(&yaml, port).await;
+    let head = |path: &str| {
+        format!(
+            "POST /{path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+    };
+
+    // Whole at once: retried with its body.
+    let req = head("short") + "5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
+    let (status, body) = send_raw(port, req.as_bytes()).await;
+    assert_eq!((status, body.as_str()), (200, "try=1 len=11"));
+    assert_eq!(short_seen.load(SeqCst), 2);
+
+    // Larger than 64 KiB: sent once.
+    let big = "a".repeat(70 * 1024);
+    let req = head("large") + &format!("{:x}\r\n{big}\r\n0\r\n\r\n", big.len());
+    let (status, body) = send_raw(port, req.as_bytes()).await;
+    assert_eq!((status, body), (503, format!("try=0 len={}", big.len())));
+    assert_eq!(large_seen.load(SeqCst), 1);
+
+    // Still coming after the read-ahead: sent once, the request not held for its end.
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all((head("slow") + "5\r\nhello\r\n").as_bytes())
+        .await
+        .expect("write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.write_all(b"6\r\n world\r\n0\r\n\r\n")
+        .await
+        .expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut out))
+        .await
+        .expect("answered in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+    assert!(text.ends_with("try=0 len=11"), "{text}");
+    assert_eq!(slow_seen.load(SeqCst), 1);
+}

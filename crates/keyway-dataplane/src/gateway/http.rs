@@ -952,6 +952,16 @@ async fn forward(
             Ok(data) => (Some(data), Body::Empty),
             Err(answer) => return answer,
         }
+    } else if policy.is_some() && body.size_hint().exact().is_none() {
+        // Of unknown length: kept if it ends at once (a small chunked or HTTP/2 body).
+        match retry::read_ahead(body, retry::READ_AHEAD).await {
+            Ok(retry::ReadAhead::Whole(data)) => {
+                rule.metrics.bytes_in.inc_by(data.len() as u64);
+                (Some(data), Body::Empty)
+            }
+            Ok(retry::ReadAhead::Streaming(body)) => (None, body),
+            Err(e) => return full(StatusCode::BAD_REQUEST, &e.to_string()),
+        }
     } else {
         (None, body)
     };

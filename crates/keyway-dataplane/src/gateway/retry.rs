@@ -114,6 +114,50 @@ pub fn replayable(body: &Body) -> bool {
             .is_some_and(|n| n <= MAX_REPLAY_BODY)
 }
 
+/// How long a request body of unknown length (chunked, or HTTP/2 without `content-length`) is
+/// read ahead to see whether it ends short enough to be kept for a retry. A body still coming
+/// after that goes on streaming, unretried: a client that waits for the response before it
+/// finishes its body is never held up for longer.
+pub const READ_AHEAD: Duration = Duration::from_millis(10);
+
+/// What [`read_ahead`] found.
+pub enum ReadAhead {
+    /// The body ended within [`READ_AHEAD`] at no more than [`MAX_REPLAY_BODY`] bytes.
+    Whole(Bytes),
+    /// It did not: what was read, then the rest, to be sent once.
+    Streaming(Body),
+}
+
+/// Reads a body of unknown length for at most `wait`: whole if it ends by then within
+/// [`MAX_REPLAY_BODY`] bytes and without trailers, else given back as it is.
+pub async fn read_ahead(mut body: Body, wait: Duration) -> Result<ReadAhead, ReplayError> {
+    use http_body_util::BodyExt;
+    let until = tokio::time::Instant::now() + wait;
+    let mut ahead = std::collections::VecDeque::new();
+    let mut size = 0u64;
+    let streaming = |ahead, body| ReadAhead::Streaming(Body::Prefixed(Box::new((ahead, body))));
+    loop {
+        let frame = match tokio::time::timeout_at(until, body.frame()).await {
+            Ok(Some(frame)) => frame.map_err(ReplayError::Body)?,
+            Ok(None) => break,
+            Err(_) => return Ok(streaming(ahead, body)),
+        };
+        let data = frame.data_ref().map(|d| d.len() as u64);
+        ahead.push_back(frame);
+        match data {
+            Some(n) if size + n <= MAX_REPLAY_BODY => size += n,
+            _ => return Ok(streaming(ahead, body)),
+        }
+    }
+    let mut data = BytesMut::with_capacity(usize::try_from(size).unwrap_or(0));
+    for frame in ahead {
+        if let Some(d) = frame.data_ref() {
+            data.extend_from_slice(d);
+        }
+    }
+    Ok(ReadAhead::Whole(data.freeze()))
+}
+
 /// Reads a [`replayable`] body whole (its trailers dropped, as on any HTTP/1.1 hop).
 pub async fn collect(mut body: Body) -> Result<Bytes, ReplayError> {
     use http_body_util::BodyExt;

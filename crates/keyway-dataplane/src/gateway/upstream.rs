@@ -70,6 +70,9 @@ pub enum Body {
     Teed(Box<(Body, super::tee::Tee)>),
     /// A mirror's copy of a request body (see [`super::tee`]).
     Mirrored(Box<super::tee::Copy>),
+    /// A request body whose first frames were read ahead (to see whether it is short enough
+    /// to keep for a retry, see [`super::retry::read_ahead`]), then the rest of it.
+    Prefixed(Box<(std::collections::VecDeque<Frame<Bytes>>, Body)>),
 }
 
 impl Body {
@@ -96,7 +99,8 @@ impl Body {
             | Body::Leased(_)
             | Body::Counted(_)
             | Body::Teed(_)
-            | Body::Mirrored(_) => Body::Held(Box::new((self, in_flight))),
+            | Body::Mirrored(_)
+            | Body::Prefixed(_) => Body::Held(Box::new((self, in_flight))),
             Body::Empty | Body::Full(_) => self,
         }
     }
@@ -119,7 +123,8 @@ impl Body {
             | Body::Leased(_)
             | Body::Counted(_)
             | Body::Teed(_)
-            | Body::Mirrored(_) => Body::Counted(Box::new((self, bytes.clone()))),
+            | Body::Mirrored(_)
+            | Body::Prefixed(_) => Body::Counted(Box::new((self, bytes.clone()))),
             Body::Empty | Body::Full(_) => self,
         }
     }
@@ -185,6 +190,10 @@ impl hyper::body::Body for Body {
             }
             Body::Teed(t) => super::tee::poll_teed(t, cx),
             Body::Mirrored(c) => c.poll_frame(cx),
+            Body::Prefixed(p) => match p.0.pop_front() {
+                Some(frame) => Poll::Ready(Some(Ok(frame))),
+                None => Pin::new(&mut p.1).poll_frame(cx),
+            },
         }
     }
 
@@ -201,6 +210,7 @@ impl hyper::body::Body for Body {
             Body::Counted(c) => c.0.is_end_stream(),
             Body::Teed(t) => t.0.is_end_stream(),
             Body::Mirrored(c) => c.is_end_stream(),
+            Body::Prefixed(p) => p.0.is_empty() && p.1.is_end_stream(),
         }
     }
 
@@ -217,6 +227,20 @@ impl hyper::body::Body for Body {
             Body::Counted(c) => c.0.size_hint(),
             Body::Teed(t) => t.0.size_hint(),
             Body::Mirrored(c) => c.size_hint(),
+            Body::Prefixed(p) => {
+                let ahead: u64 =
+                    p.0.iter()
+                        .filter_map(Frame::data_ref)
+                        .map(|d| d.len() as u64)
+                        .sum();
+                let rest = p.1.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + ahead);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + ahead);
+                }
+                hint
+            }
         }
     }
 }
