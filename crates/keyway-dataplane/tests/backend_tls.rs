@@ -308,18 +308,22 @@ async fn the_gateway_presents_its_client_certificate_to_tls_backends() {
     let (backend, _) = https_backend(&ca.leaf(&["app.example"]), Some(&clients)).await;
     let port = free_port();
     let gw_cert = clients.leaf(&["gateway.example"]);
+    let trusted = "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: backend-ca}], hostname: app.example}";
     let objects = service("app", backend, "")
+        + &service("h2", backend, ", appProtocol: kubernetes.io/h2c")
         + &config_map("backend-ca", &ca)
-        + &policy(
-            "app",
-            "app",
-            "{caCertificateRefs: [{group: \"\", kind: ConfigMap, name: backend-ca}], hostname: app.example}",
-        )
+        + &policy("app", "app", trusted)
+        + &policy("h2", "h2", trusted)
         + &format!(
             "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: gw-client}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
             gw_cert.cert_pem, gw_cert.key_pem
         )
-        + &common::http_route("r", 1, "", "  - backendRefs: [{name: app, port: 80}]\n");
+        + &common::http_route(
+            "r",
+            1,
+            "",
+            "  - matches: [{path: {type: PathPrefix, value: /h2}}]\n    backendRefs: [{name: h2, port: 80}]\n  - backendRefs: [{name: app, port: 80}]\n",
+        );
     let listeners = format!("  - {{name: web, port: {port}, protocol: HTTP}}\n");
     let with_cert = gateway(&listeners).replace(
         "  listeners:\n",
@@ -335,18 +339,40 @@ async fn the_gateway_presents_its_client_certificate_to_tls_backends() {
         (status, body.as_str()),
         (200, "proto=HTTP/1.1 sni=app.example path=/app")
     );
+    let (status, body) = get(&mut client, "h2").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "proto=HTTP/2.0 sni=app.example path=/h2")
+    );
 
     // Without it: the backend refuses the Gateway, even on a client connection that was
-    // served through a connection made with the certificate.
+    // served through a connection made with the certificate; over HTTP/2 too, with the
+    // reason.
     dp.apply(&common::compile(&(objects.clone() + &gateway(&listeners))));
     let (status, body) = get(&mut client, "app").await;
     assert_eq!(status, 502, "{body}");
     assert!(body.contains("CertificateRequired"), "{body}");
+    let (status, body) = get(&mut client, "h2").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("CertificateRequired"), "HTTP/2: {body}");
 
-    dp.apply(&common::compile(&(objects + &with_cert)));
+    dp.apply(&common::compile(&(objects.clone() + &with_cert)));
     let (status, body) = get(&mut client, "app").await;
     assert_eq!(
         (status, body.as_str()),
         (200, "proto=HTTP/1.1 sni=app.example path=/app")
     );
+
+    // Its Secret gone (deleted to be created again, say): the last valid certificate is still
+    // presented.
+    let without_secret = objects.replace("name: gw-client}", "name: other}");
+    assert_ne!(without_secret, objects);
+    dp.apply(&common::compile(&(without_secret + &with_cert)));
+    let mut fresh = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    for path in ["app", "h2"] {
+        let (status, body) = get(&mut fresh, path).await;
+        assert_eq!(status, 200, "{path}: {body}");
+    }
 }

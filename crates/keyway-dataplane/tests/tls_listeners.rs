@@ -1073,11 +1073,25 @@ async fn client_certificates_are_checked_per_port() {
 
     // No spec.tls.frontend: no certificate asked for.
     dp.apply(&compile(
-        &(objects + &frontend_gateway("", p1, p2, &backends)),
+        &(objects.clone() + &frontend_gateway("", p1, p2, &backends)),
     ));
     let open = common::eventually(Duration::from_secs(3), || async {
         served(&https_get_as(p1, &ca, "a.example.com", None).await, "A")
     })
     .await;
     assert!(open, "validation off once spec.tls.frontend is removed");
+
+    // Asked for again, with a CA that does not resolve: a listener that served without a
+    // check until now refuses rather than go on serving without it.
+    let broken = objects.replace("name: client-ca", "name: renamed");
+    dp.apply(&compile(
+        &(broken + &frontend_gateway(&frontend, p1, p2, &backends)),
+    ));
+    let shut = common::eventually(Duration::from_secs(3), || async {
+        https_get_as(p1, &ca, "a.example.com", None)
+            .await
+            .is_empty()
+    })
+    .await;
+    assert!(shut, "a check asked for without a CA is not served open");
 }

@@ -1520,8 +1520,10 @@ impl GatewayResolver {
             }
             let cert = owner
                 .and_then(|o| o.backend_certificate.as_ref())
-                .and_then(|c| c.as_ref().ok())
-                .cloned();
+                .map(|c| match c {
+                    Ok(c) => plan::GatewayClientCertificate::Resolved(c.clone()),
+                    Err(_) => plan::GatewayClientCertificate::Unresolved,
+                });
             if bind.backend_client_certificate != cert {
                 bind.backend_client_certificate = cert;
             }

@@ -35,7 +35,18 @@ pub struct GatewayBind {
     /// The certificate this Gateway presents to backends it speaks TLS to (a BackendTLSPolicy
     /// applies): `spec.tls.backend.clientCertificateRef` (GEP-3155).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub backend_client_certificate: Option<BackendClientCertificate>,
+    pub backend_client_certificate: Option<GatewayClientCertificate>,
+}
+
+/// A Gateway's `spec.tls.backend.clientCertificateRef`, as it resolves.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum GatewayClientCertificate {
+    Resolved(BackendClientCertificate),
+    /// It does not resolve (the Gateway's `ResolvedRefs` says why): the data plane goes on
+    /// presenting the last valid one it had (SPEC §7: a Secret rewritten in two steps, or
+    /// deleted and created again, must not cut mutual TLS to backends), else none.
+    Unresolved,
 }
 
 /// A Gateway's client certificate for TLS backends.

@@ -1543,6 +1543,23 @@ fn send_failed(e: &h1::Error) -> Failed {
     }
 }
 
+/// An error and its causes, outermost first, each said once: hyper's own words for an HTTP/2
+/// backend's failure ("connection error") leave out what caused it (a TLS alert from a
+/// backend that refused the Gateway's client certificate, say).
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 /// A fresh HTTP/1.1 connection to `backend` (its `endpoint` first).
 async fn open_h1(ctx: &Ctx, backend: &Backend, endpoint: Option<&str>) -> Result<H1, Failed> {
     let c = ctx
@@ -1569,7 +1586,10 @@ async fn send_h2(
                 H2Error::Connect(c) => connect_error(&c),
                 // The connection's handshake failed: no request went on it.
                 H2Error::Http(e) => Failed {
-                    answer: full(StatusCode::BAD_GATEWAY, &format!("backend: {e}")),
+                    answer: full(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("backend: {}", with_causes(&e)),
+                    ),
                     reach: Reach::NotSent,
                 },
             })?;
@@ -1585,7 +1605,10 @@ async fn send_h2(
                 }
                 unsent => {
                     return Err(Failed {
-                        answer: full(StatusCode::BAD_GATEWAY, &format!("backend: {}", e.error())),
+                        answer: full(
+                            StatusCode::BAD_GATEWAY,
+                            &format!("backend: {}", with_causes(e.error())),
+                        ),
                         reach: if unsent.is_some() {
                             Reach::NotSent
                         } else {

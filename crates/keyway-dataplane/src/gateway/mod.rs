@@ -35,8 +35,8 @@ use keyway_core::ObjectKey;
 use keyway_core::gateway::Kept;
 use keyway_core::gateway::plan::{
     AttachedRoute, Backend, BackendClientCertificate as ClientCert, BackendTls, ClientValidation,
-    GatewayPlan, ListenerBind, MirrorPlan, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode,
-    WeightedBackend,
+    GatewayClientCertificate, GatewayPlan, ListenerBind, MirrorPlan, PortBind, Protocol,
+    ProtocolFamily, RouteRules, TlsMode, WeightedBackend,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -545,6 +545,9 @@ pub struct Gateways {
     /// Listeners whose certificate no longer resolves that serve on with their last valid
     /// one, as (Gateway or ListenerSet, listener): programmed, whatever the resolver expected.
     kept: Mutex<BTreeSet<(ObjectKey, String, Kept)>>,
+    /// The certificate each Gateway last presented to TLS backends, and whether its own
+    /// reference no longer resolves (see [`Gateways::client_certificates`]).
+    client_certs: Mutex<BTreeMap<ObjectKey, (ClientCert, bool)>>,
 }
 
 /// Whether binding both addresses on one port would clash: the same address, or a wildcard of
@@ -583,6 +586,7 @@ impl Gateways {
             configs: Mutex::new(HashMap::new()),
             rejected: Mutex::new(Vec::new()),
             kept: Mutex::new(BTreeSet::new()),
+            client_certs: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -602,6 +606,7 @@ impl Gateways {
             .iter()
             .map(|(addr, h)| (addr.port(), h.owner.clone()))
             .collect();
+        let certs = self.client_certificates(plan);
         let mut claims: Vec<(&ObjectKey, &[IpAddr], &PortBind, Option<&ClientCert>)> = Vec::new();
         for gw in &plan.gateways {
             let ips = if gw.addresses.is_empty() {
@@ -610,7 +615,7 @@ impl Gateways {
                 &gw.addresses[..]
             };
             for pb in &gw.ports {
-                let cert = gw.backend_client_certificate.as_ref();
+                let cert = certs.get(&gw.gateway);
                 claims.push((&gw.gateway, ips, pb, cert));
             }
         }
@@ -708,6 +713,33 @@ impl Gateways {
         *lock(&self.kept) = kept;
     }
 
+    /// The certificate each Gateway of `plan` presents to TLS backends: its own, or, while its
+    /// reference does not resolve, the last valid one it presented (logged when that starts).
+    fn client_certificates(&self, plan: &GatewayPlan) -> BTreeMap<ObjectKey, ClientCert> {
+        let mut last = lock(&self.client_certs);
+        let mut now = BTreeMap::new();
+        for gw in &plan.gateways {
+            let (cert, kept) = match &gw.backend_client_certificate {
+                Some(GatewayClientCertificate::Resolved(c)) => (Some(c.clone()), false),
+                Some(GatewayClientCertificate::Unresolved) => {
+                    let before = last.get(&gw.gateway);
+                    if before.is_some_and(|(_, kept)| !kept) {
+                        tracing::warn!(gateway = %gw.gateway, "its spec.tls.backend.clientCertificateRef no longer resolves: it keeps presenting the last valid certificate to TLS backends");
+                    }
+                    (before.map(|(c, _)| c.clone()), true)
+                }
+                None => (None, false),
+            };
+            if let Some(c) = cert {
+                now.insert(gw.gateway.clone(), (c, kept));
+            }
+        }
+        *last = now;
+        last.iter()
+            .map(|(k, (c, _))| (k.clone(), c.clone()))
+            .collect()
+    }
+
     /// Listeners serving their last valid certificate because their own no longer resolves.
     pub fn kept_certificates(&self) -> Vec<(ObjectKey, String, Kept)> {
         lock(&self.kept).iter().cloned().collect()
@@ -785,8 +817,9 @@ impl Gateways {
                 .as_ref()
                 .is_some_and(|t| t.mode == TlsMode::Terminate && t.certificates.is_empty());
             // Likewise a client certificate check without roots (no CA of the Gateway's
-            // `spec.tls.frontend` resolves): one that was serving goes on checking as it did,
-            // with its own (current) certificates.
+            // `spec.tls.frontend` resolves): one that was checking client certificates goes on
+            // checking as it did, with its own (current) certificates; one that was not (the
+            // check is new) refuses handshakes rather than serve without the check asked for.
             let check_unresolved = l
                 .tls
                 .as_ref()
@@ -806,6 +839,7 @@ impl Gateways {
                 }
                 kept_certificates.insert(key);
             };
+            let checked_before = before.filter(|o| o.client_check.is_some());
             let compiled = match (unresolved, before) {
                 (true, Some(o)) => {
                     let serve = Serve::Kept(o.server_config.clone(), o.client_check.clone());
@@ -819,8 +853,9 @@ impl Gateways {
                     compiled
                 }
                 (true, None) => Err(None),
-                (false, Some(o)) if check_unresolved => {
-                    let serve = Serve::Checking(o.client_check.clone());
+                (false, _) if check_unresolved && checked_before.is_some() => {
+                    let check = checked_before.and_then(|o| o.client_check.clone());
+                    let serve = Serve::Checking(check);
                     let compiled = self.compile_listener(l, cert, serve).map_err(Some);
                     if compiled.is_ok() {
                         keep(
@@ -830,7 +865,7 @@ impl Gateways {
                     }
                     compiled
                 }
-                (false, None) if check_unresolved => Err(None),
+                (false, _) if check_unresolved => Err(None),
                 (false, _) => self.compile_listener(l, cert, Serve::Own).map_err(Some),
             };
             match compiled {
