@@ -219,9 +219,8 @@ pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMateri
 }
 
 /// Certificates of the config's Secrets (`tls.crt`, `ca.crt`) and ConfigMaps (`ca.crt`) that
-/// have expired or are not valid yet at `now`, and `ca.crt` certificates that are not CAs: a
-/// warning each, since peers are refused by them, yet a Secret rotated to one is otherwise
-/// valid (and Kubernetes takes it too).
+/// have expired or are not valid yet at `now`: a warning each, since peers are refused by
+/// them, yet a Secret rotated to one is otherwise valid (and Kubernetes takes it too).
 pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::ConfigError> {
     let now = now.0.as_second();
     let mut out = Vec::new();
@@ -269,11 +268,6 @@ pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::
                 if let Some(why) = validity_problem(der, now) {
                     out.push(obj.error_at(&field, format!("{which} {why}")));
                 }
-                if key == "ca.crt"
-                    && let Some(why) = not_a_ca(der)
-                {
-                    out.push(obj.error_at(&field, format!("{which} {why}")));
-                }
             }
         }
     }
@@ -284,7 +278,7 @@ pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::
 /// `CA:TRUE` is an end entity's (a peer presenting that very certificate is refused: it must
 /// be issued by the CA, not be it). `None` for a CA, a v1 certificate (no extensions, as old
 /// roots are) or one that does not parse (reported where it is read).
-fn not_a_ca(der: &CertificateDer<'_>) -> Option<String> {
+pub(crate) fn not_a_ca(der: &CertificateDer<'_>) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
     if cert.version() != x509_parser::x509::X509Version::V3 {
         return None;

@@ -834,25 +834,10 @@ async fn adding_and_removing_a_hostname_on_a_port_keeps_its_open_connections() {
 /// `sni`: the whole response, or empty when the handshake or the read failed (in TLS 1.3 a
 /// refused client certificate shows as an alert after the client's own handshake is done).
 async fn https_get_as(port: u16, ca: &Ca, sni: &str, client: Option<&Leaf>) -> String {
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(ca.der()).expect("root");
-    let builder = rustls::ClientConfig::builder_with_provider(common::provider())
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_root_certificates(roots);
-    let config = match client {
-        Some(leaf) => builder
-            .with_client_auth_cert(
-                vec![common::cert(&leaf.cert_pem)],
-                common::private_key(&leaf.key_pem),
-            )
-            .expect("client cert"),
-        None => builder.with_no_client_auth(),
-    };
     let Ok(tcp) = common::connect(port).await else {
         return String::new();
     };
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connector = tokio_rustls::TlsConnector::from(client_config_as(ca, client));
     let name = ServerName::try_from(sni.to_string()).expect("name");
     let Ok(Ok(mut t)) = tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp)).await else {
         return String::new();
@@ -864,20 +849,15 @@ async fn https_get_as(port: u16, ca: &Ca, sni: &str, client: Option<&Leaf>) -> S
     read_all(&mut t).await
 }
 
-/// A TLS connection to `port` as `client` (see [`https_get_as`]).
-async fn tls_as(
-    port: u16,
-    ca: &Ca,
-    sni: &str,
-    client: Option<&Leaf>,
-) -> tokio_rustls::client::TlsStream<TcpStream> {
+/// A rustls client trusting `ca` and presenting `client`'s certificate (`None`: none).
+fn client_config_as(ca: &Ca, client: Option<&Leaf>) -> Arc<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.der()).expect("root");
     let builder = rustls::ClientConfig::builder_with_provider(common::provider())
         .with_safe_default_protocol_versions()
         .expect("versions")
         .with_root_certificates(roots);
-    let config = match client {
+    Arc::new(match client {
         Some(leaf) => builder
             .with_client_auth_cert(
                 vec![common::cert(&leaf.cert_pem)],
@@ -885,9 +865,18 @@ async fn tls_as(
             )
             .expect("client cert"),
         None => builder.with_no_client_auth(),
-    };
+    })
+}
+
+/// A TLS connection to `port` as `client` (see [`https_get_as`]).
+async fn tls_as(
+    port: u16,
+    ca: &Ca,
+    sni: &str,
+    client: Option<&Leaf>,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
     let tcp = common::connect(port).await.expect("connect");
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connector = tokio_rustls::TlsConnector::from(client_config_as(ca, client));
     let name = ServerName::try_from(sni.to_string()).expect("name");
     tokio::time::timeout(IO_TIMEOUT, connector.connect(name, tcp))
         .await
@@ -1094,4 +1083,57 @@ async fn client_certificates_are_checked_per_port() {
     })
     .await;
     assert!(shut, "a check asked for without a CA is not served open");
+
+    // Serving open again; then its own Secret goes (it keeps its certificate) while a check
+    // is asked for: the kept certificate is served with the check asked for now.
+    dp.apply(&compile(
+        &(objects.clone() + &frontend_gateway("", p1, p2, &backends)),
+    ));
+    let open = common::eventually(Duration::from_secs(3), || async {
+        served(&https_get_as(p1, &ca, "a.example.com", None).await, "A")
+    })
+    .await;
+    assert!(open, "served open again");
+    let no_secret = objects.replace("metadata: {name: cert}", "metadata: {name: gone}");
+    assert_ne!(no_secret, objects);
+    dp.apply(&compile(
+        &(no_secret + &frontend_gateway(&strict, p1, p2, &backends)),
+    ));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = https_get_as(p1, &ca, "a.example.com", None).await;
+    assert!(
+        r.is_empty(),
+        "kept certificate, new check, no client certificate: {r:?}"
+    );
+    let r = https_get_as(p1, &ca, "a.example.com", Some(&good)).await;
+    assert!(
+        served(&r, "A"),
+        "kept certificate, new check, valid certificate: {r:?}"
+    );
+
+    // AllowInsecureFallback on port 2, then AllowValidOnly asked for with a CA that does not
+    // resolve: the looser check is not kept; the port refuses every client.
+    dp.apply(&compile(
+        &(objects.clone() + &frontend_gateway(&frontend, p1, p2, &backends)),
+    ));
+    let loose = common::eventually(Duration::from_secs(3), || async {
+        served(&https_get_as(p2, &ca, "b.example.com", None).await, "B")
+    })
+    .await;
+    assert!(
+        loose,
+        "fallback port lets a client without a certificate in"
+    );
+    let tightened = format!(
+        "  tls:\n    frontend:\n      default: {{validation: {validation}}}\n      perPort: [{{port: {p2}, tls: {{validation: {}}}}}]\n",
+        validation.replace("client-ca", "missing-ca")
+    );
+    dp.apply(&compile(
+        &(objects.clone() + &frontend_gateway(&tightened, p1, p2, &backends)),
+    ));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for client in [None, Some(&good)] {
+        let r = https_get_as(p2, &ca, "b.example.com", client).await;
+        assert!(r.is_empty(), "a looser kept check is not served: {r:?}");
+    }
 }

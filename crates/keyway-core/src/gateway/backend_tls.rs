@@ -24,7 +24,6 @@ use super::status::{C, Model};
 use crate::load::{ConfigError, LoadedObject};
 use crate::resource::{Kind, ObjectKey, Resource};
 use crate::validate::section_of;
-use sha2::{Digest, Sha256};
 
 /// The policies of one namespace, by the Service names their targetRefs give.
 #[derive(Default)]
@@ -197,36 +196,25 @@ pub(crate) fn tls_of(world: &World<'_>, obj: &LoadedObject, h2: bool) -> Option<
     // The data plane keys client configurations and pooled connections by this id, so it
     // must not be made to match another policy's: SHA-256 over every field, each
     // length-prefixed, the policy's own name included.
-    let mut h = Sha256::new();
-    let mut field = |bytes: &[u8]| {
-        h.update((bytes.len() as u64).to_be_bytes());
-        h.update(bytes);
-    };
-    field(policy.as_bytes());
-    field(v.hostname.as_bytes());
+    let mut fields: Vec<Vec<u8>> = vec![policy.clone().into(), v.hostname.clone().into()];
     for san in &subject_alt_names {
-        match san {
-            SubjectAltName::Hostname(n) => field(&[b"h", n.as_bytes()].concat()),
-            SubjectAltName::Uri(u) => field(&[b"u", u.as_bytes()].concat()),
-        }
+        fields.push(match san {
+            SubjectAltName::Hostname(n) => [b"h", n.as_bytes()].concat(),
+            SubjectAltName::Uri(u) => [b"u", u.as_bytes()].concat(),
+        });
     }
-    field(&[u8::from(h2)]);
+    fields.push(vec![u8::from(h2)]);
     match &roots {
-        TlsRoots::System => field(b"system"),
+        TlsRoots::System => fields.push(b"system".to_vec()),
         TlsRoots::Certificates { der, .. } => {
-            field(b"certificates");
-            for c in der {
-                field(c.as_ref());
-            }
+            fields.push(b"certificates".to_vec());
+            fields.extend(der.iter().map(|c| c.as_ref().to_vec()));
         }
         TlsRoots::Invalid { reason } => {
-            field(b"invalid");
-            field(reason.as_bytes());
+            fields.push(b"invalid".to_vec());
+            fields.push(reason.clone().into());
         }
     }
-    let digest = h.finalize();
-    let mut id = [0u8; 8];
-    id.copy_from_slice(&digest[..8]);
     Some(Arc::new(BackendTls {
         policy,
         hostname: v.hostname.clone(),
@@ -234,7 +222,7 @@ pub(crate) fn tls_of(world: &World<'_>, obj: &LoadedObject, h2: bool) -> Option<
         subject_alt_names,
         h2,
         client_certificate: None,
-        id: u64::from_be_bytes(id),
+        id: super::plan::id_of(&fields),
     }))
 }
 

@@ -226,12 +226,15 @@ fn resolve(world: &World<'_>, gw_ns: &str, w: Written) -> PortValidation {
         let mode_tag = [u8::from(
             mode == ClientValidationMode::AllowInsecureFallback,
         )];
-        let id = digest_id(std::iter::once(&mode_tag[..]).chain(roots.iter().map(|r| r.as_ref())));
+        let id = super::plan::id_of(
+            std::iter::once(&mode_tag[..]).chain(roots.iter().map(|r| r.as_ref())),
+        );
         Arc::new(ClientValidation {
             mode,
             from,
             roots,
             id,
+            revoked: false,
         })
     });
     PortValidation {
@@ -241,20 +244,74 @@ fn resolve(world: &World<'_>, gw_ns: &str, w: Written) -> PortValidation {
     }
 }
 
-/// The first 8 bytes of a SHA-256 over `parts`, each length-prefixed: ids the data plane keys
-/// configurations and connections by, which one configuration must not be made to share
-/// with another.
-fn digest_id<'a>(parts: impl Iterator<Item = &'a [u8]>) -> u64 {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    for p in parts {
-        h.update((p.len() as u64).to_be_bytes());
-        h.update(p);
+/// A warning for each certificate of a `ca.crt` that the Gateway's `spec.tls.frontend` names
+/// and that is an end entity's, not a CA's: nobody would get in, not even a client presenting
+/// that very certificate (a common slip: the client's own certificate given as the CA).
+pub(crate) fn ca_mistakes(
+    index: &crate::index::Index,
+    obj: &LoadedObject,
+    gw: &Gateway,
+    out: &mut Vec<ConfigError>,
+) {
+    let Some(f) = gw.spec.tls.as_ref().and_then(|t| t.frontend.as_ref()) else {
+        return;
+    };
+    let mut named: Vec<(String, Written)> = Vec::new();
+    if let Some(v) = &f.default.validation {
+        let at = "spec.tls.frontend.default.validation".to_string();
+        named.push((at.clone(), written!(v, DefaultMode, at)));
     }
-    let digest = h.finalize();
-    let mut id = [0u8; 8];
-    id.copy_from_slice(&digest[..8]);
-    u64::from_be_bytes(id)
+    for (i, p) in f.per_port.iter().flatten().enumerate() {
+        if let Some(v) = &p.tls.validation {
+            let at = format!("spec.tls.frontend.perPort[{i}].tls.validation");
+            named.push((at.clone(), written!(v, PortMode, at)));
+        }
+    }
+    for (at, w) in named {
+        for (i, r) in w.refs.iter().enumerate() {
+            let core = r.group.is_empty() || r.group == "core";
+            let secret = match r.kind.as_str() {
+                "ConfigMap" if core => false,
+                "Secret" if core => true,
+                _ => continue,
+            };
+            let ns = r.namespace.as_deref().unwrap_or(&obj.key.namespace);
+            let Ok(certs) = super::refs::ca_bundle(index, secret, ns, &r.name) else {
+                continue;
+            };
+            for (n, der) in certs.iter().enumerate() {
+                if let Some(why) = crate::tls::not_a_ca(der) {
+                    let which = if certs.len() == 1 {
+                        "its CA certificate".to_string()
+                    } else {
+                        format!("its CA certificate {}", n + 1)
+                    };
+                    out.push(obj.error_at(
+                        &format!("{at}.caCertificateRefs[{i}]"),
+                        format!("{} {ns}/{} ca.crt: {which} {why}", r.kind, r.name),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// The check an HTTPS listener under `v` is given in the plan: `v`'s, or, when none of its
+/// CA references resolves, one without roots (see [`ClientValidation::roots`]).
+pub(crate) fn in_plan(v: &PortValidation) -> Arc<ClientValidation> {
+    match &v.validation {
+        Some(check) => check.clone(),
+        None => Arc::new(ClientValidation {
+            mode: v.mode,
+            from: Vec::new(),
+            roots: Vec::new(),
+            id: 0,
+            revoked: v
+                .errors
+                .iter()
+                .any(|(_, e)| matches!(e, RefError::RefNotPermitted(_))),
+        }),
+    }
 }
 
 /// The Gateway's certificate for TLS backends (`spec.tls.backend.clientCertificateRef`): a
@@ -290,7 +347,7 @@ pub(crate) fn backend_certificate(
         let material = m.pop().ok_or_else(|| {
             RefError::InvalidClientCertificateRef(format!("Secret {} resolved to nothing", r.name))
         })?;
-        let id = digest_id(material.cert_chain.iter().map(|c| c.as_ref()));
+        let id = super::plan::id_of(material.cert_chain.iter().map(|c| c.as_ref()));
         Ok(BackendClientCertificate {
             material: Arc::new(material),
             id,

@@ -202,6 +202,7 @@ pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
         let Resource::Gateway(gw) = &obj.resource else {
             continue;
         };
+        gateway_tls::ca_mistakes(index, obj, gw, &mut out);
         let per_port = gw
             .spec
             .tls
@@ -240,6 +241,7 @@ fn https_on_port(index: &Index, obj: &LoadedObject, gw: &Gateway, port: i32) -> 
         p.name == obj.key.name
             && ns == obj.key.namespace
             && p.kind.as_deref().unwrap_or("Gateway") == "Gateway"
+            && p.group.as_deref().unwrap_or(refs::GATEWAY_GROUP) == refs::GATEWAY_GROUP
             && set
                 .spec
                 .listeners
@@ -389,6 +391,8 @@ struct Owner<'a> {
     fp: u64,
     /// Its Gateway's client certificate validation (`spec.tls.frontend`), if any.
     frontend: Option<Arc<Frontend>>,
+    /// Its Gateway's namespace, where `frontend` is set.
+    frontend_ns: Option<String>,
     /// A Gateway's certificate for TLS backends (`spec.tls.backend.clientCertificateRef`), if
     /// it names one.
     backend_certificate: Option<Result<BackendClientCertificate, RefError>>,
@@ -894,6 +898,7 @@ impl GatewayResolver {
                     gateway: usize::MAX,
                     fp: 0,
                     frontend: None,
+                    frontend_ns: None,
                     backend_certificate: None,
                 });
             }
@@ -978,6 +983,7 @@ impl GatewayResolver {
                 gateway: gw_index,
                 fp: 0,
                 frontend: frontend.clone(),
+                frontend_ns: Some(key.namespace.clone()),
                 backend_certificate: gateway_tls::backend_certificate(&world, gw_obj, gw),
             });
             for (((kid, slot), (version, listeners)), standings) in
@@ -1006,6 +1012,7 @@ impl GatewayResolver {
                     gateway: gw_index,
                     fp: 0,
                     frontend: frontend.clone(),
+                    frontend_ns: Some(key.namespace.clone()),
                     backend_certificate: None,
                 });
             }
@@ -1021,6 +1028,7 @@ impl GatewayResolver {
                     gateway: gw_index,
                     fp: 0,
                     frontend: None,
+                    frontend_ns: None,
                     backend_certificate: None,
                 });
             }
@@ -1421,38 +1429,30 @@ impl GatewayResolver {
                     continue;
                 };
                 let tls = match &l.tls {
-                    Ok(Some(tls)) if o.programmed(j) => match o.validation(j) {
-                        Some(v) => Some(Arc::new(plan::ListenerTls {
-                            client_validation: v.validation.clone(),
-                            ..(**tls).clone()
-                        })),
-                        None => Some(tls.clone()),
-                    },
+                    // Served with its port's client check. One without a CA (its port's check
+                    // has none that resolves) is there with its own certificates (a rotation
+                    // applies) and a check without roots, which tells the data plane to keep
+                    // the check in force, or to refuse if there was none.
+                    Ok(Some(tls)) if o.programmed(j) || o.holding(j) => {
+                        Some(match o.validation(j) {
+                            Some(v) => Arc::new(plan::ListenerTls {
+                                client_validation: Some(gateway_tls::in_plan(v)),
+                                ..(**tls).clone()
+                            }),
+                            None => tls.clone(),
+                        })
+                    }
                     Ok(None) if o.programmed(j) => None,
-                    // Its port's client check has no CA: served with its own certificates
-                    // (a rotation applies) and a check without roots, which tells the data
-                    // plane to keep the check in force, or to refuse if there was none.
-                    Ok(Some(tls)) if o.holding(j) => match o.validation(j) {
-                        Some(v) => Some(Arc::new(plan::ListenerTls {
-                            client_validation: Some(Arc::new(plan::ClientValidation {
-                                mode: v.mode,
-                                from: Vec::new(),
-                                roots: Vec::new(),
-                                id: 0,
-                            })),
-                            ..(**tls).clone()
-                        })),
-                        None => Some(tls.clone()),
-                    },
                     // Holds its hostname without a usable certificate: in the plan with none,
                     // so the data plane refuses handshakes for it instead of letting a less
                     // specific listener (another team's wildcard) answer; or, if it was
                     // serving, keeps serving its routes with its last valid certificate
-                    // (SPEC §7: bad input loses nothing already running).
+                    // (SPEC §7: bad input loses nothing already running), with its port's
+                    // client check as it is now.
                     _ if o.holding(j) => Some(Arc::new(plan::ListenerTls {
                         mode: plan::TlsMode::Terminate,
                         certificates: Vec::new(),
-                        client_validation: None,
+                        client_validation: o.validation(j).map(gateway_tls::in_plan),
                     })),
                     _ => continue,
                 };
@@ -1518,11 +1518,14 @@ impl GatewayResolver {
             if bind.addresses != ips {
                 bind.addresses = ips;
             }
+            // A reference no longer permitted (its ReferenceGrant withdrawn) is a revocation:
+            // no certificate is presented, not even the last valid one.
             let cert = owner
                 .and_then(|o| o.backend_certificate.as_ref())
-                .map(|c| match c {
-                    Ok(c) => plan::GatewayClientCertificate::Resolved(c.clone()),
-                    Err(_) => plan::GatewayClientCertificate::Unresolved,
+                .and_then(|c| match c {
+                    Ok(c) => Some(plan::GatewayClientCertificate::Resolved(c.clone())),
+                    Err(RefError::RefNotPermitted(_)) => None,
+                    Err(_) => Some(plan::GatewayClientCertificate::Unresolved),
                 });
             if bind.backend_client_certificate != cert {
                 bind.backend_client_certificate = cert;
@@ -2084,11 +2087,18 @@ fn listener_conditions(owner: &Owner<'_>, j: usize, l: &ListenerIn) -> Vec<C> {
     let resolved = match (&l.tls, &l.invalid_kinds) {
         (Err(e), _) => C::new("ResolvedRefs", false, e.reason(), e.to_string()),
         (Ok(_), _) if !ca_errors.is_empty() => {
-            let message = ca_errors
-                .iter()
-                .map(|(at, e)| format!("{at}: {e}"))
-                .collect::<Vec<_>>()
-                .join("; ");
+            // The Gateway's references are named only to listeners of its own namespace
+            // (messages never reveal another namespace's objects).
+            let gateway_ns = owner.frontend_ns.as_deref();
+            let message = if gateway_ns == Some(owner.obj.key.namespace.as_str()) {
+                ca_errors
+                    .iter()
+                    .map(|(at, e)| format!("{at}: {e}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            } else {
+                "CA certificate references of the parent Gateway's spec.tls.frontend for this port do not resolve (see the Gateway's status)".to_string()
+            };
             C::new("ResolvedRefs", false, ca_errors[0].1.reason(), message)
         }
         (Ok(_), Some(msg)) => C::new("ResolvedRefs", false, "InvalidRouteKinds", msg.clone()),

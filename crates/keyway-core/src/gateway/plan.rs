@@ -149,6 +149,10 @@ pub struct ClientValidation {
     /// and the roots; 0 when `roots` is empty.
     #[serde(skip)]
     pub id: u64,
+    /// With `roots` empty: a reference is no longer permitted (its ReferenceGrant was
+    /// withdrawn), so the check made until now must not go on either.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub revoked: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -449,6 +453,23 @@ pub fn handovers(before: &GatewayPlan, after: &GatewayPlan) -> Vec<String> {
             })
         })
         .collect()
+}
+
+/// The first 8 bytes of a SHA-256 over `parts`, each length-prefixed: the ids the data plane
+/// keys TLS configurations and backend connections by, which one configuration must not be
+/// made to share with another.
+pub fn id_of<P: AsRef<[u8]>>(parts: impl IntoIterator<Item = P>) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for p in parts {
+        let p = p.as_ref();
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    let digest = h.finalize();
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(id)
 }
 
 #[cfg(test)]

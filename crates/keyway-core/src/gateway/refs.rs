@@ -307,34 +307,7 @@ impl<'a> World<'a> {
         ns: &str,
         name: &str,
     ) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
-        let (kind, pem) = if secret {
-            let pem = match self.index.resource(Kind::Secret, ns, name) {
-                Some(Resource::Secret(s)) => tls::secret_value(s, "ca.crt")
-                    .ok_or_else(|| format!("Secret {ns}/{name} has no key ca.crt")),
-                _ => Err(self.index.absence(Kind::Secret, ns, name)),
-            };
-            ("Secret", pem)
-        } else {
-            let pem = match self.index.resource(Kind::ConfigMap, ns, name) {
-                Some(Resource::ConfigMap(cm)) => cm
-                    .data
-                    .as_ref()
-                    .and_then(|d| d.get("ca.crt"))
-                    .map(|s| s.as_bytes().to_vec())
-                    .or_else(|| {
-                        cm.binary_data
-                            .as_ref()
-                            .and_then(|d| d.get("ca.crt"))
-                            .map(|b| b.0.clone())
-                    })
-                    .ok_or_else(|| format!("ConfigMap {ns}/{name} has no key ca.crt")),
-                _ => Err(self.index.absence(Kind::ConfigMap, ns, name)),
-            };
-            ("ConfigMap", pem)
-        };
-        pem.and_then(|p| {
-            tls::parse_certificates(&p).map_err(|e| format!("{kind} {ns}/{name} ca.crt: {e}"))
-        })
+        ca_bundle(self.index, secret, ns, name)
     }
 
     /// Resolves one backendRef of a route in `route_ns`. An unresolvable backend still takes its
@@ -529,4 +502,41 @@ fn kind_of(kind: &str) -> Kind {
     } else {
         Kind::MultiKeyListener
     }
+}
+
+/// See [`World::ca_bundle`].
+pub(crate) fn ca_bundle(
+    index: &Index,
+    secret: bool,
+    ns: &str,
+    name: &str,
+) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
+    let (kind, pem) = if secret {
+        let pem = match index.resource(Kind::Secret, ns, name) {
+            Some(Resource::Secret(s)) => tls::secret_value(s, "ca.crt")
+                .ok_or_else(|| format!("Secret {ns}/{name} has no key ca.crt")),
+            _ => Err(index.absence(Kind::Secret, ns, name)),
+        };
+        ("Secret", pem)
+    } else {
+        let pem = match index.resource(Kind::ConfigMap, ns, name) {
+            Some(Resource::ConfigMap(cm)) => cm
+                .data
+                .as_ref()
+                .and_then(|d| d.get("ca.crt"))
+                .map(|s| s.as_bytes().to_vec())
+                .or_else(|| {
+                    cm.binary_data
+                        .as_ref()
+                        .and_then(|d| d.get("ca.crt"))
+                        .map(|b| b.0.clone())
+                })
+                .ok_or_else(|| format!("ConfigMap {ns}/{name} has no key ca.crt")),
+            _ => Err(index.absence(Kind::ConfigMap, ns, name)),
+        };
+        ("ConfigMap", pem)
+    };
+    pem.and_then(|p| {
+        tls::parse_certificates(&p).map_err(|e| format!("{kind} {ns}/{name} ca.crt: {e}"))
+    })
 }

@@ -3204,10 +3204,38 @@ fn frontend_validation_table() {
             // certificates and a check without roots (the data plane keeps the check it had,
             // or refuses).
             let in_plan = validation_in_plan(&r, owner, name);
+            // A ListenerSet in another namespace is not told the Gateway's object names.
+            if kind == LS && resolved == "False" {
+                let message = lcond_message(&r, kind, ns, owner, name, "ResolvedRefs");
+                assert!(
+                    !message.contains("infra/") && !message.contains("pki/"),
+                    "{ctx}: {message}"
+                );
+            }
             if accepted == "False" {
                 assert_eq!(
                     in_plan,
                     Some(Some((AllowValidOnly, Vec::new()))),
+                    "{ctx}: {owner}/{name}"
+                );
+                // A withdrawn grant is a revocation: the data plane keeps no check then.
+                let revoked = r
+                    .plan
+                    .gateways
+                    .iter()
+                    .flat_map(|g| &g.ports)
+                    .flat_map(|p| &p.listeners)
+                    .find(|l| l.owner.name == owner && l.name == name)
+                    .and_then(|l| {
+                        l.tls
+                            .as_ref()?
+                            .client_validation
+                            .as_ref()
+                            .map(|v| v.revoked)
+                    });
+                assert_eq!(
+                    revoked,
+                    Some(r_reason == "RefNotPermitted"),
                     "{ctx}: {owner}/{name}"
                 );
                 let tls = r
@@ -3268,6 +3296,23 @@ fn frontend_validation_table() {
             .collect();
         assert_eq!(errors, error_at.into_iter().collect::<Vec<_>>(), "{ctx}");
     }
+}
+
+/// The message of condition `t` of listener `l`.
+fn lcond_message(
+    r: &GatewayResolution,
+    kind: Kind,
+    ns: &str,
+    name: &str,
+    l: &str,
+    t: &str,
+) -> String {
+    listener(r, kind, ns, name, l)["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == t))
+        .and_then(|c| c["message"].as_str())
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// The incremental resolver follows a Gateway's frontend validation into its ListenerSets'
@@ -3413,7 +3458,12 @@ fn backend_client_certificate_table() {
             Some(plan::GatewayClientCertificate::Unresolved) => Some(false),
             None => None,
         };
-        let want_in_plan = want.map(|w| w.0 == "True");
+        // Resolved: presented; unresolved: the last valid one is kept; not permitted (a
+        // ReferenceGrant withdrawn): revoked, nothing kept.
+        let want_in_plan = match want {
+            Some((_, "RefNotPermitted")) | None => None,
+            Some((status, _)) => Some(status == "True"),
+        };
         assert_eq!(in_plan, want_in_plan, "{reference}");
         let errors = r
             .problems
@@ -3440,29 +3490,30 @@ fn client_check_mistakes_warn() {
         let cert = params.self_signed(&key).expect("cert");
         cert.pem()
     };
-    let frontend = "{default: {validation: {caCertificateRefs: [{group: \"\", kind: ConfigMap, name: ca}]}}, perPort: [{port: 9443, tls: {}}, {port: 9444, tls: {}}]}";
-    let with_leaf = format!(
-        "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: leaf, namespace: infra}}\ndata: {{ca.crt: {leaf:?}}}\n"
-    );
+    let frontend = "{default: {validation: {caCertificateRefs: [{group: \"\", kind: ConfigMap, name: ca}, {group: \"\", kind: ConfigMap, name: leaf}]}}, perPort: [{port: 9443, tls: {}}, {port: 9444, tls: {}}]}";
+    let leaf_map = |name: &str| {
+        format!(
+            "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}, namespace: infra}}\ndata: {{ca.crt: {leaf:?}}}\n"
+        )
+    };
+    // `unused` holds the same certificate but nothing names it as a CA: no warning.
     let index = index_of(&frontend_world(
         frontend,
-        &(ca_map("infra", "ca") + &with_leaf),
+        &(ca_map("infra", "ca") + &leaf_map("leaf") + &leaf_map("unused")),
     ));
     let mut warnings: Vec<(String, String)> = super::reference_warnings(&index)
         .into_iter()
-        .chain(crate::tls::validity_warnings(
-            &index,
-            &Time(crate::jiff::Timestamp::now()),
-        ))
         .filter(|w| w.object.as_ref().is_some_and(|k| k.namespace == "infra"))
         .map(|w| (w.path, w.message))
         .collect();
     warnings.sort();
     assert_eq!(warnings.len(), 2, "{warnings:#?}");
-    assert_eq!(warnings[0].0, "data.ca.crt");
+    assert_eq!(
+        warnings[0].0,
+        "spec.tls.frontend.default.validation.caCertificateRefs[1]"
+    );
     assert!(
-        warnings[0].1.contains("CN=client.example")
-            && warnings[0].1.contains("is not a CA certificate"),
+        warnings[0].1.starts_with("ConfigMap infra/leaf ca.crt: its CA certificate (CN=client.example) is not a CA certificate"),
         "{}",
         warnings[0].1
     );

@@ -547,39 +547,32 @@ async fn route(
             ));
         }
     }
-    // The name changed hands since the handshake (a ListenerSet that held it was deleted or
-    // lost it, a listener renamed): this connection carries the certificate of a listener
-    // that no longer serves it, and must not reach the new holder's routes. 421, and the
-    // connection closes after it, so the client connects again and gets the new certificate.
-    if let Some(tls) = &info.tls
-        && (listener.owner != tls.listener.0 || listener.name != tls.listener.1)
-    {
-        info.handed_over
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        return Err((
-            Unrouted::Misdirected,
-            full(
-                StatusCode::MISDIRECTED_REQUEST,
+    if let Some(tls) = &info.tls {
+        // The name changed hands since the handshake (a ListenerSet that held it was deleted
+        // or lost it, a listener renamed): this connection carries the certificate of a
+        // listener that no longer serves it, and must not reach the new holder's routes.
+        // Or the port's client certificate check changed (turned on, other CAs, the fallback
+        // ended): it was let in by rules no longer in force. 421, and the connection closes
+        // after it, so the client connects again and is served as the port says now.
+        let why = if listener.owner != tls.listener.0 || listener.name != tls.listener.1 {
+            Some(
                 "this connection's certificate is from a listener that no longer serves this host; connect again",
-            ),
-        ));
-    }
-    // The port's client certificate check changed since the handshake (turned on, another
-    // CA, AllowInsecureFallback ended): this connection was let in by rules no longer in
-    // force, so it must not go on being served. 421, and the connection closes after it; its
-    // client connects again and is checked as the port says now.
-    if let Some(tls) = &info.tls
-        && listener.client_check.as_ref().map_or(0, |c| c.id) != tls.client_check
-    {
-        info.handed_over
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        return Err((
-            Unrouted::Misdirected,
-            full(
-                StatusCode::MISDIRECTED_REQUEST,
+            )
+        } else if listener.client_check.as_ref().map_or(0, |c| c.id) != tls.client_check {
+            Some(
                 "the port's client certificate requirements changed since this connection's handshake; connect again",
-            ),
-        ));
+            )
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            info.handed_over
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            return Err((
+                Unrouted::Misdirected,
+                full(StatusCode::MISDIRECTED_REQUEST, why),
+            ));
+        }
     }
     let view = route_match::Request {
         method: req.method(),

@@ -35,8 +35,8 @@ use keyway_core::ObjectKey;
 use keyway_core::gateway::Kept;
 use keyway_core::gateway::plan::{
     AttachedRoute, Backend, BackendClientCertificate as ClientCert, BackendTls, ClientValidation,
-    GatewayClientCertificate, GatewayPlan, ListenerBind, MirrorPlan, PortBind, Protocol,
-    ProtocolFamily, RouteRules, TlsMode, WeightedBackend,
+    ClientValidationMode, GatewayClientCertificate, GatewayPlan, ListenerBind, ListenerTls,
+    MirrorPlan, PortBind, Protocol, ProtocolFamily, RouteRules, TlsMode, WeightedBackend,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -324,6 +324,9 @@ pub struct Listener {
     pub tls_mode: Option<TlsMode>,
     /// Terminating listeners: the certificate and ALPN to serve.
     pub server_config: Option<Arc<ServerConfig>>,
+    /// The certificates `server_config` presents, kept to go on with while the listener's own
+    /// do not resolve.
+    pub served_tls: Option<Arc<ListenerTls>>,
     /// The client certificate check `server_config` makes (Gateway `spec.tls.frontend`), kept
     /// to go on with while the CA references of a new one do not resolve.
     pub client_check: Option<Arc<ClientValidation>>,
@@ -341,6 +344,7 @@ impl Listener {
             protocol: l.protocol,
             tls_mode: l.tls.as_ref().map(|t| t.mode),
             server_config: None,
+            served_tls: None,
             client_check: None,
             http: HttpRoutes::default(),
             streams: Vec::new(),
@@ -399,41 +403,37 @@ pub fn pick(backends: &[WeightedBackend]) -> Option<&WeightedBackend> {
     })
 }
 
-/// How a listener is compiled: as the plan says, or with what it served until now for what
-/// no longer resolves.
-enum Serve {
-    Own,
-    /// Its certificates no longer resolve: the server config (and the client check it makes)
-    /// it served with.
-    Kept(Option<Arc<ServerConfig>>, Option<Arc<ClientValidation>>),
-    /// Its port's client check has no CA: its own certificates, with the check it made.
-    Checking(Option<Arc<ClientValidation>>),
-}
+/// What a listener serves with: the certificates (of a plan's `ListenerTls`) and the client
+/// certificate check.
+type Serving = (Option<Arc<ListenerTls>>, Option<Arc<ClientValidation>>);
 
 /// The TLS server configuration a terminating listener serves with; `None` for the others.
 /// Fails as the listener would at run time (a key that does not belong to its certificate, a
 /// chain rustls refuses), so `keyway validate` can say so without binding anything.
 pub fn terminating_config(l: &ListenerBind) -> Result<Option<Arc<ServerConfig>>, String> {
-    let check = l.tls.as_ref().and_then(|t| t.client_validation.as_deref());
-    terminating_config_with(l, check.filter(|v| !v.roots.is_empty()))
+    let tls = l.tls.as_deref();
+    let check = tls.and_then(|t| t.client_validation.as_deref());
+    server_config_of(l.protocol, tls, check.filter(|v| !v.roots.is_empty()))
 }
 
-/// [`terminating_config`] with the client certificate check `check` (HTTPS listeners only).
-fn terminating_config_with(
-    l: &ListenerBind,
+/// The server config of a `protocol` listener serving the certificates of `tls` with the
+/// client certificate check `check` (HTTPS listeners only).
+fn server_config_of(
+    protocol: Protocol,
+    tls: Option<&ListenerTls>,
     check: Option<&ClientValidation>,
 ) -> Result<Option<Arc<ServerConfig>>, String> {
-    match (&l.tls, l.protocol) {
+    match (tls, protocol) {
         (Some(t), Protocol::Https | Protocol::Tls)
             if t.mode == TlsMode::Terminate && !t.certificates.is_empty() =>
         {
-            let alpn: &[&[u8]] = if l.protocol == Protocol::Https {
+            let alpn: &[&[u8]] = if protocol == Protocol::Https {
                 &[b"h2", b"http/1.1"]
             } else {
                 &[]
             };
             // Several certificates (one per domain, RSA next to ECDSA): by server name, then by key.
-            let clients = check.filter(|_| l.protocol == Protocol::Https);
+            let clients = check.filter(|_| protocol == Protocol::Https);
             crate::tls::server_config_choosing(&t.certificates, alpn, clients)
                 .map(Some)
                 .map_err(|e| e.to_string())
@@ -470,7 +470,7 @@ fn presenting_as(backend: &Backend, cert: Option<&ClientCert>) -> Backend {
     if let (Some(cert), Backend::Service { tls: Some(tls), .. }) = (cert, &mut backend) {
         *tls = Arc::new(BackendTls {
             client_certificate: Some(cert.material.clone()),
-            id: tls.id ^ cert.id.rotate_left(29),
+            id: keyway_core::gateway::plan::id_of([tls.id.to_be_bytes(), cert.id.to_be_bytes()]),
             ..(**tls).clone()
         });
     }
@@ -809,65 +809,29 @@ impl Gateways {
     ) -> PortConfig {
         let mut listeners = Vec::with_capacity(pb.listeners.len());
         for l in &pb.listeners {
-            // A terminating listener without certificates is one the resolver could not give
-            // any (its status says why); it holds its hostname all the same. One that was
-            // serving keeps its last valid certificate (SPEC §7), with its routes as they are.
-            let unresolved = l
-                .tls
-                .as_ref()
-                .is_some_and(|t| t.mode == TlsMode::Terminate && t.certificates.is_empty());
-            // Likewise a client certificate check without roots (no CA of the Gateway's
-            // `spec.tls.frontend` resolves): one that was checking client certificates goes on
-            // checking as it did, with its own (current) certificates; one that was not (the
-            // check is new) refuses handshakes rather than serve without the check asked for.
-            let check_unresolved = l
-                .tls
-                .as_ref()
-                .and_then(|t| t.client_validation.as_ref())
-                .is_some_and(|v| v.roots.is_empty());
             let before = previous.and_then(|p| {
                 p.listeners
                     .iter()
                     .find(|o| o.owner == l.owner && o.name == l.name && o.server_config.is_some())
             });
             let id = (l.owner.clone(), l.name.clone());
-            let mut keep = |what: Kept, message: &str| {
-                // Logged when it starts, not at every reload while it lasts.
-                let key = (id.0.clone(), id.1.clone(), what);
-                if !lock(&self.kept).contains(&key) {
-                    tracing::warn!(listener = %l.name, owner = %l.owner, "{message}");
+            let mut kept = Vec::new();
+            let compiled = match self.serving(l, before, &mut kept) {
+                Some((served, check)) => {
+                    self.compile_listener(l, cert, served, check).map_err(Some)
                 }
-                kept_certificates.insert(key);
+                None => Err(None),
             };
-            let checked_before = before.filter(|o| o.client_check.is_some());
-            let compiled = match (unresolved, before) {
-                (true, Some(o)) => {
-                    let serve = Serve::Kept(o.server_config.clone(), o.client_check.clone());
-                    let compiled = self.compile_listener(l, cert, serve).map_err(Some);
-                    if compiled.is_ok() {
-                        keep(
-                            Kept::Certificate,
-                            "its certificate no longer resolves: it keeps serving the last valid one",
-                        );
+            if compiled.is_ok() {
+                for (what, message) in kept {
+                    // Logged when it starts, not at every reload while it lasts.
+                    let key = (id.0.clone(), id.1.clone(), what);
+                    if !lock(&self.kept).contains(&key) {
+                        tracing::warn!(listener = %l.name, owner = %l.owner, "{message}");
                     }
-                    compiled
+                    kept_certificates.insert(key);
                 }
-                (true, None) => Err(None),
-                (false, _) if check_unresolved && checked_before.is_some() => {
-                    let check = checked_before.and_then(|o| o.client_check.clone());
-                    let serve = Serve::Checking(check);
-                    let compiled = self.compile_listener(l, cert, serve).map_err(Some);
-                    if compiled.is_ok() {
-                        keep(
-                            Kept::ClientCheck,
-                            "no CA certificate of its port's client certificate check (the Gateway's spec.tls.frontend) resolves: it keeps checking client certificates as it did",
-                        );
-                    }
-                    compiled
-                }
-                (false, _) if check_unresolved => Err(None),
-                (false, _) => self.compile_listener(l, cert, Serve::Own).map_err(Some),
-            };
+            }
             match compiled {
                 Ok(c) => listeners.push(c),
                 Err(why) => {
@@ -894,24 +858,68 @@ impl Gateways {
         }
     }
 
+    /// What listener `l` serves with: the certificates (its own, or, while they do not
+    /// resolve, those it served until now as `before`) and the client certificate check of
+    /// its port (the one asked for, or, while no CA of it resolves, the one `before` made, never
+    /// a looser one and never one whose references were revoked). `None`: it refuses
+    /// handshakes (it holds its hostname all the same). What is kept goes to `kept`.
+    fn serving(
+        &self,
+        l: &ListenerBind,
+        before: Option<&Listener>,
+        kept: &mut Vec<(Kept, &'static str)>,
+    ) -> Option<Serving> {
+        let tls = l.tls.as_ref();
+        // A terminating listener without certificates is one the resolver could not give any
+        // (its status says why). One that was serving keeps its last valid certificate
+        // (SPEC §7), with its routes as they are.
+        let served = match tls {
+            Some(t) if t.mode == TlsMode::Terminate && t.certificates.is_empty() => {
+                kept.push((
+                    Kept::Certificate,
+                    "its certificate no longer resolves: it keeps serving the last valid one",
+                ));
+                Some(before?.served_tls.clone()?)
+            }
+            other => other.cloned(),
+        };
+        let asked = tls
+            .and_then(|t| t.client_validation.clone())
+            .filter(|_| l.protocol == Protocol::Https);
+        let check = match asked {
+            Some(v) if v.roots.is_empty() => {
+                // No CA of the port's check resolves: the check made until now goes on, unless
+                // there was none, it was looser than the one asked for, or the references were
+                // revoked (a ReferenceGrant withdrawn): then the listener refuses.
+                let before = before?.client_check.clone()?;
+                let looser = before.mode == ClientValidationMode::AllowInsecureFallback
+                    && v.mode == ClientValidationMode::AllowValidOnly;
+                if looser || v.revoked {
+                    return None;
+                }
+                kept.push((
+                    Kept::ClientCheck,
+                    "no CA certificate of its port's client certificate check (the Gateway's spec.tls.frontend) resolves: it keeps checking client certificates as it did",
+                ));
+                Some(before)
+            }
+            other => other,
+        };
+        Some((served, check))
+    }
+
+    /// Listener `l` serving the certificates of `served` with the client certificate check
+    /// `check`.
     fn compile_listener(
         &self,
         l: &ListenerBind,
         cert: Option<&ClientCert>,
-        serve: Serve,
+        served: Option<Arc<ListenerTls>>,
+        check: Option<Arc<ClientValidation>>,
     ) -> Result<Listener, String> {
         let tls_mode = l.tls.as_ref().map(|t| t.mode);
-        let own_check = || {
-            l.tls
-                .as_ref()
-                .and_then(|t| t.client_validation.clone())
-                .filter(|_| l.protocol == Protocol::Https)
-        };
-        let (server_config, client_check) = match serve {
-            Serve::Own => (terminating_config(l)?, own_check()),
-            Serve::Kept(config, check) => (config, check),
-            Serve::Checking(check) => (terminating_config_with(l, check.as_deref())?, check),
-        };
+        let server_config = server_config_of(l.protocol, served.as_deref(), check.as_deref())?;
+        let client_check = check;
         let mut hostnames = Vec::new();
         let mut entries = Vec::new();
         let mut rules = Vec::new();
@@ -997,6 +1005,7 @@ impl Gateways {
             protocol: l.protocol,
             tls_mode,
             server_config,
+            served_tls: served,
             client_check,
             http: HttpRoutes {
                 table: Table::new(hostnames, entries),
