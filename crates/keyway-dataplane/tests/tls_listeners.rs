@@ -1137,3 +1137,47 @@ async fn client_certificates_are_checked_per_port() {
         assert!(r.is_empty(), "a looser kept check is not served: {r:?}");
     }
 }
+
+/// A listener whose certificate Secret is in another namespace, by a ReferenceGrant: it keeps
+/// serving its last valid certificate when the Secret goes (a slip), but not when the grant is
+/// withdrawn (a revocation): then it refuses handshakes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_withdrawn_grant_revokes_a_kept_certificate() {
+    let ca = Ca::new("ca");
+    let a = http_backend("A").await;
+    let port = free_port();
+    let secret = secret_yaml("cert", &ca.leaf(&["a.example.com"])).replace(
+        "metadata: {name: cert}",
+        "metadata: {name: cert, namespace: certs}",
+    );
+    let grant = "---\napiVersion: gateway.networking.k8s.io/v1beta1\nkind: ReferenceGrant\nmetadata: {name: g, namespace: certs}\nspec:\n  from: [{group: gateway.networking.k8s.io, kind: Gateway, namespace: default}]\n  to: [{group: \"\", kind: Secret}]\n";
+    let rest = service("svc-a", a)
+        + &gateway(&format!(
+            "  - {{name: a, port: {port}, protocol: HTTPS, hostname: a.example.com, tls: {{certificateRefs: [{{name: cert, namespace: certs}}]}}}}\n"
+        ))
+        + &http_route_to("ra", "a", "svc-a");
+    let dp = start(&(secret.clone() + grant + &rest), port).await;
+    let ok = |r: &str| r.contains("backend=A");
+    let r = https_get(port, &ca, "a.example.com", "a.example.com")
+        .await
+        .unwrap_or_default();
+    assert!(ok(&r), "{r:?}");
+
+    // The Secret goes: its last valid certificate is still served.
+    dp.apply(&compile(&(grant.to_string() + &rest)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = https_get(port, &ca, "a.example.com", "a.example.com")
+        .await
+        .unwrap_or_default();
+    assert!(ok(&r), "kept: {r:?}");
+
+    // The grant is withdrawn: revoked, refused.
+    dp.apply(&compile(&(secret + &rest)));
+    let refused = common::eventually(Duration::from_secs(3), || async {
+        https_get(port, &ca, "a.example.com", "a.example.com")
+            .await
+            .is_err()
+    })
+    .await;
+    assert!(refused, "a revoked certificate is not served");
+}

@@ -230,6 +230,7 @@ pub(crate) fn check(world: &World<'_>, owner: &ObjectKey, spec: ListenerSpec) ->
                     mode,
                     certificates: Vec::new(),
                     client_validation: None,
+                    revoked: false,
                 })))
             } else {
                 world
@@ -239,6 +240,7 @@ pub(crate) fn check(world: &World<'_>, owner: &ObjectKey, spec: ListenerSpec) ->
                             mode,
                             certificates,
                             client_validation: None,
+                            revoked: false,
                         }))
                     })
             }

@@ -1453,6 +1453,8 @@ impl GatewayResolver {
                         mode: plan::TlsMode::Terminate,
                         certificates: Vec::new(),
                         client_validation: o.validation(j).map(gateway_tls::in_plan),
+                        // A withdrawn ReferenceGrant is a revocation: nothing is kept.
+                        revoked: matches!(l.tls, Err(RefError::RefNotPermitted(_))),
                     })),
                     _ => continue,
                 };

@@ -129,6 +129,10 @@ pub struct ListenerTls {
     /// `spec.tls.frontend` for this port (HTTPS listeners only, GEP-91).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_validation: Option<Arc<ClientValidation>>,
+    /// With `certificates` empty: a reference is no longer permitted (its ReferenceGrant was
+    /// withdrawn), so the certificate served until now must not go on being served either.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub revoked: bool,
 }
 
 /// How an HTTPS port checks client certificates (Gateway `spec.tls.frontend`, GEP-91). It is

@@ -874,6 +874,10 @@ impl Gateways {
         // (its status says why). One that was serving keeps its last valid certificate
         // (SPEC §7), with its routes as they are.
         let served = match tls {
+            // Its reference revoked (a ReferenceGrant withdrawn): nothing is kept.
+            Some(t) if t.mode == TlsMode::Terminate && t.certificates.is_empty() && t.revoked => {
+                return None;
+            }
             Some(t) if t.mode == TlsMode::Terminate && t.certificates.is_empty() => {
                 kept.push((
                     Kept::Certificate,
