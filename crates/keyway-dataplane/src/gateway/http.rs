@@ -1536,23 +1536,6 @@ fn send_failed(e: &h1::Error) -> Failed {
     }
 }
 
-/// An error and its causes, outermost first, each said once: hyper's own words for an HTTP/2
-/// backend's failure ("connection error") leave out what caused it (a TLS alert from a
-/// backend that refused the Gateway's client certificate, say).
-fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let said = c.to_string();
-        if !text.contains(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        cause = c.source();
-    }
-    text
-}
-
 /// A fresh HTTP/1.1 connection to `backend` (its `endpoint` first).
 async fn open_h1(ctx: &Ctx, backend: &Backend, endpoint: Option<&str>) -> Result<H1, Failed> {
     let c = ctx
@@ -1581,7 +1564,7 @@ async fn send_h2(
                 H2Error::Http(e) => Failed {
                     answer: full(
                         StatusCode::BAD_GATEWAY,
-                        &format!("backend: {}", with_causes(&e)),
+                        &format!("backend: {}", super::upstream::with_causes(&e)),
                     ),
                     reach: Reach::NotSent,
                 },
@@ -1597,11 +1580,14 @@ async fn send_h2(
                     req = unsent;
                 }
                 unsent => {
+                    let mut why = super::upstream::with_causes(e.error());
+                    if let Some(ended) = lease.ended().await
+                        && !why.contains(&ended)
+                    {
+                        why = format!("{why}: {ended}");
+                    }
                     return Err(Failed {
-                        answer: full(
-                            StatusCode::BAD_GATEWAY,
-                            &format!("backend: {}", with_causes(e.error())),
-                        ),
+                        answer: full(StatusCode::BAD_GATEWAY, &format!("backend: {why}")),
                         reach: if unsent.is_some() {
                             Reach::NotSent
                         } else {

@@ -1009,6 +1009,8 @@ struct H2Conn {
     /// read (see [`SettingsSniffer`]): a request past it would wait on this connection until
     /// another stream ends, for ever behind long-lived streams. hyper does not tell it.
     peer_limit: Arc<AtomicUsize>,
+    /// Why the connection ended, once it has (see [`H2Lease::ended`]).
+    ended: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 impl H2Conn {
@@ -1025,6 +1027,7 @@ impl H2Conn {
             sender: self.sender.clone(),
             slot: H2Slot(self.streams.clone()),
             key: key.to_string(),
+            ended: self.ended.clone(),
         })
     }
 }
@@ -1130,6 +1133,37 @@ pub struct H2Lease {
     pub sender: http2::SendRequest<Body>,
     pub slot: H2Slot,
     key: String,
+    ended: tokio::sync::watch::Receiver<Option<String>>,
+}
+
+impl H2Lease {
+    /// Why its connection ended, waiting a moment for it: a request that fails because the
+    /// connection went away is told only "canceled" or "connection closed", while the cause (a
+    /// TLS alert from a backend that refused the Gateway's client certificate, say) ends the
+    /// connection's own task, a moment later.
+    pub async fn ended(&mut self) -> Option<String> {
+        let wait = self.ended.wait_for(Option::is_some);
+        match tokio::time::timeout(std::time::Duration::from_millis(100), wait).await {
+            Ok(Ok(why)) => why.clone(),
+            _ => None,
+        }
+    }
+}
+
+/// An error and its causes, outermost first, each said once: hyper's own words for an HTTP/2
+/// backend's failure ("connection error") leave out what caused it.
+pub fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -1768,17 +1802,25 @@ impl Pool {
             .map_err(H2Error::Http)?;
         let guard = c.guard;
         let target = guard.as_ref().map(|g| g.target().clone());
+        let (ended_tx, ended) = tokio::sync::watch::channel(None);
         tokio::spawn(async move {
             let _guard = guard;
-            if let Err(e) = conn.await {
-                tracing::debug!("upstream h2 connection ended: {e}");
-            }
+            let why = match conn.await {
+                Ok(()) => "connection closed".to_string(),
+                Err(e) => {
+                    let why = with_causes(&e);
+                    tracing::debug!("upstream h2 connection ended: {why}");
+                    why
+                }
+            };
+            let _ = ended_tx.send(Some(why));
         });
         let conn = H2Conn {
             sender,
             streams: Arc::default(),
             target,
             peer_limit,
+            ended,
         };
         // A new connection has room (its peer's SETTINGS may still be on their way).
         conn.streams.fetch_add(1, Ordering::Relaxed);
@@ -1786,6 +1828,7 @@ impl Pool {
             sender: conn.sender.clone(),
             slot: H2Slot(conn.streams.clone()),
             key: c.key.clone(),
+            ended: conn.ended.clone(),
         };
         lock(&self.h2).entry(c.key).or_default().push(conn);
         Ok(lease)
