@@ -1705,39 +1705,21 @@ async fn cors_preflights_are_answered_and_allowed_origins_decorated() {
     assert_eq!(r.field("method"), Some("OPTIONS"), "{}", r.body);
 }
 
-/// A backend that records each request as `METHOD path version host body` and answers 200.
-async fn recording() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+/// An HTTP/1.1 and HTTP/2 (hyper) backend on 127.0.0.1 answering each request with `answer`.
+async fn serve_http<F, Fut>(answer: F) -> SocketAddr
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr");
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let log = seen.clone();
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
-            let log = log.clone();
+            let answer = answer.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |req: Request<Incoming>| {
-                    let log = log.clone();
-                    async move {
-                        let host = req
-                            .headers()
-                            .get("host")
-                            .and_then(|h| h.to_str().ok())
-                            .or(req.uri().authority().map(|a| a.as_str()))
-                            .unwrap_or("-")
-                            .to_string();
-                        let line = format!(
-                            "{} {} {:?} {host}",
-                            req.method(),
-                            req.uri().path(),
-                            req.version()
-                        );
-                        let body = req.into_body().collect().await.map(|b| b.to_bytes());
-                        let body = String::from_utf8_lossy(&body.unwrap_or_default()).into_owned();
-                        if let Ok(mut l) = log.lock() {
-                            l.push(format!("{line} {body}"));
-                        }
-                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("mirror"))))
-                    }
+                    let answer = answer.clone();
+                    async move { Ok::<_, Infallible>(answer(req).await) }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(s), svc)
@@ -1745,6 +1727,38 @@ async fn recording() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
             });
         }
     });
+    addr
+}
+
+/// A backend that records each request as `METHOD path version host body` and answers 200.
+async fn recording() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let addr = serve_http(move |req: Request<Incoming>| {
+        let log = log.clone();
+        async move {
+            let host = req
+                .headers()
+                .get("host")
+                .and_then(|h| h.to_str().ok())
+                .or(req.uri().authority().map(|a| a.as_str()))
+                .unwrap_or("-")
+                .to_string();
+            let line = format!(
+                "{} {} {:?} {host}",
+                req.method(),
+                req.uri().path(),
+                req.version()
+            );
+            let body = req.into_body().collect().await.map(|b| b.to_bytes());
+            let body = String::from_utf8_lossy(&body.unwrap_or_default()).into_owned();
+            if let Ok(mut l) = log.lock() {
+                l.push(format!("{line} {body}"));
+            }
+            Response::new(Full::new(Bytes::from("mirror")))
+        }
+    })
+    .await;
     (addr, seen)
 }
 
@@ -1905,36 +1919,25 @@ async fn send_raw(port: u16, bytes: &[u8]) -> (u16, String) {
 /// and the others 200 `try=<i> len=<body length>`; returns its address and the requests seen.
 async fn fails_first() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = l.local_addr().expect("addr");
     let seen = Arc::new(AtomicUsize::new(0));
     let count = seen.clone();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            let count = count.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<Incoming>| {
-                    let count = count.clone();
-                    async move {
-                        let len = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map_or(0, |b| b.to_bytes().len());
-                        let i = count.fetch_add(1, Ordering::SeqCst);
-                        let status = if i == 0 { 503 } else { 200 };
-                        let mut resp =
-                            Response::new(Full::new(Bytes::from(format!("try={i} len={len}"))));
-                        *resp.status_mut() = StatusCode::from_u16(status).unwrap_or_default();
-                        Ok::<_, Infallible>(resp)
-                    }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(s), svc)
-                    .await;
-            });
+    let addr = serve_http(move |req: Request<Incoming>| {
+        let count = count.clone();
+        async move {
+            let len = req
+                .into_body()
+                .collect()
+                .await
+                .map_or(0, |b| b.to_bytes().len());
+            let i = count.fetch_add(1, Ordering::SeqCst);
+            let mut resp = Response::new(Full::new(Bytes::from(format!("try={i} len={len}"))));
+            if i == 0 {
+                *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            }
+            resp
         }
-    });
+    })
+    .await;
     (addr, seen)
 }
 
