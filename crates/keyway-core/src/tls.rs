@@ -243,15 +243,8 @@ pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::
         let crate::Resource::ConfigMap(cm) = &obj.resource else {
             return None;
         };
-        let text = cm.data.as_ref().and_then(|d| d.get("ca.crt"));
-        let entry = match text {
-            Some(t) => ("ca.crt", "data.ca.crt".to_string(), t.as_bytes().to_vec()),
-            None => {
-                let b = cm.binary_data.as_ref()?.get("ca.crt")?;
-                ("ca.crt", "binaryData.ca.crt".to_string(), b.0.clone())
-            }
-        };
-        Some((obj, vec![entry]))
+        let (field, pem) = config_map_ca(cm)?;
+        Some((obj, vec![("ca.crt", format!("{field}.ca.crt"), pem)]))
     });
     for (obj, entries) in secrets.chain(config_maps) {
         for (key, field, pem) in entries {
@@ -272,6 +265,17 @@ pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::
         }
     }
     out
+}
+
+/// A ConfigMap's `ca.crt` (PEM), from `data` or else `binaryData`, with the field it is in.
+pub fn config_map_ca(
+    cm: &k8s_openapi::api::core::v1::ConfigMap,
+) -> Option<(&'static str, Vec<u8>)> {
+    if let Some(text) = cm.data.as_ref().and_then(|d| d.get("ca.crt")) {
+        return Some(("data", text.as_bytes().to_vec()));
+    }
+    let bytes = cm.binary_data.as_ref()?.get("ca.crt")?;
+    Some(("binaryData", bytes.0.clone()))
 }
 
 /// Why a `ca.crt` certificate cannot be a CA: an X.509 v3 certificate without basicConstraints

@@ -15,7 +15,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use gateway_api::apis::standard::gateways::{
-    Gateway, GatewayTlsFrontendDefaultValidationMode as DefaultMode,
+    Gateway, GatewayTlsFrontend, GatewayTlsFrontendDefaultValidationMode as DefaultMode,
     GatewayTlsFrontendPerPortTlsValidationMode as PortMode,
 };
 
@@ -41,6 +41,8 @@ pub(crate) struct Frontend {
     default: Option<PortValidation>,
     /// `perPort`: an entry without `validation` turns it off on its port.
     per_port: Vec<(i32, Option<PortValidation>)>,
+    /// The Gateway's namespace: its references are named only to its own listeners.
+    pub ns: String,
     /// A hash of everything above, for the fingerprints of the Gateway and its ListenerSets.
     pub fp: u64,
 }
@@ -72,41 +74,55 @@ macro_rules! written {
     }};
 }
 
+/// The `validation` blocks of a `spec.tls.frontend` as written: the default's (port `None`),
+/// then each `perPort` entry's (its block `None` when it has none), with their field paths.
+fn blocks(f: &GatewayTlsFrontend) -> Vec<(Option<i32>, Option<Written>)> {
+    let default = f.default.validation.as_ref().map(|v| {
+        written!(
+            v,
+            DefaultMode,
+            "spec.tls.frontend.default.validation".into()
+        )
+    });
+    let ports = f.per_port.iter().flatten().enumerate().map(|(i, p)| {
+        let at = format!("spec.tls.frontend.perPort[{i}].tls.validation");
+        (
+            Some(p.port),
+            p.tls.validation.as_ref().map(|v| written!(v, PortMode, at)),
+        )
+    });
+    std::iter::once((None, default)).chain(ports).collect()
+}
+
+/// The kind a CA reference is read from, if it is one keyway reads `ca.crt` from: a ConfigMap
+/// or a Secret of the core group.
+fn ca_kind(r: &Ref) -> Option<&'static str> {
+    let core = r.group.is_empty() || r.group == "core";
+    match r.kind.as_str() {
+        "ConfigMap" if core => Some("ConfigMap"),
+        "Secret" if core => Some("Secret"),
+        _ => None,
+    }
+}
+
 impl Frontend {
     /// The Gateway's frontend validation, if it asks for any.
     pub fn of(world: &World<'_>, obj: &LoadedObject, gw: &Gateway) -> Option<Frontend> {
         let f = gw.spec.tls.as_ref()?.frontend.as_ref()?;
         let ns = obj.key.namespace.as_str();
-        let default = f.default.validation.as_ref().map(|v| {
-            resolve(
-                world,
-                ns,
-                written!(
-                    v,
-                    DefaultMode,
-                    "spec.tls.frontend.default.validation".into()
-                ),
-            )
-        });
-        let per_port = f
-            .per_port
-            .iter()
-            .flatten()
-            .enumerate()
-            .map(|(i, p)| {
-                let at = format!("spec.tls.frontend.perPort[{i}].tls.validation");
-                let v = p.tls.validation.as_ref();
-                (
-                    p.port,
-                    v.map(|v| resolve(world, ns, written!(v, PortMode, at))),
-                )
-            })
-            .collect();
         let mut frontend = Frontend {
-            default,
-            per_port,
+            default: None,
+            per_port: Vec::new(),
+            ns: ns.to_string(),
             fp: 0,
         };
+        for (port, w) in blocks(f) {
+            let v = w.map(|w| resolve(world, ns, w));
+            match port {
+                None => frontend.default = v,
+                Some(port) => frontend.per_port.push((port, v)),
+            }
+        }
         let mut h = DefaultHasher::new();
         for v in std::iter::once(&frontend.default).chain(frontend.per_port.iter().map(|p| &p.1)) {
             let Some(v) = v else {
@@ -177,27 +193,22 @@ fn resolve(world: &World<'_>, gw_ns: &str, w: Written) -> PortValidation {
     let mut roots = Vec::new();
     for (i, r) in w.refs.iter().enumerate() {
         let at = format!("{}.caCertificateRefs[{i}]", w.at);
-        let core = r.group.is_empty() || r.group == "core";
-        let secret = match r.kind.as_str() {
-            "ConfigMap" if core => false,
-            "Secret" if core => true,
-            _ => {
-                let kind = if core {
-                    r.kind.clone()
-                } else {
-                    format!("{}.{}", r.kind, r.group)
-                };
-                errors.push((
-                    at,
-                    RefError::InvalidCACertificateKind(format!(
-                        "caCertificateRef {kind} {} is not a ConfigMap or Secret (the kinds keyway reads ca.crt from)",
-                        r.name
-                    )),
-                ));
-                continue;
-            }
+        let Some(kind) = ca_kind(r) else {
+            let kind = if r.group.is_empty() || r.group == "core" {
+                r.kind.clone()
+            } else {
+                format!("{}.{}", r.kind, r.group)
+            };
+            errors.push((
+                at,
+                RefError::InvalidCACertificateKind(format!(
+                    "caCertificateRef {kind} {} is not a ConfigMap or Secret (the kinds keyway reads ca.crt from)",
+                    r.name
+                )),
+            ));
+            continue;
         };
-        let kind = if secret { "Secret" } else { "ConfigMap" };
+        let secret = kind == "Secret";
         let ns = r.namespace.as_deref().unwrap_or(gw_ns);
         if !world.permitted(GATEWAY_GROUP, &["Gateway"], gw_ns, "", kind, ns, &r.name) {
             errors.push((
@@ -256,27 +267,13 @@ pub(crate) fn ca_mistakes(
     let Some(f) = gw.spec.tls.as_ref().and_then(|t| t.frontend.as_ref()) else {
         return;
     };
-    let mut named: Vec<(String, Written)> = Vec::new();
-    if let Some(v) = &f.default.validation {
-        let at = "spec.tls.frontend.default.validation".to_string();
-        named.push((at.clone(), written!(v, DefaultMode, at)));
-    }
-    for (i, p) in f.per_port.iter().flatten().enumerate() {
-        if let Some(v) = &p.tls.validation {
-            let at = format!("spec.tls.frontend.perPort[{i}].tls.validation");
-            named.push((at.clone(), written!(v, PortMode, at)));
-        }
-    }
-    for (at, w) in named {
+    for w in blocks(f).into_iter().filter_map(|(_, w)| w) {
         for (i, r) in w.refs.iter().enumerate() {
-            let core = r.group.is_empty() || r.group == "core";
-            let secret = match r.kind.as_str() {
-                "ConfigMap" if core => false,
-                "Secret" if core => true,
-                _ => continue,
+            let Some(kind) = ca_kind(r) else {
+                continue;
             };
             let ns = r.namespace.as_deref().unwrap_or(&obj.key.namespace);
-            let Ok(certs) = super::refs::ca_bundle(index, secret, ns, &r.name) else {
+            let Ok(certs) = super::refs::ca_bundle(index, kind == "Secret", ns, &r.name) else {
                 continue;
             };
             for (n, der) in certs.iter().enumerate() {
@@ -287,7 +284,7 @@ pub(crate) fn ca_mistakes(
                         format!("its CA certificate {}", n + 1)
                     };
                     out.push(obj.error_at(
-                        &format!("{at}.caCertificateRefs[{i}]"),
+                        &format!("{}.caCertificateRefs[{i}]", w.at),
                         format!("{} {ns}/{} ca.crt: {which} {why}", r.kind, r.name),
                     ));
                 }
@@ -317,7 +314,8 @@ pub(crate) fn in_plan(v: &PortValidation) -> Arc<ClientValidation> {
 /// The Gateway's certificate for TLS backends (`spec.tls.backend.clientCertificateRef`): a
 /// Secret with `tls.crt` and `tls.key` (another namespace needs a ReferenceGrant from
 /// `Gateway`); `None` when it names none. It is presented only where a BackendTLSPolicy makes
-/// a backend TLS; where it does not resolve, none is presented.
+/// a backend TLS; while it does not resolve the data plane presents the last valid one, unless
+/// the reference is no longer permitted (see `GatewayClientCertificate`).
 pub(crate) fn backend_certificate(
     world: &World<'_>,
     obj: &LoadedObject,

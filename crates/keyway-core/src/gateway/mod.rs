@@ -37,6 +37,7 @@ use std::sync::Arc;
 
 use gateway_api::apis::standard::gateways::Gateway;
 use gateway_api::apis::standard::gateways::GatewayAllowedListenersNamespacesFrom as ListenersFrom;
+use gateway_api::apis::standard::listenersets::ListenerSet;
 
 use crate::Time;
 use crate::index::Index;
@@ -224,6 +225,15 @@ pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
     out
 }
 
+/// The Gateway a ListenerSet in `own_ns` names as its parent, as (namespace, name); `None` when
+/// its parentRef is of another kind.
+fn parent_gateway<'a>(ls: &'a ListenerSet, own_ns: &'a str) -> Option<(&'a str, &'a str)> {
+    let p = &ls.spec.parent_ref;
+    let is_gateway = p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
+        && p.kind.as_deref().unwrap_or("Gateway") == "Gateway";
+    is_gateway.then(|| (p.namespace.as_deref().unwrap_or(own_ns), p.name.as_str()))
+}
+
 /// Whether the Gateway `obj`, or a ListenerSet naming it as parent, declares an HTTPS listener
 /// on `port`.
 fn https_on_port(index: &Index, obj: &LoadedObject, gw: &Gateway, port: i32) -> bool {
@@ -236,12 +246,8 @@ fn https_on_port(index: &Index, obj: &LoadedObject, gw: &Gateway, port: i32) -> 
         let Resource::ListenerSet(set) = &ls.resource else {
             return false;
         };
-        let p = &set.spec.parent_ref;
-        let ns = p.namespace.as_deref().unwrap_or(&ls.key.namespace);
-        p.name == obj.key.name
-            && ns == obj.key.namespace
-            && p.kind.as_deref().unwrap_or("Gateway") == "Gateway"
-            && p.group.as_deref().unwrap_or(refs::GATEWAY_GROUP) == refs::GATEWAY_GROUP
+        parent_gateway(set, &ls.key.namespace)
+            == Some((obj.key.namespace.as_str(), obj.key.name.as_str()))
             && set
                 .spec
                 .listeners
@@ -391,8 +397,6 @@ struct Owner<'a> {
     fp: u64,
     /// Its Gateway's client certificate validation (`spec.tls.frontend`), if any.
     frontend: Option<Arc<Frontend>>,
-    /// Its Gateway's namespace, where `frontend` is set.
-    frontend_ns: Option<String>,
     /// A Gateway's certificate for TLS backends (`spec.tls.backend.clientCertificateRef`), if
     /// it names one.
     backend_certificate: Option<Result<BackendClientCertificate, RefError>>,
@@ -872,20 +876,15 @@ impl GatewayResolver {
             let Resource::ListenerSet(l) = &ls.resource else {
                 continue;
             };
-            let p = &l.spec.parent_ref;
-            let is_gateway = p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
-                && p.kind.as_deref().unwrap_or("Gateway") == "Gateway";
-            let parent_ns = p.namespace.as_deref().unwrap_or(&ls.key.namespace);
-            let ours_at = is_gateway
-                .then(|| gw_by_name.get(&(parent_ns, p.name.as_str())))
-                .flatten();
+            let parent = parent_gateway(l, &ls.key.namespace);
+            let ours_at = parent.and_then(|p| gw_by_name.get(&p));
             if let Some(kids) = ours_at.and_then(|&g| children.get_mut(g)) {
                 kids.push((ls, slot));
-            } else if !is_gateway
-                || index
-                    .get(&ObjectKey::new(Kind::Gateway, parent_ns, &p.name))
+            } else if parent.is_none_or(|(ns, name)| {
+                index
+                    .get(&ObjectKey::new(Kind::Gateway, ns, name))
                     .is_none()
-            {
+            }) {
                 // No such Gateway: nobody else will ever answer, so we do.
                 let (version, listeners) = input(slot, ls);
                 owners.push(Owner {
@@ -898,7 +897,6 @@ impl GatewayResolver {
                     gateway: usize::MAX,
                     fp: 0,
                     frontend: None,
-                    frontend_ns: None,
                     backend_certificate: None,
                 });
             }
@@ -983,7 +981,6 @@ impl GatewayResolver {
                 gateway: gw_index,
                 fp: 0,
                 frontend: frontend.clone(),
-                frontend_ns: Some(key.namespace.clone()),
                 backend_certificate: gateway_tls::backend_certificate(&world, gw_obj, gw),
             });
             for (((kid, slot), (version, listeners)), standings) in
@@ -1012,7 +1009,6 @@ impl GatewayResolver {
                     gateway: gw_index,
                     fp: 0,
                     frontend: frontend.clone(),
-                    frontend_ns: Some(key.namespace.clone()),
                     backend_certificate: None,
                 });
             }
@@ -1028,7 +1024,6 @@ impl GatewayResolver {
                     gateway: gw_index,
                     fp: 0,
                     frontend: None,
-                    frontend_ns: None,
                     backend_certificate: None,
                 });
             }
@@ -2091,7 +2086,7 @@ fn listener_conditions(owner: &Owner<'_>, j: usize, l: &ListenerIn) -> Vec<C> {
         (Ok(_), _) if !ca_errors.is_empty() => {
             // The Gateway's references are named only to listeners of its own namespace
             // (messages never reveal another namespace's objects).
-            let gateway_ns = owner.frontend_ns.as_deref();
+            let gateway_ns = owner.frontend.as_ref().map(|f| f.ns.as_str());
             let message = if gateway_ns == Some(owner.obj.key.namespace.as_str()) {
                 ca_errors
                     .iter()

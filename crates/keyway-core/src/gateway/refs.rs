@@ -520,17 +520,8 @@ pub(crate) fn ca_bundle(
         ("Secret", pem)
     } else {
         let pem = match index.resource(Kind::ConfigMap, ns, name) {
-            Some(Resource::ConfigMap(cm)) => cm
-                .data
-                .as_ref()
-                .and_then(|d| d.get("ca.crt"))
-                .map(|s| s.as_bytes().to_vec())
-                .or_else(|| {
-                    cm.binary_data
-                        .as_ref()
-                        .and_then(|d| d.get("ca.crt"))
-                        .map(|b| b.0.clone())
-                })
+            Some(Resource::ConfigMap(cm)) => tls::config_map_ca(cm)
+                .map(|(_, pem)| pem)
                 .ok_or_else(|| format!("ConfigMap {ns}/{name} has no key ca.crt")),
             _ => Err(index.absence(Kind::ConfigMap, ns, name)),
         };

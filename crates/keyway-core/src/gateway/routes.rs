@@ -114,43 +114,46 @@ macro_rules! backend_ref {
     };
 }
 
-/// Resolves one backend reference (a backendRef, or a mirror's), noting the backend the route
-/// now depends on in `deps`.
-fn resolve_ref(
-    world: &World<'_>,
+/// What resolving a route's backend references gathers: the backends the route now depends on
+/// (hashed, see [`backend_hash`]) and each reference that does not resolve, at its field.
+struct Gathered<'w> {
+    world: &'w World<'w>,
     kind: Kind,
-    ns: &str,
-    r: Ref,
-    port: Option<i32>,
-    weight: Option<i32>,
-    deps: &mut Vec<u64>,
-) -> (WeightedBackend, Option<RefError>) {
-    if let Some(dep) = r.backend_key(ns) {
-        deps.push(backend_hash(&dep));
+    ns: &'w str,
+    deps: Vec<u64>,
+    err: Vec<(String, RefError)>,
+}
+
+impl Gathered<'_> {
+    /// Resolves one backend reference (a backendRef, or a mirror's) at field `at`.
+    fn resolve(
+        &mut self,
+        r: Ref,
+        port: Option<i32>,
+        weight: Option<i32>,
+        at: impl FnOnce() -> String,
+    ) -> WeightedBackend {
+        if let Some(dep) = r.backend_key(self.ns) {
+            self.deps.push(backend_hash(&dep));
+        }
+        let (wb, e) = self.world.backend(self.kind, self.ns, &r, port, weight);
+        if let Some(e) = e {
+            self.err.push((at(), e));
+        }
+        wb
     }
-    world.backend(kind, ns, &r, port, weight)
 }
 
 /// Resolves the backendRefs of one rule; remembers every failure.
 macro_rules! backends {
-    ($world:expr, $kind:expr, $ns:expr, $refs:expr, $at:expr, $err:expr, $deps:expr) => {
+    ($gathered:expr, $refs:expr, $at:expr) => {
         $refs
             .iter()
             .enumerate()
             .map(|(j, b)| {
-                let (wb, e) = resolve_ref(
-                    $world,
-                    $kind,
-                    $ns,
-                    backend_ref!(b),
-                    b.port,
-                    b.weight,
-                    &mut $deps,
-                );
-                if let Some(e) = e {
-                    $err.push((format!("{}.backendRefs[{j}]", $at), e));
-                }
-                wb
+                $gathered.resolve(backend_ref!(b), b.port, b.weight, || {
+                    format!("{}.backendRefs[{j}]", $at)
+                })
             })
             .collect::<Vec<WeightedBackend>>()
     };
@@ -159,7 +162,7 @@ macro_rules! backends {
 /// Resolves the `RequestMirror` filters of one rule (HTTPRoute's and GRPCRoute's have the same
 /// shape): each backendRef like a backendRef, remembering failures, and its share of requests.
 macro_rules! mirrors {
-    ($world:expr, $kind:expr, $ns:expr, $filters:expr, $at:expr, $err:expr, $deps:expr) => {
+    ($gathered:expr, $filters:expr, $at:expr) => {
         $filters
             .iter()
             .flatten()
@@ -167,18 +170,9 @@ macro_rules! mirrors {
             .filter_map(|(j, f)| {
                 let m = f.request_mirror.as_ref()?;
                 let b = &m.backend_ref;
-                let (wb, e) = resolve_ref(
-                    $world,
-                    $kind,
-                    $ns,
-                    backend_ref!(b),
-                    b.port,
-                    None,
-                    &mut $deps,
-                );
-                if let Some(e) = e {
-                    $err.push((format!("{}.filters[{j}].requestMirror.backendRef", $at), e));
-                }
+                let wb = $gathered.resolve(backend_ref!(b), b.port, None, || {
+                    format!("{}.filters[{j}].requestMirror.backendRef", $at)
+                });
                 let (numerator, denominator) = match (&m.fraction, m.percent) {
                     (Some(f), _) => (f.numerator, f.denominator.unwrap_or(100)),
                     (None, Some(p)) => (p, 100),
@@ -198,8 +192,13 @@ macro_rules! mirrors {
 pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn> {
     let ns = obj.key.namespace.as_str();
     let kind = obj.key.kind;
-    let mut err: Vec<(String, RefError)> = Vec::new();
-    let mut deps: Vec<u64> = Vec::new();
+    let mut gathered = Gathered {
+        world,
+        kind,
+        ns,
+        deps: Vec::new(),
+        err: Vec::new(),
+    };
     let mut invalid: Vec<(usize, Problem)> = Vec::new();
     let (hostnames, parents, rules) = match &obj.resource {
         Resource::HTTPRoute(r) => {
@@ -221,13 +220,9 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                         matches: rule.matches.clone().unwrap_or_default(),
                         filters: rule.filters.clone().unwrap_or_default(),
                         backends: backends!(
-                            world,
-                            kind,
-                            ns,
+                            gathered,
                             rule.backend_refs.iter().flatten().collect::<Vec<_>>(),
-                            at,
-                            &mut err,
-                            &mut deps
+                            at
                         ),
                         request_timeout_ms: nonzero_ms(
                             rule.timeouts.as_ref().and_then(|t| t.request.as_deref()),
@@ -238,7 +233,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                                 .and_then(|t| t.backend_request.as_deref()),
                         ),
                         retry: r.retry(i).and_then(super::plan::RetryPlan::from_upstream),
-                        mirrors: mirrors!(world, kind, ns, rule.filters, at, &mut err, &mut deps),
+                        mirrors: mirrors!(gathered, rule.filters, at),
                     }
                 })
                 .collect();
@@ -267,15 +262,11 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                         matches: rule.matches.clone().unwrap_or_default(),
                         filters: rule.filters.clone().unwrap_or_default(),
                         backends: backends!(
-                            world,
-                            kind,
-                            ns,
+                            gathered,
                             rule.backend_refs.iter().flatten().collect::<Vec<_>>(),
-                            at,
-                            &mut err,
-                            &mut deps
+                            at
                         ),
-                        mirrors: mirrors!(world, kind, ns, rule.filters, at, &mut err, &mut deps),
+                        mirrors: mirrors!(gathered, rule.filters, at),
                     }
                 })
                 .collect();
@@ -293,7 +284,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                 .enumerate()
                 .map(|(i, rule)| {
                     let at = format!("spec.rules[{i}]");
-                    backends!(world, kind, ns, rule.backend_refs, at, &mut err, &mut deps)
+                    backends!(gathered, rule.backend_refs, at)
                 })
                 .collect();
             (
@@ -310,7 +301,7 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
                 .enumerate()
                 .map(|(i, rule)| {
                     let at = format!("spec.rules[{i}]");
-                    backends!(world, kind, ns, rule.backend_refs, at, &mut err, &mut deps)
+                    backends!(gathered, rule.backend_refs, at)
                 })
                 .collect();
             (
@@ -336,8 +327,8 @@ pub(crate) fn route_in(world: &World<'_>, obj: &LoadedObject) -> Option<RouteIn>
         hostnames,
         parents,
         rules: Arc::new(rules),
-        backend_errors: err,
-        backend_keys: deps,
+        backend_errors: gathered.err,
+        backend_keys: gathered.deps,
     })
 }
 

@@ -734,10 +734,12 @@ impl Gateways {
                 now.insert(gw.gateway.clone(), (c, kept));
             }
         }
-        *last = now;
-        last.iter()
+        let presented = now
+            .iter()
             .map(|(k, (c, _))| (k.clone(), c.clone()))
-            .collect()
+            .collect();
+        *last = now;
+        presented
     }
 
     /// Listeners serving their last valid certificate because their own no longer resolves.
