@@ -278,6 +278,26 @@ pub fn config_map_ca(
     Some(("binaryData", bytes.0.clone()))
 }
 
+/// The DNS names a serving certificate covers (its subjectAltName dNSName entries, lowercase);
+/// empty when it has none or does not parse (parsing errors are reported where it is read).
+pub(crate) fn dns_names(der: &CertificateDer<'_>) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der.as_ref()) else {
+        return Vec::new();
+    };
+    let Ok(Some(sans)) = cert.subject_alternative_name() else {
+        return Vec::new();
+    };
+    sans.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            GeneralName::DNSName(d) => Some(d.trim_end_matches('.').to_ascii_lowercase()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Why a `ca.crt` certificate cannot be a CA: an X.509 v3 certificate without basicConstraints
 /// `CA:TRUE` is an end entity's (a peer presenting that very certificate is refused: it must
 /// be issued by the CA, not be it). `None` for a CA, a v1 certificate (no extensions, as old

@@ -114,6 +114,54 @@ pub fn overlapping(hosts: &[Option<String>]) -> Vec<bool> {
         .collect()
 }
 
+/// For each listener's certificate names (lowercase DNS SANs of its certificates), one of them
+/// that a certificate of another listener also covers, if any: the same name, or a wildcard
+/// and a name one label under it (`*.example.com` and `a.example.com`; a certificate's
+/// wildcard covers one label, RFC 6125 §6.4.3). Indexed by name, so thousands of listeners on
+/// a port cost a few lookups per name.
+pub fn overlapping_certificate_names(names: &[Vec<String>]) -> Vec<Option<String>> {
+    use std::collections::HashMap;
+    // Which listeners have each name, and which have an exact name one label under a parent.
+    let mut holders: HashMap<&str, Vec<usize>> = HashMap::new();
+    let mut children: HashMap<&str, Vec<usize>> = HashMap::new();
+    fn note<'a>(map: &mut HashMap<&'a str, Vec<usize>>, key: &'a str, i: usize) {
+        let v = map.entry(key).or_default();
+        if v.last() != Some(&i) {
+            v.push(i);
+        }
+    }
+    for (i, list) in names.iter().enumerate() {
+        for n in list {
+            note(&mut holders, n.as_str(), i);
+            if let Some((label, parent)) = n.split_once('.')
+                && !label.is_empty()
+                && label != "*"
+            {
+                note(&mut children, parent, i);
+            }
+        }
+    }
+    let other = |v: Option<&Vec<usize>>, i: usize| v.is_some_and(|v| v.iter().any(|&j| j != i));
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, list)| {
+            list.iter()
+                .find(|n| {
+                    if other(holders.get(n.as_str()), i) {
+                        return true;
+                    }
+                    match n.split_once('.') {
+                        Some(("*", parent)) => other(children.get(parent), i),
+                        Some((_, parent)) => other(holders.get(format!("*.{parent}").as_str()), i),
+                        None => false,
+                    }
+                })
+                .cloned()
+        })
+        .collect()
+}
+
 /// Whether two attachments' hostnames (as [`intersect`] returns them; empty: any host) can
 /// match one request host. (The resolver uses [`Taken`]; this is its reference.)
 #[cfg(test)]
@@ -199,6 +247,54 @@ mod tests {
 
     fn v(hs: &[&str]) -> Vec<String> {
         hs.iter().map(|h| h.to_string()).collect()
+    }
+
+    /// Certificate names overlap across listeners only: the same name, or a wildcard and a
+    /// name exactly one label under it; a listener's own names never overlap each other.
+    #[test]
+    fn certificate_names_overlap_across_listeners_only() {
+        // Each listener's certificate names, and the overlapping name expected for each.
+        type Case<'a> = (&'a [&'a [&'a str]], &'a [Option<&'a str>]);
+        let table: &[Case] = &[
+            (
+                &[&["a.example.com"], &["a.example.com"]],
+                &[Some("a.example.com"), Some("a.example.com")],
+            ),
+            (
+                &[&["*.example.com"], &["a.example.com"]],
+                &[Some("*.example.com"), Some("a.example.com")],
+            ),
+            // A certificate's wildcard covers one label only.
+            (&[&["*.example.com"], &["a.b.example.com"]], &[None, None]),
+            (&[&["*.example.com"], &["*.b.example.com"]], &[None, None]),
+            (
+                &[&["*.example.com"], &["*.example.com"]],
+                &[Some("*.example.com"), Some("*.example.com")],
+            ),
+            (
+                &[&["*.example.com", "a.example.com"], &["x.org"]],
+                &[None, None],
+            ),
+            (
+                &[&["x.org", "b.example.com"], &["c.org"], &["*.example.com"]],
+                &[Some("b.example.com"), None, Some("*.example.com")],
+            ),
+            (&[&[], &["a.example.com"]], &[None, None]),
+            (
+                &[&["example.com"], &["*.com"]],
+                &[Some("example.com"), Some("*.com")],
+            ),
+            (
+                &[&["localhost"], &["localhost"]],
+                &[Some("localhost"), Some("localhost")],
+            ),
+        ];
+        for (names, want) in table {
+            let names: Vec<Vec<String>> = names.iter().map(|n| v(n)).collect();
+            let got = overlapping_certificate_names(&names);
+            let want: Vec<Option<String>> = want.iter().map(|w| w.map(str::to_string)).collect();
+            assert_eq!(got, want, "{names:?}");
+        }
     }
 
     /// (listener hostname, route hostnames, expected intersection).

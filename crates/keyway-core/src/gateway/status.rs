@@ -628,11 +628,14 @@ fn set_listener_conditions(
 }
 
 /// GEP-3567's `OverlappingTLSConfig` listener condition: HTTPS listeners serving on one port
-/// whose hostnames overlap (`*.example.com` and `a.example.com`, or one without a hostname).
-/// A client that coalesces HTTP/2 connections may send a request for one over a connection
-/// whose TLS the other set up; keyway answers such requests 421, and the condition says the
-/// overlap is there. Set only when true (a negative-polarity condition), on every listener of
-/// the overlap; the message names no other listener (it may be another namespace's).
+/// whose hostnames overlap (`*.example.com` and `a.example.com`, or one without a hostname),
+/// reason `OverlappingHostnames`, or whose certificates cover a name in common (a wildcard
+/// certificate shared by `a.example.com` and `b.example.com`), reason
+/// `OverlappingCertificates`, which the API asks for when both hold. A client that coalesces
+/// HTTP/2 connections may send a request for one over a connection whose TLS the other set
+/// up; keyway answers such requests 421, and the condition says the overlap is there. Set only
+/// when true (a negative-polarity condition), on every listener of the overlap; the message
+/// names no other listener (it may be another namespace's).
 pub fn mark_overlapping_tls(
     plan: &super::plan::GatewayPlan,
     statuses: &mut std::collections::BTreeMap<crate::ObjectKey, Value>,
@@ -653,10 +656,41 @@ pub fn mark_overlapping_tls(
                 .iter()
                 .map(|l| l.hostname.as_ref().map(|h| h.to_ascii_lowercase()))
                 .collect();
-            for (l, overlaps) in https.iter().zip(super::hostname::overlapping(&hosts)) {
-                if !overlaps {
-                    continue;
-                }
+            let names: Vec<Vec<String>> = https
+                .iter()
+                .map(|l| {
+                    let mut names: Vec<String> = l
+                        .tls
+                        .iter()
+                        .flat_map(|t| &t.certificates)
+                        .filter_map(|m| m.cert_chain.first())
+                        .flat_map(crate::tls::dns_names)
+                        .collect();
+                    names.sort();
+                    names.dedup();
+                    names
+                })
+                .collect();
+            let by_hostname = super::hostname::overlapping(&hosts);
+            let by_certificate = super::hostname::overlapping_certificate_names(&names);
+            for ((l, hostname), certificate) in https.iter().zip(by_hostname).zip(by_certificate) {
+                let (reason, message) = match certificate {
+                    Some(name) => (
+                        "OverlappingCertificates",
+                        format!(
+                            "a certificate of another HTTPS listener on port {} also covers {name}, which this listener's certificate covers: a client reusing a connection across them is answered 421 Misdirected Request",
+                            port.port
+                        ),
+                    ),
+                    None if hostname => (
+                        "OverlappingHostnames",
+                        format!(
+                            "another HTTPS listener on port {} has a hostname that overlaps this one's: a client reusing a connection across them is answered 421 Misdirected Request",
+                            port.port
+                        ),
+                    ),
+                    None => continue,
+                };
                 let Some(status) = statuses.get_mut(&l.owner) else {
                     continue;
                 };
@@ -664,11 +698,8 @@ pub fn mark_overlapping_tls(
                     status,
                     &l.name,
                     "OverlappingTLSConfig",
-                    "OverlappingHostnames",
-                    &format!(
-                        "another HTTPS listener on port {} has a hostname that overlaps this one's: a client reusing a connection across them is answered 421 Misdirected Request",
-                        port.port
-                    ),
+                    reason,
+                    &message,
                     now,
                 );
             }

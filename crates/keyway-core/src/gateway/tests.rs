@@ -2566,6 +2566,104 @@ fn overlapping_https_hostnames_on_a_port_are_reported() {
     assert_eq!(overlap(Kind::Gateway, "infra", "gw", "other"), None);
 }
 
+/// A Secret `name` in `ns` holding a self-signed certificate for `sans` and its key.
+fn secret_for(ns: &str, name: &str, sans: &[&str]) -> String {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let params =
+        rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .expect("params");
+    let cert = params.self_signed(&key).expect("cert");
+    format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: {ns}}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
+        cert.pem(),
+        key.serialize_pem()
+    )
+}
+
+/// GEP-3567's second reason: HTTPS listeners on one port whose certificates cover a name in
+/// common (one wildcard certificate shared by two hostnames, a name under another listener's
+/// wildcard certificate) carry `OverlappingTLSConfig=True/OverlappingCertificates`, also when
+/// their hostnames overlap too (the API prefers it then); listeners on other ports, and names
+/// more than one label under a wildcard, do not overlap.
+#[test]
+fn overlapping_https_certificates_on_a_port_are_reported() {
+    let https = |name: &str, port: u16, host: &str, secret: &str| {
+        format!(
+            "  - {{name: {name}, port: {port}, protocol: HTTPS, hostname: \"{host}\", tls: {{mode: Terminate, certificateRefs: [{{name: {secret}}}]}}}}\n"
+        )
+    };
+    let y = gateway(
+        "infra",
+        "gw",
+        "from: All",
+        &(https("a", 443, "a.example.com", "wild")
+            + &https("b", 443, "b.example.com", "wild")
+            + &https("org", 443, "x.org", "org")
+            + &https("deep", 443, "a.b.example.net", "deep")
+            + &https("net", 443, "c.example.net", "net")
+            + &https("elsewhere", 8443, "a.example.com", "wild")),
+    ) + &secret_for("infra", "wild", &["*.example.com"])
+        + &secret_for("infra", "org", &["x.org"])
+        + &secret_for("infra", "deep", &["a.b.example.net"])
+        + &secret_for("infra", "net", &["*.example.net"])
+        + &listener_set(
+            "team",
+            "ls",
+            1,
+            "gw",
+            &(https("w", 443, "*.example.com", "mine") + &https("h", 443, "*.example.org", "own")),
+        )
+        + &secret_for("team", "mine", &["*.example.com"])
+        + &secret_for("team", "own", &["only.example.org"])
+        + &listener_set(
+            "team",
+            "ls2",
+            2,
+            "gw",
+            &https("h2", 443, "y.example.org", "other"),
+        )
+        + &secret_for("team", "other", &["y.example.org"]);
+    let files = [crate::load_file("t.yaml", &y)];
+    let compiled = crate::offline::compile(&files, &mut crate::ObjectState::default(), &now());
+    let overlap = |kind: Kind, ns: &str, name: &str, listener: &str| {
+        let status = &compiled.statuses[&key(kind, ns, name)];
+        let entry = status["listeners"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["name"] == listener))
+            .cloned()
+            .unwrap_or_default();
+        entry["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "OverlappingTLSConfig"))
+            .map(|c| (c["reason"].clone(), c["message"].clone()))
+    };
+    let reason = |kind, ns, name, listener| overlap(kind, ns, name, listener).map(|(r, _)| r);
+    let certificates = Some(serde_json::json!("OverlappingCertificates"));
+    let hostnames = Some(serde_json::json!("OverlappingHostnames"));
+    assert_eq!(reason(Kind::Gateway, "infra", "gw", "a"), certificates);
+    assert_eq!(reason(Kind::Gateway, "infra", "gw", "b"), certificates);
+    assert_eq!(reason(Kind::ListenerSet, "team", "ls", "w"), certificates);
+    // Hostnames overlap (`*.example.org` covers `y.example.org`), certificates do not.
+    assert_eq!(reason(Kind::ListenerSet, "team", "ls", "h"), hostnames);
+    assert_eq!(reason(Kind::ListenerSet, "team", "ls2", "h2"), hostnames);
+    // `*.example.net` covers one label: not `a.b.example.net`.
+    assert_eq!(reason(Kind::Gateway, "infra", "gw", "deep"), None);
+    assert_eq!(reason(Kind::Gateway, "infra", "gw", "net"), None);
+    assert_eq!(reason(Kind::Gateway, "infra", "gw", "org"), None);
+    assert_eq!(reason(Kind::Gateway, "infra", "gw", "elsewhere"), None);
+    // The message says which of the listener's own names overlaps, and names no other listener.
+    let (_, message) = overlap(Kind::ListenerSet, "team", "ls", "w").expect("condition");
+    let message = message.as_str().unwrap_or_default();
+    assert!(
+        message.contains("*.example.com") && message.contains("port 443"),
+        "{message}"
+    );
+    assert!(
+        !message.contains("infra") && !message.contains("\"a\""),
+        "{message}"
+    );
+}
+
 // ---- BackendTLSPolicy -------------------------------------------------------------------------
 
 fn tls_policy(name: &str, created: &str, targets: &str, validation: &str) -> String {
