@@ -222,6 +222,51 @@ pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
             }
         }
     }
+    out.extend(ignored_tls_options(index));
+    out
+}
+
+/// TLS `options` (a listener's `tls.options`, a BackendTLSPolicy's `spec.options`) are
+/// implementation-specific and keyway defines none: say so, rather than let a setting meant
+/// for another implementation (a minimum version, cipher suites) look applied.
+fn ignored_tls_options(index: &Index) -> Vec<ConfigError> {
+    type Options = std::collections::BTreeMap<String, String>;
+    let mut out = Vec::new();
+    let mut warn = |obj: &LoadedObject, at: String, options: Option<&Options>| {
+        let Some(options) = options.filter(|o| !o.is_empty()) else {
+            return;
+        };
+        let keys: Vec<String> = options.keys().map(|k| format!("`{k}`")).collect();
+        let verb = if keys.len() == 1 { "is" } else { "are" };
+        out.push(obj.error_at(
+            &at,
+            format!(
+                "keyway defines no TLS options, so {} {verb} ignored",
+                keys.join(", ")
+            ),
+        ));
+    };
+    let kinds = [Kind::Gateway, Kind::ListenerSet, Kind::BackendTLSPolicy];
+    for obj in kinds.into_iter().flat_map(|k| index.of_kind(k)) {
+        match &obj.resource {
+            Resource::Gateway(gw) => {
+                for (i, l) in gw.spec.listeners.iter().enumerate() {
+                    let options = l.tls.as_ref().and_then(|t| t.options.as_ref());
+                    warn(obj, format!("spec.listeners[{i}].tls.options"), options);
+                }
+            }
+            Resource::ListenerSet(set) => {
+                for (i, l) in set.spec.listeners.iter().enumerate() {
+                    let options = l.tls.as_ref().and_then(|t| t.options.as_ref());
+                    warn(obj, format!("spec.listeners[{i}].tls.options"), options);
+                }
+            }
+            Resource::BackendTLSPolicy(p) => {
+                warn(obj, "spec.options".to_string(), p.spec.options.as_ref());
+            }
+            _ => {}
+        }
+    }
     out
 }
 

@@ -3047,6 +3047,80 @@ fn backend_tls_policies_that_apply_to_nothing_warn() {
     }
 }
 
+/// TLS `options` are implementation-specific and keyway defines none: each block of them, on a
+/// Gateway's or a ListenerSet's listener or on a BackendTLSPolicy, is a warning at its path
+/// naming the keys ignored; an empty block is not.
+#[test]
+fn tls_options_are_ignored_with_a_warning() {
+    let with_options = |listener: &str, options: &str| {
+        listener.replace(
+            "tls: {mode: Terminate,",
+            &format!("tls: {{options: {options}, mode: Terminate,"),
+        )
+    };
+    let y = gateway(
+        "infra",
+        "gw",
+        "from: All",
+        &(l("web", 80, "HTTP", None)
+            + &with_options(
+                &l("https", 443, "HTTPS", Some("a.example.com")),
+                "{example.com/min-version: \"1.3\"}",
+            )
+            + &with_options(&l("empty", 443, "HTTPS", Some("b.example.com")), "{}")),
+    ) + &secret("infra", "cert")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &with_options(
+                &l("own", 443, "HTTPS", Some("c.example.com")),
+                "{a.example/x: \"1\", b.example/y: \"2\"}",
+            ),
+        )
+        + &secret("team-a", "cert")
+        + &svc("team-a", "app")
+        + &tls_policy("p", T1, APP_TARGET, CA_REF).replace(
+            "  targetRefs:",
+            "  options: {example.com/fips: \"true\"}\n  targetRefs:",
+        );
+    let mut got: Vec<(String, String, String)> = super::reference_warnings(&index_of(&y))
+        .into_iter()
+        .filter(|w| w.message.contains("TLS options"))
+        .map(|w| {
+            let object = w
+                .object
+                .map(|k| format!("{}/{}", k.kind, k.name))
+                .unwrap_or_default();
+            (object, w.path, w.message)
+        })
+        .collect();
+    got.sort();
+    let want = [
+        (
+            "BackendTLSPolicy/p",
+            "spec.options",
+            "keyway defines no TLS options, so `example.com/fips` is ignored",
+        ),
+        (
+            "Gateway/gw",
+            "spec.listeners[1].tls.options",
+            "keyway defines no TLS options, so `example.com/min-version` is ignored",
+        ),
+        (
+            "ListenerSet/ls",
+            "spec.listeners[0].tls.options",
+            "keyway defines no TLS options, so `a.example/x`, `b.example/y` are ignored",
+        ),
+    ];
+    let want: Vec<(String, String, String)> = want
+        .iter()
+        .map(|(o, p, m)| (o.to_string(), p.to_string(), m.to_string()))
+        .collect();
+    assert_eq!(got, want);
+}
+
 // ---- spec.tls.frontend: client certificate validation (GEP-91) ----------------------------------
 
 /// A Gateway in `infra` with an HTTP and an HTTPS listener, `spec.tls.frontend` as given, and a
