@@ -1024,12 +1024,14 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                 &m["headers"],
                 &format!("{at}.matches[{j}].headers"),
                 "header",
+                4096,
             );
             check_names_once(
                 p,
                 &m["queryParams"],
                 &format!("{at}.matches[{j}].queryParams"),
                 "query parameter",
+                1024,
             );
         }
         check_timeouts(p, &at, &rule["timeouts"]);
@@ -1046,6 +1048,7 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                         &f[modifier][list],
                         &format!("{at}.filters[{k}].{modifier}.{list}"),
                         "header",
+                        4096,
                     );
                 }
             }
@@ -1553,7 +1556,12 @@ pub fn parse_duration_nanos(text: &str) -> Option<u128> {
 }
 
 /// A list keyed by `name` (listMapKey): the API server refuses a name given twice exactly.
-fn check_names_once(p: &mut Problems, list: &Value, at: &str, what: &str) {
+/// A list of `{name, value}` keyed by name (header and query parameter matches, header
+/// modifiers), as the upstream schema has it: each name a token (`HeaderName`: at most 256
+/// characters of letters, digits and ``!#$%&'*+-.^_`|~``) listed once, each value 1 to
+/// `max_value` characters. A name the API server refuses (`bad:name`) would otherwise reach
+/// the data plane, which cannot send it.
+fn check_names_once(p: &mut Problems, list: &Value, at: &str, what: &str, max_value: usize) {
     let mut seen = HashSet::new();
     for (k, item) in list
         .as_array()
@@ -1563,11 +1571,27 @@ fn check_names_once(p: &mut Problems, list: &Value, at: &str, what: &str) {
         .enumerate()
     {
         let name = item["name"].as_str().unwrap_or_default();
-        if !seen.insert(name) {
+        if !(is_header_name(name) && name.len() <= 256) {
+            p.add(
+                format!("{at}[{k}].name"),
+                format!(
+                    "`{name}` is not a valid {what} name (1 to 256 letters, digits and !#$%&'*+-.^_`|~)"
+                ),
+            );
+        } else if !seen.insert(name) {
             p.add(
                 format!("{at}[{k}].name"),
                 format!("{what} `{name}` is listed twice"),
             );
+        }
+        if let Some(value) = item["value"].as_str() {
+            let n = value.chars().count();
+            if n == 0 || n > max_value {
+                p.add(
+                    format!("{at}[{k}].value"),
+                    format!("must be 1 to {max_value} characters long, found {n}"),
+                );
+            }
         }
     }
 }

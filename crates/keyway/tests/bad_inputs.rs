@@ -885,6 +885,39 @@ fn cases() -> Vec<Case> {
             "spec.rules[0].filters[0].urlRewrite",
             "urlRewrite is required for filter type URLRewrite",
         ),
+        // --- Header and query parameter names: the schema's HeaderName pattern ---------------
+        case(
+            "route-header-modifier-bad-name",
+            http_route(
+                "  - filters:\n    - type: RequestHeaderModifier\n      requestHeaderModifier:\n        set: [{name: \"bad:name\", value: x}]\n",
+            ),
+            12,
+            "spec.rules[0].filters[0].requestHeaderModifier.set[0].name",
+            "`bad:name` is not a valid header name (1 to 256 letters, digits and !#$%&'*+-.^_`|~)",
+        ),
+        case(
+            "route-header-modifier-empty-value",
+            http_route(
+                "  - filters:\n    - type: ResponseHeaderModifier\n      responseHeaderModifier:\n        add:\n        - {name: x-a, value: \"\"}\n",
+            ),
+            13,
+            "spec.rules[0].filters[0].responseHeaderModifier.add[0].value",
+            "must be 1 to 4096 characters long, found 0",
+        ),
+        case(
+            "route-header-match-bad-name",
+            http_route("  - matches:\n    - headers: [{name: \"bad header\", value: x}]\n"),
+            10,
+            "spec.rules[0].matches[0].headers[0].name",
+            "`bad header` is not a valid header name",
+        ),
+        case(
+            "route-query-match-bad-name",
+            http_route("  - matches:\n    - queryParams: [{name: \"q p\", value: x}]\n"),
+            10,
+            "spec.rules[0].matches[0].queryParams[0].name",
+            "`q p` is not a valid query parameter name",
+        ),
         // --- HTTPRoute timeouts: the schema's duration pattern and CEL rule ---------------------
         case(
             "route-timeout-not-a-duration",

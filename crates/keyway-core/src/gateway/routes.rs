@@ -352,6 +352,7 @@ fn http_rule_problem(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
             .flatten()
             .map(|b| b.filters.as_ref().is_some_and(|f| !f.is_empty())),
     )
+    .or_else(|| unsendable_header_value!(rule, at))
 }
 
 /// [`http_rule_problem`] for GRPCRoute rules (header modifiers and mirrors are implemented).
@@ -366,6 +367,48 @@ fn grpc_rule_problem(rule: &GrpcRouteRules, at: &str) -> Option<Problem> {
             .flatten()
             .map(|b| b.filters.as_ref().is_some_and(|f| !f.is_empty())),
     )
+    .or_else(|| unsendable_header_value!(rule, at))
+}
+
+/// The first header modifier value of a rule's filters that no HTTP message can carry: the
+/// schema allows any string, but a field value holds no control characters but tab (RFC 9110
+/// §5.5), and a CR or LF would start another header. Such a rule answers 500 rather than
+/// leave the header out (it may be one the backend relies on, as a tenant or an identity).
+macro_rules! unsendable_header_value {
+    ($rule:expr, $at:expr) => {{
+        let mut found = None;
+        'filters: for (j, f) in $rule.filters.iter().flatten().enumerate() {
+            let request = f.request_header_modifier.as_ref();
+            let response = f.response_header_modifier.as_ref();
+            let lists = [
+                ("requestHeaderModifier.set", request.and_then(|m| m.set.as_ref()).map(|l| l.iter().map(|h| h.value.as_str()).collect::<Vec<_>>())),
+                ("requestHeaderModifier.add", request.and_then(|m| m.add.as_ref()).map(|l| l.iter().map(|h| h.value.as_str()).collect())),
+                ("responseHeaderModifier.set", response.and_then(|m| m.set.as_ref()).map(|l| l.iter().map(|h| h.value.as_str()).collect())),
+                ("responseHeaderModifier.add", response.and_then(|m| m.add.as_ref()).map(|l| l.iter().map(|h| h.value.as_str()).collect())),
+            ];
+            for (field, values) in lists {
+                for (k, value) in values.into_iter().flatten().enumerate() {
+                    if !is_field_value(value) {
+                        found = Some((
+                            format!("{}.filters[{j}].{field}[{k}].value", $at),
+                            "a header value cannot hold control characters (CR, LF, NUL, DEL; tab is allowed); requests matching this rule answer 500".to_string(),
+                        ));
+                        break 'filters;
+                    }
+                }
+            }
+        }
+        found
+    }};
+}
+use unsendable_header_value;
+
+/// Whether `value` can be sent as an HTTP field value (RFC 9110 §5.5: visible characters,
+/// spaces and tabs, and bytes above ASCII as `obs-text`).
+pub(crate) fn is_field_value(value: &str) -> bool {
+    value
+        .bytes()
+        .all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f))
 }
 
 /// The first filter type keyway does not implement, else the first backendRef with filters.

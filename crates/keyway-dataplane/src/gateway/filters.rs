@@ -103,7 +103,9 @@ macro_rules! header_mod {
         let mut pair = |name: &str, value: &str| -> Option<(HeaderName, HeaderValue)> {
             match (
                 HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_str(value),
+                // Bytes above ASCII (UTF-8) go as obs-text; the resolver refuses control
+                // characters before a rule gets here.
+                HeaderValue::from_bytes(value.as_bytes()),
             ) {
                 (Ok(n), Ok(v)) => Some((n, v)),
                 _ => {
