@@ -195,7 +195,8 @@ async fn invalid_host_values_get_400_and_never_reach_a_wildcard_route() {
 }
 
 /// The same over HTTP/2 (h2c prior knowledge): a request without `:authority` routes on its
-/// `host` header, which is not validated either.
+/// `host` header, which is not validated either. Also malformed (RFC 9113 §8.3.1, §8.2.1):
+/// neither `:authority` nor `host`, and a field value starting or ending with whitespace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_host_over_http2_gets_400() {
     let (be, mut rx) = recorder().await;
@@ -206,24 +207,49 @@ async fn invalid_host_over_http2_gets_400() {
     )
     .await;
     let mut c = h2_client(port, 65535).await;
-    // A path-only URI: h2 sends no `:authority`.
+    // Path-only URIs: h2 sends no `:authority`.
+    let requests = [
+        Request::builder()
+            .uri("/")
+            .header("host", "evil.com/.example.com"),
+        Request::builder().uri("/"),
+        Request::builder().uri("/").header("host", ""),
+        Request::builder()
+            .uri("/")
+            .header("host", "a.example.com")
+            .header("x-user", " admin"),
+        Request::builder()
+            .uri("http://a.example.com/")
+            .header("x-user", "admin\t"),
+    ];
+    for req in requests {
+        let req = req.body(()).expect("request");
+        let what = format!("{req:?}");
+        let status = match c.send_request(req, true) {
+            Ok((resp, _)) => tokio::time::timeout(IO_TIMEOUT, resp)
+                .await
+                .expect("response in time")
+                .map(|r| r.status().as_u16())
+                .unwrap_or(0),
+            // The client library refusing the request would make this test meaningless.
+            Err(e) => panic!("h2 client refused the request: {e}"),
+        };
+        // A stream reset (0) is an acceptable refusal too; reaching the backend is not.
+        assert!(status == 400 || status == 0, "{what}: got {status}");
+    }
+    assert!(heads(&mut rx).await.is_empty());
+    // A well-formed request on the same connection is served.
     let req = Request::builder()
-        .uri("/")
-        .header("host", "evil.com/.example.com")
+        .uri("http://a.example.com/")
+        .header("x-user", "a b")
         .body(())
         .expect("request");
-    let status = match c.send_request(req, true) {
-        Ok((resp, _)) => tokio::time::timeout(IO_TIMEOUT, resp)
-            .await
-            .expect("response in time")
-            .map(|r| r.status().as_u16())
-            .unwrap_or(0),
-        // The client library refusing the request would make this test meaningless.
-        Err(e) => panic!("h2 client refused the request: {e}"),
-    };
-    // A stream reset (0) is an acceptable refusal too; reaching the backend is not.
-    assert!(status == 400 || status == 0, "got {status}");
-    assert!(heads(&mut rx).await.is_empty());
+    let (resp, _) = c.send_request(req, true).expect("send");
+    let resp = tokio::time::timeout(IO_TIMEOUT, resp)
+        .await
+        .expect("response in time")
+        .expect("response");
+    assert_eq!(resp.status().as_u16(), 200);
 }
 
 /// A request whose body never comes holds its client connection and a backend connection

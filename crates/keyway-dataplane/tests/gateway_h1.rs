@@ -876,7 +876,61 @@ async fn idle_limit_spares_silent_streams_not_stalled_readers() {
     }
 }
 
-/// One raw request on a fresh connection; the response's status code.
+/// A chunk-size line ended by a bare LF, or with extension text of another shape, is refused
+/// (RFC 9112 §7.1): a front proxy reading the line up to the next CRLF would see the body go
+/// on where keyway saw a second request begin ("funky chunks"). Nothing of what follows the
+/// bad line reaches the backend as a request, and the client connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunk_lines_a_front_proxy_could_read_otherwise_are_refused() {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
+    let be = raw(move |mut c| {
+        let tx = tx.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                let _ = tx.send(req);
+                c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+            }
+        }
+    })
+    .await;
+    let (_dp, port) = gateway_to(be.addr).await;
+    let smuggled = "GET /smug HTTP/1.1\r\nHost: a\r\nContent-Length: 7\r\n\r\n\r\n0\r\n\r\n";
+    let x55 = "X".repeat(55);
+    for body in [
+        format!("37;\n{x55}\r\n0\r\n\r\n{smuggled}"),
+        format!("37\n{x55}\r\n0\r\n\r\n{smuggled}"),
+        format!("37;a b\r\n{x55}\r\n0\r\n\r\n{smuggled}"),
+        format!("0\r\n\n{smuggled}"),
+    ] {
+        let request =
+            format!("POST /front HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n{body}");
+        let (mut s, head) =
+            tokio::time::timeout(IO_TIMEOUT, common::send_raw(port, request.as_bytes()))
+                .await
+                .expect("response in time");
+        // The head may have gone to the backend before the bad line came: then the client
+        // gets no response, else 400; either way the connection ends.
+        assert!(
+            head.is_empty() || head.starts_with("HTTP/1.1 400"),
+            "{body:?}: {head}"
+        );
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut rest))
+            .await
+            .expect("the connection ends");
+        assert!(
+            !String::from_utf8_lossy(&rest).contains("200 OK"),
+            "{body:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    while let Ok(req) = rx.try_recv() {
+        assert_ne!(req.path, "/smug", "a smuggled request reached the backend");
+    }
+}
+
+/// One raw request on a fresh connection; the response's status code./// One raw request on a fresh connection; the response's status code.
 async fn raw_status(port: u16, request: &str) -> u16 {
     let (_, head) = tokio::time::timeout(IO_TIMEOUT, common::send_raw(port, request.as_bytes()))
         .await
@@ -936,6 +990,18 @@ async fn backend_gets_the_routed_host_and_no_h2c_upgrade() {
             got.headers
         );
     }
+
+    // An absolute-form target with an empty path goes on with `/` for it (RFC 9112 §3.2.1).
+    let r = "GET http://routed.test?q=1 HTTP/1.1\r\nHost: routed.test\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 200);
+    assert_eq!(seen().await.path, "/?q=1");
+    let r = "GET http://routed.test:8080?x HTTP/1.1\r\nHost: routed.test\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 200);
+    assert_eq!(seen().await.path, "/?x");
+
+    // An empty Host in HTTP/1.1 is an http URI without a host (RFC 9110 §4.2.1): 400.
+    let r = "GET /h HTTP/1.1\r\nHost:\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 400);
 
     // Two Host lines, or none in HTTP/1.1: 400, and nothing reaches the backend.
     let r = "GET /d HTTP/1.1\r\nHost: routed.test\r\nHost: other.test\r\n\r\n";
@@ -1838,7 +1904,7 @@ async fn malformed_request_heads_are_refused_and_counted() {
         ),
         (long_header, 431),
         (many, 431),
-        (long_uri, 431),
+        (long_uri, 414),
     ];
     let n = cases.len();
     for (req, status) in cases {
@@ -2051,9 +2117,14 @@ async fn a_streamed_chunk_reaches_the_client_whole_while_the_backend_waits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_1_0_client_gets_no_100_continue() {
-    let b = raw(|mut c| async move {
-        while let Some(req) = c.request().await {
-            echo_body(&mut c, &req, None).await;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Option<String>>();
+    let b = raw(move |mut c| {
+        let tx = tx.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                let _ = tx.send(req.headers.get("expect").cloned());
+                echo_body(&mut c, &req, None).await;
+            }
         }
     })
     .await;
@@ -2069,4 +2140,6 @@ async fn an_http_1_0_client_gets_no_100_continue() {
     let (head, body) = response(&mut s).await;
     assert!(head.starts_with("http/1.0 200 ok"), "{head}");
     assert_eq!(body, b"POST length hello");
+    // Nor is it passed on: the backend gets HTTP/1.1, where it would mean something.
+    assert_eq!(rx.recv().await, Some(None), "Expect reached the backend");
 }

@@ -316,6 +316,8 @@ pub enum HeadError {
     TooLarge,
     /// An HTTP major version other than 1 on an HTTP/1 connection (505).
     Version,
+    /// A request line longer than [`MAX_HEAD`]: its target is too long (414, RFC 9112 §3).
+    TargetTooLong,
 }
 
 impl HeadError {
@@ -324,6 +326,7 @@ impl HeadError {
             HeadError::Bad => StatusCode::BAD_REQUEST,
             HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             HeadError::Version => StatusCode::HTTP_VERSION_NOT_SUPPORTED,
+            HeadError::TargetTooLong => StatusCode::URI_TOO_LONG,
         }
     }
 }
@@ -341,14 +344,19 @@ fn later_minor_version(buf: &mut BytesMut) -> Result<(), HeadError> {
         .ok_or(HeadError::Bad)?
         + 1;
     match &line[at..] {
+        // HTTP/1.0 and HTTP/1.1 parse: what the parser refused is elsewhere in the line (a
+        // space inside the target, `GET /a b HTTP/1.1`), a bad request.
+        [b'H', b'T', b'T', b'P', b'/', b'1', b'.', b'0' | b'1'] => Err(HeadError::Bad),
         [b'H', b'T', b'T', b'P', b'/', b'1', b'.', minor] if minor.is_ascii_digit() => {
             buf[at + 7] = b'1';
             Ok(())
         }
+        // `HTTP/2.0`, and `HTTP/3` as it is often written; not `HTTP/01.1`, which is no
+        // version's syntax (RFC 9112 §2.3: one digit, a dot, one digit).
         [b'H', b'T', b'T', b'P', b'/', major, rest @ ..]
             if major.is_ascii_digit()
                 && *major != b'1'
-                && rest.iter().all(|b| b.is_ascii_digit() || *b == b'.') =>
+                && matches!(rest, [] | [b'.', b'0'..=b'9']) =>
         {
             Err(HeadError::Version)
         }
@@ -365,12 +373,27 @@ fn one_plain_value(map: &HeaderMap, name: HeaderName) -> bool {
     )
 }
 
+/// Why a head over [`MAX_HEAD`] is refused: a request line that does not end within it has
+/// a target too long (414); else the head as a whole is (431).
+fn too_large(buf: &[u8]) -> HeadError {
+    let line_end = buf.iter().position(|&b| b == b'\n');
+    if line_end.is_none_or(|n| n >= MAX_HEAD) {
+        HeadError::TargetTooLong
+    } else {
+        HeadError::TooLarge
+    }
+}
+
 /// Parses the request head at the start of `buf` and removes it; `Ok(None)` if incomplete.
 pub fn parse_request(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> {
     match parse_request_as_is(buf) {
         Err(HeadError::Version) => {
             later_minor_version(buf)?;
-            parse_request_as_is(buf)
+            // Refused again: not for its version, which now reads HTTP/1.1.
+            parse_request_as_is(buf).map_err(|e| match e {
+                HeadError::Version => HeadError::Bad,
+                e => e,
+            })
         }
         parsed => parsed,
     }
@@ -387,7 +410,7 @@ fn parse_request_as_is(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> 
     ) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => {
-            return Err(HeadError::TooLarge);
+            return Err(too_large(buf));
         }
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
@@ -395,7 +418,7 @@ fn parse_request_as_is(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> 
         Err(_) => return Err(HeadError::Bad),
     };
     if len > MAX_HEAD {
-        return Err(HeadError::TooLarge);
+        return Err(too_large(buf));
     }
     let path = req.path.unwrap_or_default();
     let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
@@ -404,8 +427,9 @@ fn parse_request_as_is(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> 
     let path_at = path.as_ptr() as usize - buf.as_ptr() as usize;
     let path_span = path_at..path_at + path.len();
     let facts = h1::Facts::scan(req.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
-    // RFC 9112 §6.1: no Transfer-Encoding in HTTP/1.0, and chunked must be the last coding.
-    if facts.transfer_encoding && (!http_11 || !facts.last_chunked) {
+    // RFC 9112 §6.1: no Transfer-Encoding in HTTP/1.0, and chunked must be the last coding,
+    // applied once.
+    if facts.transfer_encoding && (!http_11 || !facts.last_chunked || facts.chunked_repeated) {
         return Err(HeadError::Bad);
     }
     // Transfer-Encoding wins over Content-Length (then not looked at, as hyper did).
@@ -436,8 +460,12 @@ fn parse_request_as_is(buf: &mut BytesMut) -> Result<Option<Parsed>, HeadError> 
         && !facts.close
         && !(facts.transfer_encoding
             && (facts.content_length.is_some() || facts.content_length_invalid));
-    // RFC 9110 §10.1.1: ignored in an HTTP/1.0 request (hyper did too).
+    // RFC 9110 §10.1.1: ignored in an HTTP/1.0 request (hyper did too), and not passed on
+    // either: the backend gets the request as HTTP/1.1, where it would mean something.
     let expect_continue = http_11 && facts.expect_continue;
+    if !http_11 {
+        map.remove(header::EXPECT);
+    }
     let wants_upgrade = http_11 && facts.upgrade;
     let mut request = Request::new(());
     *request.method_mut() = method;
@@ -1145,6 +1173,28 @@ mod tests {
                 "GET / HTTP/1.0\r\nUpgrade: websocket\r\n\r\n",
                 Ok((false, "length 0", false, false)),
             ),
+            // Empty list elements are ignored (RFC 9110 §5.6.1).
+            (
+                "POST / HTTP/1.1\r\nTransfer-Encoding: chunked,\r\n\r\n",
+                Ok((true, "chunked", false, false)),
+            ),
+            (
+                "POST / HTTP/1.1\r\nTransfer-Encoding: , , chunked\r\n\r\n",
+                Ok((true, "chunked", false, false)),
+            ),
+            // Chunked is applied once (RFC 9112 §6.1), and an empty value names no coding.
+            (
+                "POST / HTTP/1.1\r\nTransfer-Encoding: chunked, chunked\r\n\r\n",
+                Err(HeadError::Bad),
+            ),
+            (
+                "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+                Err(HeadError::Bad),
+            ),
+            (
+                "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: \r\n\r\n",
+                Err(HeadError::Bad),
+            ),
             (
                 "POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
                 Err(HeadError::Bad),
@@ -1193,7 +1243,15 @@ mod tests {
         let many = format!("GET / HTTP/1.1\r\n{many}\r\n");
         assert_eq!(parse(&many).err(), Some(HeadError::TooLarge));
         let uri = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(MAX_HEAD));
-        assert_eq!(parse(&uri).err(), Some(HeadError::TooLarge));
+        assert_eq!(parse(&uri).err(), Some(HeadError::TargetTooLong));
+        assert_eq!(HeadError::TargetTooLong.status().as_u16(), 414);
+        // A target that fits, with headers that do not: the head is too large.
+        let head = format!(
+            "GET /{} HTTP/1.1\r\nx: {}\r\n",
+            "a".repeat(100),
+            "b".repeat(MAX_HEAD)
+        );
+        assert_eq!(parse(&head).err(), Some(HeadError::TooLarge));
         assert_eq!(HeadError::TooLarge.status().as_u16(), 431);
         assert_eq!(HeadError::Bad.status().as_u16(), 400);
     }
@@ -1209,6 +1267,13 @@ mod tests {
             ("GET / HTTP/3\r\nHost: a\r\n\r\n", Err(HeadError::Version)),
             ("GET / HTTP/1.x\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
             ("GET / HTTX/1.1\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
+            // Grammar errors are 400, not 505: a space in the target, a version of another
+            // shape.
+            ("GET /a b HTTP/1.1\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
+            ("GET /a b HTTP/1.0\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
+            ("GET /a b HTTP/1.2\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
+            ("GET / HTTP/01.1\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
+            ("GET / HTTP/2.10\r\nHost: a\r\n\r\n", Err(HeadError::Bad)),
         ] {
             let mut buf = BytesMut::from(raw);
             let got = parse_request(&mut buf).map(|p| p.map(|p| p.request.version()));

@@ -44,6 +44,8 @@ pub enum Error {
     ChunkEnd,
     #[error("response trailers larger than {MAX_HEAD} bytes")]
     TrailersTooLarge,
+    #[error("invalid trailer line (a `name: value` field line ending in CRLF)")]
+    Trailer,
     #[error("backend closed the connection before the response ended")]
     Truncated,
     #[error("backend closed the connection without responding")]
@@ -271,10 +273,13 @@ pub struct Facts {
     pub transfer_encoding: bool,
     /// All Transfer-Encoding values together are exactly `chunked`.
     chunked_only: bool,
+    chunked_seen: bool,
     codings: usize,
     /// The last Transfer-Encoding line ends with `chunked` (what a request needs, RFC 9112
     /// §6.1, read as hyper's server read it).
     pub last_chunked: bool,
+    /// `chunked` is listed more than once (RFC 9112 §6.1: it is applied once, last).
+    pub chunked_repeated: bool,
     pub content_length: Option<u64>,
     pub content_length_invalid: bool,
     /// The last Expect line is `100-continue`.
@@ -298,14 +303,17 @@ impl Facts {
                 }
                 Known::TransferEncoding => {
                     f.transfer_encoding = true;
-                    f.last_chunked = value
-                        .rsplit(|&b| b == b',')
-                        .next()
-                        .is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                    // Empty list elements (`chunked,`, `, chunked`) are ignored (RFC 9110
+                    // §5.6.1); a line with none at all ends in no coding.
+                    f.last_chunked = false;
                     for c in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
                         if !c.is_empty() {
+                            let chunked = c.eq_ignore_ascii_case(b"chunked");
+                            f.chunked_repeated |= chunked && f.chunked_seen;
+                            f.chunked_seen |= chunked;
+                            f.last_chunked = chunked;
                             f.codings += 1;
-                            f.chunked_only = f.codings == 1 && c.eq_ignore_ascii_case(b"chunked");
+                            f.chunked_only = f.codings == 1 && chunked;
                         }
                     }
                 }
@@ -703,8 +711,10 @@ impl Chunked {
                         return Err(Error::TrailersTooLarge);
                     }
                     let line = buf.split_to(nl + 1);
-                    if &line[..] == b"\r\n" || &line[..] == b"\n" {
+                    if &line[..] == b"\r\n" {
                         self.state = ChunkState::Done;
+                    } else if !trailer_line_ok(&line) {
+                        return Err(Error::Trailer);
                     }
                 }
                 ChunkState::Done => return Ok(Decoded::Done),
@@ -713,25 +723,93 @@ impl Chunked {
     }
 }
 
-/// The size on a chunk-size line (ending in `\n`): hex digits, then optional whitespace and
-/// `;extensions`, then CRLF.
+/// The size on a chunk-size line, exactly as RFC 9112 §7.1 spells one: hex digits, then
+/// extensions (`;name` or `;name=value`, a value a token or a quoted string), then CRLF. A
+/// bare LF, or extension text of any other shape, is refused: a proxy in front that reads the
+/// line differently (up to the next CRLF, say) would see another end of the message than
+/// keyway, and the bytes between would be smuggled in as a request of their own.
 fn chunk_size(line: &[u8]) -> Option<u64> {
-    let line = line.strip_suffix(b"\n")?;
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let line = line.strip_suffix(b"\r\n")?;
     let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    if digits == 0 || digits > 16 {
-        return None;
-    }
-    let rest = &line[digits..];
-    let rest = rest
-        .iter()
-        .position(|&b| b != b' ' && b != b'\t')
-        .map_or(&[][..], |i| &rest[i..]);
-    if !rest.is_empty() && rest[0] != b';' {
+    if digits == 0 || digits > 16 || !chunk_extensions(&line[digits..]) {
         return None;
     }
     let s = std::str::from_utf8(&line[..digits]).ok()?;
     u64::from_str_radix(s, 16).ok()
+}
+
+/// `*( BWS ";" BWS ext-name [ BWS "=" BWS ext-val ] )` (RFC 9112 §7.1.1).
+fn chunk_extensions(mut rest: &[u8]) -> bool {
+    let bws = |r: &[u8]| -> usize { r.iter().take_while(|&&b| b == b' ' || b == b'\t').count() };
+    loop {
+        // Whitespace before the CRLF is tolerated, as whitespace before a `;` must be.
+        rest = &rest[bws(rest)..];
+        if rest.is_empty() {
+            return true;
+        }
+        let Some(after) = rest.strip_prefix(b";") else {
+            return false;
+        };
+        rest = &after[bws(after)..];
+        let name = rest.iter().take_while(|&&b| is_tchar(b)).count();
+        if name == 0 {
+            return false;
+        }
+        rest = &rest[name..];
+        let ws = bws(rest);
+        if rest[ws..].first() == Some(&b'=') {
+            rest = &rest[ws + 1..];
+            rest = &rest[bws(rest)..];
+            let value = if rest.first() == Some(&b'"') {
+                quoted_string_len(rest)
+            } else {
+                Some(rest.iter().take_while(|&&b| is_tchar(b)).count()).filter(|&n| n > 0)
+            };
+            let Some(value) = value else {
+                return false;
+            };
+            rest = &rest[value..];
+        }
+    }
+}
+
+/// The length of the quoted string `s` starts with (RFC 9110 §5.6.4), if it is one.
+fn quoted_string_len(s: &[u8]) -> Option<usize> {
+    let mut i = 1;
+    while let Some(&b) = s.get(i) {
+        match b {
+            b'"' => return Some(i + 1),
+            b'\\' => {
+                let next = *s.get(i + 1)?;
+                if !(next == b'\t' || next == b' ' || next >= 0x21) || next == 0x7f {
+                    return None;
+                }
+                i += 2;
+            }
+            b'\t' | b' ' | 0x21 | 0x23..=0x5b | 0x5d..=0x7e | 0x80..=0xff => i += 1,
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// A token character (RFC 9110 §5.6.2).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// A trailer line (ending in `\n`) as RFC 9112 §7.1.2 has it: a field line ending in CRLF,
+/// `name: value` with a token name and a value of visible characters, spaces and tabs.
+fn trailer_line_ok(line: &[u8]) -> bool {
+    let Some(line) = line.strip_suffix(b"\r\n") else {
+        return false;
+    };
+    let name = line.iter().take_while(|&&b| is_tchar(b)).count();
+    name > 0
+        && line.get(name) == Some(&b':')
+        && line[name + 1..]
+            .iter()
+            .all(|&b| b == b'\t' || (b >= 0x20 && b != 0x7f))
 }
 
 #[cfg(test)]
@@ -1218,6 +1296,11 @@ mod tests {
             ),
             ("A;ext=1\r\n0123456789\r\n0\r\n\r\n", "0123456789", true),
             (
+                "5 ; a = \"x \\\" y\" ;b=1;c\r\nhello\r\n0\r\n\r\n",
+                "hello",
+                true,
+            ),
+            (
                 "a \r\n0123456789\r\n0\r\nX-Trailer: 1\r\nY: 2\r\n\r\n",
                 "0123456789",
                 true,
@@ -1253,6 +1336,25 @@ mod tests {
             b"5\r\nhelloXX",
             b"5\r\nhello\rX",
             b"-1\r\n",
+            // Bare LFs, and extensions of another shape than `;name[=token|"quoted"]`: a
+            // front proxy reading up to the next CRLF would see another message end.
+            b"5\nhello\r\n0\r\n\r\n",
+            b"37;\nXXXX\r\n",
+            b"0\n\n",
+            b"5;\r\nhello\r\n",
+            b"5;a=\r\nhello\r\n",
+            b"5;a=\"x\r\nhello\r\n",
+            b"5;a b\r\nhello\r\n",
+            b"5;a\x00\r\nhello\r\n",
+            b"5;a=\xff\r\nhello\r\n",
+            b"5\r\r\nhello\r\n",
+            // Trailer lines are field lines ending in CRLF.
+            b"0\r\n\n",
+            b"0\r\n\nGET /smug HTTP/1.1\r\n\r\n",
+            b"0\r\nno colon\r\n\r\n",
+            b"0\r\nt: v\n\r\n",
+            b"0\r\n t: v\r\n\r\n",
+            b"0\r\nt: a\x00b\r\n\r\n",
         ];
         for wire in bad {
             assert!(

@@ -393,8 +393,30 @@ async fn route(
             full(StatusCode::BAD_REQUEST, "more than one Host header"),
         ));
     }
+    // RFC 9113 §8.2.1: an HTTP/2 field value neither starts nor ends with a space or tab, and
+    // a request with one is malformed. HTTP/1.1 strips such whitespace as it parses; passed on
+    // from HTTP/2, a backend may read `" admin"` and `"admin"` alike where a route did not.
+    if req.version() == Version::HTTP_2
+        && req.headers().values().any(|v| {
+            let v = v.as_bytes();
+            v.first().is_some_and(|b| *b == b' ' || *b == b'\t')
+                || v.last().is_some_and(|b| *b == b' ' || *b == b'\t')
+        })
+    {
+        return Err((
+            Unrouted::Invalid,
+            full(
+                StatusCode::BAD_REQUEST,
+                "a field value starts or ends with whitespace",
+            ),
+        ));
+    }
     let authority = req.uri().authority();
-    if req.version() == Version::HTTP_11 && authority.is_none() && host_header.is_none() {
+    // An http(s) request names its host: HTTP/1.1 in Host (RFC 9112 §3.2), HTTP/2 in
+    // :authority or Host (RFC 9113 §8.3.1); an empty one is an http URI with an empty host,
+    // which a recipient must reject (RFC 9110 §4.2.1). HTTP/1.0 may leave it out.
+    let no_host = host_header.is_none_or(|h| h.as_bytes().is_empty());
+    if req.version() >= Version::HTTP_11 && authority.is_none() && no_host {
         return Err((
             Unrouted::Invalid,
             full(StatusCode::BAD_REQUEST, "no Host header"),
@@ -480,7 +502,14 @@ async fn route(
     }
     // Routes match, and the backend gets, the normalised path (see `path`): a raw `..` or `//`
     // could pass a route for a more specific path and reach a broader one.
-    if let Some(normal) = super::path::normalize(req.uri().path()) {
+    // An absolute-form target with an empty path (`http://b?q=1`) goes on in origin form with
+    // `/` for its path (RFC 9112 §3.2.1), never as `?q=1`, which no origin-form reader takes.
+    let empty_path = || {
+        let raw = req.uri().path_and_query().map(|p| p.as_str());
+        raw.is_some_and(|p| p.starts_with('?'))
+            .then(|| "/".to_string())
+    };
+    if let Some(normal) = super::path::normalize(req.uri().path()).or_else(empty_path) {
         let target = match req.uri().query() {
             Some(q) => format!("{normal}?{q}"),
             None => normal,
