@@ -229,7 +229,15 @@ pub fn reconcile(
         .collect();
     let mut listeners = by_precedence(&candidates, Kind::Listener);
     listeners.extend(by_precedence(&candidates, Kind::MultiKeyListener));
-    listeners.sort_by_key(|k| precedence_of(&candidates[k]));
+    // One already in force on its host and port goes first: an edit that moves another onto
+    // them is the one rejected (that one keeps serving where it was), never the one serving.
+    // Then the oldest.
+    listeners.sort_by_key(|k| {
+        let wanted = host_port(&candidates[k].resource);
+        let serving =
+            wanted.is_some() && index.get(k).and_then(|o| host_port(&o.resource)) == wanted;
+        (!serving, precedence_of(&candidates[k]))
+    });
     for key in listeners {
         let Some((host, port)) = host_port(&candidates[&key].resource) else {
             continue;

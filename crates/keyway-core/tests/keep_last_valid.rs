@@ -332,6 +332,72 @@ fn older_objects_win_host_port_clashes_across_reloads() {
     assert!(site.get(Kind::Listener, "aaa").is_some());
 }
 
+/// An edit that moves an older object onto the port a newer one serves is the edit that is
+/// rejected: the moved object keeps its last valid version (its old port, where it goes on
+/// serving), and the one serving keeps the port. Age decides only between objects neither
+/// of which serves there yet.
+#[test]
+fn an_edit_onto_a_served_port_is_rejected_not_the_one_serving() {
+    let mut site = Site::default();
+    site.reload(&[("a.yaml", &listener("old", "8080"))], 0);
+    site.reload(
+        &[
+            ("a.yaml", &listener("old", "8080")),
+            ("b.yaml", &listener("new", "8081")),
+        ],
+        1,
+    );
+    let r = site.reload(
+        &[
+            ("a.yaml", &listener("old", "8081")),
+            ("b.yaml", &listener("new", "8081")),
+        ],
+        2,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    let e = &r.errors[0];
+    assert_eq!(e.path, "spec.port");
+    assert_eq!(
+        e.object.as_ref().map(|k| k.name.as_str()),
+        Some("old"),
+        "{e}"
+    );
+    assert!(
+        e.message.contains("already used by Listener default/new"),
+        "{e}"
+    );
+    assert!(e.message.contains("keeps its last valid version"), "{e}");
+    assert_eq!(port_of(site.get(Kind::Listener, "old")), 8080);
+    assert_eq!(port_of(site.get(Kind::Listener, "new")), 8081);
+    // A MultiKeyListener moved onto a Listener's port alike.
+    let mut site = Site::default();
+    site.reload(&[("m.yaml", &mkl("m", 8090, PRIORITY))], 0);
+    site.reload(
+        &[
+            ("m.yaml", &mkl("m", 8090, PRIORITY)),
+            ("l.yaml", &listener("l", "8091")),
+        ],
+        1,
+    );
+    let r = site.reload(
+        &[
+            ("m.yaml", &mkl("m", 8091, PRIORITY)),
+            ("l.yaml", &listener("l", "8091")),
+        ],
+        2,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert_eq!(
+        r.errors[0].object.as_ref().map(|k| k.name.as_str()),
+        Some("m")
+    );
+    match site.get(Kind::MultiKeyListener, "m") {
+        Some(Resource::MultiKeyListener(m)) => assert_eq!(m.spec.port, 8090),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(port_of(site.get(Kind::Listener, "l")), 8091);
+}
+
 const PRIORITY: &str = "    priority:\n      routingKeys: [a, b]\n";
 const PRIORITY_FAILOVER: &str = "    priorityFailover:\n      routingKeys: [b, a, c]\n";
 const WEIGHTED: &str = "    weighted:\n      routingKeys: {a: 1, b: 2}\n";
