@@ -894,6 +894,73 @@ async fn bind_failure_is_reported_then_recovers() {
     assert_eq!(r.status, StatusCode::OK);
 }
 
+/// A listener moved to a port another program holds goes on accepting on its old port, with
+/// its routes, until the new port binds (its error says so); then the old port closes. An
+/// edit undone meanwhile keeps the old socket (no moment without it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_moved_to_a_busy_port_keeps_its_old_port_until_the_new_one_binds() {
+    let old = free_port();
+    let new = free_port();
+    let be = http_backend("be").await;
+    let yaml_on = |port: u16| {
+        let mut yaml = service("svc", be);
+        yaml.push_str(&gateway(&format!(
+            "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+        )));
+        yaml.push_str(&http_route("r", 1, "", &tagged("[]", "r", "svc")));
+        yaml
+    };
+    let dp = dataplane();
+    dp.apply(&compile(&yaml_on(old)));
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            std::net::TcpStream::connect(("127.0.0.1", old)).is_ok()
+        })
+        .await
+    );
+    let c = client();
+    assert_eq!(get(&c, old, "x", "/").await.status, StatusCode::OK);
+
+    let squatter = std::net::TcpListener::bind(("0.0.0.0", new)).expect("squat");
+    dp.apply(&compile(&yaml_on(new)));
+    let still = format!("still accepting on 0.0.0.0:{old} until it binds");
+    let reported = eventually(Duration::from_secs(3), || async {
+        dp.observe().gateway_errors.iter().any(|e| {
+            e.listener == "web" && e.message.contains("cannot bind") && e.message.contains(&still)
+        })
+    })
+    .await;
+    assert!(reported, "{:?}", dp.observe().gateway_errors);
+    // The old port serves the listener's routes on, on new connections too.
+    for _ in 0..3 {
+        assert_eq!(get(&client(), old, "x", "/").await.status, StatusCode::OK);
+    }
+    // Undone: the old port is the listener's again, and never stopped accepting.
+    dp.apply(&compile(&yaml_on(old)));
+    assert_eq!(get(&client(), old, "x", "/").await.status, StatusCode::OK);
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            dp.observe().gateway_errors.is_empty()
+        })
+        .await,
+        "{:?}",
+        dp.observe().gateway_errors
+    );
+    // Moved again; the squatter leaves: the new port binds and the old one closes.
+    dp.apply(&compile(&yaml_on(new)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(get(&client(), old, "x", "/").await.status, StatusCode::OK);
+    drop(squatter);
+    let moved = eventually(Duration::from_secs(5), || async {
+        dp.observe().gateway_errors.is_empty()
+            && std::net::TcpStream::connect(("127.0.0.1", old)).is_err()
+    })
+    .await;
+    assert!(moved, "{:?}", dp.observe().gateway_errors);
+    assert_eq!(get(&client(), new, "x", "/").await.status, StatusCode::OK);
+    assert_eq!(dp.shutdown(IO_TIMEOUT).await, 0);
+}
+
 /// A TLS backend for passthrough: presents `leaf`, then greets with `name` and echoes.
 async fn tls_backend(name: &'static str, ca: &Ca, host: &str) -> SocketAddr {
     let leaf = ca.leaf(&[host]);

@@ -456,6 +456,9 @@ pub fn rederive_programmed(
     let promote =
         |status: &mut Value| set_programmed(status, true, "Programmed", "programmed", now);
     let mut gateways_serving: std::collections::BTreeSet<crate::ObjectKey> = Default::default();
+    // Gateways with a ListenerSet listener accepted: such a Gateway serves listeners, and
+    // stays accepted while its own ports are unavailable (its ListenerSets say it is).
+    let mut gateways_with_sets: std::collections::BTreeSet<crate::ObjectKey> = Default::default();
     for obj in index.of_kind(Kind::ListenerSet) {
         let Resource::ListenerSet(ls) = &obj.resource else {
             continue;
@@ -463,11 +466,20 @@ pub fn rederive_programmed(
         let Some(status) = statuses.get_mut(&obj.key) else {
             continue;
         };
+        let p = &ls.spec.parent_ref;
+        let ns = p.namespace.as_deref().unwrap_or(&obj.key.namespace);
+        let parent = crate::ObjectKey::new(Kind::Gateway, ns, &p.name);
+        let accepted_listener = status["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|l| condition_true(l, "Accepted"));
+        if accepted_listener && condition_true(status, "Accepted") {
+            gateways_with_sets.insert(parent.clone());
+        }
         if any_programmed(status) {
             promote(status);
-            let p = &ls.spec.parent_ref;
-            let ns = p.namespace.as_deref().unwrap_or(&obj.key.namespace);
-            gateways_serving.insert(crate::ObjectKey::new(Kind::Gateway, ns, &p.name));
+            gateways_serving.insert(parent);
         } else if status["listeners"]
             .as_array()
             .is_some_and(|l| !l.is_empty())
@@ -502,7 +514,8 @@ pub fn rederive_programmed(
         if flags.is_empty() || flags.iter().all(|a| *a) {
             continue;
         }
-        let none = !flags.iter().any(|a| *a);
+        let serving = flags.iter().any(|a| *a) || (gateway && gateways_with_sets.contains(key));
+        let none = !serving;
         let (accepted, message) = match (gateway, none) {
             (true, true) => (false, "no listener of this Gateway is valid"),
             (true, false) => (

@@ -807,6 +807,50 @@ fn a_listener_serving_its_last_valid_certificate_is_programmed() {
     assert_eq!(cond(&gw["conditions"], "Programmed"), yes("Programmed"));
 }
 
+/// A Gateway whose own listeners' ports are all unavailable at the site stays accepted while a
+/// ListenerSet's listener on it is (the ListenerSets serve, and say their parent is accepted):
+/// `Accepted=True/ListenersNotValid`. With no ListenerSet serving, it is not accepted.
+#[test]
+fn a_gateway_whose_own_ports_are_unavailable_stays_accepted_for_its_listener_sets() {
+    let one = |with_set: bool| {
+        let mut y = base("from: All");
+        if with_set {
+            y += &listener_set(
+                "team-a",
+                "ls",
+                1,
+                "gw",
+                &l("x", 8081, "HTTP", Some("a.example.com")),
+            );
+        }
+        let index = index_of(&y);
+        let r = resolve(&index, &now());
+        let mut statuses: std::collections::BTreeMap<ObjectKey, Value> = r
+            .statuses
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let at = Value::from("2030-01-01T00:00:00Z");
+        let gw_key = key(GW, "infra", "gw");
+        let names: Vec<String> = statuses[&gw_key]["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["name"].as_str().map(str::to_string))
+            .collect();
+        assert!(!names.is_empty());
+        if let Some(s) = statuses.get_mut(&gw_key) {
+            for n in &names {
+                mark_port_unavailable(s, n, "cannot bind port 80: Address already in use", &at);
+            }
+        }
+        rederive_programmed(&index, &mut statuses, &at);
+        cond(&statuses[&gw_key]["conditions"], "Accepted")
+    };
+    assert_eq!(one(true), yes("ListenersNotValid"));
+    assert_eq!(one(false), no("ListenersNotValid"));
+}
+
 #[test]
 fn supported_kinds_list_only_valid_kinds() {
     let y = base("from: All")

@@ -213,9 +213,18 @@ impl GatewayMetrics {
 
     /// Removes a closed port's series.
     fn forget_port(&self, addr: SocketAddr) {
-        let labels: Labels = vec![("address", addr.to_string())];
-        self.connections.remove(&labels);
-        self.connections_active.remove(&labels);
+        (self.port_forgetter(addr))();
+    }
+
+    /// [`Self::forget_port`], to run later (when a port still accepting for moved listeners
+    /// closes).
+    fn port_forgetter(&self, addr: SocketAddr) -> Box<dyn FnOnce() + Send + Sync> {
+        let (connections, active) = (self.connections.clone(), self.connections_active.clone());
+        Box::new(move || {
+            let labels: Labels = vec![("address", addr.to_string())];
+            connections.remove(&labels);
+            active.remove(&labels);
+        })
     }
 }
 
@@ -509,6 +518,41 @@ pub struct Ctx {
 #[derive(Default)]
 struct PortState {
     error: Mutex<Option<String>>,
+    /// Ports this one takes listeners over from, accepting on until this one binds (a
+    /// listener moved to a port another program holds keeps its old port meanwhile, as a
+    /// Skupper Listener does); with whether this port has bound, under one lock, so a port
+    /// handed over is never left behind by a bind that happened meanwhile.
+    moved_from: Mutex<(bool, Vec<Replaced>)>,
+}
+
+/// A port no longer in the config whose listeners moved to one not bound yet.
+struct Replaced {
+    addr: SocketAddr,
+    handle: PortHandle,
+    /// Removes the port's metric series once it closes.
+    forget: Box<dyn FnOnce() + Send + Sync>,
+}
+
+impl Replaced {
+    /// Stops accepting; its open connections stop serving the old routes (as those of any
+    /// port that leaves the config).
+    fn close(self) {
+        tracing::info!(addr = %self.addr, "gateway port its listeners moved from: closed");
+        blank(&self.handle.config);
+        (self.forget)();
+    }
+}
+
+/// A port's config with no listener left: what connections of a closed port see.
+fn blank(config: &ArcSwap<PortConfig>) {
+    let old = config.load();
+    if !old.listeners.is_empty() {
+        config.store(Arc::new(PortConfig {
+            port: old.port,
+            family: old.family,
+            listeners: Vec::new(),
+        }));
+    }
 }
 
 struct PortHandle {
@@ -647,6 +691,15 @@ impl Gateways {
             }
         }
         let mut ports = lock(&self.ports);
+        // Ports still accepting for listeners that moved are ports like the others here: one
+        // wanted again is kept (an edit undone), and the rest are handed over again below.
+        let lingering: Vec<Replaced> = ports
+            .values()
+            .flat_map(|h| std::mem::take(&mut lock(&h.state.moved_from).1))
+            .collect();
+        for r in lingering {
+            ports.entry(r.addr).or_insert(r.handle);
+        }
         let mut configs = lock(&self.configs);
         let mut next = BTreeMap::new();
         for (addr, (owner, pb, cert)) in wanted {
@@ -680,33 +733,55 @@ impl Gateways {
                 }
             }
         }
+        // A port no longer in the config whose listeners all moved to one port not bound yet
+        // goes on accepting, with their routes, until that port binds. (Not if any of them was
+        // deleted or went elsewhere: what left the config is not served on.)
+        let old_ports = std::mem::take(&mut *ports);
+        let mut still_accepting: Vec<Arc<SharedConfig>> = Vec::new();
+        for (addr, handle) in old_ports {
+            let moved_to = next.values().find(|h: &&PortHandle| {
+                !handle.listeners.is_empty()
+                    && handle.listeners.iter().all(|l| h.listeners.contains(l))
+                    && !lock(&h.state.moved_from).0
+            });
+            let Some(to) = moved_to else {
+                tracing::info!(%addr, "gateway port no longer in the config: closed");
+                self.metrics.forget_port(addr);
+                continue;
+            };
+            let mut moved = lock(&to.state.moved_from);
+            if moved.0 {
+                // Bound meanwhile.
+                self.metrics.forget_port(addr);
+                continue;
+            }
+            if !moved.1.iter().any(|r| r.addr == addr) {
+                tracing::info!(%addr, "gateway port no longer in the config: accepting until the port its listeners moved to binds");
+            }
+            still_accepting.push(handle.config.clone());
+            moved.1.push(Replaced {
+                addr,
+                handle,
+                forget: self.metrics.port_forgetter(addr),
+            });
+        }
         // Connections of ports no longer served stop serving their old routes.
         configs.retain(|_, weak| {
             let Some(swap) = weak.upgrade() else {
                 return false;
             };
-            if !next
+            let serving = next
                 .values()
-                .any(|h: &PortHandle| Arc::ptr_eq(&h.config, &swap))
-            {
-                let old = swap.load();
-                if !old.listeners.is_empty() {
-                    swap.store(Arc::new(PortConfig {
-                        port: old.port,
-                        family: old.family,
-                        listeners: Vec::new(),
-                    }));
-                }
+                .map(|h: &PortHandle| &h.config)
+                .chain(&still_accepting)
+                .any(|c| Arc::ptr_eq(c, &swap));
+            if !serving {
+                blank(&swap);
             }
             true
         });
         drop(configs);
         self.metrics.forget_unused_routes();
-        // Dropping the rest stops their accept loops.
-        for addr in ports.keys() {
-            tracing::info!(%addr, "gateway port no longer in the config: closed");
-            self.metrics.forget_port(*addr);
-        }
         *ports = next;
         drop(ports);
         *lock(&self.rejected) = rejected;
@@ -1060,15 +1135,32 @@ async fn accept_loop(
             Ok(s) => {
                 tracing::info!(%addr, "gateway port listening");
                 *lock(&state.error) = None;
+                let replaced = {
+                    let mut moved = lock(&state.moved_from);
+                    moved.0 = true;
+                    std::mem::take(&mut moved.1)
+                };
+                replaced.into_iter().for_each(Replaced::close);
                 break s;
             }
             Err(e) => {
                 failures += 1;
-                let msg = if addr.ip().is_unspecified() {
+                let mut msg = if addr.ip().is_unspecified() {
                     format!("cannot bind port {}: {e}", addr.port())
                 } else {
                     format!("cannot bind {addr}: {e}")
                 };
+                let old: Vec<String> = lock(&state.moved_from)
+                    .1
+                    .iter()
+                    .map(|r| r.addr.to_string())
+                    .collect();
+                if !old.is_empty() {
+                    msg.push_str(&format!(
+                        "; still accepting on {} until it binds",
+                        old.join(", ")
+                    ));
+                }
                 // The status says so at once; the log waits for a third failure (~200 ms): a
                 // port moving between addresses (`0.0.0.0` to `127.0.0.1`) is busy until its
                 // old bind has closed, which is no news to the operator.
