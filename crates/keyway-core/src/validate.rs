@@ -979,11 +979,10 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
             let path = &m["path"];
             let t = path["type"].as_str().unwrap_or("PathPrefix");
             if let Some(value) = path["value"].as_str() {
-                if matches!(t, "Exact" | "PathPrefix") && !value.starts_with('/') {
-                    p.add(
-                        format!("{at}.matches[{j}].path.value"),
-                        "path must be absolute (start with '/')",
-                    );
+                if matches!(t, "Exact" | "PathPrefix")
+                    && let Some(why) = path_match_problem(value)
+                {
+                    p.add(format!("{at}.matches[{j}].path.value"), why);
                 }
                 if t == "RegularExpression" && value.is_empty() {
                     p.add(
@@ -1395,6 +1394,46 @@ fn is_cors_origin(o: &str) -> bool {
                 !l.is_empty() && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
             }));
     host_ok && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0))
+}
+
+/// What the upstream schema (CEL) refuses in an `Exact` or `PathPrefix` path value: not
+/// absolute, characters outside a path's (`/a b`), or segments a normalising peer would read
+/// differently (`//`, `/./`, `/../`, an encoded `/`, a fragment).
+fn path_match_problem(value: &str) -> Option<&'static str> {
+    if !value.starts_with('/') {
+        return Some("path must be absolute (start with '/')");
+    }
+    let bytes = value.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b == b'%' {
+            let hex = |k: usize| bytes.get(k).is_some_and(u8::is_ascii_hexdigit);
+            if !(hex(i + 1) && hex(i + 2)) {
+                return Some("a `%` must start a percent-encoded byte (`%2e`)");
+            }
+            i += 3;
+            continue;
+        }
+        if !(b.is_ascii_alphanumeric() || b"-/._~!$&'()*+,;=:@".contains(&b)) {
+            return Some(
+                "must only contain valid characters (matching ^(?:[-A-Za-z0-9/._~!$&'()*+,;=:@]|[%][0-9a-fA-F]{2})+$)",
+            );
+        }
+        i += 1;
+    }
+    let lower = value.to_ascii_lowercase();
+    [
+        ("//", "must not contain '//'"),
+        ("/./", "must not contain '/./'"),
+        ("/../", "must not contain '/../'"),
+        ("%2f", "must not contain '%2f' or '%2F'"),
+    ]
+    .into_iter()
+    .find(|(bad, _)| lower.contains(bad))
+    .map(|(_, why)| why)
+    .or_else(|| value.ends_with("/..").then_some("must not end with '/..'"))
+    .or_else(|| value.ends_with("/.").then_some("must not end with '/.'"))
 }
 
 /// A header name as RFC 9110 spells one (a token).

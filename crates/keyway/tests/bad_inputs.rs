@@ -885,6 +885,28 @@ fn cases() -> Vec<Case> {
             "spec.rules[0].filters[0].urlRewrite",
             "urlRewrite is required for filter type URLRewrite",
         ),
+        // --- Path values: the schema's CEL rules for Exact and PathPrefix ----------------------
+        case(
+            "route-path-with-a-space",
+            http_route("  - matches: [{path: {type: PathPrefix, value: \"/a b\"}}]\n"),
+            9,
+            "spec.rules[0].matches[0].path.value",
+            "must only contain valid characters",
+        ),
+        case(
+            "route-path-with-a-dot-segment",
+            http_route("  - matches: [{path: {type: Exact, value: /a/../b}}]\n"),
+            9,
+            "spec.rules[0].matches[0].path.value",
+            "must not contain '/../'",
+        ),
+        case(
+            "route-path-with-an-encoded-slash",
+            http_route("  - matches: [{path: {type: PathPrefix, value: /a%2Fb}}]\n"),
+            9,
+            "spec.rules[0].matches[0].path.value",
+            "must not contain '%2f' or '%2F'",
+        ),
         // --- Header and query parameter names: the schema's HeaderName pattern ---------------
         case(
             "route-header-modifier-bad-name",
