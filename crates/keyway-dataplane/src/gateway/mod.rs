@@ -535,7 +535,8 @@ struct Replaced {
 
 impl Replaced {
     /// Stops accepting; its open connections stop serving the old routes (as those of any
-    /// port that leaves the config).
+    /// port that leaves the config). Its config is its own: ports share one only on the same
+    /// port number, which never hand over (see [`Gateways::apply`]).
     fn close(self) {
         tracing::info!(addr = %self.addr, "gateway port its listeners moved from: closed");
         blank(&self.handle.config);
@@ -735,14 +736,18 @@ impl Gateways {
         }
         // A port no longer in the config whose listeners all moved to one port not bound yet
         // goes on accepting, with their routes, until that port binds. (Not if any of them was
-        // deleted or went elsewhere: what left the config is not served on.)
+        // deleted or went elsewhere: what left the config is not served on. Nor to the same
+        // port number on another address: the new bind may need the old one closed first, as
+        // from 127.0.0.1 to every address.)
         let old_ports = std::mem::take(&mut *ports);
         let mut still_accepting: Vec<Arc<SharedConfig>> = Vec::new();
         for (addr, handle) in old_ports {
-            let moved_to = next.values().find(|h: &&PortHandle| {
-                !handle.listeners.is_empty()
+            let moved_to = next.iter().find_map(|(to, h)| {
+                let moved = to.port() != addr.port()
+                    && !handle.listeners.is_empty()
                     && handle.listeners.iter().all(|l| h.listeners.contains(l))
-                    && !lock(&h.state.moved_from).0
+                    && !lock(&h.state.moved_from).0;
+                moved.then_some(h)
             });
             let Some(to) = moved_to else {
                 tracing::info!(%addr, "gateway port no longer in the config: closed");
