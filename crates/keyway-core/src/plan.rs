@@ -24,8 +24,12 @@ pub struct Plan {
     /// Listeners, MultiKeyListeners, Connectors, Links and a RouterAccess left out of this plan
     /// because their TLS Secret does not resolve (missing, no `tls.key`, no `ca.crt` where one is
     /// needed): one already running keeps its last valid TLS, and its connections, instead of
-    /// being stopped (SPEC §7: bad input loses nothing already running). Status says why.
-    #[serde(skip)]
+    /// being stopped (SPEC §7: bad input loses nothing already running). Status says why;
+    /// `/config` lists them (`Kind/namespace/name`), as what runs is more than the plan above.
+    #[serde(
+        skip_serializing_if = "std::collections::BTreeSet::is_empty",
+        serialize_with = "key_strings"
+    )]
     pub held: std::collections::BTreeSet<ObjectKey>,
 }
 
@@ -146,4 +150,14 @@ impl Default for HealthCheck {
 
 fn key_string<S: serde::Serializer>(key: &ObjectKey, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&format!("{}/{}/{}", key.kind, key.namespace, key.name))
+}
+
+fn key_strings<S: serde::Serializer>(
+    keys: &std::collections::BTreeSet<ObjectKey>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_seq(
+        keys.iter()
+            .map(|k| format!("{}/{}/{}", k.kind, k.namespace, k.name)),
+    )
 }

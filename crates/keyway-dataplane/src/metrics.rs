@@ -356,6 +356,27 @@ impl Metrics {
         m
     }
 
+    /// Removes the series of peers that no link connection or stream uses any more (a site
+    /// that went away, or one that connected once under a name of its own choosing), so peer
+    /// names do not pile up on /metrics. A peer that comes back gets its series again, from 0.
+    pub fn forget_unused_links(&self) {
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        links.retain(|peer, m| {
+            // The cache's own reference is the last: handed out under this lock, so none
+            // can be on its way to a new connection.
+            if Arc::strong_count(m) > 1 {
+                return true;
+            }
+            let labels: Labels = vec![("peer", peer.clone())];
+            self.link_connections.remove(&labels);
+            self.link_streams.remove(&labels);
+            self.link_streams_active.remove(&labels);
+            self.link_bytes.remove(&with_direction(&labels, "in"));
+            self.link_bytes.remove(&with_direction(&labels, "out"));
+            false
+        });
+    }
+
     pub fn connection_labels(listener: &str, key: &str, target: &Target) -> Labels {
         vec![
             ("listener", listener.to_string()),
@@ -503,6 +524,35 @@ mod tests {
         assert_eq!(
             classic_text(open),
             "# HELP keyway_reloads_total Reloads.\n# TYPE keyway_reloads_total counter\nkeyway_reloads_total 3\n# HELP keyway_up Up.\n# TYPE keyway_up gauge\nkeyway_up{a=\"b\"} 1\n# TYPE keyway_build_info gauge\nkeyway_build_info{v=\"1\"} 1\n"
+        );
+    }
+
+    /// A peer's link series leave once nothing uses them; one in use stays, and one that
+    /// comes back is there again.
+    #[test]
+    fn unused_peers_leave_the_link_series() {
+        let m = Metrics::default();
+        let gone = m.link("mallory");
+        gone.connections.inc();
+        gone.connections.dec();
+        let live = m.link("west");
+        live.connections.inc();
+        let guard = live.track_stream();
+        drop(live);
+        drop(gone);
+        m.forget_unused_links();
+        let text = m.encode_classic();
+        assert!(!text.contains("mallory"), "{text}");
+        assert!(text.contains("peer=\"west\""), "{text}");
+        // The stream still holds west's series; once it ends, they go too.
+        drop(guard);
+        m.forget_unused_links();
+        assert!(!m.encode_classic().contains("west"));
+        let back = m.link("mallory");
+        back.connections.inc();
+        assert!(
+            m.encode_classic()
+                .contains("keyway_link_connections{peer=\"mallory\"} 1")
         );
     }
 

@@ -1002,6 +1002,7 @@ async fn refresh_loop(inner: Weak<Inner>) {
         }
         let Some(inner) = inner.upgrade() else { return };
         inner.retry_access();
+        inner.dataplane.metrics().forget_unused_links();
         let keys = inner.dataplane.registry().local_reachable_keys();
         let mut st = lock(&inner.state);
         // Another site under our name has gone quiet (it stopped, most likely): the network

@@ -516,8 +516,10 @@ fn status(
         name,
         namespace,
     };
-    let (items, errors, warnings): (Vec<serde_json::Value>, Vec<String>, Vec<String>) = match source
-    {
+    // `rejected`: a document was rejected (offline: a running site would keep its last valid
+    // version, which the offline report cannot show).
+    type Report = (Vec<serde_json::Value>, Vec<String>, Vec<String>, bool);
+    let (items, errors, warnings, rejected): Report = match source {
         Source::Site(addr) => {
             let body = crate::admin::fetch(addr, "/status")?;
             let list: serde_json::Value =
@@ -537,7 +539,12 @@ fn status(
                     .map(|e| e.as_str().unwrap_or_default().to_string())
                     .collect()
             };
-            (items, strings("configErrors"), strings("configWarnings"))
+            (
+                items,
+                strings("configErrors"),
+                strings("configWarnings"),
+                false,
+            )
         }
         Source::Offline(config, state_dir) => {
             let mut compiled = compile_dir_for_status(config, state_dir)?;
@@ -548,6 +555,7 @@ fn status(
                 .map(ToString::to_string)
                 .collect();
             let errors = compiled.errors().iter().map(ToString::to_string).collect();
+            let rejected = !compiled.reconciled.errors.is_empty();
             // AccessGrant redemption counts live in the state directory.
             let book = grants::GrantBook::load(state_dir)?;
             let now = now();
@@ -561,7 +569,7 @@ fn status(
             );
             compiled.statuses.extend(grant_statuses);
             let items = report::objects(&compiled.index, &compiled.statuses, &filter);
-            (items, errors, warnings)
+            (items, errors, warnings, rejected)
         }
     };
     // As `validate` does: an ignored document or field may be why an object is missing.
@@ -573,7 +581,7 @@ fn status(
     for e in &errors {
         eprintln!("error: {e}");
     }
-    if matches!(source, Source::Offline(..)) && !errors.is_empty() {
+    if matches!(source, Source::Offline(..)) && rejected {
         eprintln!(
             "note: this is what a site starting now would report; a running site keeps the last valid version of a rejected document, which only `keyway status --admin` shows"
         );

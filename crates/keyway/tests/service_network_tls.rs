@@ -135,6 +135,14 @@ fn a_tls_connector_keeps_serving_when_its_secret_loses_ca_crt() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // `/config` (what runs) names it as held at its last valid TLS.
+    let config: serde_json::Value =
+        serde_json::from_str(&site.get("/config").unwrap_or_default()).unwrap_or_default();
+    assert_eq!(
+        config["held"],
+        serde_json::json!(["Connector/default/svc"]),
+        "{config:#}"
+    );
 }
 
 /// The dialing side: the link Secret loses `ca.crt`. The Link's status says why, and the
