@@ -935,6 +935,19 @@ async fn a_listener_moved_to_a_busy_port_keeps_its_old_port_until_the_new_one_bi
     for _ in 0..3 {
         assert_eq!(get(&client(), old, "x", "/").await.status, StatusCode::OK);
     }
+    // As the config has them now: a route deleted meanwhile is not served there either.
+    let without_route = yaml_on(new)
+        .split("---\n")
+        .filter(|doc| !doc.contains("kind: HTTPRoute"))
+        .collect::<Vec<_>>()
+        .join("---\n");
+    dp.apply(&compile(&without_route));
+    assert_eq!(
+        get(&client(), old, "x", "/").await.status,
+        StatusCode::NOT_FOUND
+    );
+    dp.apply(&compile(&yaml_on(new)));
+    assert_eq!(get(&client(), old, "x", "/").await.status, StatusCode::OK);
     // Undone: the old port is the listener's again, and never stopped accepting.
     dp.apply(&compile(&yaml_on(old)));
     assert_eq!(get(&client(), old, "x", "/").await.status, StatusCode::OK);

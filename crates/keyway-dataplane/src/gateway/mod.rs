@@ -529,18 +529,27 @@ struct PortState {
 struct Replaced {
     addr: SocketAddr,
     handle: PortHandle,
+    /// What it serves (the config of the port its listeners moved to, at the last apply).
+    serves: Arc<PortConfig>,
     /// Removes the port's metric series once it closes.
     forget: Box<dyn FnOnce() + Send + Sync>,
 }
 
 impl Replaced {
-    /// Stops accepting; its open connections stop serving the old routes (as those of any
-    /// port that leaves the config). Its config is its own: ports share one only on the same
-    /// port number, which never hand over (see [`Gateways::apply`]).
+    /// Stops accepting; its open connections stop serving the moved listeners' routes here
+    /// (as those of any port that leaves the config). Unless an apply running meanwhile gave
+    /// its config to a port of its own: then that port's config and series stay.
     fn close(self) {
         tracing::info!(addr = %self.addr, "gateway port its listeners moved from: closed");
-        blank(&self.handle.config);
-        (self.forget)();
+        let empty = Arc::new(PortConfig {
+            port: self.serves.port,
+            family: self.serves.family,
+            listeners: Vec::new(),
+        });
+        let before = self.handle.config.compare_and_swap(&self.serves, empty);
+        if Arc::ptr_eq(&before, &self.serves) {
+            (self.forget)();
+        }
     }
 }
 
@@ -735,19 +744,26 @@ impl Gateways {
             }
         }
         // A port no longer in the config whose listeners all moved to one port not bound yet
-        // goes on accepting, with their routes, until that port binds. (Not if any of them was
-        // deleted or went elsewhere: what left the config is not served on. Nor to the same
-        // port number on another address: the new bind may need the old one closed first, as
-        // from 127.0.0.1 to every address.)
+        // goes on accepting until that port binds, serving what that port will: the moved
+        // listeners as the config has them now (a route deleted, a certificate renewed),
+        // updated at every apply. Only a port that was serving, and only while no port of the
+        // config is on its port number (one of the same Gateway there shares its config;
+        // another may need the address free to bind, as 127.0.0.1 to every address does). Not
+        // if any of its listeners was deleted or went elsewhere (what left the config is not
+        // served on), nor to another protocol family.
         let old_ports = std::mem::take(&mut *ports);
         let mut still_accepting: Vec<Arc<SharedConfig>> = Vec::new();
         for (addr, handle) in old_ports {
-            let moved_to = next.iter().find_map(|(to, h)| {
-                let moved = to.port() != addr.port()
+            let was_serving = lock(&handle.state.moved_from).0;
+            let number_taken = next.keys().any(|a| a.port() == addr.port());
+            let family = handle.config.load().family;
+            let moved_to = next.values().find(|h: &&PortHandle| {
+                was_serving
+                    && !number_taken
                     && !handle.listeners.is_empty()
                     && handle.listeners.iter().all(|l| h.listeners.contains(l))
-                    && !lock(&h.state.moved_from).0;
-                moved.then_some(h)
+                    && h.config.load().family == family
+                    && !lock(&h.state.moved_from).0
             });
             let Some(to) = moved_to else {
                 tracing::info!(%addr, "gateway port no longer in the config: closed");
@@ -763,10 +779,13 @@ impl Gateways {
             if !moved.1.iter().any(|r| r.addr == addr) {
                 tracing::info!(%addr, "gateway port no longer in the config: accepting until the port its listeners moved to binds");
             }
+            let serves = to.config.load_full();
+            handle.config.store(serves.clone());
             still_accepting.push(handle.config.clone());
             moved.1.push(Replaced {
                 addr,
                 handle,
+                serves,
                 forget: self.metrics.port_forgetter(addr),
             });
         }
