@@ -974,6 +974,27 @@ async fn backend_gets_the_routed_host_and_no_h2c_upgrade() {
     assert_eq!(got.path, "/a");
     assert_eq!(host(&got).as_deref(), Some("routed.test"));
 
+    // Look-alikes of the forwarded headers keyway sets (`_` for `-`) are dropped: a CGI-style
+    // backend would read them as the same variable.
+    let r = "GET /xff HTTP/1.1\r\nHost: routed.test\r\nX_Forwarded_For: 6.6.6.6\r\nx_forwarded_proto: https\r\nx_other: kept\r\n\r\n";
+    assert_eq!(raw_status(port, r).await, 200);
+    let got = seen().await;
+    assert!(
+        !got.headers.contains_key("x_forwarded_for"),
+        "{:?}",
+        got.headers
+    );
+    assert!(
+        !got.headers.contains_key("x_forwarded_proto"),
+        "{:?}",
+        got.headers
+    );
+    assert_eq!(got.headers.get("x_other").map(String::as_str), Some("kept"));
+    assert_eq!(
+        got.headers.get("x-forwarded-for").map(String::as_str),
+        Some("127.0.0.1")
+    );
+
     // `Connection: host` cannot take the Host away.
     let r = "GET /b HTTP/1.1\r\nHost: routed.test\r\nConnection: host\r\n\r\n";
     assert_eq!(raw_status(port, r).await, 200);

@@ -671,6 +671,12 @@ async fn with_cors(
     resp
 }
 
+/// Whether `name` (with a `_`) reads as X-Forwarded-For or X-Forwarded-Proto once `_` is `-`.
+fn forwarded_lookalike(name: &str) -> bool {
+    let folded = name.replace('_', "-");
+    folded == X_FORWARDED_FOR.as_str() || folded == X_FORWARDED_PROTO.as_str()
+}
+
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
@@ -889,6 +895,18 @@ async fn forward(
                 None => new,
             });
         }
+    }
+    // A client's `X_Forwarded_For` would reach a CGI-style backend (which folds `-` and `_`
+    // into one variable name) beside, or in place of, the header keyway sets: look-alikes of
+    // the headers set here are dropped, as nginx drops every name with `_` by default.
+    let lookalikes: Vec<HeaderName> = req
+        .headers()
+        .keys()
+        .filter(|n| n.as_str().contains('_') && forwarded_lookalike(n.as_str()))
+        .cloned()
+        .collect();
+    for n in lookalikes {
+        req.headers_mut().remove(n);
     }
     // X-Forwarded-For: append the client; X-Forwarded-Proto: what the client spoke.
     // Several X-Forwarded-For lines are one list (RFC 9110 §5.3): all of them, then the client.
