@@ -6,6 +6,7 @@
 //! tell which object that document was.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::net::IpAddr;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::{Deserialize, Serialize};
@@ -419,12 +420,60 @@ fn is_incomplete(incomplete: &HashSet<&str>, file: &str) -> bool {
 /// Two listener hosts collide on one port when equal, when either is a wildcard address, or
 /// when both are loopback (`localhost` is 127.0.0.1 and ::1 alike).
 pub(crate) fn hosts_overlap(a: &str, b: &str) -> bool {
-    let wildcard = |h: &str| matches!(h, "0.0.0.0" | "::" | "[::]");
-    let loopback =
-        |h: &str| h.eq_ignore_ascii_case("localhost") || matches!(h, "127.0.0.1" | "::1" | "[::1]");
+    let (ip_a, ip_b) = (host_ip(a), host_ip(b));
+    let wildcard = |ip: Option<IpAddr>| ip.is_some_and(|ip| ip.is_unspecified());
     let localhost = |h: &str| h.eq_ignore_ascii_case("localhost");
+    let loopback = |h: &str, ip: Option<IpAddr>| {
+        localhost(h)
+            || ip.is_some_and(|ip| {
+                ip == IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+                    || ip == IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
+            })
+    };
     a.eq_ignore_ascii_case(b)
-        || wildcard(a)
-        || wildcard(b)
-        || ((localhost(a) || localhost(b)) && loopback(a) && loopback(b))
+        || (ip_a.is_some() && ip_a == ip_b)
+        || wildcard(ip_a)
+        || wildcard(ip_b)
+        || ((localhost(a) || localhost(b)) && loopback(a, ip_a) && loopback(b, ip_b))
+}
+
+/// The address a host names when it is written as one: an IP address (IPv6 bracketed or not),
+/// or an IPv4 address in any form the system resolver takes for one (`127.1`, `0x7f.0.0.1`,
+/// `2130706433`: inet_aton's), so that two spellings of one address clash as their binds do.
+fn host_ip(host: &str) -> Option<IpAddr> {
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    // inet_aton: one to four numbers (decimal, 0x hex, 0 octal); the last fills what is left.
+    let parts: Vec<&str> = bare.split('.').collect();
+    if parts.len() > 4 {
+        return None;
+    }
+    let number = |p: &str| -> Option<u64> {
+        if let Some(hex) = p.strip_prefix("0x").or_else(|| p.strip_prefix("0X")) {
+            u64::from_str_radix(hex, 16).ok()
+        } else if p.len() > 1 && p.starts_with('0') {
+            u64::from_str_radix(&p[1..], 8).ok()
+        } else if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) {
+            p.parse().ok()
+        } else {
+            None
+        }
+    };
+    let numbers: Vec<u64> = parts.iter().map(|p| number(p)).collect::<Option<_>>()?;
+    let (last, head) = numbers.split_last()?;
+    if head.iter().any(|n| *n > 255) || *last >= 1u64 << (8 * (4 - head.len())) {
+        return None;
+    }
+    let value = head
+        .iter()
+        .enumerate()
+        .fold(*last, |v, (i, n)| v | (n << (8 * (3 - i))));
+    Some(IpAddr::V4(std::net::Ipv4Addr::from(
+        u32::try_from(value).ok()?,
+    )))
 }

@@ -398,6 +398,40 @@ fn an_edit_onto_a_served_port_is_rejected_not_the_one_serving() {
     assert_eq!(port_of(site.get(Kind::Listener, "l")), 8091);
 }
 
+/// Two spellings of one address clash on a port as their binds would: `127.1` and
+/// `0x7f.0.0.1` are 127.0.0.1 to the resolver, `[::1]` is `::1`; `0` is every address.
+#[test]
+fn spellings_of_one_address_clash_on_a_port() {
+    for (other, clash) in [
+        ("\"127.1\"", true),
+        ("0x7f.0.0.1", true),
+        ("\"2130706433\"", true),
+        ("\"0\"", true),
+        ("127.0.0.2", false),
+        ("\"127.2\"", false),
+        ("localhost", true),
+    ] {
+        let mut site = Site::default();
+        let r = site.reload(
+            &[
+                ("a.yaml", &listener("a", "28096")),
+                (
+                    "b.yaml",
+                    &listener("b", "28096").replace("host: 127.0.0.1", &format!("host: {other}")),
+                ),
+            ],
+            0,
+        );
+        assert_eq!(
+            r.errors.len(),
+            usize::from(clash),
+            "{other}: {:?}",
+            r.errors
+        );
+        assert_eq!(site.get(Kind::Listener, "b").is_none(), clash, "{other}");
+    }
+}
+
 const PRIORITY: &str = "    priority:\n      routingKeys: [a, b]\n";
 const PRIORITY_FAILOVER: &str = "    priorityFailover:\n      routingKeys: [b, a, c]\n";
 const WEIGHTED: &str = "    weighted:\n      routingKeys: {a: 1, b: 2}\n";

@@ -465,7 +465,7 @@ impl Registry {
                     && !target.is_retired()
                     && target.failures.load(Ordering::Acquire) == ejection
                 {
-                    registry.set_health(&target, Health::Healthy, None);
+                    registry.readmit(&target);
                 }
             });
             return;
@@ -497,6 +497,21 @@ impl Registry {
             } else if old == Health::Unhealthy as u32 {
                 tracing::info!(target = %target.address(), connector = %target.connector.name, "target healthy again");
             }
+            self.bump();
+        }
+    }
+
+    /// Takes a target whose health checks are off back into use once its ejection is over:
+    /// nothing says it is healthy, only that it is tried again (its next failed connection
+    /// sets it aside again), and the log says so rather than "healthy again".
+    fn readmit(&self, target: &Target) {
+        if let Ok(mut e) = target.last_error.lock() {
+            *e = None;
+        }
+        let old = target.state.swap(Health::Healthy as u32, Ordering::AcqRel);
+        self.metrics.target_health(target, true);
+        if old != Health::Healthy as u32 {
+            tracing::info!(target = %target.address(), connector = %target.connector.name, "target tried again after {} s set aside (health checks are off)", EJECTION.as_secs());
             self.bump();
         }
     }
