@@ -136,7 +136,24 @@ pub fn reference_warnings(index: &Index) -> Vec<ConfigError> {
                 continue;
             };
             // A rejected document is an error of its own already.
-            if index.get(&target).is_some() || index.rejected(&target).is_some() {
+            if let Some(found) = index.get(&target) {
+                // ListenerSet and XListenerSet are one kind to keyway, two resources to a
+                // parentRef: the route does not attach to the other one. (Said of the route's
+                // own namespace only: another's objects are not described to it.)
+                if !parent.names_written_kind(&found.written_kind)
+                    && found.key.namespace == obj.key.namespace
+                {
+                    out.push(obj.error_at(
+                        &format!("spec.parentRefs[{i}]"),
+                        format!(
+                            "{}/{} is written as kind {}, not {}: this parentRef attaches the route to nothing (give the kind and group the object has)",
+                            parent.namespace, parent.name, found.written_kind, parent.kind
+                        ),
+                    ));
+                }
+                continue;
+            }
+            if index.rejected(&target).is_some() {
                 continue;
             }
             out.push(obj.error_at(

@@ -945,16 +945,42 @@ fn parent_refs_tell_listener_sets_from_xlistener_sets() {
             false,
         ),
     ];
-    for (parent, ok) in cases {
-        let r = routes_world(
-            &(xls.clone() + &http_route("team-a", "r", &format!("[{parent}]"), "[]", APP)),
-        );
+    for (i, (parent, ok)) in cases.into_iter().enumerate() {
+        let extra = xls.clone() + &http_route("team-a", "r", &format!("[{parent}]"), "[]", APP);
+        let r = routes_world(&extra);
         let want = if ok {
             yes("Accepted")
         } else {
             no("NoMatchingParent")
         };
         assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), want, "{parent}");
+        // The object is there under the other kind: a warning says so (the same world as
+        // `routes_world`'s).
+        let y = base("from: All")
+            + &svc("team-a", "app")
+            + &listener_set(
+                "team-a",
+                "ls",
+                1,
+                "gw",
+                &(l("one", 80, "HTTP", Some("a.example.com"))
+                    + &l("two", 8080, "HTTP", Some("*.example.com"))),
+            )
+            + &extra;
+        let warned: Vec<String> = super::reference_warnings(&index_of(&y))
+            .into_iter()
+            .filter(|w| w.path == "spec.parentRefs[0]")
+            .map(|w| w.message)
+            .collect();
+        let other_kind = matches!(i, 1 | 4);
+        assert_eq!(
+            warned.len(),
+            usize::from(other_kind),
+            "{parent}: {warned:?}"
+        );
+        if other_kind {
+            assert!(warned[0].contains("is written as kind"), "{warned:?}");
+        }
     }
 }
 
