@@ -406,11 +406,12 @@ fn check_backend_tls_policy(
             format!("wellKnownCACertificates must be System, found `{w}`"),
         );
     }
-    if !is_dns_subdomain(&v.hostname) || v.hostname.parse::<std::net::Ipv4Addr>().is_ok() {
+    // The schema's pattern (an IP address passes it, and the resolver refuses to use one).
+    if !is_dns_subdomain(&v.hostname) {
         p.add(
             "spec.validation.hostname",
             format!(
-                "`{}` must be a precise hostname: lowercase DNS labels, no wildcard, no IP address, no port",
+                "`{}` must be a precise hostname: lowercase DNS labels, no wildcard, no port",
                 v.hostname
             ),
         );

@@ -127,8 +127,24 @@ const MAX_ANCESTORS: usize = 16;
 /// Why a CA reference does not resolve: (reason, field path, message).
 type RefProblem = (&'static str, String, String);
 
+/// Why a policy's `hostname` cannot be used, if it cannot: an IP address passes the upstream
+/// schema's pattern, but a PreciseHostname is a DNS name ("numeric IP addresses are not
+/// allowed"), and it is the SNI, which names no address (RFC 6066).
+fn hostname_problem(policy: &BackendTlsPolicy) -> Option<String> {
+    let h = &policy.spec.validation.hostname;
+    h.parse::<std::net::IpAddr>().is_ok().then(|| {
+        format!(
+            "spec.validation.hostname: `{h}` is an IP address, not a hostname (it is the SNI, and the name the certificate must be valid for): connections to the Service fail"
+        )
+    })
+}
+
 /// The CA certificates `policy` names, or why they cannot be used.
 fn roots(world: &World<'_>, ns: &str, policy: &BackendTlsPolicy) -> (TlsRoots, Vec<RefProblem>) {
+    // Never cleartext, nor TLS checked against something else: the policy stands, unusable.
+    if let Some(reason) = hostname_problem(policy) {
+        return (TlsRoots::Invalid { reason }, Vec::new());
+    }
     let v = &policy.spec.validation;
     let refs = v.ca_certificate_refs.as_deref().unwrap_or_default();
     if refs.is_empty() {
@@ -365,7 +381,13 @@ fn conditions(
         };
         (!named).then_some((t.name.as_str(), section))
     });
-    let accepted = if let Some((service, section)) = missing_port {
+    let hostname = hostname_problem(p);
+    if let Some(why) = &hostname {
+        errors.push(obj.error_at("spec.validation.hostname", why.clone()));
+    }
+    let accepted = if let Some(why) = hostname {
+        C::new("Accepted", false, "Invalid", why)
+    } else if let Some((service, section)) = missing_port {
         C::new(
             "Accepted",
             false,

@@ -2927,6 +2927,26 @@ fn backend_tls_follows_the_route_kind() {
     assert!(t.h2, "gRPC speaks HTTP/2 over TLS");
 }
 
+/// A policy whose hostname is an IP address still applies to its Service: the backend's TLS is
+/// unusable (every request fails with the reason), never cleartext.
+#[test]
+fn a_policy_with_an_ip_hostname_fails_its_connections() {
+    let ca = config_map("ca", &format!("{{ca.crt: {CERT:?}}}"));
+    let policy = tls_policy(
+        "p",
+        T1,
+        APP_TARGET,
+        &CA_REF.replace("hostname: app.example", "hostname: 127.0.0.1"),
+    );
+    let tls = backend_tls_of(&(policy + &ca)).expect("the policy applies");
+    match &tls.roots {
+        plan::TlsRoots::Invalid { reason } => {
+            assert!(reason.contains("is an IP address"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 /// A BackendTLSPolicy's status: per Gateway whose routes use a Service it names, Accepted
 /// (Conflicted for the one that lost, NoValidCACertificate when no CA reference resolves) and
 /// ResolvedRefs (InvalidCACertificateRef, InvalidKind); a reference that does not resolve is
@@ -2985,6 +3005,21 @@ fn backend_tls_policy_status_table() {
             "p",
             Some(("TargetNotFound", "ResolvedRefs")),
             None,
+        ),
+        // An IP address passes the schema's pattern but is no hostname to send as SNI: the
+        // policy stands, not accepted, and its Service's connections fail (never cleartext).
+        (
+            route.clone()
+                + &tls_policy(
+                    "p",
+                    T1,
+                    APP_TARGET,
+                    &CA_REF.replace("hostname: app.example", "hostname: 127.0.0.1"),
+                )
+                + &ca,
+            "p",
+            Some(("Invalid", "ResolvedRefs")),
+            Some("spec.validation.hostname"),
         ),
     ];
     for (extra, name, want, error_at) in &cases {

@@ -104,8 +104,9 @@ macro_rules! header_mod {
             match (
                 HeaderName::from_bytes(name.as_bytes()),
                 // Bytes above ASCII (UTF-8) go as obs-text; the resolver refuses control
-                // characters before a rule gets here.
-                HeaderValue::from_bytes(value.as_bytes()),
+                // characters before a rule gets here. A field value has no leading or
+                // trailing whitespace (RFC 9110 §5.5; HTTP/2 refuses it, RFC 9113 §8.2.1).
+                HeaderValue::from_bytes(value.trim_matches([' ', '\t']).as_bytes()),
             ) {
                 (Ok(n), Ok(v)) => Some((n, v)),
                 _ => {
@@ -299,6 +300,25 @@ pub fn location(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Header modifier values go out as field values: without leading or trailing whitespace
+    /// (which HTTP/2 refuses), UTF-8 as obs-text.
+    #[test]
+    fn header_values_are_field_values() {
+        let filters: Vec<HttpRouteRulesFilters> = serde_json::from_value(serde_json::json!([
+            {"type": "RequestHeaderModifier", "requestHeaderModifier": {
+                "set": [{"name": "x-a", "value": " padded\t"}],
+                "add": [{"name": "x-b", "value": "café"}]}}
+        ]))
+        .unwrap_or_default();
+        assert_eq!(filters.len(), 1);
+        let mut errors = Vec::new();
+        let f = compile_http(&filters, None, &mut errors);
+        assert!(errors.is_empty(), "{errors:?}");
+        let m = &f.request_headers[0];
+        assert_eq!(m.set[0].1.as_bytes(), b"padded");
+        assert_eq!(m.add[0].1.as_bytes(), "café".as_bytes());
+    }
 
     #[test]
     fn prefix_replacement() {
