@@ -320,6 +320,17 @@ pub(crate) fn not_a_ca(der: &CertificateDer<'_>) -> Option<String> {
     })
 }
 
+/// When a certificate expired, if it has by `now` (seconds since the epoch): `None` while it
+/// is valid, not valid yet, or unreadable.
+pub(crate) fn expired_at(der: &CertificateDer<'_>, now: i64) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+    let not_after = cert.validity().not_after;
+    (not_after.timestamp() < now).then(|| {
+        crate::jiff::Timestamp::from_second(not_after.timestamp())
+            .map_or_else(|_| not_after.to_string(), |ts| ts.to_string())
+    })
+}
+
 /// "expired at …" or "is not valid before …" for a certificate outside its validity at `now`
 /// (seconds since the epoch); `None` when valid or unreadable (parsing errors are reported
 /// where the Secret is checked).

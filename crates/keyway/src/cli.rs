@@ -179,7 +179,7 @@ enum TokenCommand {
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
 enum Output {
     Table,
-    /// As `table` (kubectl's `-o wide`: every column is already there).
+    /// As `table`, with no cell cut to fit 120 columns (messages and conflicts whole).
     Wide,
     Yaml,
     Json,
@@ -637,7 +637,8 @@ fn print_items(
                 }
             }
         }
-        Output::Table | Output::Wide => print!("{}", report::tables(&items)),
+        Output::Table => print!("{}", report::tables(&items)),
+        Output::Wide => print!("{}", report::tables_width(&items, usize::MAX)),
         Output::Name => {
             for item in &items {
                 println!("{}", report::kubectl_name(item));

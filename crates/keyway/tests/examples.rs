@@ -350,6 +350,8 @@ fn status_takes_kubectl_spellings() {
     let (code, wide, err) = keyway(&["status", "--config", dir, "-o", "wide", &one]);
     assert_eq!(code, 0, "{err}");
     assert!(wide.contains("MultiKeyListeners:"), "{wide}");
+    // Nothing cut in `-o wide`.
+    assert!(!wide.contains('…'), "{wide}");
     let (code, _, err) = keyway(&["status", "--config", dir, &one, "other"]);
     assert_eq!(code, 2, "{err}");
     let (code, _, err) = keyway(&["status", "--config", dir, "mkl/nothing"]);

@@ -853,7 +853,7 @@ impl GatewayResolver {
         let mut gone_owners: Vec<ObjectKey> = Vec::new();
         let gw_slots = self.assign_slots(0, &gateways, &mut gone_owners);
         let ls_slots = self.assign_slots(1, &sets, &mut gone_owners);
-        let world = World::new(index, &dep_objs);
+        let world = World::new(index, &dep_objs, now);
         let mut problems = Vec::new();
 
         // Classes: the built-in one and every object naming our controller.

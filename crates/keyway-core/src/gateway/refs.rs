@@ -9,6 +9,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::plan::{Backend, Endpoint, WeightedBackend};
+use crate::Time;
 use crate::index::Index;
 use crate::load::LoadedObject;
 use crate::resource::{Kind, Resource};
@@ -138,6 +139,9 @@ struct Grant {
 /// Lookup tables over the index for one resolve.
 pub(crate) struct World<'a> {
     pub index: &'a Index,
+    /// The resolve's time, seconds since the epoch: a serving certificate that has expired by
+    /// then is not one to serve.
+    now: i64,
     ns_labels: HashMap<&'a str, &'a BTreeMap<String, String>>,
     grants: HashMap<&'a str, Vec<Grant>>,
     slices: HashMap<(&'a str, &'a str), Vec<&'a EndpointSlice>>,
@@ -146,9 +150,10 @@ pub(crate) struct World<'a> {
 
 impl<'a> World<'a> {
     /// Tables over `objects` (the Namespaces, ReferenceGrants and EndpointSlices among them).
-    pub fn new(index: &'a Index, objects: &[&'a Arc<LoadedObject>]) -> Self {
+    pub fn new(index: &'a Index, objects: &[&'a Arc<LoadedObject>], now: &Time) -> Self {
         let mut world = World {
             index,
+            now: now.0.as_second(),
             ns_labels: HashMap::new(),
             grants: HashMap::new(),
             slices: HashMap::new(),
@@ -294,7 +299,20 @@ impl<'a> World<'a> {
                 Some(Resource::Secret(secret)) => tls::material_from_secret(secret, true),
                 _ => Err(self.index.absence(Kind::Secret, ns, &r.name)),
             };
-            out.push(material.map_err(RefError::InvalidCertificateRef)?);
+            let material = material.map_err(RefError::InvalidCertificateRef)?;
+            // Rotated to an expired certificate (an old file put back, say): every client
+            // would refuse it, so the listener goes on with the one it had, if it had one.
+            if let Some(at) = material
+                .cert_chain
+                .first()
+                .and_then(|c| tls::expired_at(c, self.now))
+            {
+                return Err(RefError::InvalidCertificateRef(format!(
+                    "the certificate in Secret {ns}/{} expired at {at}: clients refuse it",
+                    r.name
+                )));
+            }
+            out.push(material);
         }
         Ok(out)
     }

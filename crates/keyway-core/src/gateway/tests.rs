@@ -2676,6 +2676,50 @@ fn secret_for(ns: &str, name: &str, sans: &[&str]) -> String {
     )
 }
 
+/// A listener's certificate that has expired is not served: `ResolvedRefs=False/
+/// InvalidCertificateRef` saying when it expired (the data plane goes on with the certificate
+/// the listener had, if it had one). One not valid yet is only warned about (a clock a little
+/// behind a fresh certificate's issuer must not refuse it).
+#[test]
+fn an_expired_listener_certificate_is_an_invalid_reference() {
+    let secret_valid_between = |name: &str, from: (i32, u8), to: (i32, u8)| {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["a.example.com".to_string()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(from.0, from.1, 1);
+        params.not_after = rcgen::date_time_ymd(to.0, to.1, 1);
+        let cert = params.self_signed(&key).expect("cert");
+        format!(
+            "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: infra}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
+            cert.pem(),
+            key.serialize_pem()
+        )
+    };
+    // `now()` is 2023-11-14.
+    for (from, to, want) in [
+        ((2020, 1), (2020, 2), Some("expired at 2020-02-01")),
+        ((2040, 1), (2041, 1), None),
+        ((2020, 1), (2040, 1), None),
+    ] {
+        let y = gateway(
+            "infra",
+            "gw",
+            "from: All",
+            &l("a", 443, "HTTPS", Some("a.example.com")),
+        ) + &secret_valid_between("cert", from, to);
+        let r = resolve(&index_of(&y), &now());
+        let got = lcond(&r, GW, "infra", "gw", "a", "ResolvedRefs");
+        match want {
+            Some(text) => {
+                assert_eq!(got.1, "InvalidCertificateRef", "{from:?}");
+                let status = status(&r, GW, "infra", "gw");
+                assert!(status.to_string().contains(text), "{status:#}");
+            }
+            None => assert_eq!(got, yes("ResolvedRefs"), "{from:?}"),
+        }
+    }
+}
+
 /// GEP-3567's second reason: HTTPS listeners on one port whose certificates cover a name in
 /// common (one wildcard certificate shared by two hostnames, a name under another listener's
 /// wildcard certificate) carry `OverlappingTLSConfig=True/OverlappingCertificates`, also when
