@@ -335,10 +335,12 @@ impl DataPlane {
                     }
                 },
             };
+            let label = format!("{}/{}", lp.id.namespace, lp.id.name);
+            self.shared.metrics.listener_live(&label);
             let runtime = ListenerRuntime {
                 plan: lp.clone(),
                 tls: acceptor,
-                label: format!("{}/{}", lp.id.namespace, lp.id.name),
+                label,
             };
             let old = listeners.remove(&lp.id);
             // A move undone before the new port was bound: back to the listener still

@@ -104,6 +104,8 @@ pub struct Metrics {
     /// connections were still open on them: exported until the last of those closes, then
     /// removed (at the next scrape).
     retired: Mutex<Vec<(Labels, Gauge)>>,
+    /// Listeners deleted (`namespace/name`) and not in the plan again since.
+    forgotten: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Default for Metrics {
@@ -129,6 +131,7 @@ impl Default for Metrics {
             gateway_unrouted: Family::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
+            forgotten: Mutex::default(),
         };
         registry.register(
             "connections_opened",
@@ -305,6 +308,16 @@ impl Metrics {
         if let Some(m) = cache.get(listener) {
             return m.clone();
         }
+        // A connection a deleted listener accepted just before it stopped: it counts into
+        // handles of its own, or its series would come back after they were removed, for good.
+        if self.forgotten_listener(listener) {
+            return Arc::new(ConnMetrics {
+                opened: Counter::default(),
+                active: Gauge::default(),
+                bytes_in: Counter::default(),
+                bytes_out: Counter::default(),
+            });
+        }
         let labels = Self::connection_labels(listener, &target.routing_key, target);
         let with_direction = |d| with_direction(&labels, d);
         // One statement per family lookup: `get_or_create` returns a read guard, and a second
@@ -413,6 +426,12 @@ impl Metrics {
     /// Removes the series of a listener leaving the configuration: refused connections,
     /// failovers, and its connection and byte series on each of `targets`.
     pub fn forget_listener(&self, listener: &str, targets: &[Arc<Target>]) {
+        // First, so that a connection it accepted meanwhile does not make its series again
+        // (see `connection`, which looks under the target's cache lock taken below).
+        self.forgotten
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(listener.to_string());
         let labels = Self::listener_labels(listener);
         self.refused.remove(&labels);
         self.failovers.remove(&labels);
@@ -426,6 +445,22 @@ impl Metrics {
                 self.forget_pair(listener, target, &m);
             }
         }
+    }
+
+    /// A listener of the plan (again): its connections get series (one of that name deleted
+    /// before no longer stands in the way).
+    pub fn listener_live(&self, listener: &str) {
+        let mut forgotten = self.forgotten.lock().unwrap_or_else(|p| p.into_inner());
+        if !forgotten.is_empty() {
+            forgotten.remove(listener);
+        }
+    }
+
+    fn forgotten_listener(&self, listener: &str) -> bool {
+        self.forgotten
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(listener)
     }
 
     /// Removes the connection and byte series of one (listener, target) pair, at once if no

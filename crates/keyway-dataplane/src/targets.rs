@@ -638,3 +638,28 @@ async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
         tokio::time::sleep(interval).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection a deleted listener accepted after its series were removed does not bring
+    /// them back (they would stay for good); a listener of that name in the plan again does.
+    #[test]
+    fn a_deleted_listeners_late_connection_makes_no_series() {
+        let metrics = Arc::new(Metrics::default());
+        let target = Arc::new(Target::remote("k", "west", 1));
+        let first = metrics.connection("default/gone", &target);
+        first.opened.inc();
+        let series = |m: &Metrics| m.encode_classic().contains("default/gone");
+        assert!(series(&metrics));
+        metrics.forget_listener("default/gone", std::slice::from_ref(&target));
+        assert!(!series(&metrics));
+        let late = metrics.connection("default/gone", &target);
+        late.opened.inc();
+        assert!(!series(&metrics), "{}", metrics.encode_classic());
+        metrics.listener_live("default/gone");
+        metrics.connection("default/gone", &target).opened.inc();
+        assert!(series(&metrics));
+    }
+}
