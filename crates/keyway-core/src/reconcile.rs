@@ -257,6 +257,102 @@ pub fn reconcile(
         }
     }
 
+    // An edit that moves a Listener or MultiKeyListener onto a port a Gateway serves, or a
+    // Gateway's listener onto a port a Listener or MultiKeyListener serves, is rejected like
+    // one onto another Listener's: the edited object keeps its last valid version (and goes on
+    // serving where it was); a new object there is settled later, and loses (not configured,
+    // or PortUnavailable).
+    // A Gateway of another class binds nothing here.
+    let ours = |resource: &Resource| match resource {
+        Resource::Gateway(gw) => {
+            let class = gw.spec.gateway_class_name.as_str();
+            class == crate::gateway::BUILTIN_CLASS
+                || matches!(
+                    index.resource(Kind::GatewayClass, "", class),
+                    Some(Resource::GatewayClass(c)) if c.spec.controller_name == crate::gateway::CONTROLLER_NAME
+                )
+        }
+        _ => true,
+    };
+    let claims_of = |resource: &Resource| {
+        if ours(resource) {
+            port_claims(resource)
+        } else {
+            Vec::new()
+        }
+    };
+    let in_force_claims = |key: &ObjectKey| -> Vec<(String, i64)> {
+        index
+            .get(key)
+            .map(|o| claims_of(&o.resource))
+            .unwrap_or_default()
+    };
+    let families = |k: Kind| match k {
+        Kind::Listener | Kind::MultiKeyListener => Some(false),
+        Kind::Gateway => Some(true),
+        _ => None,
+    };
+    let edits: Vec<ObjectKey> = candidates
+        .keys()
+        .filter(|k| families(k.kind).is_some() && index.get(k).is_some())
+        .cloned()
+        .collect();
+    for key in edits {
+        let Some(gateway_side) = families(key.kind) else {
+            continue;
+        };
+        let claimed_before = in_force_claims(&key);
+        let Some(obj) = candidates.get(&key) else {
+            continue;
+        };
+        let added: Vec<(String, i64)> = claims_of(&obj.resource)
+            .into_iter()
+            .filter(|c| !claimed_before.contains(c))
+            .collect();
+        let holder = added.iter().find_map(|(host, port)| {
+            index
+                .keys()
+                .filter(|other| {
+                    *other != &key && families(other.kind).is_some_and(|g| g != gateway_side)
+                })
+                .find(|other| {
+                    // In force there, and still there once this reload is applied.
+                    let there = |claims: &[(String, i64)]| {
+                        claims
+                            .iter()
+                            .any(|(h, p)| p == port && hosts_overlap(h, host))
+                    };
+                    let still = candidates
+                        .get(*other)
+                        .map(|o| claims_of(&o.resource))
+                        .unwrap_or_else(|| in_force_claims(other));
+                    there(&in_force_claims(other)) && there(&still)
+                })
+                .map(|other| (other.clone(), *port))
+        });
+        if let Some((holder, port)) = holder {
+            let at = match &obj.resource {
+                Resource::Gateway(gw) => gw
+                    .spec
+                    .listeners
+                    .iter()
+                    .position(|l| i64::from(l.port) == port)
+                    .map_or_else(
+                        || "spec.listeners".to_string(),
+                        |i| format!("spec.listeners[{i}].port"),
+                    ),
+                _ => "spec.port".to_string(),
+            };
+            let message = crate::port_owners::taken_message(
+                u16::try_from(port).unwrap_or_default(),
+                &holder,
+                &key,
+            );
+            let err = obj.error_at(&at, message);
+            reject(&mut candidates, &key, err);
+        }
+    }
+
     for key in &rule_rejected {
         match before.get(key) {
             Some(Some(entry)) => {
@@ -398,6 +494,39 @@ fn by_precedence(candidates: &BTreeMap<ObjectKey, LoadedObject>, kind: Kind) -> 
     let mut keys: Vec<&LoadedObject> = candidates.values().filter(|o| o.key.kind == kind).collect();
     keys.sort_by_key(|o| precedence_of(o));
     keys.into_iter().map(|o| o.key.clone()).collect()
+}
+
+/// The host:ports an object binds: a Listener's or MultiKeyListener's one, a Gateway's
+/// listener ports on each `IPAddress` of its `spec.addresses` (every address without any).
+fn port_claims(resource: &Resource) -> Vec<(String, i64)> {
+    match resource {
+        Resource::Gateway(gw) => {
+            let mut hosts: Vec<String> = gw
+                .spec
+                .addresses
+                .iter()
+                .flatten()
+                .filter(|a| a.r#type.as_deref().is_none_or(|t| t == "IPAddress"))
+                .filter_map(|a| a.value.clone())
+                .collect();
+            if hosts.is_empty() {
+                hosts.push("0.0.0.0".into());
+            }
+            let mut ports: Vec<i64> = gw
+                .spec
+                .listeners
+                .iter()
+                .map(|l| i64::from(l.port))
+                .collect();
+            ports.sort_unstable();
+            ports.dedup();
+            hosts
+                .iter()
+                .flat_map(|h| ports.iter().map(move |p| (h.clone(), *p)))
+                .collect()
+        }
+        other => host_port(other).into_iter().collect(),
+    }
 }
 
 fn host_port(resource: &Resource) -> Option<(String, i64)> {

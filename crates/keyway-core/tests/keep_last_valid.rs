@@ -398,6 +398,94 @@ fn an_edit_onto_a_served_port_is_rejected_not_the_one_serving() {
     assert_eq!(port_of(site.get(Kind::Listener, "l")), 8091);
 }
 
+/// Across kinds alike: a Listener edited onto a port a Gateway serves, or a Gateway's listener
+/// edited onto a Listener's port, is the edit rejected (it keeps its last valid version and
+/// serves on where it was). A new object there is not rejected here (the site settles it:
+/// not configured, or PortUnavailable), nor is one onto a port of another class's Gateway.
+#[test]
+fn an_edit_onto_a_port_another_kind_serves_is_rejected() {
+    let gateway = |port: u16, class: &str| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: gw\nspec:\n  gatewayClassName: {class}\n  listeners:\n  - {{name: web, port: {port}, protocol: HTTP}}\n"
+        )
+    };
+    let gateway_port = |site: &Site| match site.get(Kind::Gateway, "gw") {
+        Some(Resource::Gateway(g)) => g.spec.listeners[0].port,
+        other => panic!("{other:?}"),
+    };
+    let mut site = Site::default();
+    site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "keyway")),
+            ("l.yaml", &listener("l", "8090")),
+        ],
+        0,
+    );
+    // The Listener onto the Gateway's port.
+    let r = site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "keyway")),
+            ("l.yaml", &listener("l", "8080")),
+        ],
+        1,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert!(
+        r.errors[0]
+            .message
+            .contains("port 8080 is already used by Gateway default/gw"),
+        "{}",
+        r.errors[0]
+    );
+    assert_eq!(port_of(site.get(Kind::Listener, "l")), 8090);
+    // The Gateway's listener onto the Listener's port.
+    let r = site.reload(
+        &[
+            ("g.yaml", &gateway(8090, "keyway")),
+            ("l.yaml", &listener("l", "8090")),
+        ],
+        2,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert_eq!(r.errors[0].path, "spec.listeners[0].port");
+    assert!(
+        r.errors[0]
+            .message
+            .contains("already used by Listener default/l"),
+        "{}",
+        r.errors[0]
+    );
+    assert_eq!(gateway_port(&site), 8080);
+    // A new Listener onto the Gateway's port: not an edit, settled later.
+    let r = site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "keyway")),
+            ("l.yaml", &listener("l", "8090")),
+            ("new.yaml", &listener("newcomer", "8080")),
+        ],
+        3,
+    );
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    // Another class's Gateway binds nothing here.
+    let mut site = Site::default();
+    site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "other")),
+            ("l.yaml", &listener("l", "8090")),
+        ],
+        0,
+    );
+    let r = site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "other")),
+            ("l.yaml", &listener("l", "8080")),
+        ],
+        1,
+    );
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(port_of(site.get(Kind::Listener, "l")), 8080);
+}
+
 /// Two spellings of one address clash on a port as their binds would: `127.1` and
 /// `0x7f.0.0.1` are 127.0.0.1 to the resolver, `[::1]` is `::1`; `0` is every address.
 #[test]

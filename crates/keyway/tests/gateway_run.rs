@@ -688,9 +688,10 @@ fn a_listener_that_loses_a_conflict_is_logged_once_and_the_winner_serves_on() {
     assert!(metrics.contains("keyway_config_rejected 0"), "{metrics}");
 }
 
-/// A skupper Listener added onto a port a Gateway serves, or an older Listener edited onto it,
-/// does not take it: the Gateway goes on answering, and the Listener is not configured, with
-/// the error at its own file (it was the Gateway's, and the Gateway lost the port).
+/// A skupper Listener added onto a port a Gateway serves does not take it: the Gateway goes on
+/// answering, and the Listener is not configured, with the error at its own file (it was the
+/// Gateway's, and the Gateway lost the port). An older Listener edited onto it is the edit
+/// rejected: it keeps its last valid version.
 #[test]
 fn a_listener_never_takes_a_serving_gateways_port() {
     let dir = temp_dir("gateway-keeps-port");
@@ -710,7 +711,8 @@ fn a_listener_never_takes_a_serving_gateways_port() {
         port, "x", "/"
     )
     .0 == 302));
-    for (file, name) in [("new.yaml", "new"), ("old.yaml", "old")] {
+    {
+        let (file, name) = ("new.yaml", "new");
         std::fs::write(dir.join(file), listener(name, port)).expect("write");
         let said = format!("{file}:4: spec.port: port {port} is also wanted by Gateway default/gw");
         site.wait_for("/status", |_, body| body.contains(&said));
@@ -731,6 +733,20 @@ fn a_listener_never_takes_a_serving_gateways_port() {
         assert_eq!(http_get(port, "x", "/").0, 302, "the Gateway still serves");
         std::fs::remove_file(dir.join("new.yaml")).ok();
     }
+    std::fs::write(dir.join("old.yaml"), listener("old", port)).expect("write");
+    let said = format!(
+        "spec.port: port {port} is already used by Gateway default/gw; Listener default/old keeps its last valid version"
+    );
+    site.wait_for("/status", |_, body| body.contains(&said));
+    assert_eq!(http_get(port, "x", "/").0, 302, "the Gateway still serves");
+    let config: serde_json::Value = serde_json::from_str(&site.get("/config").1).expect("json");
+    let old_port = config["listeners"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|l| l["id"].as_str().is_some_and(|id| id.ends_with("/old")))
+        .map(|l| l["port"].clone());
+    assert_eq!(old_port, Some(serde_json::json!(other)), "{config:#}");
     assert!(!site.get("/status").1.contains("also wanted by Listener"));
 }
 
