@@ -184,9 +184,9 @@ pub fn run(
             "shutting down: no longer accepting, draining open connections (a second Ctrl-C or SIGTERM exits at once)"
         );
         tokio::spawn(async {
-            shutdown_signal().await;
+            let code = shutdown_signal().await;
             tracing::warn!("second signal: exiting without waiting for open connections");
-            std::process::exit(130);
+            std::process::exit(code);
         });
         reloader.abort();
         observer.abort();
@@ -201,7 +201,11 @@ pub fn run(
     })
 }
 
-async fn shutdown_signal() {
+/// Waits for SIGINT or SIGTERM (or the parent's end); the exit code for exiting on it at once,
+/// as a shell reports a process killed by it (128 + the signal's number).
+async fn shutdown_signal() -> i32 {
+    const SIGINT: i32 = 128 + 2;
+    const SIGTERM: i32 = 128 + 15;
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
@@ -210,20 +214,22 @@ async fn shutdown_signal() {
                 Ok(s) => s,
                 Err(_) => {
                     let _ = ctrl_c.await;
-                    return;
+                    return SIGINT;
                 }
             };
         tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            _ = ctrl_c => SIGINT,
+            _ = term.recv() => SIGTERM,
             _ = parent_gone() => {
                 tracing::info!("the process that started this site is gone");
+                SIGTERM
             }
         }
     }
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+        SIGINT
     }
 }
 

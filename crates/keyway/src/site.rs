@@ -144,6 +144,9 @@ impl Site {
             Err(e) => {
                 let why = format!("{e:#}");
                 let mut last = lock(&self.unreadable);
+                // One failed reload per spell of the same error, not one per retry (twice a
+                // second): an alert on increments sees the event, once.
+                let same = last.as_ref().is_some_and(|(w, _)| *w == why);
                 let repeat = last
                     .as_ref()
                     .is_some_and(|(w, at)| *w == why && at.elapsed() < UNREADABLE_LOG_EVERY);
@@ -156,7 +159,9 @@ impl Site {
                     *last = Some((why, std::time::Instant::now()));
                 }
                 drop(last);
-                metrics.reload_failures.inc();
+                if !same {
+                    metrics.reload_failures.inc();
+                }
                 // Counted as an error as long as it lasts, as `/status` lists it. (Not while
                 // holding `unreadable`: `status` takes `current` first.)
                 let current = lock(&self.current);

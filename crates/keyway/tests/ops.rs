@@ -196,6 +196,11 @@ fn a_config_directory_moved_away_is_logged_once() {
     let metrics = admin::get(&site.admin, "/metrics").1;
     assert!(metrics.contains("keyway_config_errors 1"), "{metrics}");
     assert!(metrics.contains("keyway_config_rejected 1"), "{metrics}");
+    // One failed reload for the spell, not one per retry (2.5 s of them).
+    assert!(
+        metrics.contains("keyway_config_reload_failures_total 1\n"),
+        "{metrics}"
+    );
     std::fs::rename(&moved, &dir).expect("mv back");
     let text = || std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
