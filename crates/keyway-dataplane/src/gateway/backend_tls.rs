@@ -40,13 +40,9 @@ impl BackendTlsConfigs {
         tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
-            .map_err(|e| {
-                format!(
-                    "TLS to the backend (BackendTLSPolicy {}): {}",
-                    tls.policy,
-                    describe(&e)
-                )
-            })
+            // What the client reads names no object of the config (the policy, its
+            // ConfigMaps): the handshake's own reason only. The status says the rest.
+            .map_err(|e| format!("TLS to the backend: {}", describe(&e)))
     }
 
     fn config(&self, tls: &BackendTls) -> Built {
@@ -60,6 +56,13 @@ impl BackendTlsConfigs {
             built.clear();
         }
         let b = build(tls);
+        // Logged once per configuration (it is kept): the client gets a reason without names.
+        if let Err(why) = &b {
+            tracing::warn!("{why}");
+        }
+        let b = b.map_err(|_| {
+            "TLS to the backend cannot be set up: see the BackendTLSPolicy's status (and the Gateway's, for its client certificate)".to_string()
+        });
         built.insert(tls.id, (Arc::new(tls.clone()), b.clone()));
         b
     }
