@@ -514,7 +514,26 @@ impl Site {
                 ),
             ));
         }
+        // Another site of that name is live in the network: a second one would take its
+        // routing keys and links over (the network holds one record per name). Said only to
+        // a redeemer holding a good code: nobody else learns the network's site names.
         let now = cli::now().0;
+        let used = self.grants.used(&facts.namespace, &facts.name, &facts.code);
+        facts.check(&request.code, now, used)?;
+        let live = self.network.observe();
+        if live
+            .remote_sites
+            .iter()
+            .any(|s| s.name.as_deref() == Some(request.site.as_str()))
+        {
+            return Err(Refusal::new(
+                409,
+                format!(
+                    "a site named {} is already in the network: site names must be unique (give the redeeming site another name with `keyway site create NAME`, or stop the other one first)",
+                    request.site
+                ),
+            ));
+        }
         self.grants.redeem(&facts, &request.code, now, || {
             let ca = ca?;
             let ra_ca = ra_ca.ok_or("the RouterAccess Secret has no ca.crt")?;

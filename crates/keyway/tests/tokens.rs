@@ -168,6 +168,21 @@ fn issue_then_redeem_links_the_sites_and_carries_traffic() {
         "the code is not echoed: {grant}"
     );
 
+    // A site named like one live in the network (east, linked now) is refused a token: it
+    // would take east's keys and links over. The grant is not used up by it.
+    let second = issue(&west, "to-west-2", &["--expiry", "10m"]);
+    let twin = redeemer_dir(&west.dir, "east");
+    let out = redeem(&second, &twin, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("a site named east is already in the network"),
+        "{}",
+        text(&out)
+    );
+    assert!(!twin.join("link-to-west-2.yaml").exists());
+    let grant = west.status_of("AccessGrant", "to-west-2").expect("grant");
+    assert_eq!(grant["redemptions"], 0, "{grant}");
+
     // A second redemption of a one-time token is refused.
     let again = redeemer_dir(&west.dir, "north");
     let out = redeem(&token, &again, &[]);
