@@ -137,6 +137,8 @@ pub struct Observation {
     pub reachable_keys: BTreeSet<String>,
     pub unhealthy_connectors: BTreeMap<ObjectKey, String>,
     pub bind_errors: BTreeMap<ObjectKey, String>,
+    /// Of those, listeners whose host is no address of this machine.
+    pub not_here: std::collections::BTreeSet<ObjectKey>,
     /// Listeners whose socket is open now.
     pub listening: BTreeSet<ObjectKey>,
     pub open_connections: usize,
@@ -455,6 +457,9 @@ impl DataPlane {
         if let Ok(listeners) = self.listeners.lock() {
             for (id, h) in listeners.iter() {
                 if let Some(e) = h.state.error() {
+                    if h.state.elsewhere.load(Ordering::Acquire) {
+                        obs.not_here.insert(id.clone());
+                    }
                     obs.bind_errors.insert(id.clone(), e);
                 }
                 if h.state.listening.load(Ordering::Acquire) {

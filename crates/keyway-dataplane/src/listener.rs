@@ -39,10 +39,22 @@ pub struct ListenerRuntime {
 pub struct ListenerState {
     pub listening: AtomicBool,
     pub bind_error: Mutex<Option<String>>,
+    /// The bind error says the host is no address of this machine (a name that does not
+    /// resolve, an address not here): config meant for another machine, not a port to wait for.
+    pub elsewhere: AtomicBool,
+}
+
+/// Whether a bind failed because the host names no address of this machine.
+fn not_here(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::AddrNotAvailable
+        || e.to_string().contains("failed to lookup address")
 }
 
 impl ListenerState {
     fn set_error(&self, e: Option<String>) {
+        if e.is_none() {
+            self.elsewhere.store(false, Ordering::Release);
+        }
         if let Ok(mut g) = self.bind_error.lock() {
             *g = e;
         }
@@ -296,6 +308,9 @@ async fn accept_loop(
                 .await
                 .unwrap_or(Ok(()));
             let failed = probed.is_err();
+            if let Err(e) = &probed {
+                state.elsewhere.store(not_here(e), Ordering::Release);
+            }
             let error = probed
                 .err()
                 .map(|e| format!("cannot bind {host}:{port}: {e}"));
@@ -346,6 +361,7 @@ async fn accept_loop(
                 }
                 Err(e) => {
                     bind_failures += 1;
+                    state.elsewhere.store(not_here(&e), Ordering::Release);
                     let mut msg = format!("cannot bind {}:{}: {e}", rt.plan.host, rt.plan.port);
                     if let Some(old) = lock(&replaced).as_ref() {
                         msg.push_str(&format!(

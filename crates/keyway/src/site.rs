@@ -579,11 +579,20 @@ impl Site {
         if !self.applied.load(Ordering::Acquire) {
             return Err("config not applied yet".into());
         }
-        // Every listener that does not listen, one line each.
+        // Every listener that does not listen, one line each; not one whose host is no address
+        // of this machine (config meant for another, as the seed's `host: example-01`): it
+        // will never bind here, and holding the site unready for it would hold everything.
         let obs = self.dataplane.observe();
+        let elsewhere: Vec<String> = obs
+            .bind_errors
+            .iter()
+            .filter(|(key, _)| obs.not_here.contains(*key))
+            .map(|(key, e)| format!("{key}: {e}"))
+            .collect();
         let not_listening: Vec<String> = obs
             .bind_errors
             .iter()
+            .filter(|(key, _)| !obs.not_here.contains(*key))
             .map(|(key, e)| format!("{key}: {e}"))
             .chain(
                 obs.gateway_errors
@@ -594,7 +603,14 @@ impl Site {
             .collect();
         if not_listening.is_empty() {
             self.was_ready.store(true, Ordering::Release);
-            Ok("ready".into())
+            if elsewhere.is_empty() {
+                Ok("ready".into())
+            } else {
+                Ok(format!(
+                    "ready; not listening on hosts that are no address of this machine (see status):\n{}",
+                    elsewhere.join("\n")
+                ))
+            }
         } else if self.was_ready.load(Ordering::Acquire) {
             Ok(format!(
                 "ready; not listening since a later change (see status):\n{}",

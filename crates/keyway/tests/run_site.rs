@@ -1227,7 +1227,8 @@ fn an_address_not_on_this_host_is_reported_offline_as_the_site_reports_it() {
     assert!(message.starts_with(&want), "offline: {message}");
     assert_eq!(message_of(&offline, "near").0, "Ready");
 
-    // Not ready (/readyz says why), but serving the rest.
+    // Serving the rest, and ready: an address that is not this machine's will never bind
+    // here, so it does not hold the site (`/readyz` names it).
     let site = Site::spawn(&dir, None);
     site.wait_for("/status", |_, body| {
         body.contains(&format!("cannot bind 192.0.2.1:{port}"))
@@ -1235,6 +1236,9 @@ fn an_address_not_on_this_host_is_reported_offline_as_the_site_reports_it() {
     let live = site.status();
     assert_eq!(message_of(&live, "far"), (state, message));
     assert_eq!(message_of(&live, "near").0, "Ready");
+    site.wait_for("/readyz", |code, body| {
+        code == 200 && body.contains("no address of this machine") && body.contains("default/far")
+    });
 }
 
 /// The proposal's MultiKeyListener (`host: example-01`, a name that does not resolve here) with
@@ -1263,6 +1267,9 @@ fn a_host_that_does_not_resolve_is_logged_once_before_any_key_is_reachable() {
         log.contains("so its port cannot open when a routing key becomes reachable"),
         "{log}"
     );
+    // The seed's example, run as it is, makes a site that is ready.
+    let (code, body) = site.get("/readyz");
+    assert_eq!(code, 200, "{body}");
 }
 
 /// Once ready, a site stays ready when a later edit adds a listener that cannot bind (a port
