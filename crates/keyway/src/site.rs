@@ -377,6 +377,17 @@ impl Site {
         let now = cli::now();
         let mut statuses =
             service_network::statuses(&current.index, &current.resolution, &reach, &now);
+        // A listener held at its last valid TLS (its Secret no longer resolves) that listens
+        // says so, or its Error would read as down.
+        for key in &current.resolution.plan.held {
+            if obs.listening.contains(key)
+                && let Some(status) = statuses.get_mut(key)
+                && let Some(message) = status.get("message").and_then(Value::as_str)
+            {
+                let message = format!("{message}; it serves on with its last valid TLS");
+                status["message"] = Value::from(message);
+            }
+        }
         statuses.extend(grants::grant_statuses(
             &GrantContext {
                 index: &current.index,

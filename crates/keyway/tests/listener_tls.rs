@@ -99,6 +99,14 @@ fn a_client_cert_listener_keeps_serving_when_its_secret_loses_ca_crt() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // Its status says it serves on, not only what is wrong.
+    let status = site.status_of("Listener", "svc").unwrap_or_default();
+    assert!(
+        status["message"]
+            .as_str()
+            .is_some_and(|m| m.ends_with("; it serves on with its last valid TLS")),
+        "{status}"
+    );
 
     write_file(&site.config_dir(), "secret.yaml", &secret);
     assert!(
