@@ -236,7 +236,8 @@ impl Site {
         metrics.reloads.inc();
         // A reload that rejected an edit (or found a port taken) failed in part, whatever else
         // it applied.
-        if errors.iter().any(|e| !previous_errors.contains(e)) {
+        let new_errors = errors.iter().any(|e| !previous_errors.contains(e));
+        if new_errors {
             metrics.reload_failures.inc();
         }
         if let Err(e) = state::save(&self.state_dir, &current.objects) {
@@ -244,14 +245,28 @@ impl Site {
         }
         // The state directory was made again just now if it had been removed.
         self.state_lock.keep();
-        tracing::info!(
-            objects = current.index.len(),
-            changed = current.reconciled.changed.len(),
-            errors = errors.len(),
-            listeners = current.resolution.plan.listeners.len(),
-            connectors = current.resolution.plan.connectors.len(),
-            "config applied"
-        );
+        // A reload that changed nothing (an editor's temporary file, a file touched) is no
+        // news at info.
+        macro_rules! applied {
+            ($level:ident) => {
+                tracing::$level!(
+                    objects = current.index.len(),
+                    changed = current.reconciled.changed.len(),
+                    errors = errors.len(),
+                    listeners = current.resolution.plan.listeners.len(),
+                    connectors = current.resolution.plan.connectors.len(),
+                    "config applied"
+                )
+            };
+        }
+        if current.reconciled.changed.is_empty()
+            && !new_errors
+            && self.applied.load(Ordering::Acquire)
+        {
+            applied!(debug);
+        } else {
+            applied!(info);
+        }
         self.redeem_tokens(&current);
         self.applied.store(true, Ordering::Release);
         true
