@@ -221,6 +221,25 @@ async fn gateway_to(backend: SocketAddr) -> (Arc<DataPlane>, u16) {
     (start(&yaml, port).await, port)
 }
 
+/// A gateway to a backend that answers every request 200 (empty) and hands each one, as it
+/// read it, to the receiver.
+async fn gateway_to_recorder() -> (Raw, Arc<DataPlane>, u16, mpsc::UnboundedReceiver<Req>) {
+    let (tx, rx) = mpsc::unbounded_channel::<Req>();
+    let be = raw(move |mut c| {
+        let tx = tx.clone();
+        async move {
+            while let Some(req) = c.request().await {
+                let _ = tx.send(req);
+                c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+            }
+        }
+    })
+    .await;
+    let (dp, port) = gateway_to(be.addr).await;
+    (be, dp, port, rx)
+}
+
 /// A gateway on `port` with one route of `rules` whose backend `svc` is `backend`.
 fn gateway_yaml(backend: SocketAddr, port: u16, rules: &str) -> String {
     let mut yaml = service("svc", backend);
@@ -882,19 +901,7 @@ async fn idle_limit_spares_silent_streams_not_stalled_readers() {
 /// bad line reaches the backend as a request, and the client connection ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunk_lines_a_front_proxy_could_read_otherwise_are_refused() {
-    let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
-    let be = raw(move |mut c| {
-        let tx = tx.clone();
-        async move {
-            while let Some(req) = c.request().await {
-                let _ = tx.send(req);
-                c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                    .await;
-            }
-        }
-    })
-    .await;
-    let (_dp, port) = gateway_to(be.addr).await;
+    let (_be, _dp, port, mut rx) = gateway_to_recorder().await;
     let smuggled = "GET /smug HTTP/1.1\r\nHost: a\r\nContent-Length: 7\r\n\r\n\r\n0\r\n\r\n";
     let x55 = "X".repeat(55);
     for body in [
@@ -946,19 +953,7 @@ async fn raw_status(port: u16, request: &str) -> u16 {
 /// it (RFC 9112 §3.2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_gets_the_routed_host_and_no_h2c_upgrade() {
-    let (tx, mut rx) = mpsc::unbounded_channel::<Req>();
-    let be = raw(move |mut c| {
-        let tx = tx.clone();
-        async move {
-            while let Some(req) = c.request().await {
-                let _ = tx.send(req);
-                c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                    .await;
-            }
-        }
-    })
-    .await;
-    let (_dp, port) = gateway_to(be.addr).await;
+    let (_be, _dp, port, mut rx) = gateway_to_recorder().await;
     let mut seen = async || {
         tokio::time::timeout(IO_TIMEOUT, rx.recv())
             .await

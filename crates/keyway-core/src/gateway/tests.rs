@@ -2618,6 +2618,32 @@ fn routes_of_another_class_get_no_status() {
     );
 }
 
+/// `y` compiled as `keyway status --config` and a site report it (overlap conditions included).
+fn compiled_offline(y: &str) -> crate::offline::Compiled {
+    let files = [crate::load_file("t.yaml", y)];
+    crate::offline::compile(&files, &mut crate::ObjectState::default(), &now())
+}
+
+/// The `OverlappingTLSConfig` condition of listener `listener` of `kind ns/name`, if set.
+fn overlap_condition(
+    compiled: &crate::offline::Compiled,
+    kind: Kind,
+    ns: &str,
+    name: &str,
+    listener: &str,
+) -> Option<Value> {
+    let status = &compiled.statuses[&key(kind, ns, name)];
+    let entry = status["listeners"]
+        .as_array()
+        .and_then(|ls| ls.iter().find(|l| l["name"] == listener))
+        .cloned()
+        .unwrap_or_default();
+    entry["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "OverlappingTLSConfig"))
+        .cloned()
+}
+
 /// GEP-3567: HTTPS listeners on one port whose hostnames overlap (a Gateway's wildcard and a
 /// ListenerSet's name under it) carry `OverlappingTLSConfig=True/OverlappingHostnames`; one
 /// that overlaps nothing has no such condition (negative polarity: never set False). Applied
@@ -2639,18 +2665,9 @@ fn overlapping_https_hostnames_on_a_port_are_reported() {
             &l("a", 443, "HTTPS", Some("a.example.com")),
         )
         + &secret("team", "cert");
-    let files = [crate::load_file("t.yaml", &y)];
-    let compiled = crate::offline::compile(&files, &mut crate::ObjectState::default(), &now());
+    let compiled = compiled_offline(&y);
     let overlap = |kind: Kind, ns: &str, name: &str, listener: &str| {
-        let status = &compiled.statuses[&key(kind, ns, name)];
-        let entry = status["listeners"]
-            .as_array()
-            .and_then(|ls| ls.iter().find(|l| l["name"] == listener))
-            .cloned()
-            .unwrap_or_default();
-        entry["conditions"]
-            .as_array()
-            .and_then(|c| c.iter().find(|c| c["type"] == "OverlappingTLSConfig"))
+        overlap_condition(&compiled, kind, ns, name, listener)
             .map(|c| (c["status"].clone(), c["reason"].clone()))
     };
     let yes = Some((
@@ -2763,18 +2780,9 @@ fn overlapping_https_certificates_on_a_port_are_reported() {
             &https("h2", 443, "y.example.org", "other"),
         )
         + &secret_for("team", "other", &["y.example.org"]);
-    let files = [crate::load_file("t.yaml", &y)];
-    let compiled = crate::offline::compile(&files, &mut crate::ObjectState::default(), &now());
+    let compiled = compiled_offline(&y);
     let overlap = |kind: Kind, ns: &str, name: &str, listener: &str| {
-        let status = &compiled.statuses[&key(kind, ns, name)];
-        let entry = status["listeners"]
-            .as_array()
-            .and_then(|ls| ls.iter().find(|l| l["name"] == listener))
-            .cloned()
-            .unwrap_or_default();
-        entry["conditions"]
-            .as_array()
-            .and_then(|c| c.iter().find(|c| c["type"] == "OverlappingTLSConfig"))
+        overlap_condition(&compiled, kind, ns, name, listener)
             .map(|c| (c["reason"].clone(), c["message"].clone()))
     };
     let reason = |kind, ns, name, listener| overlap(kind, ns, name, listener).map(|(r, _)| r);
