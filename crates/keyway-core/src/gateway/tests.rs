@@ -889,7 +889,12 @@ pub(super) fn svc(ns: &str, name: &str) -> String {
 }
 
 fn routes_world(extra: &str) -> GatewayResolution {
-    let y = base("from: All")
+    resolve(&index_of(&routes_world_yaml(extra)), &now())
+}
+
+/// The config of [`routes_world`].
+fn routes_world_yaml(extra: &str) -> String {
+    base("from: All")
         + &svc("team-a", "app")
         + &listener_set(
             "team-a",
@@ -899,8 +904,7 @@ fn routes_world(extra: &str) -> GatewayResolution {
             &(l("one", 80, "HTTP", Some("a.example.com"))
                 + &l("two", 8080, "HTTP", Some("*.example.com"))),
         )
-        + extra;
-    resolve(&index_of(&y), &now())
+        + extra
 }
 
 const APP: &str = "{name: app, port: 80}";
@@ -954,20 +958,8 @@ fn parent_refs_tell_listener_sets_from_xlistener_sets() {
             no("NoMatchingParent")
         };
         assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), want, "{parent}");
-        // The object is there under the other kind: a warning says so (the same world as
-        // `routes_world`'s).
-        let y = base("from: All")
-            + &svc("team-a", "app")
-            + &listener_set(
-                "team-a",
-                "ls",
-                1,
-                "gw",
-                &(l("one", 80, "HTTP", Some("a.example.com"))
-                    + &l("two", 8080, "HTTP", Some("*.example.com"))),
-            )
-            + &extra;
-        let warned: Vec<String> = super::reference_warnings(&index_of(&y))
+        // The object is there under the other kind: a warning says so.
+        let warned: Vec<String> = super::reference_warnings(&index_of(&routes_world_yaml(&extra)))
             .into_iter()
             .filter(|w| w.path == "spec.parentRefs[0]")
             .map(|w| w.message)
