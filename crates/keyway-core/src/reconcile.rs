@@ -262,34 +262,11 @@ pub fn reconcile(
     // one onto another Listener's: the edited object keeps its last valid version (and goes on
     // serving where it was); a new object there is settled later, and loses (not configured,
     // or PortUnavailable).
-    // A Gateway of another class binds nothing here.
-    let ours = |resource: &Resource| match resource {
-        Resource::Gateway(gw) => {
-            let class = gw.spec.gateway_class_name.as_str();
-            class == crate::gateway::BUILTIN_CLASS
-                || matches!(
-                    index.resource(Kind::GatewayClass, "", class),
-                    Some(Resource::GatewayClass(c)) if c.spec.controller_name == crate::gateway::CONTROLLER_NAME
-                )
-        }
-        _ => true,
-    };
-    let claims_of = |resource: &Resource| {
-        if ours(resource) {
-            port_claims(resource)
-        } else {
-            Vec::new()
-        }
-    };
-    let in_force_claims = |key: &ObjectKey| -> Vec<(String, i64)> {
-        index
-            .get(key)
-            .map(|o| claims_of(&o.resource))
-            .unwrap_or_default()
-    };
+    // A Gateway of another class binds nothing here; a ListenerSet binds on its parent
+    // Gateway's addresses (the version in force, or the one this reload brings).
     let families = |k: Kind| match k {
         Kind::Listener | Kind::MultiKeyListener => Some(false),
-        Kind::Gateway => Some(true),
+        Kind::Gateway | Kind::ListenerSet => Some(true),
         _ => None,
     };
     let edits: Vec<ObjectKey> = candidates
@@ -301,11 +278,23 @@ pub fn reconcile(
         let Some(gateway_side) = families(key.kind) else {
             continue;
         };
-        let claimed_before = in_force_claims(&key);
+        let in_force = |k: &ObjectKey| {
+            index
+                .get(k)
+                .map(|o| port_claims(index, &o.key, &o.resource, |p| index.get(p).map(|v| &**v)))
+                .unwrap_or_default()
+        };
+        let coming = |k: &ObjectKey| match candidates.get(k) {
+            Some(o) => port_claims(index, &o.key, &o.resource, |p| {
+                candidates.get(p).or_else(|| index.get(p).map(|v| &**v))
+            }),
+            None => in_force(k),
+        };
+        let claimed_before = in_force(&key);
         let Some(obj) = candidates.get(&key) else {
             continue;
         };
-        let added: Vec<(String, i64)> = claims_of(&obj.resource)
+        let added: Vec<(String, i64)> = coming(&key)
             .into_iter()
             .filter(|c| !claimed_before.contains(c))
             .collect();
@@ -322,25 +311,32 @@ pub fn reconcile(
                             .iter()
                             .any(|(h, p)| p == port && hosts_overlap(h, host))
                     };
-                    let still = candidates
-                        .get(*other)
-                        .map(|o| claims_of(&o.resource))
-                        .unwrap_or_else(|| in_force_claims(other));
-                    there(&in_force_claims(other)) && there(&still)
+                    there(&in_force(other)) && there(&coming(other))
                 })
                 .map(|other| (other.clone(), *port))
         });
         if let Some((holder, port)) = holder {
+            let listener_at = |ports: Vec<i64>| {
+                ports.iter().position(|p| *p == port).map_or_else(
+                    || "spec.listeners".to_string(),
+                    |i| format!("spec.listeners[{i}].port"),
+                )
+            };
             let at = match &obj.resource {
-                Resource::Gateway(gw) => gw
-                    .spec
-                    .listeners
-                    .iter()
-                    .position(|l| i64::from(l.port) == port)
-                    .map_or_else(
-                        || "spec.listeners".to_string(),
-                        |i| format!("spec.listeners[{i}].port"),
-                    ),
+                Resource::Gateway(gw) => listener_at(
+                    gw.spec
+                        .listeners
+                        .iter()
+                        .map(|l| i64::from(l.port))
+                        .collect(),
+                ),
+                Resource::ListenerSet(ls) => listener_at(
+                    ls.spec
+                        .listeners
+                        .iter()
+                        .map(|l| i64::from(l.port))
+                        .collect(),
+                ),
                 _ => "spec.port".to_string(),
             };
             let message = crate::port_owners::taken_message(
@@ -496,35 +492,74 @@ fn by_precedence(candidates: &BTreeMap<ObjectKey, LoadedObject>, kind: Kind) -> 
     keys.into_iter().map(|o| o.key.clone()).collect()
 }
 
-/// The host:ports an object binds: a Listener's or MultiKeyListener's one, a Gateway's
-/// listener ports on each `IPAddress` of its `spec.addresses` (every address without any).
-fn port_claims(resource: &Resource) -> Vec<(String, i64)> {
+/// The host:ports an object binds: a Listener's or MultiKeyListener's one; a Gateway's
+/// listener ports on each `IPAddress` of its `spec.addresses` (every address without any), if
+/// it is of one of keyway's classes; a ListenerSet's listener ports on its parent Gateway's
+/// addresses (`parent` finds it), if that is keyway's.
+fn port_claims<'a>(
+    index: &Index,
+    key: &ObjectKey,
+    resource: &Resource,
+    parent: impl Fn(&ObjectKey) -> Option<&'a LoadedObject>,
+) -> Vec<(String, i64)> {
+    let ours = |gw: &gateway_api::apis::standard::gateways::Gateway| {
+        let class = gw.spec.gateway_class_name.as_str();
+        class == crate::gateway::BUILTIN_CLASS
+            || matches!(
+                index.resource(Kind::GatewayClass, "", class),
+                Some(Resource::GatewayClass(c)) if c.spec.controller_name == crate::gateway::CONTROLLER_NAME
+            )
+    };
+    let hosts_of = |gw: &gateway_api::apis::standard::gateways::Gateway| {
+        let mut hosts: Vec<String> = gw
+            .spec
+            .addresses
+            .iter()
+            .flatten()
+            .filter(|a| a.r#type.as_deref().is_none_or(|t| t == "IPAddress"))
+            .filter_map(|a| a.value.clone())
+            .collect();
+        if hosts.is_empty() {
+            hosts.push("0.0.0.0".into());
+        }
+        hosts
+    };
+    let on = |hosts: Vec<String>, ports: Vec<i64>| -> Vec<(String, i64)> {
+        let mut ports = ports;
+        ports.sort_unstable();
+        ports.dedup();
+        hosts
+            .iter()
+            .flat_map(|h| ports.iter().map(move |p| (h.clone(), *p)))
+            .collect()
+    };
     match resource {
-        Resource::Gateway(gw) => {
-            let mut hosts: Vec<String> = gw
-                .spec
-                .addresses
-                .iter()
-                .flatten()
-                .filter(|a| a.r#type.as_deref().is_none_or(|t| t == "IPAddress"))
-                .filter_map(|a| a.value.clone())
-                .collect();
-            if hosts.is_empty() {
-                hosts.push("0.0.0.0".into());
-            }
-            let mut ports: Vec<i64> = gw
-                .spec
+        Resource::Gateway(gw) if ours(gw) => on(
+            hosts_of(gw),
+            gw.spec
                 .listeners
                 .iter()
                 .map(|l| i64::from(l.port))
-                .collect();
-            ports.sort_unstable();
-            ports.dedup();
-            hosts
-                .iter()
-                .flat_map(|h| ports.iter().map(move |p| (h.clone(), *p)))
-                .collect()
+                .collect(),
+        ),
+        Resource::ListenerSet(ls) => {
+            let p = &ls.spec.parent_ref;
+            let is_gateway = p.kind.as_deref().unwrap_or("Gateway") == "Gateway";
+            let ns = p.namespace.as_deref().unwrap_or(&key.namespace);
+            let parent_key = ObjectKey::new(Kind::Gateway, ns, &p.name);
+            match parent(&parent_key).map(|o| &o.resource) {
+                Some(Resource::Gateway(gw)) if is_gateway && ours(gw) => on(
+                    hosts_of(gw),
+                    ls.spec
+                        .listeners
+                        .iter()
+                        .map(|l| i64::from(l.port))
+                        .collect(),
+                ),
+                _ => Vec::new(),
+            }
         }
+        Resource::Gateway(_) => Vec::new(),
         other => host_port(other).into_iter().collect(),
     }
 }

@@ -456,14 +456,61 @@ fn an_edit_onto_a_port_another_kind_serves_is_rejected() {
         r.errors[0]
     );
     assert_eq!(gateway_port(&site), 8080);
+    // A ListenerSet's port (on its parent Gateway's addresses) alike, both ways.
+    let listener_set = |port: u16| {
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata:\n  name: ls\nspec:\n  parentRef: {{name: gw}}\n  listeners:\n  - {{name: team, port: {port}, protocol: HTTP}}\n"
+        )
+    };
+    let ls_port = |site: &Site| match site.get(Kind::ListenerSet, "ls") {
+        Some(Resource::ListenerSet(ls)) => ls.spec.listeners[0].port,
+        other => panic!("{other:?}"),
+    };
+    site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "keyway")),
+            ("ls.yaml", &listener_set(8081)),
+            ("l.yaml", &listener("l", "8090")),
+        ],
+        3,
+    );
+    let r = site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "keyway")),
+            ("ls.yaml", &listener_set(8081)),
+            ("l.yaml", &listener("l", "8081")),
+        ],
+        4,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert!(
+        r.errors[0]
+            .message
+            .contains("already used by ListenerSet default/ls"),
+        "{}",
+        r.errors[0]
+    );
+    assert_eq!(port_of(site.get(Kind::Listener, "l")), 8090);
+    let r = site.reload(
+        &[
+            ("g.yaml", &gateway(8080, "keyway")),
+            ("ls.yaml", &listener_set(8090)),
+            ("l.yaml", &listener("l", "8090")),
+        ],
+        5,
+    );
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    assert_eq!(r.errors[0].path, "spec.listeners[0].port");
+    assert_eq!(ls_port(&site), 8081);
     // A new Listener onto the Gateway's port: not an edit, settled later.
     let r = site.reload(
         &[
             ("g.yaml", &gateway(8080, "keyway")),
+            ("ls.yaml", &listener_set(8081)),
             ("l.yaml", &listener("l", "8090")),
             ("new.yaml", &listener("newcomer", "8080")),
         ],
-        3,
+        6,
     );
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     // Another class's Gateway binds nothing here.

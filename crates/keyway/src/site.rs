@@ -259,10 +259,11 @@ impl Site {
                 )
             };
         }
-        if current.reconciled.changed.is_empty()
+        let quiet = current.reconciled.changed.is_empty()
             && !new_errors
-            && self.applied.load(Ordering::Acquire)
-        {
+            && errors.len() == previous_errors.len()
+            && self.applied.load(Ordering::Acquire);
+        if quiet {
             applied!(debug);
         } else {
             applied!(info);

@@ -134,7 +134,7 @@ fn hostname_problem(policy: &BackendTlsPolicy) -> Option<String> {
     let h = &policy.spec.validation.hostname;
     h.parse::<std::net::IpAddr>().is_ok().then(|| {
         format!(
-            "spec.validation.hostname: `{h}` is an IP address, not a hostname (it is the SNI, and the name the certificate must be valid for): connections to the Service fail"
+            "`{h}` is an IP address, not a hostname (it is the SNI, and the name the certificate must be valid for): connections to the Service fail"
         )
     })
 }
@@ -142,7 +142,8 @@ fn hostname_problem(policy: &BackendTlsPolicy) -> Option<String> {
 /// The CA certificates `policy` names, or why they cannot be used.
 fn roots(world: &World<'_>, ns: &str, policy: &BackendTlsPolicy) -> (TlsRoots, Vec<RefProblem>) {
     // Never cleartext, nor TLS checked against something else: the policy stands, unusable.
-    if let Some(reason) = hostname_problem(policy) {
+    if let Some(why) = hostname_problem(policy) {
+        let reason = format!("spec.validation.hostname: {why}");
         return (TlsRoots::Invalid { reason }, Vec::new());
     }
     let v = &policy.spec.validation;

@@ -149,6 +149,11 @@ pub fn compile_http(
     errors: &mut Vec<String>,
 ) -> Filters {
     let mut f = Filters::rejected_if(unsupported);
+    // A rule the resolver found it cannot serve answers 500: its filters are not compiled
+    // (nor their problems logged again at every reload).
+    if unsupported.is_some() {
+        return f;
+    }
     for x in list {
         if let Some(m) = &x.request_header_modifier {
             f.request_headers.push(header_mod!(m, errors));
@@ -222,6 +227,11 @@ pub fn compile_grpc(
     errors: &mut Vec<String>,
 ) -> Filters {
     let mut f = Filters::rejected_if(unsupported);
+    // A rule the resolver found it cannot serve answers 500: its filters are not compiled
+    // (nor their problems logged again at every reload).
+    if unsupported.is_some() {
+        return f;
+    }
     for x in list {
         if let Some(m) = &x.request_header_modifier {
             f.request_headers.push(header_mod!(m, errors));
