@@ -1097,6 +1097,20 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                     &f["requestMirror"],
                 );
             }
+            // The schema's PreciseHostname: what a redirect's Location or a rewritten Host
+            // carries (`evil.com/x` would put a path in the Location's authority).
+            for field in ["requestRedirect", "urlRewrite"] {
+                if let Some(h) = f[field]["hostname"].as_str()
+                    && !is_dns_subdomain(h)
+                {
+                    p.add(
+                        format!("{at}.filters[{j}].{field}.hostname"),
+                        format!(
+                            "`{h}` must be a precise hostname: lowercase DNS labels, no wildcard, no port"
+                        ),
+                    );
+                }
+            }
             if let Some(code) = f["requestRedirect"]["statusCode"].as_i64()
                 && !matches!(code, 301 | 302 | 303 | 307 | 308)
             {

@@ -907,6 +907,15 @@ fn cases() -> Vec<Case> {
             "spec.rules[0].matches[0].path.value",
             "must not contain '%2f' or '%2F'",
         ),
+        case(
+            "route-redirect-hostname-with-a-path",
+            http_route(
+                "  - filters:\n    - type: RequestRedirect\n      requestRedirect: {hostname: evil.com/x}\n",
+            ),
+            11,
+            "spec.rules[0].filters[0].requestRedirect.hostname",
+            "`evil.com/x` must be a precise hostname",
+        ),
         // --- Header and query parameter names: the schema's HeaderName pattern ---------------
         case(
             "route-header-modifier-bad-name",

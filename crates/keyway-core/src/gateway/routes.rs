@@ -353,6 +353,60 @@ fn http_rule_problem(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
             .map(|b| b.filters.as_ref().is_some_and(|f| !f.is_empty())),
     )
     .or_else(|| unsendable_header_value!(rule, at))
+    .or_else(|| unusable_path(rule, at))
+}
+
+/// A URLRewrite or RequestRedirect path that cannot go on a request line or in a Location:
+/// the schema takes any string, but a space, a control character, `?` or `#` would make
+/// another request (or none) than the one written. Such a rule answers 500 (a config error),
+/// not 400 to a client that did nothing wrong.
+fn unusable_path(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
+    for (j, f) in rule.filters.iter().flatten().enumerate() {
+        let paths = [
+            (
+                "urlRewrite",
+                f.url_rewrite
+                    .as_ref()
+                    .and_then(|r| r.path.as_ref())
+                    .map(|p| {
+                        (
+                            p.replace_full_path.as_deref(),
+                            p.replace_prefix_match.as_deref(),
+                        )
+                    }),
+            ),
+            (
+                "requestRedirect",
+                f.request_redirect
+                    .as_ref()
+                    .and_then(|r| r.path.as_ref())
+                    .map(|p| {
+                        (
+                            p.replace_full_path.as_deref(),
+                            p.replace_prefix_match.as_deref(),
+                        )
+                    }),
+            ),
+        ];
+        for (field, p) in paths {
+            let Some((full, prefix)) = p else { continue };
+            for (name, value) in [("replaceFullPath", full), ("replacePrefixMatch", prefix)] {
+                if let Some(v) = value
+                    && v.bytes()
+                        .any(|b| b <= b' ' || b == 0x7f || b == b'?' || b == b'#')
+                {
+                    return Some((
+                        format!("{at}.filters[{j}].{field}.path.{name}"),
+                        format!(
+                            "`{}` cannot be a request path (a space, a control character, `?` or `#`); requests matching this rule answer 500",
+                            v.escape_debug()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    None
 }
 
 /// [`http_rule_problem`] for GRPCRoute rules (header modifiers and mirrors are implemented).

@@ -1415,6 +1415,15 @@ fn unsupported_filters_table() {
             "Accepted",
             None,
         ),
+        // A rewritten path that cannot go on a request line: 500, not a 400 to the client.
+        (
+            rule(
+                "[{type: URLRewrite, urlRewrite: {path: {type: ReplaceFullPath, replaceFullPath: \"/x y\"}}}]",
+                to_app,
+            ) + OK,
+            "Accepted",
+            Some("spec.rules[0].filters[0].urlRewrite.path.replaceFullPath"),
+        ),
     ];
     for (rules, accepted, partial) in &cases {
         let route = format!(
