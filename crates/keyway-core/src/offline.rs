@@ -117,7 +117,7 @@ pub fn compile_checking_addresses(
     let mut index = Index::default();
     let mut reconciled = reconcile(&mut index, state, files, now);
     reconciled.warnings.extend(config_warnings(&index, now));
-    let mut resolution = service_network::resolve(&index);
+    let mut resolution = service_network::resolve_at(&index, Some(now));
     let gateway = gateway::resolve(&index, now);
     resolution.plan.gateways = gateway.plan.clone();
     // Nothing serves yet: of two claims on one port (Listener, Gateway), the older keeps it.

@@ -133,6 +133,13 @@ pub fn unverified_connector_warnings(index: &Index) -> Vec<ConfigError> {
 
 /// Resolves the service network of `index` into a plan.
 pub fn resolve(index: &Index) -> Resolution {
+    resolve_at(index, None)
+}
+
+/// [`resolve`] at time `now`: a listener's serving certificate that has expired by then is
+/// not one to serve (the listener is held at its last valid TLS, if it had one).
+pub fn resolve_at(index: &Index, now: Option<&crate::Time>) -> Resolution {
+    let now = now.map(|t| t.0.as_second());
     let mut res = Resolution {
         plan: Plan {
             site_name: index
@@ -150,6 +157,7 @@ pub fn resolve(index: &Index) -> Resolution {
                 let tls = server_tls(
                     index,
                     obj,
+                    now,
                     l.spec.tls_credentials.as_deref(),
                     l.spec.require_client_cert,
                     &mut res,
@@ -171,6 +179,7 @@ pub fn resolve(index: &Index) -> Resolution {
                 let tls = server_tls(
                     index,
                     obj,
+                    now,
                     m.spec.tls_credentials.as_deref(),
                     m.spec.require_client_cert,
                     &mut res,
@@ -381,12 +390,30 @@ pub(crate) fn selection_of(strategy: &skupper::MultiKeyListenerStrategy) -> Opti
 fn server_tls(
     index: &Index,
     obj: &LoadedObject,
+    now: Option<i64>,
     secret: Option<&str>,
     require_client_cert: bool,
     res: &mut Resolution,
 ) -> Result<Option<ServerTls>, ()> {
     let Some(name) = secret else { return Ok(None) };
     let material = secret_material(index, obj, name, true, res)?;
+    // Rotated to an expired certificate: every client would refuse it, so a running listener
+    // goes on with the TLS it had (held), and says why.
+    if let Some(at) = now.and_then(|now| {
+        material
+            .cert_chain
+            .first()
+            .and_then(|c| tls::expired_at(c, now))
+    }) {
+        let e = obj.error_at(
+            "spec.tlsCredentials",
+            format!("the certificate in Secret {name} expired at {at}: clients refuse it"),
+        );
+        res.not_configured
+            .insert(obj.key.clone(), e.message.clone());
+        res.problems.push(e);
+        return Err(());
+    }
     if require_client_cert && material.ca.is_empty() {
         let e = obj.error_at(
             "spec.requireClientCert",

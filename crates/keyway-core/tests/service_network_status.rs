@@ -689,3 +689,35 @@ fn verify_hostname_without_a_ca_is_not_configured() {
     let c = status_of(&st, Kind::Connector, "c");
     assert_eq!(cond(c, "Configured")["status"], "False", "{c}");
 }
+
+/// A Listener whose Secret holds a certificate that has expired by the resolve's time is held
+/// (a running one goes on with the TLS it had) and says when it expired; without a time (an
+/// older caller) nothing changes.
+#[test]
+fn a_listener_certificate_that_has_expired_is_held() {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec!["db.example".to_string()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2020, 2, 1);
+    let cert = params.self_signed(&key).expect("cert");
+    let secret = format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: old}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
+        cert.pem(),
+        key.serialize_pem()
+    );
+    let yaml = listener("l", "db", 17001, "  tlsCredentials: old\n") + &secret;
+    let index = index_of(&yaml);
+    let res = service_network::resolve_at(&index, Some(&now()));
+    let id = ObjectKey::new(Kind::Listener, "default", "l");
+    assert!(res.plan.held.contains(&id), "{:?}", res.plan.held);
+    assert!(res.plan.listeners.iter().all(|l| l.id != id));
+    assert!(
+        res.problems
+            .iter()
+            .any(|p| p.path == "spec.tlsCredentials" && p.message.contains("expired at 2020-02-01")),
+        "{:?}",
+        res.problems
+    );
+    let untimed = service_network::resolve(&index);
+    assert!(untimed.plan.listeners.iter().any(|l| l.id == id));
+}

@@ -182,7 +182,7 @@ impl Site {
         reconciled
             .warnings
             .extend(keyway_core::offline::config_warnings(&index, &cli::now()));
-        let mut resolution = service_network::resolve(&index);
+        let mut resolution = service_network::resolve_at(&index, Some(&cli::now()));
         let conflicts_before = current.gateway.resolution().listener_conflicts.clone();
         let gateway = current.gateway.update(&index, &cli::now());
         resolution.plan.gateways = gateway.plan.clone();
