@@ -615,6 +615,12 @@ impl Site {
             .iter()
             .filter(|(key, _)| obs.not_here.contains(*key))
             .map(|(key, e)| format!("{key}: {e}"))
+            .chain(
+                obs.gateway_errors
+                    .iter()
+                    .filter(|e| e.conflict.is_none() && e.not_here)
+                    .map(|e| format!("{} listener {}: {}", e.owner, e.listener, e.message)),
+            )
             .collect();
         let not_listening: Vec<String> = obs
             .bind_errors
@@ -624,7 +630,7 @@ impl Site {
             .chain(
                 obs.gateway_errors
                     .iter()
-                    .filter(|e| e.conflict.is_none())
+                    .filter(|e| e.conflict.is_none() && !e.not_here)
                     .map(|e| format!("{} listener {}: {}", e.owner, e.listener, e.message)),
             )
             .collect();

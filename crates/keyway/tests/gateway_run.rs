@@ -795,6 +795,29 @@ fn a_gateway_never_takes_a_listeners_port_while_its_key_is_unreachable() {
     );
 }
 
+/// A Gateway whose `spec.addresses` is no address of this machine (config meant for another)
+/// will never bind here: it does not hold the site unready, and `/readyz` names it; its
+/// listeners say why in their status.
+#[test]
+fn a_gateway_address_not_on_this_machine_does_not_hold_readiness() {
+    let dir = temp_dir("address-elsewhere");
+    let port = free_port();
+    // 192.0.2.1 (TEST-NET-1) is on no host.
+    std::fs::write(
+        dir.join("gw.yaml"),
+        format!("apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {{name: gw}}\nspec:\n  gatewayClassName: keyway\n  addresses: [{{type: IPAddress, value: 192.0.2.1}}]\n  listeners: [{{name: web, port: {port}, protocol: HTTP}}]\n"),
+    )
+    .expect("write");
+    let site = Site::start(&dir, false);
+    let body = site.wait_for("/readyz", |code, body| {
+        code == 200 && body.contains("no address of this machine")
+    });
+    assert!(body.contains("Gateway default/gw listener web"), "{body}");
+    site.wait_for("/status", |_, body| {
+        body.contains(&format!("cannot bind 192.0.2.1:{port}"))
+    });
+}
+
 /// `spec.addresses` decides where a Gateway's ports are bound (status.addresses says so), and an
 /// edit moves them without a restart; an address type keyway cannot bind is `UnsupportedAddress`.
 #[test]

@@ -499,6 +499,9 @@ pub struct ListenerError {
     /// Another Gateway holds the port by the rules, (port, that Gateway): a conflict in the
     /// config, not a failure of the site.
     pub conflict: Option<(u16, ObjectKey)>,
+    /// The port's address is no address of this machine (`spec.addresses` meant for another):
+    /// it will never bind here.
+    pub not_here: bool,
 }
 
 /// State every gateway connection shares.
@@ -518,6 +521,8 @@ pub struct Ctx {
 #[derive(Default)]
 struct PortState {
     error: Mutex<Option<String>>,
+    /// The last bind failed because the address is no address of this machine.
+    not_here: std::sync::atomic::AtomicBool,
     /// Ports this one takes listeners over from, accepting on until this one binds (a
     /// listener moved to a port another program holds keeps its old port meanwhile, as a
     /// Skupper Listener does); with whether this port has bound, under one lock, so a port
@@ -692,6 +697,7 @@ impl Gateways {
                         message: keyway_core::port_owners::taken_message(pb.port, owner, &l.owner),
                         invalid_certificate: false,
                         conflict: Some((pb.port, (*owner).clone())),
+                        not_here: false,
                     });
                 }
                 continue;
@@ -851,6 +857,7 @@ impl Gateways {
         let mut out = lock(&self.rejected).clone();
         for h in lock(&self.ports).values() {
             if let Some(e) = lock(&h.state.error).clone() {
+                let not_here = h.state.not_here.load(std::sync::atomic::Ordering::Acquire);
                 for (owner, listener) in &h.listeners {
                     out.push(ListenerError {
                         owner: owner.clone(),
@@ -858,6 +865,7 @@ impl Gateways {
                         message: e.clone(),
                         invalid_certificate: false,
                         conflict: None,
+                        not_here,
                     });
                 }
             }
@@ -944,6 +952,7 @@ impl Gateways {
                             message,
                             invalid_certificate: true,
                             conflict: None,
+                            not_here: false,
                         });
                     }
                     // Its hostname stays taken: a handshake for it is refused rather than
@@ -1169,6 +1178,10 @@ async fn accept_loop(
             }
             Err(e) => {
                 failures += 1;
+                state.not_here.store(
+                    e.kind() == std::io::ErrorKind::AddrNotAvailable,
+                    std::sync::atomic::Ordering::Release,
+                );
                 let mut msg = if addr.ip().is_unspecified() {
                     format!("cannot bind port {}: {e}", addr.port())
                 } else {
