@@ -578,7 +578,29 @@ impl Site {
 
     /// The plan the data plane runs (SPEC §6 `/config`).
     pub fn config(&self) -> Value {
-        serde_json::to_value(&lock(&self.current).resolution.plan).unwrap_or(Value::Null)
+        let mut config =
+            serde_json::to_value(&lock(&self.current).resolution.plan).unwrap_or(Value::Null);
+        // What runs beyond the plan on the Gateway side too: listeners served on with their
+        // last valid certificate (or their port's last valid client check).
+        let kept: Vec<Value> = self
+            .dataplane
+            .observe()
+            .gateway_kept_certificates
+            .into_iter()
+            .map(|(owner, listener, what)| {
+                let what = match what {
+                    keyway_core::gateway::Kept::Certificate => "lastValidCertificate",
+                    keyway_core::gateway::Kept::ClientCheck => "lastValidClientCheck",
+                };
+                serde_json::json!({"owner": owner.to_string(), "listener": listener, "servesWith": what})
+            })
+            .collect();
+        if !kept.is_empty()
+            && let Some(gateways) = config.get_mut("gateways")
+        {
+            gateways["held"] = Value::from(kept);
+        }
+        config
     }
 
     /// Takes the state directory's lock again if it was lost (see [`state::StateLock::keep`]);

@@ -590,6 +590,15 @@ fn a_serving_https_listener_keeps_its_certificate_when_its_secret_stops_resolvin
             "True",
             "{step}: {gw:#}"
         );
+        // `/config` (what runs) lists it as held with its last valid certificate.
+        let config: serde_json::Value =
+            serde_json::from_str(&site.get("/config").1).expect("config json");
+        let held = &config["gateways"]["held"][0];
+        assert_eq!(
+            held["servesWith"], "lastValidCertificate",
+            "{step}: {config:#}"
+        );
+        assert_eq!(held["listener"], listener["name"], "{step}: {config:#}");
     }
     // The site logged the switch to the kept certificate once, not at every reload.
     let log = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
