@@ -231,10 +231,7 @@ pub fn resolve_at(index: &Index, now: Option<&crate::Time>) -> Resolution {
                 let health = match health_of(&c.spec.settings) {
                     Ok(h) => Some(h),
                     Err((setting, msg)) => {
-                        let e = obj.error_at(&format!("spec.settings.{setting}"), msg);
-                        res.not_configured
-                            .insert(obj.key.clone(), e.message.clone());
-                        res.problems.push(e);
+                        not_configured(obj, &format!("spec.settings.{setting}"), msg, &mut res);
                         None
                     }
                 };
@@ -405,23 +402,21 @@ fn server_tls(
             .first()
             .and_then(|c| tls::expired_at(c, now))
     }) {
-        let e = obj.error_at(
+        not_configured(
+            obj,
             "spec.tlsCredentials",
             format!("the certificate in Secret {name} expired at {at}: clients refuse it"),
+            res,
         );
-        res.not_configured
-            .insert(obj.key.clone(), e.message.clone());
-        res.problems.push(e);
         return Err(());
     }
     if require_client_cert && material.ca.is_empty() {
-        let e = obj.error_at(
+        not_configured(
+            obj,
             "spec.requireClientCert",
             format!("Secret {name} needs ca.crt to verify client certificates"),
+            res,
         );
-        res.not_configured
-            .insert(obj.key.clone(), e.message.clone());
-        res.problems.push(e);
         return Err(());
     }
     Ok(Some(ServerTls {
@@ -442,12 +437,7 @@ fn secret_material(
         Some(Resource::Secret(secret)) => tls::material_from_secret(secret, need_key),
         _ => Err(index.absence(Kind::Secret, &obj.key.namespace, name)),
     };
-    result.map_err(|msg| {
-        let e = obj.error_at("spec.tlsCredentials", msg);
-        res.not_configured
-            .insert(obj.key.clone(), e.message.clone());
-        res.problems.push(e);
-    })
+    result.map_err(|msg| not_configured(obj, "spec.tlsCredentials", msg, res))
 }
 
 /// The Connector settings keyway reads (its health checks); others are warned about.
