@@ -323,20 +323,9 @@ pub fn reconcile(
                 )
             };
             let at = match &obj.resource {
-                Resource::Gateway(gw) => listener_at(
-                    gw.spec
-                        .listeners
-                        .iter()
-                        .map(|l| i64::from(l.port))
-                        .collect(),
-                ),
-                Resource::ListenerSet(ls) => listener_at(
-                    ls.spec
-                        .listeners
-                        .iter()
-                        .map(|l| i64::from(l.port))
-                        .collect(),
-                ),
+                Resource::Gateway(_) | Resource::ListenerSet(_) => {
+                    listener_at(listener_ports(&obj.resource))
+                }
                 _ => "spec.port".to_string(),
             };
             let message = crate::port_owners::taken_message(
@@ -503,12 +492,7 @@ fn port_claims<'a>(
     parent: impl Fn(&ObjectKey) -> Option<&'a LoadedObject>,
 ) -> Vec<(String, i64)> {
     let ours = |gw: &gateway_api::apis::standard::gateways::Gateway| {
-        let class = gw.spec.gateway_class_name.as_str();
-        class == crate::gateway::BUILTIN_CLASS
-            || matches!(
-                index.resource(Kind::GatewayClass, "", class),
-                Some(Resource::GatewayClass(c)) if c.spec.controller_name == crate::gateway::CONTROLLER_NAME
-            )
+        crate::gateway::is_our_class(index, &gw.spec.gateway_class_name)
     };
     let hosts_of = |gw: &gateway_api::apis::standard::gateways::Gateway| {
         let mut hosts: Vec<String> = gw
@@ -534,33 +518,40 @@ fn port_claims<'a>(
             .collect()
     };
     match resource {
-        Resource::Gateway(gw) if ours(gw) => on(
-            hosts_of(gw),
-            gw.spec
-                .listeners
-                .iter()
-                .map(|l| i64::from(l.port))
-                .collect(),
-        ),
+        Resource::Gateway(gw) if ours(gw) => on(hosts_of(gw), listener_ports(resource)),
         Resource::ListenerSet(ls) => {
             let p = &ls.spec.parent_ref;
             let is_gateway = p.kind.as_deref().unwrap_or("Gateway") == "Gateway";
             let ns = p.namespace.as_deref().unwrap_or(&key.namespace);
             let parent_key = ObjectKey::new(Kind::Gateway, ns, &p.name);
             match parent(&parent_key).map(|o| &o.resource) {
-                Some(Resource::Gateway(gw)) if is_gateway && ours(gw) => on(
-                    hosts_of(gw),
-                    ls.spec
-                        .listeners
-                        .iter()
-                        .map(|l| i64::from(l.port))
-                        .collect(),
-                ),
+                Some(Resource::Gateway(gw)) if is_gateway && ours(gw) => {
+                    on(hosts_of(gw), listener_ports(resource))
+                }
                 _ => Vec::new(),
             }
         }
         Resource::Gateway(_) => Vec::new(),
         other => host_port(other).into_iter().collect(),
+    }
+}
+
+/// The port of each listener of a Gateway or ListenerSet, in order (none for other kinds).
+fn listener_ports(resource: &Resource) -> Vec<i64> {
+    match resource {
+        Resource::Gateway(gw) => gw
+            .spec
+            .listeners
+            .iter()
+            .map(|l| i64::from(l.port))
+            .collect(),
+        Resource::ListenerSet(ls) => ls
+            .spec
+            .listeners
+            .iter()
+            .map(|l| i64::from(l.port))
+            .collect(),
+        _ => Vec::new(),
     }
 }
 

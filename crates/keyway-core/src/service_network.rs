@@ -396,18 +396,8 @@ fn server_tls(
     let material = secret_material(index, obj, name, true, res)?;
     // Rotated to an expired certificate: every client would refuse it, so a running listener
     // goes on with the TLS it had (held), and says why.
-    if let Some(at) = now.and_then(|now| {
-        material
-            .cert_chain
-            .first()
-            .and_then(|c| tls::expired_at(c, now))
-    }) {
-        not_configured(
-            obj,
-            "spec.tlsCredentials",
-            format!("the certificate in Secret {name} expired at {at}: clients refuse it"),
-            res,
-        );
+    if let Some(why) = now.and_then(|now| tls::expired_leaf(&material, now)) {
+        not_configured(obj, "spec.tlsCredentials", why, res);
         return Err(());
     }
     if require_client_cert && material.ca.is_empty() {

@@ -320,15 +320,26 @@ pub(crate) fn not_a_ca(der: &CertificateDer<'_>) -> Option<String> {
     })
 }
 
-/// When a certificate expired, if it has by `now` (seconds since the epoch): `None` while it
-/// is valid, not valid yet, or unreadable.
-pub(crate) fn expired_at(der: &CertificateDer<'_>, now: i64) -> Option<String> {
+/// Why `material`'s serving certificate is not one to serve at `now` (seconds since the
+/// epoch), if it has expired: every client would refuse it. `None` while it is valid, not
+/// valid yet (a clock a little behind its issuer's must not refuse a fresh one), or unreadable.
+pub(crate) fn expired_leaf(material: &TlsMaterial, now: i64) -> Option<String> {
+    let der = material.cert_chain.first()?;
     let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
     let not_after = cert.validity().not_after;
     (not_after.timestamp() < now).then(|| {
-        crate::jiff::Timestamp::from_second(not_after.timestamp())
-            .map_or_else(|_| not_after.to_string(), |ts| ts.to_string())
+        format!(
+            "the certificate in Secret {} expired at {}: clients refuse it",
+            material.secret,
+            time_text(&not_after)
+        )
     })
+}
+
+/// An X.509 time as RFC 3339.
+fn time_text(t: &x509_parser::time::ASN1Time) -> String {
+    crate::jiff::Timestamp::from_second(t.timestamp())
+        .map_or_else(|_| t.to_string(), |ts| ts.to_string())
 }
 
 /// "expired at …" or "is not valid before …" for a certificate outside its validity at `now`
@@ -337,10 +348,7 @@ pub(crate) fn expired_at(der: &CertificateDer<'_>, now: i64) -> Option<String> {
 fn validity_problem(der: &CertificateDer<'_>, now: i64) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
     let validity = cert.validity();
-    let at = |t: &x509_parser::time::ASN1Time| {
-        crate::jiff::Timestamp::from_second(t.timestamp())
-            .map_or_else(|_| t.to_string(), |ts| ts.to_string())
-    };
+    let at = time_text;
     if validity.not_after.timestamp() < now {
         Some(format!(
             "expired at {}: clients will refuse it",

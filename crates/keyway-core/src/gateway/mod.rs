@@ -90,21 +90,21 @@ pub struct ListenerConflict {
 /// Gateways of a class keyway does not serve, as warnings: nothing is wrong with them, but a
 /// user who pasted an example (`gatewayClassName: example`) would otherwise see them silently
 /// ignored. Keyway serves the class `keyway` and every GatewayClass naming its controller.
+/// Whether GatewayClass `class` is keyway's: the built-in one, or one naming keyway's
+/// controller.
+pub(crate) fn is_our_class(index: &Index, class: &str) -> bool {
+    class == BUILTIN_CLASS
+        || matches!(
+            index.resource(Kind::GatewayClass, "", class),
+            Some(Resource::GatewayClass(c)) if c.spec.controller_name == CONTROLLER_NAME
+        )
+}
+
 pub fn foreign_class_warnings(index: &Index) -> Vec<ConfigError> {
-    let ours: HashSet<&str> = index
-        .of_kind(Kind::GatewayClass)
-        .filter_map(|c| match &c.resource {
-            Resource::GatewayClass(gc) if gc.spec.controller_name == CONTROLLER_NAME => {
-                Some(c.key.name.as_str())
-            }
-            _ => None,
-        })
-        .chain([BUILTIN_CLASS])
-        .collect();
     index
         .of_kind(Kind::Gateway)
         .filter_map(|g| match &g.resource {
-            Resource::Gateway(gw) if !ours.contains(gw.spec.gateway_class_name.as_str()) => {
+            Resource::Gateway(gw) if !is_our_class(index, &gw.spec.gateway_class_name) => {
                 Some(g.error_at(
                     "spec.gatewayClassName",
                     format!(

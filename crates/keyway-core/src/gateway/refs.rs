@@ -302,15 +302,8 @@ impl<'a> World<'a> {
             let material = material.map_err(RefError::InvalidCertificateRef)?;
             // Rotated to an expired certificate (an old file put back, say): every client
             // would refuse it, so the listener goes on with the one it had, if it had one.
-            if let Some(at) = material
-                .cert_chain
-                .first()
-                .and_then(|c| tls::expired_at(c, self.now))
-            {
-                return Err(RefError::InvalidCertificateRef(format!(
-                    "the certificate in Secret {ns}/{} expired at {at}: clients refuse it",
-                    r.name
-                )));
+            if let Some(why) = tls::expired_leaf(&material, self.now) {
+                return Err(RefError::InvalidCertificateRef(why));
             }
             out.push(material);
         }

@@ -362,47 +362,38 @@ fn http_rule_problem(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
 /// not 400 to a client that did nothing wrong.
 fn unusable_path(rule: &HttpRouteRules, at: &str) -> Option<Problem> {
     for (j, f) in rule.filters.iter().flatten().enumerate() {
-        let paths = [
+        let rewrite = f.url_rewrite.as_ref().and_then(|r| r.path.as_ref());
+        let redirect = f.request_redirect.as_ref().and_then(|r| r.path.as_ref());
+        let values = [
             (
-                "urlRewrite",
-                f.url_rewrite
-                    .as_ref()
-                    .and_then(|r| r.path.as_ref())
-                    .map(|p| {
-                        (
-                            p.replace_full_path.as_deref(),
-                            p.replace_prefix_match.as_deref(),
-                        )
-                    }),
+                "urlRewrite.path.replaceFullPath",
+                rewrite.and_then(|p| p.replace_full_path.as_deref()),
             ),
             (
-                "requestRedirect",
-                f.request_redirect
-                    .as_ref()
-                    .and_then(|r| r.path.as_ref())
-                    .map(|p| {
-                        (
-                            p.replace_full_path.as_deref(),
-                            p.replace_prefix_match.as_deref(),
-                        )
-                    }),
+                "urlRewrite.path.replacePrefixMatch",
+                rewrite.and_then(|p| p.replace_prefix_match.as_deref()),
+            ),
+            (
+                "requestRedirect.path.replaceFullPath",
+                redirect.and_then(|p| p.replace_full_path.as_deref()),
+            ),
+            (
+                "requestRedirect.path.replacePrefixMatch",
+                redirect.and_then(|p| p.replace_prefix_match.as_deref()),
             ),
         ];
-        for (field, p) in paths {
-            let Some((full, prefix)) = p else { continue };
-            for (name, value) in [("replaceFullPath", full), ("replacePrefixMatch", prefix)] {
-                if let Some(v) = value
-                    && v.bytes()
-                        .any(|b| b <= b' ' || b == 0x7f || b == b'?' || b == b'#')
-                {
-                    return Some((
-                        format!("{at}.filters[{j}].{field}.path.{name}"),
-                        format!(
-                            "`{}` cannot be a request path (a space, a control character, `?` or `#`); requests matching this rule answer 500",
-                            v.escape_debug()
-                        ),
-                    ));
-                }
+        for (field, value) in values {
+            if let Some(v) = value
+                && v.bytes()
+                    .any(|b| b <= b' ' || b == 0x7f || b == b'?' || b == b'#')
+            {
+                return Some((
+                    format!("{at}.filters[{j}].{field}"),
+                    format!(
+                        "`{}` cannot be a request path (a space, a control character, `?` or `#`); requests matching this rule answer 500",
+                        v.escape_debug()
+                    ),
+                ));
             }
         }
     }

@@ -546,12 +546,10 @@ impl Replaced {
     /// its config to a port of its own: then that port's config and series stay.
     fn close(self) {
         tracing::info!(addr = %self.addr, "gateway port its listeners moved from: closed");
-        let empty = Arc::new(PortConfig {
-            port: self.serves.port,
-            family: self.serves.family,
-            listeners: Vec::new(),
-        });
-        let before = self.handle.config.compare_and_swap(&self.serves, empty);
+        let before = self
+            .handle
+            .config
+            .compare_and_swap(&self.serves, empty_like(&self.serves));
         if Arc::ptr_eq(&before, &self.serves) {
             (self.forget)();
         }
@@ -562,12 +560,17 @@ impl Replaced {
 fn blank(config: &ArcSwap<PortConfig>) {
     let old = config.load();
     if !old.listeners.is_empty() {
-        config.store(Arc::new(PortConfig {
-            port: old.port,
-            family: old.family,
-            listeners: Vec::new(),
-        }));
+        config.store(empty_like(&old));
     }
+}
+
+/// `config`'s port and protocol family, with no listener.
+fn empty_like(config: &PortConfig) -> Arc<PortConfig> {
+    Arc::new(PortConfig {
+        port: config.port,
+        family: config.family,
+        listeners: Vec::new(),
+    })
 }
 
 struct PortHandle {
