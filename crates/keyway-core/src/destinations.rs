@@ -80,14 +80,7 @@ fn strategy(status: &Value) -> Option<&Value> {
     status["strategy"].as_object()?.values().next()
 }
 
-fn keys(strategy: &Value) -> Vec<&str> {
-    strategy["routingKeysReachable"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect()
-}
+use crate::service_network::reachable_keys as keys;
 
 fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<DestinationChange>) {
     let closed = port_closed(new);

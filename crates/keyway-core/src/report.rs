@@ -520,8 +520,12 @@ fn mkl_keys(v: &Value) -> Vec<(String, String, String)> {
     let has_status = !v["status"].is_null();
     let status = strategy(&v["status"]["strategy"]).map(|(_, s)| s);
     let reachable: Vec<String> = status
-        .and_then(|st| st["routingKeysReachable"].as_array())
-        .map(|a| a.iter().map(s).collect())
+        .map(|st| {
+            crate::service_network::reachable_keys(st)
+                .into_iter()
+                .map(String::from)
+                .collect()
+        })
         .unwrap_or_default();
     let active = status
         .map(|st| s(&st["activeRoutingKey"]))
@@ -1199,7 +1203,7 @@ mod table_tests {
             "spec": {"host": "127.0.0.1", "port": 1, "strategy": {"weighted": {
                 "routingKeys": {"a": 3, "b": 1}}}},
             "status": {"status": "Ready", "message": "OK",
-                "strategy": {"weighted": {"routingKeysReachable": ["b"]}}},
+                "strategy": {"weighted": {"routingKeysReachable": {"b": 1}}}},
         });
         let out = tables(&[v]);
         let lines: Vec<&str> = out.lines().collect();

@@ -500,6 +500,16 @@ fn no_destination(index: &Index, reach: &Reachability, keys: &[&str]) -> String 
 }
 
 /// Status of every skupper.io object (SPEC §3.3), as the `status` JSON of each object.
+/// The reachable keys of a MultiKeyListener's `status.strategy.<kind>`, in spec order: a
+/// list (priority) or the keys of a key → weight map (weighted).
+pub fn reachable_keys(strategy: &Value) -> Vec<&str> {
+    match &strategy["routingKeysReachable"] {
+        Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+        Value::Object(m) => m.keys().map(String::as_str).collect(),
+        _ => Vec::new(),
+    }
+}
+
 pub fn statuses(
     index: &Index,
     res: &Resolution,
@@ -565,10 +575,10 @@ pub fn statuses(
             }
             Resource::MultiKeyListener(m) => {
                 let keys = m.spec.strategy.routing_keys();
-                let reachable: Vec<String> = keys
+                let reachable: Vec<&str> = keys
                     .iter()
                     .filter(|k| reach.reachable_keys.contains(**k))
-                    .map(|k| k.to_string())
+                    .copied()
                     .collect();
                 let has = !reachable.is_empty();
                 let operational = if has {
@@ -586,7 +596,18 @@ pub fn statuses(
                     .first()
                     .copied()
                     .unwrap_or(StrategyKind::PriorityFailover);
-                let mut strategy = json!({ "routingKeysReachable": reachable });
+                // Upstream types weighted's as key → weight, priority's as a list.
+                let listed = match &m.spec.strategy.weighted {
+                    Some(w) if kind == StrategyKind::Weighted => Value::Object(
+                        w.routing_keys
+                            .iter()
+                            .filter(|(k, _)| reachable.contains(&k.as_str()))
+                            .map(|(k, weight)| (k.clone(), json!(weight)))
+                            .collect(),
+                    ),
+                    _ => json!(reachable),
+                };
+                let mut strategy = json!({ "routingKeysReachable": listed });
                 // A listener that does not serve (not configured, port not bound) uses no key.
                 let serving =
                     !res.not_configured.contains_key(key) && !reach.bind_errors.contains_key(key);

@@ -273,6 +273,19 @@ impl StrategyKind {
     }
 }
 
+/// `routingKeysReachable` as upstream Skupper types it: a list for priority, key → weight for
+/// weighted (both in spec order).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(untagged)]
+pub enum ReachableKeys {
+    Priority(Vec<String>),
+    Weighted(
+        #[serde(with = "ordered_map")]
+        #[schemars(with = "BTreeMap<String, i64>")]
+        Vec<(String, i64)>,
+    ),
+}
+
 impl MultiKeyListenerStrategy {
     /// Every strategy field that is set, in spec order.
     pub fn kinds(&self) -> Vec<StrategyKind> {
@@ -313,10 +326,10 @@ pub struct MultiKeyListenerStatus {
 }
 
 /// `status.strategy.<kind>`: reachable keys in spec order and, for priority, the key in use.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct StrategyStatus {
-    pub routing_keys_reachable: Vec<String>,
+    pub routing_keys_reachable: ReachableKeys,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active_routing_key: Option<String>,
 }

@@ -166,20 +166,33 @@ fn priority_dialect_is_echoed() {
 }
 
 #[test]
-fn weighted_lists_reachable_keys_in_spec_order_without_active_key() {
+fn weighted_maps_reachable_keys_to_weights_in_spec_order_without_active_key() {
     let index = index_of(&mkl("w", 18001, WEIGHTED));
+    // Upstream Skupper's WeightedStrategyStatus: routingKeysReachable map[string]uint.
     for (reach, want) in [
-        (vec![], serde_json::json!([])),
-        (vec!["mid", "zeta"], serde_json::json!(["zeta", "mid"])),
+        (vec![], serde_json::json!({})),
+        (
+            vec!["mid", "zeta"],
+            serde_json::json!({"zeta": 1, "mid": 3}),
+        ),
         (
             vec!["alpha", "mid", "zeta"],
-            serde_json::json!(["zeta", "alpha", "mid"]),
+            serde_json::json!({"zeta": 1, "alpha": 2, "mid": 3}),
         ),
     ] {
         let (_, st) = statuses(&index, Some(live(&reach)));
         let s = status_of(&st, Kind::MultiKeyListener, "w");
         let w = &s["strategy"]["weighted"];
         assert_eq!(w["routingKeysReachable"], want, "{reach:?}");
+        let order: Vec<&String> = w["routingKeysReachable"]
+            .as_object()
+            .map(|m| m.keys().collect())
+            .unwrap_or_default();
+        let spec_order: Vec<&String> = want
+            .as_object()
+            .map(|m| m.keys().collect())
+            .unwrap_or_default();
+        assert_eq!(order, spec_order, "spec order");
         assert!(w.get("activeRoutingKey").is_none(), "{s:#}");
         assert_eq!(s["hasDestination"], !reach.is_empty());
         let want_status = if reach.is_empty() { "Pending" } else { "Ready" };

@@ -476,7 +476,7 @@ fn weighted_multi_key_listener_splits_keep_alive_requests_by_weight() {
         eventually(Duration::from_secs(10), || a
             .status_of("MultiKeyListener", "split")
             .is_some_and(|s| s["strategy"]["weighted"]["routingKeysReachable"]
-                .as_array()
+                .as_object()
                 .is_some_and(|k| k.len() == 2))),
         "{:?}",
         a.status_of("MultiKeyListener", "split")

@@ -407,6 +407,32 @@ struct RouteResult {
     parents: Vec<ParentStatus>,
     /// Per parentRef: the serving listeners it attached to, as (owner slot, listener).
     live: Vec<Vec<(usize, usize)>>,
+    /// Per parentRef: every listener it attached to, as (owner slot, listener).
+    reach: Vec<Vec<(usize, usize)>>,
+}
+
+impl RouteResult {
+    /// Whether the route counts in the `attachedRoutes` of listener `at` (owner slot,
+    /// listener): a parentRef that attached it there reads `Accepted=True` once the conflicts
+    /// between routes (`lost`) are applied. ListenerStatus: "Routes with any other value for
+    /// the Accepted condition MUST NOT be included in this count."
+    fn counts_at(&self, at: (usize, usize), lost: Option<&Vec<(usize, usize)>>) -> bool {
+        self.parents
+            .iter()
+            .zip(&self.reach)
+            .zip(&self.live)
+            .any(|((p, reach), live)| {
+                reach.contains(&at)
+                    && p.conditions.first().is_some_and(|c| c.status)
+                    && !beaten(live, lost)
+            })
+    }
+}
+
+/// A parentRef's serving listeners were all lost to other routes (HTTPRoute beside GRPCRoute,
+/// one TCPRoute per listener, TLSRoutes by hostname): it reads `Accepted=False/Conflicted`.
+fn beaten(live: &[(usize, usize)], lost: Option<&Vec<(usize, usize)>>) -> bool {
+    !live.is_empty() && lost.is_some_and(|l| live.iter().all(|x| l.contains(x)))
 }
 
 /// What a Gateway or ListenerSet contributed last time.
@@ -1273,6 +1299,7 @@ impl GatewayResolver {
             let mut attaches: Vec<(usize, usize, Vec<String>)> = Vec::new();
             let mut parents = Vec::with_capacity(rin.parents.len());
             let mut live_of_parents = Vec::with_capacity(rin.parents.len());
+            let mut reach_of_parents = Vec::with_capacity(rin.parents.len());
             for (parent, target) in rin.parents.iter().zip(&rin.targets) {
                 if foreign(target) {
                     continue;
@@ -1287,6 +1314,7 @@ impl GatewayResolver {
                     listeners: &owners[i].listeners,
                 });
                 let mut serving = Vec::new();
+                let mut reach = Vec::new();
                 let accepted = match (routes::attach(&world, ns, &rin, parent, view.as_ref()), at) {
                     (Err((reason, message)), _) => C::new("Accepted", false, reason, message),
                     (Ok(list), Some(i)) => {
@@ -1297,6 +1325,7 @@ impl GatewayResolver {
                             .map(|a| (owner.slot, a.listener))
                             .collect();
                         let live = !serving.is_empty();
+                        reach = list.iter().map(|a| (owner.slot, a.listener)).collect();
                         for a in list {
                             let dup = attaches
                                 .iter()
@@ -1329,6 +1358,7 @@ impl GatewayResolver {
                     conditions,
                 });
                 live_of_parents.push(serving);
+                reach_of_parents.push(reach);
             }
             rendered.push(obj.key.clone());
             if matches!(rin.kind, Kind::GRPCRoute | Kind::TCPRoute | Kind::TLSRoute) {
@@ -1349,6 +1379,7 @@ impl GatewayResolver {
                     attaches,
                     parents,
                     live: live_of_parents,
+                    reach: reach_of_parents,
                 },
             );
             if let Some(old) = &old {
@@ -1415,11 +1446,9 @@ impl GatewayResolver {
                     if *owner != owners[i].slot {
                         continue;
                     }
-                    // Counted whether or not it lost a conflict with another route there:
-                    // attachment is allowedRoutes and parentRefs alone, and `attachedRoutes`
-                    // "MUST count successfully attached Routes that may themselves have
-                    // Accepted: false conditions" (ListenerStatus).
-                    *counts.entry((i, *listener)).or_default() += 1;
+                    if rr.counts_at((*owner, *listener), lost) {
+                        *counts.entry((i, *listener)).or_default() += 1;
+                    }
                     if lost.is_some_and(|l| l.contains(&(*owner, *listener))) {
                         continue;
                     }
@@ -1774,10 +1803,10 @@ impl GatewayResolver {
                 .iter()
                 .zip(&rr.live)
                 .map(|(p, live)| {
-                    let beaten = !live.is_empty()
-                        && losses.is_some_and(|l| live.iter().all(|x| l.contains(x)));
                     let mut p = p.clone();
-                    if beaten && let Some(c) = p.conditions.first_mut() {
+                    if beaten(live, losses)
+                        && let Some(c) = p.conditions.first_mut()
+                    {
                         let other = match rr.rin.kind {
                             Kind::GRPCRoute => "an HTTPRoute with overlapping hostnames",
                             Kind::TCPRoute => "another TCPRoute (one per listener)",
@@ -2038,10 +2067,7 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
             accepted,
             unsupported_address,
         } => {
-            let broken = o.standings.iter().any(|s| *s != Standing::Accepted)
-                || o.listeners
-                    .iter()
-                    .any(|l| without_ca(o.frontend.as_deref(), l));
+            let broken = some_listener_not_valid(o);
             let unsupported = unsupported_address
                 .then(|| match &o.obj.resource {
                     Resource::Gateway(gw) => self::unsupported_spec(gw),
@@ -2100,6 +2126,25 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
             }
             conds
         }
+        // Some of its listeners lost or are invalid: still accepted and programmed, for the
+        // rest, with the reason saying so (conformance ListenerSetHostnameConflict).
+        Admission::Accepted if some_listener_not_valid(o) => {
+            let message =
+                "some listeners are invalid or conflict with others; see status.listeners";
+            vec![
+                C::new("Accepted", true, "ListenersNotValid", message),
+                if own_programmed {
+                    C::new("Programmed", true, "ListenersNotValid", message)
+                } else {
+                    C::new(
+                        "Programmed",
+                        false,
+                        "ListenersNotValid",
+                        "no listener is programmed",
+                    )
+                },
+            ]
+        }
         Admission::Accepted => vec![
             C::new("Accepted", true, "Accepted", "accepted"),
             if own_programmed {
@@ -2121,6 +2166,15 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
             ]
         }
     }
+}
+
+/// Some listener of a Gateway or ListenerSet is invalid, lost a conflict, or has no usable CA
+/// for its port's client validation: the resource reads `ListenersNotValid` while accepted.
+fn some_listener_not_valid(o: &Owner<'_>) -> bool {
+    o.standings.iter().any(|s| *s != Standing::Accepted)
+        || o.listeners
+            .iter()
+            .any(|l| without_ca(o.frontend.as_deref(), l))
 }
 
 /// Why a whole ListenerSet is not accepted (also reported on each of its listeners).

@@ -474,10 +474,26 @@ fn conflict_table() {
             Some(reason) => assert_lost(&r, LS, "team-a", "ls", "s", reason),
             None => assert_won(&r, LS, "team-a", "ls", "s"),
         }
-        // A partly conflicted ListenerSet with another valid listener stays accepted.
+        // A partly conflicted ListenerSet with another valid listener stays accepted and
+        // programmed, with reason ListenersNotValid (conformance ListenerSetHostnameConflict).
+        let reason = if want.is_some() {
+            "ListenersNotValid"
+        } else {
+            "Accepted"
+        };
         assert_eq!(
             top(&r, LS, "team-a", "ls", "Accepted"),
-            yes("Accepted"),
+            yes(reason),
+            "{g:?} {s:?}"
+        );
+        let reason = if want.is_some() {
+            "ListenersNotValid"
+        } else {
+            "Programmed"
+        };
+        assert_eq!(
+            top(&r, LS, "team-a", "ls", "Programmed"),
+            yes(reason),
             "{g:?} {s:?}"
         );
     }
@@ -2225,7 +2241,7 @@ fn regression_route_parent_is_not_always_a_gateway() {
 }
 
 #[test]
-fn losing_listeners_still_count_attached_routes() {
+fn losing_listeners_count_only_accepted_routes() {
     let y = base("from: All")
         + &svc("team-a", "app")
         + &listener_set(
@@ -2238,12 +2254,37 @@ fn losing_listeners_still_count_attached_routes() {
         + &http_route("team-a", "r", TO_LS, "[]", APP);
     let r = resolve(&index_of(&y), &now());
     assert_lost(&r, LS, "team-a", "ls", "dup", "HostnameConflict");
-    assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 1);
-    // …but the route is honestly not accepted: nothing serves it.
+    // The route is honestly not accepted (nothing serves it), so it is not counted:
+    // "Routes with any other value for the Accepted condition MUST NOT be included".
     assert_eq!(
         pcond(&r, "team-a", "r", 0, "Accepted"),
         no("NoMatchingParent")
     );
+    assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 0);
+}
+
+/// A route accepted through one listener of a parent counts on every listener of it that it
+/// attached to, a losing one too ("even if the Accepted condition of an individual Listener is
+/// set to False").
+#[test]
+fn an_accepted_route_counts_on_a_losing_listener_too() {
+    let y = base("from: All")
+        + &svc("team-a", "app")
+        + &listener_set(
+            "team-a",
+            "ls",
+            1,
+            "gw",
+            &(l("dup", 80, "HTTP", Some("gw.example.com"))
+                + &l("own", 80, "HTTP", Some("own.example.com"))),
+        )
+        + &http_route("team-a", "r", TO_LS, "[]", APP);
+    let r = resolve(&index_of(&y), &now());
+    assert_lost(&r, LS, "team-a", "ls", "dup", "HostnameConflict");
+    assert_won(&r, LS, "team-a", "ls", "own");
+    assert_eq!(pcond(&r, "team-a", "r", 0, "Accepted"), yes("Accepted"));
+    assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 1);
+    assert_eq!(listener(&r, LS, "team-a", "ls", "own")["attachedRoutes"], 1);
 }
 
 #[test]
@@ -2477,10 +2518,10 @@ fn http_and_grpc_routes_with_overlapping_hostnames_accept_the_older() {
     assert_eq!(accepted(&r, Kind::HTTPRoute, "h2"), yes("Accepted"));
     assert_eq!(accepted(&r, Kind::HTTPRoute, "h3"), yes("Accepted"));
     assert_eq!(bound_routes(&r), ["h0", "h1", "h2", "h3"]);
-    // The losers are attached too (allowedRoutes and parentRefs), only not served.
+    // The losers (Accepted=False/Conflicted) are not counted in attachedRoutes.
     assert_eq!(
         listener(&r, Kind::Gateway, "infra", "gw", "web")["attachedRoutes"],
-        6
+        4
     );
 
     // Without h1, g1 is the oldest route on *.example.com: it wins, and h2 and h3 (younger,
@@ -2553,8 +2594,9 @@ fn tcp_and_tls_routes_that_cannot_share_a_listener_accept_the_older() {
     let attached = |r: &GatewayResolution, l| {
         listener(r, Kind::Gateway, "infra", "gw", l)["attachedRoutes"].clone()
     };
-    assert_eq!(attached(&r, "tcp"), 3);
-    assert_eq!(attached(&r, "tls"), 5);
+    // Only the accepted routes count (t1; s1, s3, s5).
+    assert_eq!(attached(&r, "tcp"), 1);
+    assert_eq!(attached(&r, "tls"), 3);
     let message =
         &status(&r, Kind::TCPRoute, "infra", "t0")["parents"][0]["conditions"][0]["message"];
     assert_eq!(
