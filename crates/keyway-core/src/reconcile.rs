@@ -26,6 +26,9 @@ pub struct ObjectState {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StateEntry {
+    /// To the nanosecond: Kubernetes' `Time` keeps whole seconds, and two ListenerSets first
+    /// seen within one second must keep their order (precedence, SPEC §4) across a restart.
+    #[serde(with = "precise_time")]
     pub first_seen: Time,
     pub generation: i64,
     pub spec_hash: String,
@@ -33,6 +36,23 @@ pub struct StateEntry {
     /// change, and `keyway validate --state` must know what it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strategy: Option<String>,
+}
+
+/// RFC 3339 with the fraction of a second; reads whole seconds too (older state files).
+mod precise_time {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&t.0)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Time, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse::<k8s_openapi::jiff::Timestamp>()
+            .map(Time)
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 fn state_key(key: &ObjectKey) -> String {
@@ -631,4 +651,43 @@ fn host_ip(host: &str) -> Option<IpAddr> {
     Some(IpAddr::V4(std::net::Ipv4Addr::from(
         u32::try_from(value).ok()?,
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two objects first seen within one second keep their order through the state file
+    /// (a restart), and state files written with whole seconds still read.
+    #[test]
+    fn first_seen_keeps_fractions_of_a_second_through_the_state_file() {
+        let at = |text: &str| Time(text.parse().expect("timestamp"));
+        let entry = |t: &str| StateEntry {
+            first_seen: at(t),
+            generation: 1,
+            spec_hash: String::new(),
+            strategy: None,
+        };
+        let mut state = ObjectState::default();
+        state.objects.insert(
+            "ListenerSet/t2/zz-serve".into(),
+            entry("2026-12-07T06:59:30.020Z"),
+        );
+        state.objects.insert(
+            "ListenerSet/t1/aa-new".into(),
+            entry("2026-12-07T06:59:30.450Z"),
+        );
+        let text = serde_json::to_string(&state).expect("serialize");
+        let back: ObjectState = serde_json::from_str(&text).expect("deserialize");
+        assert_eq!(back, state, "{text}");
+        let first = |k: &str| back.objects[k].first_seen.clone();
+        assert!(first("ListenerSet/t2/zz-serve") < first("ListenerSet/t1/aa-new"));
+
+        let old = r#"{"objects":{"Listener/default/web":{"firstSeen":"2026-12-07T06:59:30Z","generation":2,"specHash":"x"}}}"#;
+        let back: ObjectState = serde_json::from_str(old).expect("whole seconds");
+        assert_eq!(
+            back.objects["Listener/default/web"].first_seen,
+            at("2026-12-07T06:59:30Z")
+        );
+    }
 }
