@@ -253,56 +253,80 @@ pub fn resolve_at(index: &Index, now: Option<&crate::Time>) -> Resolution {
                     res.plan.links.push(link);
                 }
             }
-            Resource::RouterAccess(r) => {
-                let Ok(tls) = secret_material(index, obj, &r.spec.tls_credentials, true, &mut res)
-                else {
-                    res.plan.held.insert(obj.key.clone());
-                    continue;
-                };
-                if tls.ca.is_empty() {
-                    res.plan.held.insert(obj.key.clone());
-                    not_configured(
-                        obj,
-                        "spec.tlsCredentials",
-                        format!("Secret {} needs ca.crt to verify linking sites", tls.secret),
-                        &mut res,
-                    );
-                    continue;
-                }
-                let Some(role) = r.spec.roles.iter().find(|r| r.name == "inter-router") else {
-                    not_configured(
-                        obj,
-                        "spec.roles",
-                        "keyway serves only the inter-router role".to_string(),
-                        &mut res,
-                    );
-                    continue;
-                };
-                let Ok(port) = u16::try_from(role.effective_port()) else {
-                    continue;
-                };
-                // One inter-router port per site: the oldest-named RouterAccess wins, a second one
-                // is reported rather than silently ignored.
-                if let Some(first) = &res.plan.router_access {
-                    let msg = format!(
-                        "RouterAccess {} already serves the inter-router role",
-                        first.id.name
-                    );
-                    not_configured(obj, "spec.roles", msg, &mut res);
-                    continue;
-                }
-                res.plan.router_access = Some(RouterAccessPlan {
-                    id: obj.key.clone(),
-                    bind_host: r.spec.bind_host.clone().unwrap_or_else(|| "0.0.0.0".into()),
-                    port,
-                    tls,
-                });
-            }
             _ => {}
         }
     }
+    // Oldest first (first seen, then namespace/name): adding a RouterAccess never moves the
+    // link port away from the one serving it.
+    let mut accesses: Vec<_> = index
+        .of_kind(Kind::RouterAccess)
+        .filter_map(|obj| match &obj.resource {
+            Resource::RouterAccess(r) => Some((obj, r)),
+            _ => None,
+        })
+        .collect();
+    accesses.sort_by(|a, b| {
+        let created = |o: &LoadedObject| o.resource.meta().creation_timestamp.clone();
+        created(a.0)
+            .cmp(&created(b.0))
+            .then_with(|| a.0.key.cmp(&b.0.key))
+    });
+    for (obj, r) in accesses {
+        router_access(index, obj, r, &mut res);
+    }
     res.problems.sort();
     res
+}
+
+/// A RouterAccess into the plan (the site's inter-router port), or why not into its status.
+fn router_access(
+    index: &Index,
+    obj: &LoadedObject,
+    r: &skupper::RouterAccess,
+    res: &mut Resolution,
+) {
+    let Ok(tls) = secret_material(index, obj, &r.spec.tls_credentials, true, res) else {
+        res.plan.held.insert(obj.key.clone());
+        return;
+    };
+    if tls.ca.is_empty() {
+        res.plan.held.insert(obj.key.clone());
+        not_configured(
+            obj,
+            "spec.tlsCredentials",
+            format!("Secret {} needs ca.crt to verify linking sites", tls.secret),
+            res,
+        );
+        return;
+    }
+    let Some(role) = r.spec.roles.iter().find(|r| r.name == "inter-router") else {
+        not_configured(
+            obj,
+            "spec.roles",
+            "keyway serves only the inter-router role".to_string(),
+            res,
+        );
+        return;
+    };
+    let Ok(port) = u16::try_from(role.effective_port()) else {
+        return;
+    };
+    // One inter-router port per site: the first seen keeps it (callers go oldest first); a
+    // later one is reported rather than silently ignored, and never takes the port away.
+    if let Some(first) = &res.plan.router_access {
+        let msg = format!(
+            "RouterAccess {} already serves the inter-router role",
+            first.id.name
+        );
+        not_configured(obj, "spec.roles", msg, res);
+        return;
+    }
+    res.plan.router_access = Some(RouterAccessPlan {
+        id: obj.key.clone(),
+        bind_host: r.spec.bind_host.clone().unwrap_or_else(|| "0.0.0.0".into()),
+        port,
+        tls,
+    });
 }
 
 impl Resolution {

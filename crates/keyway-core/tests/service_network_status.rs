@@ -540,6 +540,37 @@ fn link_and_router_access_are_planned() {
     assert_eq!((access.bind_host.as_str(), access.port), ("0.0.0.0", 55671));
 }
 
+/// A second RouterAccess never takes the link port from the one serving it: the older (first
+/// seen) keeps the inter-router role whatever the names, and the newer is not configured.
+#[test]
+fn the_older_router_access_keeps_the_inter_router_role() {
+    let access = |name: &str, created: &str, port: u16| {
+        format!(
+            "---\napiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata:\n  name: {name}\n  creationTimestamp: \"{created}\"\nspec:\n  tlsCredentials: link-tls\n  roles:\n  - name: inter-router\n    port: {port}\n"
+        )
+    };
+    let yaml = format!(
+        "{LINK_SECRET}{}{}",
+        access("zzz-serving", "2020-01-01T00:00:00Z", 55671),
+        access("aaa-new", "2021-01-01T00:00:00Z", 55672)
+    );
+    let (res, st) = statuses(&index_of(&yaml), None);
+    let serving = res.plan.router_access.expect("router access");
+    assert_eq!((serving.id.name.as_str(), serving.port), ("zzz-serving", 55671));
+    let newer = status_of(&st, Kind::RouterAccess, "aaa-new");
+    assert_eq!(cond(newer, "Configured")["status"], "False", "{newer:#}");
+    assert!(
+        newer["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("RouterAccess zzz-serving already serves")),
+        "{newer:#}"
+    );
+    assert_eq!(
+        cond(status_of(&st, Kind::RouterAccess, "zzz-serving"), "Configured")["status"],
+        "True"
+    );
+}
+
 #[test]
 fn site_and_link_status() {
     let yaml = format!(
