@@ -556,7 +556,10 @@ fn the_older_router_access_keeps_the_inter_router_role() {
     );
     let (res, st) = statuses(&index_of(&yaml), None);
     let serving = res.plan.router_access.expect("router access");
-    assert_eq!((serving.id.name.as_str(), serving.port), ("zzz-serving", 55671));
+    assert_eq!(
+        (serving.id.name.as_str(), serving.port),
+        ("zzz-serving", 55671)
+    );
     let newer = status_of(&st, Kind::RouterAccess, "aaa-new");
     assert_eq!(cond(newer, "Configured")["status"], "False", "{newer:#}");
     assert!(
@@ -566,7 +569,10 @@ fn the_older_router_access_keeps_the_inter_router_role() {
         "{newer:#}"
     );
     assert_eq!(
-        cond(status_of(&st, Kind::RouterAccess, "zzz-serving"), "Configured")["status"],
+        cond(
+            status_of(&st, Kind::RouterAccess, "zzz-serving"),
+            "Configured"
+        )["status"],
         "True"
     );
 }

@@ -439,9 +439,20 @@ fn beaten(live: &[(usize, usize)], lost: Option<&Vec<(usize, usize)>>) -> bool {
 struct OwnerResult {
     fp: u64,
     admission: Admission,
-    /// A Gateway's accepted ListenerSets, and whether any of their listeners is programmed.
-    sets: Option<(i32, bool)>,
+    /// A Gateway's ListenerSets, as its status tells of them.
+    sets: Option<SetsSummary>,
     binds: Vec<(u16, ProtocolFamily, Arc<ListenerBind>)>,
+}
+
+/// What a Gateway's status says of the ListenerSets that name it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct SetsSummary {
+    /// Accepted ones (`status.attachedListenerSets`).
+    attached: i32,
+    /// Whether a listener of an accepted one is programmed.
+    programmed: bool,
+    /// Whether one was refused by `spec.allowedListeners`.
+    refused: bool,
 }
 
 /// What is kept for one Gateway or ListenerSet.
@@ -1403,15 +1414,22 @@ impl GatewayResolver {
 
         let mut relayout = false;
         let mut rebound: Vec<usize> = Vec::new();
-        let mut accepted_sets: HashMap<usize, (i32, bool)> = HashMap::default();
+        let mut accepted_sets: HashMap<usize, SetsSummary> = HashMap::default();
         for o in &owners {
-            if o.obj.key.kind == Kind::ListenerSet && o.admission == Admission::Accepted {
-                let entry = accepted_sets.entry(o.gateway).or_default();
-                entry.0 += 1;
-                entry.1 |= (0..o.listeners.len()).any(|j| o.programmed(j));
+            if o.obj.key.kind != Kind::ListenerSet {
+                continue;
+            }
+            match o.admission {
+                Admission::Accepted => {
+                    let entry = accepted_sets.entry(o.gateway).or_default();
+                    entry.attached += 1;
+                    entry.programmed |= (0..o.listeners.len()).any(|j| o.programmed(j));
+                }
+                Admission::NotAllowed => accepted_sets.entry(o.gateway).or_default().refused = true,
+                _ => {}
             }
         }
-        let sets_of = |i: usize| -> Option<(i32, bool)> {
+        let sets_of = |i: usize| -> Option<SetsSummary> {
             matches!(owners[i].admission, Admission::Gateway { .. })
                 .then(|| accepted_sets.get(&i).copied().unwrap_or_default())
         };
@@ -1497,16 +1515,20 @@ impl GatewayResolver {
                 })
                 .collect();
             let sets = sets_of(i);
+            // What is bound: with no address asked for, every IPv4 address (`0.0.0.0`).
             let addresses = match &o.obj.resource {
-                Resource::Gateway(gw) if o.accepted() => gateway_ips(gw),
+                Resource::Gateway(gw) if o.accepted() => match gateway_ips(gw) {
+                    ips if ips.is_empty() => vec![std::net::Ipv4Addr::UNSPECIFIED.into()],
+                    ips => ips,
+                },
                 _ => Vec::new(),
             };
             let model = Model::Listeners {
                 addresses,
                 generation: generation(o.obj),
-                conditions: owner_conditions(o, sets.is_some_and(|s| s.1)),
+                conditions: owner_conditions(o, sets),
                 listeners,
-                attached_listener_sets: sets.map(|s| s.0),
+                attached_listener_sets: sets.map(|s| s.attached),
             };
             self.out.statuses.put(&o.obj.key, model, now);
             let mut binds = Vec::new();
@@ -2057,10 +2079,11 @@ pub(crate) fn gateway_ips(gw: &Gateway) -> Vec<std::net::IpAddr> {
     ips
 }
 
-/// Accepted and Programmed of a Gateway or ListenerSet.
-/// `sets_programmed`: for a Gateway, whether a listener of one of its ListenerSets is
-/// programmed (the Gateway is programmed when any listener it serves is, own or not).
-fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
+/// Accepted and Programmed of a Gateway or ListenerSet, and a Gateway's AttachedListenerSets.
+/// `sets`: for a Gateway, its ListenerSets (the Gateway is programmed when any listener it
+/// serves is programmed, own or not).
+fn owner_conditions(o: &Owner<'_>, sets: Option<SetsSummary>) -> Vec<C> {
+    let sets_programmed = sets.is_some_and(|s| s.programmed);
     let own_programmed = (0..o.listeners.len()).any(|j| o.programmed(j));
     match o.admission {
         Admission::Gateway {
@@ -2098,7 +2121,11 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
             } else {
                 C::new("Programmed", false, "Invalid", "no listener is programmed")
             };
-            let mut conds = vec![accepted_cond, programmed_cond];
+            let mut conds = vec![
+                accepted_cond,
+                programmed_cond,
+                attached_sets_condition(sets.unwrap_or_default()),
+            ];
             // GEP-3155: the Gateway's own references (its backend client certificate).
             match &o.backend_certificate {
                 Some(Ok(_)) => conds.push(C::new(
@@ -2165,6 +2192,34 @@ fn owner_conditions(o: &Owner<'_>, sets_programmed: bool) -> Vec<C> {
                 C::new("Programmed", false, reason, message),
             ]
         }
+    }
+}
+
+/// The Gateway condition `AttachedListenerSets` (gateway-api v1.5): True while a ListenerSet
+/// is attached; False saying whether some were refused by `spec.allowedListeners` (no
+/// names: they may be other namespaces') or none names the Gateway.
+fn attached_sets_condition(sets: SetsSummary) -> C {
+    if sets.attached > 0 {
+        C::new(
+            "AttachedListenerSets",
+            true,
+            "ListenerSetsAttached",
+            format!("{} ListenerSets attached", sets.attached),
+        )
+    } else if sets.refused {
+        C::new(
+            "AttachedListenerSets",
+            false,
+            "ListenerSetsNotAllowed",
+            "ListenerSets name this Gateway, but spec.allowedListeners does not allow their namespaces",
+        )
+    } else {
+        C::new(
+            "AttachedListenerSets",
+            false,
+            "NoListenerSetsAttached",
+            "no ListenerSet is attached",
+        )
     }
 }
 

@@ -80,7 +80,8 @@ pub(crate) enum Model {
     },
     /// A Gateway (with `attached_listener_sets`) or a ListenerSet (without).
     Listeners {
-        /// A Gateway's bound `spec.addresses` (status.addresses); empty otherwise.
+        /// What an accepted Gateway binds (status.addresses: its `spec.addresses`, or `0.0.0.0`);
+        /// empty otherwise.
         addresses: Vec<std::net::IpAddr>,
         generation: i64,
         conditions: Vec<C>,

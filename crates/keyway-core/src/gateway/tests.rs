@@ -341,6 +341,32 @@ fn missing_parent_is_parent_not_accepted_and_foreign_class_gets_no_status() {
     assert_eq!(r.plan.gateways.len(), 1);
 }
 
+/// The Gateway's `AttachedListenerSets` (gateway-api v1.5, asserted by every ListenerSet
+/// conformance test): True while one is attached, else False saying why.
+#[test]
+fn gateway_says_whether_listener_sets_are_attached() {
+    let cond_of = |y: &str| {
+        let r = resolve(&index_of(y), &now());
+        top(&r, GW, "infra", "gw", "AttachedListenerSets")
+    };
+    let set = listener_set(
+        "team-a",
+        "ls",
+        1,
+        "gw",
+        &l("own", 80, "HTTP", Some("own.example.com")),
+    );
+    assert_eq!(cond_of(&base("from: All")), no("NoListenerSetsAttached"));
+    assert_eq!(
+        cond_of(&(base("from: All") + &set)),
+        yes("ListenerSetsAttached")
+    );
+    assert_eq!(
+        cond_of(&(base("from: Same") + &set)),
+        no("ListenerSetsNotAllowed")
+    );
+}
+
 #[test]
 fn gateway_not_accepted_makes_its_listener_sets_parent_not_accepted() {
     let y = gateway("infra", "gw", "from: All", &l("bad", 80, "UDP", None))
@@ -1653,8 +1679,9 @@ fn one_http_rule(extra: &str) -> crate::gateway::plan::HttpRule {
     rules[0].clone()
 }
 
-/// `spec.addresses`: IP addresses go into the plan and status.addresses; any other type makes the
-/// Gateway `UnsupportedAddress` (nothing of it or its ListenerSets is served).
+/// `spec.addresses`: IP addresses go into the plan and status.addresses (none: every IPv4
+/// address, which status lists as `0.0.0.0`); any other type makes the Gateway
+/// `UnsupportedAddress` (nothing of it or its ListenerSets is served).
 #[test]
 fn gateway_addresses_table() {
     let cases: &[(&str, &[&str], (&str, &str))] = &[
@@ -1699,7 +1726,11 @@ fn gateway_addresses_table() {
             .flatten()
             .filter_map(|a| a["value"].as_str())
             .collect();
-        assert_eq!(listed, *want_ips, "{addresses}: {st}");
+        if want.0 == "True" && want_ips.is_empty() {
+            assert_eq!(listed, ["0.0.0.0"], "{addresses}: {st}");
+        } else {
+            assert_eq!(listed, *want_ips, "{addresses}: {st}");
+        }
         if want.0 == "True" {
             let plan_ips: Vec<String> = r.plan.gateways[0]
                 .addresses
