@@ -70,6 +70,13 @@ pub struct Throttle {
 }
 
 impl Throttle {
+    pub const fn new() -> Self {
+        Throttle {
+            last: None,
+            quiet: 0,
+        }
+    }
+
     /// `Some(n)` when this one should be logged, `n` being how many were not since the last.
     pub fn allow(&mut self) -> Option<u64> {
         let now = std::time::Instant::now();

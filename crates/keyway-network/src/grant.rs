@@ -256,6 +256,10 @@ where
         .map_err(|_| crate::NetError::Timeout("token redemption"))?
 }
 
+/// Redemption refusals, logged at most every 10 s (the rest at debug).
+static REFUSALS_LOGGED: std::sync::Mutex<keyway_dataplane::Throttle> =
+    std::sync::Mutex::new(keyway_dataplane::Throttle::new());
+
 async fn answer(
     handler: Arc<dyn GrantHandler>,
     req: Request<RecvStream>,
@@ -270,14 +274,30 @@ async fn answer(
         Err(r) => {
             // A grant not found yet is, most often, one `token issue` wrote a moment ago and
             // this site reads within a second; the redeemer asks again meanwhile.
-            if r.status == 404 {
-                tracing::info!(
-                    status = r.status,
-                    "token redemption refused: {} (a grant issued moments ago is read within a second; redeemers ask again)",
-                    r.message
-                );
+            let hint = if r.message.starts_with("no AccessGrant") {
+                " (a grant issued moments ago is read within a second; redeemers ask again)"
             } else {
-                tracing::warn!(status = r.status, "token redemption refused: {}", r.message);
+                ""
+            };
+            // Anyone who reaches the port can ask: refusals are logged under a throttle.
+            let allowed = REFUSALS_LOGGED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .allow();
+            match allowed {
+                Some(0) => tracing::warn!(
+                    status = r.status,
+                    "token redemption refused: {}{hint}",
+                    r.message
+                ),
+                Some(unlogged) => tracing::warn!(
+                    status = r.status,
+                    "token redemption refused: {}{hint} (and {unlogged} more refusals in the last seconds, logged at debug level)",
+                    r.message
+                ),
+                None => {
+                    tracing::debug!(status = r.status, "token redemption refused: {}", r.message)
+                }
             }
             (
                 StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
@@ -314,10 +334,13 @@ async fn handle(
     if !is_site_name(&request.site) {
         return Err(Refusal::new(400, "site must be a DNS-style name"));
     }
-    tracing::info!(grant = %format!("{namespace}/{name}"), site = %request.site, "token redemption");
-    tokio::task::spawn_blocking(move || handler.redeem(&namespace, &name, &request))
+    let grant = format!("{namespace}/{name}");
+    let site = request.site.clone();
+    let creds = tokio::task::spawn_blocking(move || handler.redeem(&namespace, &name, &request))
         .await
-        .map_err(|_| Refusal::new(500, "redemption failed"))?
+        .map_err(|_| Refusal::new(500, "redemption failed"))??;
+    tracing::info!(%grant, %site, "token redeemed");
+    Ok(creds)
 }
 
 async fn read_body(mut body: RecvStream, limit: usize) -> Result<Vec<u8>, String> {

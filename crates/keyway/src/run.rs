@@ -258,8 +258,10 @@ async fn parent_gone() {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         // notify logs at info each watch it cannot remove (every ConfigMap update does that):
-        // noise to an operator.
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,notify=warn"));
+        // noise to an operator. rustls warns of each peer that breaks the protocol: anyone
+        // who reaches a TLS port could fill the log, and keyway logs its own refusals under a
+        // throttle.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,notify=warn,rustls=error"));
     // Colours only on a terminal: a log file must not fill with escape codes.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
