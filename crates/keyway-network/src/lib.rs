@@ -52,11 +52,21 @@ pub const MAX_HOPS: u8 = 32;
 /// How long an unreachable site's advertisement is kept before it is forgotten.
 const FORGET_AFTER: Duration = Duration::from_secs(60);
 
+/// An HTTP/2 error as a person reads it: one from the connection underneath (a TLS alert the
+/// peer sent after the handshake, as when it refuses our certificate; a reset) is that
+/// error, not an HTTP/2 one.
+fn h2_message(e: &h2::Error) -> String {
+    match e.get_io() {
+        Some(io) => io.to_string(),
+        None => format!("HTTP/2: {e}"),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
     #[error("{0}")]
     Tls(String),
-    #[error("HTTP/2: {0}")]
+    #[error("{}", h2_message(.0))]
     H2(#[from] h2::Error),
     #[error("control protocol: {0}")]
     Protocol(#[from] protocol::ProtocolError),

@@ -386,6 +386,8 @@ fn link_with_the_wrong_ca_is_refused_and_status_says_why() {
         message.contains("is not signed by the ca.crt of this Link's tlsCredentials Secret"),
         "the message says what to check: {message}"
     );
+    // A TLS alert read after the handshake is not an HTTP/2 error.
+    assert!(!message.contains("HTTP/2:"), "{message}");
     assert_eq!(a.sites_in_network(), 1);
     assert!(
         who(listen).is_err(),
