@@ -22,6 +22,10 @@ pub struct Origin {
 
 impl fmt::Display for Origin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // A directory (`d/team/`) has no lines.
+        if self.file.ends_with('/') {
+            return write!(f, "{}", self.file);
+        }
         write!(f, "{}:{}", self.file, self.line)
     }
 }
@@ -35,6 +39,18 @@ pub struct ConfigError {
     pub message: String,
     /// The object concerned, when the document could be identified.
     pub object: Option<ObjectKey>,
+}
+
+impl ConfigError {
+    /// Whether the rejected document names an object that could exist. One whose name or
+    /// namespace is not a valid name (`Main_Bad`, `Default`) is most likely a slip in the
+    /// object the file holds: like a document that names nothing, it must not delete it.
+    pub fn names_an_object(&self) -> bool {
+        self.object.as_ref().is_some_and(|k| {
+            crate::validate::is_object_name(&k.name)
+                && (k.namespace.is_empty() || crate::validate::is_dns_label(&k.namespace))
+        })
+    }
 }
 
 impl fmt::Display for ConfigError {
@@ -245,7 +261,7 @@ impl FileLoad {
     pub fn has_unidentified_rejects(&self) -> bool {
         self.outcomes
             .iter()
-            .any(|o| matches!(o, DocOutcome::Rejected(e) if e.object.is_none()))
+            .any(|o| matches!(o, DocOutcome::Rejected(e) if !e.names_an_object()))
     }
 }
 

@@ -410,7 +410,7 @@ pub fn reconcile(
         .collect();
     let note = "; the objects in force from this file keep their last valid versions";
     for e in out.errors.iter_mut().filter(|e| {
-        e.object.is_none()
+        !e.names_an_object()
             && kept_from.contains(e.origin.file.as_str())
             && !e.message.ends_with(note)
     }) {

@@ -163,6 +163,21 @@ fn an_unparseable_document_deletes_nothing() {
     let r = site.reload(&[("a.yaml", &slipped)], 1);
     assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
     assert_eq!(port_of(site.get(Kind::Listener, "web")), 8080);
+    // So is a name or namespace that is not a valid name: the document names no object that
+    // could exist, so the one the file holds is kept.
+    for slip in [
+        listener("web", "8081").replace("  name: web\n", "  name: Main_Bad\n"),
+        listener("web", "8081").replace("  name: web\n", "  name: web\n  namespace: Default\n"),
+    ] {
+        let r = site.reload(&[("a.yaml", &slip)], 1);
+        assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+        assert!(
+            r.errors[0].message.ends_with("keep their last valid versions"),
+            "{}",
+            r.errors[0]
+        );
+        assert_eq!(port_of(site.get(Kind::Listener, "web")), 8080, "{slip}");
+    }
     // So is a kind keyway reads written under another of its groups.
     let slipped =
         listener("web", "8081").replace("skupper.io/v2alpha1", "gateway.networking.k8s.io/v1");
@@ -187,7 +202,7 @@ fn an_unparseable_document_deletes_nothing() {
     assert_eq!(r.errors.len(), 1);
     assert_eq!(
         r.errors[0].to_string(),
-        "d/team/:1: cannot read directory: Permission denied"
+        "d/team/: cannot read directory: Permission denied"
     );
     assert!(site.get(Kind::Listener, "web").is_some());
     assert!(
