@@ -172,7 +172,9 @@ fn an_unparseable_document_deletes_nothing() {
         let r = site.reload(&[("a.yaml", &slip)], 1);
         assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
         assert!(
-            r.errors[0].message.ends_with("keep their last valid versions"),
+            r.errors[0]
+                .message
+                .ends_with("keep their last valid versions"),
             "{}",
             r.errors[0]
         );

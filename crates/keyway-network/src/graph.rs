@@ -26,6 +26,32 @@ pub fn routes(
     own_links: &[Adjacency],
     db: &HashMap<String, Advertisement>,
 ) -> BTreeMap<String, Route> {
+    routes_over(me, own_links, db, |_, _| true)
+}
+
+/// The least-cost route from `me` to `to` that crosses none of `avoid`: the next hops a stream
+/// has just failed over (a link that died, a site that could not get through), so that it is
+/// opened again over the next best path. `to` may be among them when its own link failed: it
+/// is then reached over other sites only.
+pub fn route_avoiding(
+    me: &str,
+    own_links: &[Adjacency],
+    db: &HashMap<String, Advertisement>,
+    to: &str,
+    avoid: &[String],
+) -> Option<Route> {
+    let crossed =
+        |from: &str, site: &str| !avoid.iter().any(|a| a == site) || (site == to && from != me);
+    routes_over(me, own_links, db, crossed).remove(to)
+}
+
+/// [`routes`] over the edges `from → site` for which `usable` holds.
+fn routes_over(
+    me: &str,
+    own_links: &[Adjacency],
+    db: &HashMap<String, Advertisement>,
+    usable: impl Fn(&str, &str) -> bool,
+) -> BTreeMap<String, Route> {
     // site → (cost, first hop, previous site on the path)
     let mut best: HashMap<&str, (u64, &str, &str)> = HashMap::new();
     let mut heap = BinaryHeap::new();
@@ -44,7 +70,7 @@ pub fn routes(
             }
         };
         for link in links {
-            if best.contains_key(link.site.as_str()) {
+            if best.contains_key(link.site.as_str()) || !usable(site, &link.site) {
                 continue;
             }
             let next = cost.saturating_add(link.cost.max(1));
@@ -128,6 +154,37 @@ mod tests {
                 path: vec!["b".into(), "c".into()],
             }
         );
+    }
+
+    #[test]
+    fn a_route_avoiding_failed_hops_takes_the_next_path() {
+        // a–b–c costs 4, the direct a–c link 5; d is a second way around b.
+        let db: HashMap<_, _> = [
+            adv("a", &[("b", 3), ("c", 5), ("d", 6)]),
+            adv("b", &[("a", 3), ("c", 1)]),
+            adv("c", &[("b", 1), ("a", 5), ("d", 1)]),
+            adv("d", &[("a", 6), ("c", 1)]),
+        ]
+        .into();
+        let links = &db["a"].links;
+        assert_eq!(routes("a", links, &db)["c"].next_hop, "b");
+        let around_b = route_avoiding("a", links, &db, "c", &["b".into()]);
+        assert_eq!(
+            around_b,
+            Some(Route {
+                cost: 5,
+                next_hop: "c".into(),
+                path: vec!["c".into()],
+            })
+        );
+        // The direct link to c failed too: c over d, never over b.
+        let around_both = route_avoiding("a", links, &db, "c", &["b".into(), "c".into()]);
+        assert_eq!(
+            around_both.map(|r| r.path),
+            Some(vec!["d".into(), "c".into()])
+        );
+        let all = ["b".into(), "c".into(), "d".into()];
+        assert_eq!(route_avoiding("a", links, &db, "c", &all), None);
     }
 
     #[test]

@@ -925,13 +925,18 @@ impl Inner {
     /// The least-busy connection to the next hop towards `site`. When all of them are retiring
     /// (certificates rotated twice before the peer's replacements were up here), the one that
     /// came up last: the peer closes retiring connections oldest first, each once it sees no
-    /// stream on it, so a stream just opened on an older one could be cut.
-    fn next_hop(&self, site: &str) -> Result<Arc<Conn>, String> {
+    /// stream on it, so a stream just opened on an older one could be cut. `avoid`: next hops
+    /// this stream already failed over, which its path then crosses no more.
+    fn next_hop(&self, site: &str, avoid: &[String]) -> Result<Arc<Conn>, String> {
         let st = lock(&self.state);
-        let route = st
-            .routes
-            .get(site)
-            .ok_or_else(|| format!("no route to site {site}"))?;
+        let around;
+        let route = if avoid.is_empty() {
+            st.routes.get(site)
+        } else {
+            around = graph::route_avoiding(&st.site, &st.own_links, st.db.map(), site, avoid);
+            around.as_ref()
+        };
+        let route = route.ok_or_else(|| format!("no route to site {site}"))?;
         st.conns
             .values()
             .filter(|c| c.peer == route.next_hop && c.sender.is_some())

@@ -845,21 +845,60 @@ async fn serve_stream(
 }
 
 /// Opens a CONNECT stream for `key` at `site` on the next hop's least-busy connection, and
-/// waits for the far end to have connected to a target.
+/// waits for the far end to have connected to a target. A stream that fails before that
+/// answer (its link died, or a site on the way could not get through) has sent no byte
+/// towards the target, so it is opened again over the next best path around the hops that
+/// failed it (SPEC §3.1: a lost site costs a delay, not an error), all within one
+/// [`STREAM_SETUP_TIMEOUT`]. Once answered, a stream is never opened again.
 pub(crate) async fn open_stream(
     inner: &Arc<Inner>,
     site: &str,
     key: &str,
     hops: u8,
 ) -> Result<BoxTunnel, String> {
-    let conn = inner.next_hop(site)?;
+    let deadline = tokio::time::Instant::now() + STREAM_SETUP_TIMEOUT;
+    let mut avoid: Vec<String> = Vec::new();
+    let mut failed: Option<String> = None;
+    loop {
+        let conn = match inner.next_hop(site, &avoid) {
+            Ok(conn) => conn,
+            // No other path: the last failure says why.
+            Err(e) => return Err(failed.unwrap_or(e)),
+        };
+        match try_stream(&conn, site, key, hops, deadline).await {
+            Ok(stream) => return Ok(stream),
+            Err(Failed::Final(why)) => return Err(why),
+            Err(Failed::Path(why)) => {
+                tracing::debug!(routing_key = key, %site, via = %conn.peer, "{why}; looking for another path");
+                avoid.push(conn.peer.clone());
+                failed = Some(why);
+            }
+        }
+    }
+}
+
+/// Why one attempt of [`open_stream`] failed.
+enum Failed {
+    /// Over this next hop: another path may do (the link failed, or the next hop, not the
+    /// destination, refused).
+    Path(String),
+    /// The destination refused, or the time is up: no other path would do better.
+    Final(String),
+}
+
+/// One attempt of [`open_stream`] over `conn`, answered by `deadline`.
+async fn try_stream(
+    conn: &Conn,
+    site: &str,
+    key: &str,
+    hops: u8,
+    deadline: tokio::time::Instant,
+) -> Result<BoxTunnel, Failed> {
+    let link_failed = |e: h2::Error| Failed::Path(format!("link to {}: {e}", conn.peer));
     let Some(sender) = conn.sender.clone() else {
-        return Err("no HTTP/2 client on this connection".into());
+        return Err(Failed::Path("no HTTP/2 client on this connection".into()));
     };
-    let mut sender = sender
-        .ready()
-        .await
-        .map_err(|e| format!("link to {}: {e}", conn.peer))?;
+    let mut sender = sender.ready().await.map_err(link_failed)?;
     let req = Request::builder()
         .method(Method::CONNECT)
         .uri("keyway-link:1")
@@ -867,29 +906,33 @@ pub(crate) async fn open_stream(
         .header(H_SITE, crate::protocol::header_encode(site))
         .header(H_HOPS, hops.to_string())
         .body(())
-        .map_err(|e| format!("routing key {key}: {e}"))?;
-    let (resp, send): (_, SendStream<Bytes>) = sender
-        .send_request(req, false)
-        .map_err(|e| format!("link to {}: {e}", conn.peer))?;
+        .map_err(|e| Failed::Final(format!("routing key {key}: {e}")))?;
+    let (resp, send): (_, SendStream<Bytes>) =
+        sender.send_request(req, false).map_err(link_failed)?;
     let count = StreamCount::new(&conn.streams);
     // A next hop that never answers must not hold this stream (and its count) forever:
     // dropping the request resets the stream there too.
-    let resp = tokio::time::timeout(STREAM_SETUP_TIMEOUT, resp)
+    let resp = tokio::time::timeout_at(deadline, resp)
         .await
         .map_err(|_| {
-            format!(
+            Failed::Final(format!(
                 "link to {}: no answer within {STREAM_SETUP_TIMEOUT:?}",
                 conn.peer
-            )
+            ))
         })?
-        .map_err(|e| format!("link to {}: {e}", conn.peer))?;
+        .map_err(link_failed)?;
     if resp.status() != StatusCode::OK {
         let why = resp
             .headers()
             .get(H_ERROR)
             .and_then(|v| v.to_str().ok())
             .unwrap_or("refused");
-        return Err(format!("site {site}: {why} ({})", resp.status()));
+        let why = format!("site {site}: {why} ({})", resp.status());
+        return Err(if conn.peer == site {
+            Failed::Final(why)
+        } else {
+            Failed::Path(why)
+        });
     }
     Ok(boxed(H2Stream::new(
         send,

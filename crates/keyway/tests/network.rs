@@ -296,6 +296,81 @@ fn hung_site_is_detected_within_three_seconds() {
         == Ok("at-b")));
 }
 
+/// A mesh a → b (cost 3), b → c (1), a → c (5): a's Listener reaches the Connector at c over b.
+/// A connection opened just after b hangs (SIGSTOP) has its stream waiting on the a – b link;
+/// once the keepalive drops that link, the stream is opened again over the direct a – c link,
+/// and the client only sees a delay (SPEC §3.1), not a connection closed with no data.
+#[test]
+fn a_stream_pending_on_a_hung_site_is_retried_over_the_next_path() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let backend = Backend::start("at-c");
+    let c = start_site(
+        "c",
+        &ca,
+        &[
+            router_access_yaml(c_port, "link-tls"),
+            connector_yaml("kc", "kc", backend.port),
+        ],
+    );
+    let b = start_site(
+        "b",
+        &ca,
+        &[
+            router_access_yaml(b_port, "link-tls"),
+            link_yaml("to-c", c_port, 1, "link-tls"),
+        ],
+    );
+    let a = start_site(
+        "a",
+        &ca,
+        &[
+            link_yaml("to-b", b_port, 3, "link-tls"),
+            link_yaml("to-c", c_port, 5, "link-tls"),
+            listener_yaml("lc", "kc", listen),
+        ],
+    );
+    // Converged once a's path to c crosses b (cost 4, below the direct link's 5).
+    let over_b = || {
+        a.status_of("Site", "a").is_some_and(|s| {
+            s["network"].as_array().is_some_and(|sites| {
+                sites
+                    .iter()
+                    .any(|r| r["name"] == "c" && r["path"] == serde_json::json!(["b", "c"]))
+            })
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || over_b()
+            && who(listen).as_deref() == Ok("at-c")),
+        "a did not route to c over b: {:?}",
+        a.status_of("Site", "a")
+    );
+
+    b.signal("-STOP");
+    let started = Instant::now();
+    let result = greeted_echo(listen, Duration::from_secs(8));
+    let took = started.elapsed();
+    b.signal("-CONT");
+    println!("connection opened as b hung: {result:?} after {took:?}");
+    assert_eq!(result.as_deref(), Ok("at-c"), "after {took:?}");
+    assert!(took < Duration::from_secs(8), "{took:?}");
+    drop(c);
+}
+
+/// Connects to `port`, waits up to `limit` for the backend's name, and checks an echo.
+fn greeted_echo(port: u16, limit: Duration) -> Result<String, String> {
+    let (mut w, mut r, name) = greet(port, limit);
+    if name.is_empty() {
+        return Err("closed with no data".into());
+    }
+    match echo(&mut w, &mut r, "ping\n")? {
+        e if e == "ping\n" => Ok(name.trim().to_string()),
+        e => Err(format!("bad echo {e:?}")),
+    }
+}
+
 /// Local targets cost 0 and remote ones the path cost: an idle local target wins.
 #[test]
 fn local_target_is_preferred_over_remote_when_idle() {
