@@ -565,7 +565,12 @@ impl Network {
     /// link closed at once would drop it unsent, and a site of the same name it kept out would
     /// then wait to take its name back.
     pub async fn shutdown(&self) {
-        let draining_since = lock(&self.inner.state).draining_since;
+        let draining_since = {
+            let st = lock(&self.inner.state);
+            // With no link up, no advertisement is waiting to leave.
+            st.draining_since
+                .filter(|_| st.conns.values().any(|c| c.sender.is_some()))
+        };
         if let Some(since) = draining_since {
             tokio::time::sleep_until((since + LAST_ADVERTISEMENT_LINGER).into()).await;
         }

@@ -115,7 +115,11 @@ fn walk(entries: std::fs::ReadDir, listing: &mut Listing, seen: &mut HashSet<(u6
         // Follows symlinks: a FIFO or a device is neither, so it is never opened (a FIFO would
         // block the read for good).
         let Ok(meta) = std::fs::metadata(&path) else {
-            // A dangling symlink: nothing to read.
+            // A dangling symlink. One named as a manifest is read (and fails, saying so): its
+            // objects keep their last valid versions, where skipping it would delete them.
+            if is_manifest_file(&name) {
+                listing.files.push(path);
+            }
             continue;
         };
         if meta.is_dir() {
@@ -236,7 +240,16 @@ fn read_path(path: &Path) -> (FileLoad, bool) {
             Ok(text) => load_file(&name, &text),
             Err(_) => FileLoad::unreadable(&name, "file is not valid UTF-8"),
         },
-        Err(e) => FileLoad::unreadable(&name, &format!("cannot read file: {e}")),
+        Err(e) => match std::fs::read_link(path) {
+            Ok(target) if e.kind() == std::io::ErrorKind::NotFound => FileLoad::unreadable(
+                &name,
+                &format!(
+                    "cannot read file: it is a symlink to {}, which does not exist",
+                    target.display()
+                ),
+            ),
+            _ => FileLoad::unreadable(&name, &format!("cannot read file: {e}")),
+        },
     };
     (load, empty)
 }

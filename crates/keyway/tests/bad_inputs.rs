@@ -1315,6 +1315,26 @@ fn config_given_a_file_says_it_wants_the_directory() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A manifest symlink whose target is gone is an error naming the link, not a file skipped in
+/// silence (a running site keeps the objects it held, as for any file it cannot read).
+#[test]
+fn a_dangling_manifest_symlink_is_an_error() {
+    let dir = temp_dir("dangling");
+    std::fs::write(dir.join("a.yaml"), GOOD).expect("write");
+    std::os::unix::fs::symlink("gone.yaml", dir.join("b.yaml")).expect("symlink");
+    // Not a manifest name: still skipped.
+    std::os::unix::fs::symlink("gone.txt", dir.join("notes.txt")).expect("symlink");
+    let out = keyway(&["validate"], &dir);
+    assert_eq!(out.status.code(), Some(1));
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(
+        all.contains("b.yaml") && all.contains("symlink to gone.yaml, which does not exist"),
+        "{all}"
+    );
+    assert!(!all.contains("notes.txt"), "{all}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// An `--admin` address that cannot be bound (not one of this host's) stops `keyway run`
 /// before it loads anything or opens a port.
 #[test]
