@@ -154,7 +154,8 @@ fn walk(entries: std::fs::ReadDir, listing: &mut Listing, seen: &mut HashSet<(u6
 /// its write. Read then, it would remove every object it holds, and every listener among them
 /// would close until the write lands. So a file read empty that changed less than [`SETTLE`]
 /// ago is read again (with the whole directory) until it has content or has been empty for
-/// [`SETTLE`]: a file emptied on purpose still takes effect, [`SETTLE`] later.
+/// [`SETTLE`]: a file emptied on purpose still takes effect, [`SETTLE`] later. So does a
+/// directory left with no manifest.
 pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
     let started = Instant::now();
     let mut attempt = 0;
@@ -165,9 +166,16 @@ pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
         for path in &listing.files {
             let (load, empty) = read_path(path);
             if empty && emptied.is_none() && emptied_just_now(path) {
-                emptied = Some(path);
+                emptied = Some(path.as_path());
             }
             loads.push(load);
+        }
+        // The same for a directory with no manifest left that changed just now: one deleted
+        // and made again (`rm -rf d && mkdir d && cp … d/`) is empty until the copy lands.
+        if emptied.is_none() {
+            emptied = std::iter::once(dir)
+                .chain(listing.dirs.iter().map(PathBuf::as_path))
+                .find(|d| !listing.files.iter().any(|f| f.starts_with(d)) && emptied_just_now(d));
         }
         for (path, why) in &listing.unreadable {
             loads.push(FileLoad::unreadable_directory(

@@ -288,6 +288,59 @@ fn a_file_rewritten_in_place_keeps_serving_while_it_is_empty() {
     assert_eq!(client.get("/"), "backend=one", "connection kept");
 }
 
+/// A directory deleted and made again (`rm -rf team && mkdir team && cp … team/`) is empty
+/// until the copy lands; a copy slower than the watch's debounce used to have the empty
+/// directory applied, closing the listeners of its files until then.
+#[test]
+fn a_directory_made_again_keeps_serving_until_its_files_land() {
+    let (dir, port, _site) = setup("remade");
+    std::fs::create_dir(dir.join("team")).expect("mkdir");
+    std::fs::rename(dir.join("gw.yaml"), dir.join("team/gw.yaml")).expect("move");
+    thread::sleep(Duration::from_millis(800));
+    assert_eq!(try_get(port), Ok((200, "backend=one".to_string())));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let done = done.clone();
+        thread::spawn(move || {
+            let mut answers = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                answers.push(try_get(port));
+                thread::sleep(Duration::from_millis(20));
+            }
+            answers
+        })
+    };
+    thread::sleep(Duration::from_millis(100));
+    std::fs::remove_dir_all(dir.join("team")).expect("rm -rf");
+    std::fs::create_dir(dir.join("team")).expect("mkdir");
+    // Past the watch's 150 ms debounce, well short of the 500 ms an emptied place may settle.
+    thread::sleep(Duration::from_millis(250));
+    put(&dir.join("team"), "gw.yaml", &gateway(port, ""));
+    thread::sleep(Duration::from_millis(800));
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answers = prober.join().expect("prober");
+    let failed: Vec<_> = answers
+        .iter()
+        .filter(|a| !matches!(a, Ok((200, body)) if body == "backend=one"))
+        .collect();
+    assert!(
+        answers.len() > 20 && failed.is_empty(),
+        "{} of {} requests failed: {failed:?}",
+        failed.len(),
+        answers.len()
+    );
+    // Left empty on purpose, it does take effect.
+    std::fs::remove_file(dir.join("team/gw.yaml")).expect("rm");
+    let emptied = Instant::now();
+    while try_get(port).is_ok() {
+        assert!(
+            emptied.elapsed() < Duration::from_millis(1500),
+            "the Gateway still serves 1.5 s after its directory was emptied"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Emptied on purpose, a file does take effect, within the 1 s budget: its objects go.
 #[test]
 fn an_emptied_file_takes_effect_within_the_budget() {
