@@ -84,7 +84,8 @@ fn builtin_class(status: Value) -> Value {
     json!({
         "apiVersion": Kind::GatewayClass.api_version(),
         "kind": "GatewayClass",
-        "metadata": {"name": crate::gateway::BUILTIN_CLASS},
+        // Its conditions observe generation 1: the one version it has.
+        "metadata": {"name": crate::gateway::BUILTIN_CLASS, "generation": 1},
         "spec": {
             "controllerName": crate::gateway::CONTROLLER_NAME,
             "description": "built in: Gateways of this class are served without a GatewayClass object",

@@ -537,7 +537,7 @@ fn check_strategy(p: &mut Problems, s: &skupper::MultiKeyListenerStrategy) {
         let path = if kinds[0].is_priority() {
             format!("{at}[{i}]")
         } else {
-            format!("{at}.{key}")
+            map_entry(&at, key)
         };
         if key.is_empty() {
             p.add(&path, "routing key must not be empty");
@@ -551,17 +551,27 @@ fn check_strategy(p: &mut Problems, s: &skupper::MultiKeyListenerStrategy) {
         for (key, weight) in &w.routing_keys {
             if *weight < 1 {
                 p.add(
-                    format!("{at}.{key}"),
+                    map_entry(&at, key),
                     format!("weight must be a positive integer, found {weight}"),
                 );
             } else if *weight > i64::from(i32::MAX) {
                 // The upstream schema's integers are int32; larger ones would be clamped.
                 p.add(
-                    format!("{at}.{key}"),
+                    map_entry(&at, key),
                     format!("weight must be at most {}, found {weight}", i32::MAX),
                 );
             }
         }
+    }
+}
+
+/// The field path of a map entry (`routingKeys.backend-a`, as the parser's own errors write
+/// it); an empty key is `.""`, so the path never ends in a bare separator.
+fn map_entry(at: &str, key: &str) -> String {
+    if key.is_empty() {
+        format!("{at}.\"\"")
+    } else {
+        format!("{at}.{key}")
     }
 }
 

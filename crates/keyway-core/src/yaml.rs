@@ -37,6 +37,14 @@ pub struct LineIndex {
 impl LineIndex {
     /// The line of `path`, or of its nearest ancestor that was written in the file.
     pub fn line_of(&self, path: &str) -> u32 {
+        // An empty map key is indexed as written (`routingKeys.`), named `routingKeys.""`.
+        if let Some(line) = path
+            .strip_suffix("\"\"")
+            .filter(|p| p.ends_with('.'))
+            .and_then(|p| self.lines.get(p))
+        {
+            return *line;
+        }
         let mut p = path;
         loop {
             if let Some(line) = self.lines.get(p) {

@@ -393,6 +393,10 @@ fn validate(config: &Path, state_dir: &Path) -> Result<ExitCode> {
     }
     let mut errors = compiled.errors();
     errors.extend(certificate_errors(&compiled));
+    // Found in several passes (parsing, references, certificates); read in file order.
+    errors.sort_by(|a, b| {
+        (a.origin.file.as_str(), a.origin.line).cmp(&(b.origin.file.as_str(), b.origin.line))
+    });
     for e in &errors {
         println!("{e}");
     }

@@ -225,6 +225,13 @@ fn cases() -> Vec<Case> {
             "expected an integer",
         ),
         case(
+            "mkl-weighted-empty-key",
+            mkl("  strategy:\n    weighted:\n      routingKeys:\n        a: 1\n        \"\": 2\n"),
+            12,
+            "spec.strategy.weighted.routingKeys.\"\"",
+            "routing key must not be empty",
+        ),
+        case(
             "mkl-weight-beyond-any-integer",
             mkl(
                 "  strategy:\n    weighted:\n      routingKeys:\n        a: 18446744073709551615\n",

@@ -312,6 +312,11 @@ fn the_builtin_gateway_class_is_listed_while_a_gateway_uses_it() {
         .and_then(|c| c.iter().find(|c| c["type"] == "Accepted"))
         .expect("Accepted condition");
     assert_eq!(accepted["status"], "True", "{class:#}");
+    // What its conditions observe is the generation it shows.
+    assert_eq!(
+        accepted["observedGeneration"], class["metadata"]["generation"],
+        "{class:#}"
+    );
 
     let unused = status_json("quickstart", "gatewayclass");
     let items = unused["items"].as_array().expect("items");
