@@ -45,6 +45,8 @@ pub struct Reachability {
     pub remote_sites: Vec<skupper::SiteRecord>,
     /// Link name → remote site name, for links that are up.
     pub operational_links: BTreeMap<String, String>,
+    /// Every site with a link up to this one, either way (links other sites dialled too).
+    pub linked_sites: BTreeSet<String>,
     /// Site name → its id, for the sites of the network this one knows (Link `remoteSiteId`).
     pub site_ids: BTreeMap<String, String>,
     /// This site's id (its process's, as its links' hellos carry it); none offline.
@@ -725,7 +727,7 @@ fn site_status(
             rec.listeners.push(l.id.name.clone());
         }
     }
-    let links = index
+    let mut links: Vec<skupper::LinkRecord> = index
         .of_kind(Kind::Link)
         .map(|l| skupper::LinkRecord {
             name: Some(l.key.name.clone()),
@@ -738,6 +740,21 @@ fn site_status(
             operational: reach.operational_links.contains_key(&l.key.name),
         })
         .collect();
+    // Links other sites made to this one, unnamed, as other sites' records list this site's
+    // links: every record of the network then lists the links of its site alike.
+    let dialled: BTreeSet<&String> = reach.operational_links.values().collect();
+    links.extend(
+        reach
+            .linked_sites
+            .iter()
+            .filter(|site| !dialled.contains(site))
+            .map(|site| skupper::LinkRecord {
+                name: None,
+                remote_site_id: reach.site_ids.get(site).cloned(),
+                remote_site_name: Some(site.clone()),
+                operational: true,
+            }),
+    );
     let here = skupper::SiteRecord {
         id: reach.site_id.clone(),
         name: Some(res.plan.site_name.clone()),

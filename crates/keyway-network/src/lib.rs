@@ -222,6 +222,8 @@ pub struct NetworkView {
     pub remote_sites: Vec<SiteRecord>,
     /// Link name → remote site, for links with a connection up.
     pub operational_links: BTreeMap<String, String>,
+    /// Every site with a link up to this one, whichever side dialled it.
+    pub linked_sites: BTreeSet<String>,
     /// Site name → its id (per process, as in its hello), for every site this one knows.
     pub site_ids: BTreeMap<String, String>,
     /// This site's own id.
@@ -476,6 +478,7 @@ impl Network {
         for (site, adv) in st.db.map() {
             view.site_ids.insert(site.clone(), adv.id.clone());
         }
+        view.linked_sites = st.own_links.iter().map(|l| l.site.clone()).collect();
         for (name, ls) in &st.link_state {
             match ls.up.values().next() {
                 Some((remote, id)) => {

@@ -385,6 +385,7 @@ impl Site {
             bind_errors,
             remote_sites: net.remote_sites,
             operational_links: net.operational_links,
+            linked_sites: net.linked_sites,
             site_ids: net.site_ids,
             site_id: Some(net.site_id),
             link_errors: net.link_errors,

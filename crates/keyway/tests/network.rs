@@ -144,6 +144,20 @@ fn listener_reaches_connector_two_hops_away() {
     assert!(network.iter().all(|s| s["id"].is_string()), "{site}");
     let a_links = &network[0]["links"];
     assert_eq!(&a_links[0]["remoteSiteId"], b_id, "{site}");
+    // b's own record lists the link a made to it as a's record of b does: both its links.
+    let peers = |record: &serde_json::Value| -> Vec<String> {
+        let mut names: Vec<String> = record["links"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["remoteSiteName"].as_str().map(str::to_string))
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(peers(&b_site["network"][0]), ["a", "c"], "{b_site}");
+    let b_at_a = network.iter().find(|s| s["name"] == "b").expect("b listed");
+    assert_eq!(peers(b_at_a), ["a", "c"], "{site}");
     // Many connections through two hops, each a full round trip.
     for _ in 0..50 {
         assert_eq!(who(listen).as_deref(), Ok("at-c"));
