@@ -41,6 +41,10 @@ pub struct RedeemRequest {
     pub code: String,
     /// The redeeming site's name (the issued certificate's common name).
     pub site: String,
+    /// The id of the redeeming site's running process, when it runs: a site of that name
+    /// already in the network with this id is the redeemer itself, adding another link.
+    #[serde(default, rename = "siteId", skip_serializing_if = "Option::is_none")]
+    pub site_id: Option<String>,
 }
 
 impl std::fmt::Debug for RedeemRequest {
@@ -48,6 +52,7 @@ impl std::fmt::Debug for RedeemRequest {
         f.debug_struct("RedeemRequest")
             .field("code", &"(redacted)")
             .field("site", &self.site)
+            .field("site_id", &self.site_id)
             .finish()
     }
 }

@@ -550,6 +550,11 @@ impl Network {
         lock(&self.inner.state).routes.clone()
     }
 
+    /// This process's site id, as its links' hellos and advertisements carry it.
+    pub fn site_id(&self) -> &str {
+        &self.inner.id
+    }
+
     /// The site is shutting down: every other site stops sending new connections to its keys
     /// and routes around it (a site in the middle of a path included, where other paths exist),
     /// while connections already open, through it too, run on over its links until

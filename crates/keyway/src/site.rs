@@ -106,6 +106,14 @@ impl Site {
         let objects = state::load(&state_dir)?;
         let grants = GrantBook::load(&state_dir)?;
         let network = Network::new(dataplane.clone());
+        // For `keyway token redeem`: the id the network knows this site by while it runs.
+        if let Err(e) = state::write_durably(
+            &state_dir,
+            state::SITE_ID_FILE,
+            network.site_id().as_bytes(),
+        ) {
+            tracing::warn!("cannot record the site id in the state directory: {e:#}");
+        }
         dataplane
             .metrics()
             .register_collector(Box::new(crate::process_metrics::ProcessCollector));
@@ -327,6 +335,7 @@ impl Site {
             let request = RedeemRequest {
                 code: token.spec.code.clone(),
                 site: current.resolution.plan.site_name.clone(),
+                site_id: Some(self.network.site_id().to_string()),
             };
             let token = (**token).clone();
             let table = self.tokens.clone();
@@ -544,20 +553,20 @@ impl Site {
         }
         // Another site of that name is live in the network: a second one would take its
         // routing keys and links over (the network holds one record per name). Said only to
-        // a redeemer holding a good code: nobody else learns the network's site names.
+        // a redeemer holding a good code: nobody else learns the network's site names. One
+        // that gives the live site's id is that site, adding a link (a mesh's second path).
         let now = cli::now().0;
         let used = self.grants.used(&facts.namespace, &facts.name, &facts.code);
         facts.check(&request.code, now, used)?;
         let live = self.network.observe();
-        if live
-            .remote_sites
-            .iter()
-            .any(|s| s.name.as_deref() == Some(request.site.as_str()))
-        {
+        if live.remote_sites.iter().any(|s| {
+            s.name.as_deref() == Some(request.site.as_str())
+                && (request.site_id.is_none() || s.id != request.site_id)
+        }) {
             return Err(Refusal::new(
                 409,
                 format!(
-                    "a site named {} is already in the network: site names must be unique (give the redeeming site another name with `keyway site create NAME`, or stop the other one first)",
+                    "a site named {} is already in the network: site names must be unique (give the redeeming site another name with `keyway site create NAME`, or stop the other one first; if it is that site adding a link, redeem while it runs, from its config directory with its state in the default place)",
                     request.site
                 ),
             ));

@@ -123,6 +123,16 @@ fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
     }
 }
 
+/// The running site's id (its network's, per process), which `keyway token redeem` sends so
+/// that a granting site can tell the site itself from another one of its name.
+pub const SITE_ID_FILE: &str = "site-id";
+
+/// The id of the site that last ran on `dir` (not necessarily running now).
+pub fn site_id(dir: &Path) -> Option<String> {
+    let id = std::fs::read_to_string(dir.join(SITE_ID_FILE)).ok()?;
+    Some(id.trim().to_string()).filter(|id| !id.is_empty())
+}
+
 /// Writes the state atomically (write a temporary file, then rename).
 pub fn save(dir: &Path, state: &ObjectState) -> Result<()> {
     write_durably(dir, FILE, &serde_json::to_vec_pretty(state)?)

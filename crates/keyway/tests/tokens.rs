@@ -182,6 +182,19 @@ fn issue_then_redeem_links_the_sites_and_carries_traffic() {
     assert!(!twin.join("link-to-west-2.yaml").exists());
     let grant = west.status_of("AccessGrant", "to-west-2").expect("grant");
     assert_eq!(grant["redemptions"], 0, "{grant}");
+    // east itself, running, may: a second link between two linked sites (its id, from its
+    // state directory, is the one the network knows it by).
+    let out = redeem(&second, &east.config_dir(), &[]);
+    assert!(out.status.success(), "east's second link: {}", text(&out));
+    assert!(
+        eventually(Duration::from_secs(10), || east
+            .status_of("Link", "to-west-2")
+            .is_some_and(|l| l["remoteSiteName"] == "west")),
+        "east's second link is not up: {:?}",
+        east.status_of("Link", "to-west-2")
+    );
+    let grant = west.status_of("AccessGrant", "to-west-2").expect("grant");
+    assert_eq!(grant["redemptions"], 1, "{grant}");
 
     // A second redemption of a one-time token is refused.
     let again = redeemer_dir(&west.dir, "north");
