@@ -211,34 +211,10 @@ fn failover_when_a_site_is_killed_and_fail_back_when_it_returns() {
 fn a_draining_transit_site_is_routed_around_and_keeps_open_connections() {
     let _serial = serial();
     let ca = Ca::new("net");
-    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let listen = free_port();
     let backend = Backend::start("at-c");
-    let c = start_site(
-        "c",
-        &ca,
-        &[
-            router_access_yaml(c_port, "link-tls"),
-            connector_yaml("svc", "svc", backend.port),
-        ],
-    );
-    let b = start_site(
-        "b",
-        &ca,
-        &[
-            router_access_yaml(b_port, "link-tls"),
-            link_yaml("to-c", c_port, 1, "link-tls"),
-        ],
-    );
     // a – b – c costs 2, the direct a – c link 5: traffic goes through b.
-    let a = start_site(
-        "a",
-        &ca,
-        &[
-            link_yaml("to-b", b_port, 1, "link-tls"),
-            link_yaml("to-c", c_port, 5, "link-tls"),
-            listener_yaml("svc", "svc", listen),
-        ],
-    );
+    let (a, b, c) = start_triangle(&ca, backend.port, listen, 1, Some(5));
     assert!(
         eventually(Duration::from_secs(10), || who(listen).as_deref()
             == Ok("at-c")
@@ -318,33 +294,9 @@ fn hung_site_is_detected_within_three_seconds() {
 fn a_stream_pending_on_a_hung_site_is_retried_over_the_next_path() {
     let _serial = serial();
     let ca = Ca::new("net");
-    let (b_port, c_port, listen) = (free_port(), free_port(), free_port());
+    let listen = free_port();
     let backend = Backend::start("at-c");
-    let c = start_site(
-        "c",
-        &ca,
-        &[
-            router_access_yaml(c_port, "link-tls"),
-            connector_yaml("kc", "kc", backend.port),
-        ],
-    );
-    let b = start_site(
-        "b",
-        &ca,
-        &[
-            router_access_yaml(b_port, "link-tls"),
-            link_yaml("to-c", c_port, 1, "link-tls"),
-        ],
-    );
-    let a = start_site(
-        "a",
-        &ca,
-        &[
-            link_yaml("to-b", b_port, 3, "link-tls"),
-            link_yaml("to-c", c_port, 5, "link-tls"),
-            listener_yaml("lc", "kc", listen),
-        ],
-    );
+    let (a, b, c) = start_triangle(&ca, backend.port, listen, 3, Some(5));
     // Converged once a's path to c crosses b (cost 4, below the direct link's 5).
     let over_b = || {
         a.status_of("Site", "a").is_some_and(|s| {

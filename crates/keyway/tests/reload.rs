@@ -245,6 +245,43 @@ fn try_get(port: u16) -> Result<(u16, String), String> {
     Ok((code, body.trim().to_string()))
 }
 
+/// Requests `/` every 20 ms until [`Prober::all_served`], which checks every one was served.
+struct Prober {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: thread::JoinHandle<Vec<Result<(u16, String), String>>>,
+}
+
+impl Prober {
+    fn start(port: u16) -> Self {
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = done.clone();
+        let thread = thread::spawn(move || {
+            let mut answers = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                answers.push(try_get(port));
+                thread::sleep(Duration::from_millis(20));
+            }
+            answers
+        });
+        Prober { done, thread }
+    }
+
+    fn all_served(self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let answers = self.thread.join().expect("prober");
+        let failed: Vec<_> = answers
+            .iter()
+            .filter(|a| !matches!(a, Ok((200, body)) if body == "backend=one"))
+            .collect();
+        assert!(
+            answers.len() > 20 && failed.is_empty(),
+            "{} of {} requests failed: {failed:?}",
+            failed.len(),
+            answers.len()
+        );
+    }
+}
+
 /// A file rewritten in place (truncated, then written: a shell's `>`, `std::fs::write`) is
 /// empty in between. A writer paused there for longer than the watch's debounce (a loaded
 /// machine) used to have its empty file applied: the Gateway's listener closed, and fresh
@@ -254,18 +291,7 @@ fn a_file_rewritten_in_place_keeps_serving_while_it_is_empty() {
     let (dir, port, _site) = setup("in-place");
     let mut client = Client::connect(port);
     assert_eq!(client.get("/"), "backend=one");
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let prober = {
-        let done = done.clone();
-        thread::spawn(move || {
-            let mut answers = Vec::new();
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                answers.push(try_get(port));
-                thread::sleep(Duration::from_millis(20));
-            }
-            answers
-        })
-    };
+    let prober = Prober::start(port);
     thread::sleep(Duration::from_millis(100));
     let mut file = std::fs::File::create(dir.join("gw.yaml")).expect("truncate");
     // Past the watch's 150 ms debounce, well short of the 500 ms a file may stay empty.
@@ -273,18 +299,7 @@ fn a_file_rewritten_in_place_keeps_serving_while_it_is_empty() {
     file.write_all(gateway(port, "").as_bytes()).expect("write");
     drop(file);
     thread::sleep(Duration::from_millis(800));
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
-    let answers = prober.join().expect("prober");
-    let failed: Vec<_> = answers
-        .iter()
-        .filter(|a| !matches!(a, Ok((200, body)) if body == "backend=one"))
-        .collect();
-    assert!(
-        answers.len() > 20 && failed.is_empty(),
-        "{} of {} requests failed: {failed:?}",
-        failed.len(),
-        answers.len()
-    );
+    prober.all_served();
     assert_eq!(client.get("/"), "backend=one", "connection kept");
 }
 
@@ -298,18 +313,7 @@ fn a_directory_made_again_keeps_serving_until_its_files_land() {
     std::fs::rename(dir.join("gw.yaml"), dir.join("team/gw.yaml")).expect("move");
     thread::sleep(Duration::from_millis(800));
     assert_eq!(try_get(port), Ok((200, "backend=one".to_string())));
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let prober = {
-        let done = done.clone();
-        thread::spawn(move || {
-            let mut answers = Vec::new();
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                answers.push(try_get(port));
-                thread::sleep(Duration::from_millis(20));
-            }
-            answers
-        })
-    };
+    let prober = Prober::start(port);
     thread::sleep(Duration::from_millis(100));
     std::fs::remove_dir_all(dir.join("team")).expect("rm -rf");
     std::fs::create_dir(dir.join("team")).expect("mkdir");
@@ -317,18 +321,7 @@ fn a_directory_made_again_keeps_serving_until_its_files_land() {
     thread::sleep(Duration::from_millis(250));
     put(&dir.join("team"), "gw.yaml", &gateway(port, ""));
     thread::sleep(Duration::from_millis(800));
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
-    let answers = prober.join().expect("prober");
-    let failed: Vec<_> = answers
-        .iter()
-        .filter(|a| !matches!(a, Ok((200, body)) if body == "backend=one"))
-        .collect();
-    assert!(
-        answers.len() > 20 && failed.is_empty(),
-        "{} of {} requests failed: {failed:?}",
-        failed.len(),
-        answers.len()
-    );
+    prober.all_served();
     // Left empty on purpose, it does take effect.
     std::fs::remove_file(dir.join("team/gw.yaml")).expect("rm");
     let emptied = Instant::now();

@@ -131,6 +131,18 @@ pub fn start_site(name: &str, ca: &Ca, docs: &[String]) -> SiteProc {
 /// A chain a → b → c: a Listener `svc` at `a` on port `listen`, a Connector `svc` at `c` to
 /// `backend_port`, `b` in between. Returns (a, b, c).
 pub fn start_chain(ca: &Ca, backend_port: u16, listen: u16) -> (SiteProc, SiteProc, SiteProc) {
+    start_triangle(ca, backend_port, listen, 1, None)
+}
+
+/// [`start_chain`] with the a – b link at `ab_cost`, and with `ac_cost` a direct a – c link
+/// too (a second path around b).
+pub fn start_triangle(
+    ca: &Ca,
+    backend_port: u16,
+    listen: u16,
+    ab_cost: u64,
+    ac_cost: Option<u64>,
+) -> (SiteProc, SiteProc, SiteProc) {
     let (b_port, c_port) = (free_port(), free_port());
     let c = start_site(
         "c",
@@ -148,14 +160,14 @@ pub fn start_chain(ca: &Ca, backend_port: u16, listen: u16) -> (SiteProc, SitePr
             link_yaml("to-c", c_port, 1, "link-tls"),
         ],
     );
-    let a = start_site(
-        "a",
-        ca,
-        &[
-            link_yaml("to-b", b_port, 1, "link-tls"),
-            listener_yaml("svc", "svc", listen),
-        ],
-    );
+    let mut at_a = vec![
+        link_yaml("to-b", b_port, ab_cost, "link-tls"),
+        listener_yaml("svc", "svc", listen),
+    ];
+    if let Some(cost) = ac_cost {
+        at_a.push(link_yaml("to-c", c_port, cost, "link-tls"));
+    }
+    let a = start_site("a", ca, &at_a);
     (a, b, c)
 }
 
