@@ -2155,13 +2155,18 @@ fn owner_conditions(o: &Owner<'_>, sets: Option<SetsSummary>) -> Vec<C> {
         }
         // Some of its listeners lost or are invalid: still accepted and programmed, for the
         // rest, with the reason saying so (conformance ListenerSetHostnameConflict).
-        Admission::Accepted if some_listener_not_valid(o) => {
-            let message =
-                "some listeners are invalid or conflict with others; see status.listeners";
+        Admission::Accepted => {
+            let (reason, message, programmed) = if some_listener_not_valid(o) {
+                let message =
+                    "some listeners are invalid or conflict with others; see status.listeners";
+                ("ListenersNotValid", message, ("ListenersNotValid", message))
+            } else {
+                ("Accepted", "accepted", ("Programmed", "programmed"))
+            };
             vec![
-                C::new("Accepted", true, "ListenersNotValid", message),
+                C::new("Accepted", true, reason, message),
                 if own_programmed {
-                    C::new("Programmed", true, "ListenersNotValid", message)
+                    C::new("Programmed", true, programmed.0, programmed.1)
                 } else {
                     C::new(
                         "Programmed",
@@ -2172,19 +2177,6 @@ fn owner_conditions(o: &Owner<'_>, sets: Option<SetsSummary>) -> Vec<C> {
                 },
             ]
         }
-        Admission::Accepted => vec![
-            C::new("Accepted", true, "Accepted", "accepted"),
-            if own_programmed {
-                C::new("Programmed", true, "Programmed", "programmed")
-            } else {
-                C::new(
-                    "Programmed",
-                    false,
-                    "ListenersNotValid",
-                    "no listener is programmed",
-                )
-            },
-        ],
         admission => {
             let (reason, message) = owner_reason(admission).unwrap_or_default();
             vec![
