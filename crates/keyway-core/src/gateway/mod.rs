@@ -413,18 +413,23 @@ struct RouteResult {
 
 impl RouteResult {
     /// Whether the route counts in the `attachedRoutes` of listener `at` (owner slot,
-    /// listener): a parentRef that attached it there reads `Accepted=True` once the conflicts
-    /// between routes (`lost`) are applied. ListenerStatus: "Routes with any other value for
-    /// the Accepted condition MUST NOT be included in this count."
+    /// listener): a parentRef attached it there, and the route is accepted once the conflicts
+    /// between routes (`lost`) are applied, or would be but for the state of the listeners it
+    /// attached to. ListenerStatus: "Listener status does not impact successful attachment, i.e.
+    /// the AttachedRoutes field count MUST be set for Listeners, even if the Accepted condition
+    /// of an individual Listener is set to False" (SPEC §4: counted even for a losing
+    /// listener), while a route refused for what it is itself (a conflict with other routes,
+    /// no valid rule) is not counted.
     fn counts_at(&self, at: (usize, usize), lost: Option<&Vec<(usize, usize)>>) -> bool {
         self.parents
             .iter()
             .zip(&self.reach)
             .zip(&self.live)
             .any(|((p, reach), live)| {
-                reach.contains(&at)
-                    && p.conditions.first().is_some_and(|c| c.status)
-                    && !beaten(live, lost)
+                let accepted = p.conditions.first().is_some_and(|c| c.status);
+                // Attached, and not accepted only because none of its listeners is.
+                let only_listeners_lost = live.is_empty() && !reach.is_empty();
+                reach.contains(&at) && (accepted || only_listeners_lost) && !beaten(live, lost)
             })
     }
 }

@@ -2272,7 +2272,7 @@ fn regression_route_parent_is_not_always_a_gateway() {
 }
 
 #[test]
-fn losing_listeners_count_only_accepted_routes() {
+fn a_route_attached_only_to_a_losing_listener_counts_there() {
     let y = base("from: All")
         + &svc("team-a", "app")
         + &listener_set(
@@ -2285,13 +2285,14 @@ fn losing_listeners_count_only_accepted_routes() {
         + &http_route("team-a", "r", TO_LS, "[]", APP);
     let r = resolve(&index_of(&y), &now());
     assert_lost(&r, LS, "team-a", "ls", "dup", "HostnameConflict");
-    // The route is honestly not accepted (nothing serves it), so it is not counted:
-    // "Routes with any other value for the Accepted condition MUST NOT be included".
+    // The route is honestly not accepted (nothing serves it), yet it is attached there, and
+    // only the listener's loss keeps it out: "Listener status does not impact successful
+    // attachment" (SPEC §4: counted even for a losing listener).
     assert_eq!(
         pcond(&r, "team-a", "r", 0, "Accepted"),
         no("NoMatchingParent")
     );
-    assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 0);
+    assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 1);
 }
 
 /// A route accepted through one listener of a parent counts on every listener of it that it
