@@ -64,6 +64,7 @@ impl HTTPRoute {
                         path: within(&e.path),
                         message: e.message,
                         ignored,
+                        also: e.also.into_iter().map(|(p, m)| (within(&p), m)).collect(),
                     });
                 }
             }

@@ -486,9 +486,13 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         .then(|| value.clone());
     // Kept to check the metadata of a document whose spec does not convert.
     let metadata = value.get("metadata").cloned();
+    let mut also_missing = Vec::new();
     let (parsed, ignored) = match Resource::from_value(kind, value) {
         Ok(parsed) => (Ok(parsed.resource), parsed.ignored),
-        Err(e) => (Err((e.path, e.message)), e.ignored),
+        Err(e) => {
+            also_missing = e.also;
+            (Err((e.path, e.message)), e.ignored)
+        }
     };
     // As `kubectl apply` validates (strictly): an unknown field, most often a misspelt one
     // (`hostName`, `parentRef`), rejects the document, so the version in force keeps serving
@@ -524,10 +528,16 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         && parsed
             .as_ref()
             .is_err_and(|(path, _)| path == "spec" || path.starts_with("spec."));
-    let failed_at = parsed.as_ref().err().map(|(path, _)| path.clone());
+    let failed_at: Vec<&String> = parsed
+        .as_ref()
+        .err()
+        .map(|(path, _)| path)
+        .into_iter()
+        .chain(also_missing.iter().map(|(path, _)| path))
+        .collect();
     let unknown: Vec<DocOutcome> = unknown
         .iter()
-        .filter(|p| failed_at.as_ref() != Some(*p))
+        .filter(|p| !failed_at.contains(p))
         .map(|p| {
             let message = if spec_slip.as_ref() == Some(p) {
                 "unknown field: is it a misspelling of `spec`?".into()
@@ -556,6 +566,13 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
             if !explained_by_slip {
                 load.outcomes
                     .push(DocOutcome::Rejected(err(&path, message, Some(key.clone()))));
+                for (path, message) in also_missing {
+                    load.outcomes.push(DocOutcome::Rejected(err(
+                        &path,
+                        message,
+                        Some(key.clone()),
+                    )));
+                }
             }
             load.outcomes.extend(unknown);
             for p in meta_problems {

@@ -250,6 +250,9 @@ pub struct PathError {
     /// Unknown fields met before the error: they often explain it (`stratgy:` for a missing
     /// `strategy`), so they are reported with it rather than lost.
     pub ignored: Vec<String>,
+    /// Other required fields missing beside this one (path, message): serde stops at the
+    /// first, and a user fixes them all in one go.
+    pub also: Vec<(String, String)>,
 }
 
 pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
@@ -270,6 +273,7 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
                     message: "invalid type: a list, expected an object (`field: value` lines)"
                         .into(),
                     ignored,
+                    also: Vec::new(),
                 });
             }
             Ok((obj, ignored))
@@ -278,41 +282,177 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
             let path = track.path().to_string();
             let mut path = if path == "." { String::new() } else { path };
             let mut message = tidy_serde_message(&err.to_string());
+            let mut also = Vec::new();
             // "missing field `port`" at `spec` reads better as "port is required" at `spec.port`.
-            if let Some(field) = message
-                .strip_prefix("missing field `")
-                .and_then(|m| m.strip_suffix('`'))
-                .map(str::to_string)
-            {
-                let field = field.as_str();
-                path = if path.is_empty() {
-                    field.to_string()
-                } else {
-                    format!("{path}.{field}")
-                };
-                message = format!("{field} is required");
-                // An unknown key beside it spelled close to it is most likely the field itself.
-                let parent = path.rsplit_once('.').map_or("", |(p, _)| p);
-                let slip = ignored.iter().find_map(|p| {
-                    let (p_parent, key) = p.rsplit_once('.').unwrap_or(("", p.as_str()));
-                    (p_parent == parent && crate::load::close_to(key, field)).then_some(key)
-                });
-                if let Some(key) = slip {
-                    message = format!("{field} is required (is `{key}` a misspelling of it?)");
-                    path = if parent.is_empty() {
-                        key.to_string()
-                    } else {
-                        format!("{parent}.{key}")
-                    };
-                }
+            if let Some(missing) = missing_field(&path, &message) {
+                also = other_missing_fields::<T>(&input, &missing)
+                    .iter()
+                    .map(|p| required(p, &ignored))
+                    .collect();
+                (path, message) = required(&missing, &ignored);
             }
             Err(PathError {
                 path,
                 message,
                 ignored,
+                also,
             })
         }
     }
+}
+
+/// The error for the required field at `path` (`spec.port`): "port is required", or, when
+/// an unknown key beside it is spelled close to it (`prot`), at that key, asking whether it is
+/// a misspelling.
+fn required(path: &str, ignored: &[String]) -> (String, String) {
+    let (parent, field) = path.rsplit_once('.').unwrap_or(("", path));
+    let slip = ignored.iter().find_map(|p| {
+        let (p_parent, key) = p.rsplit_once('.').unwrap_or(("", p.as_str()));
+        (p_parent == parent && crate::load::close_to(key, field)).then_some(key)
+    });
+    match slip {
+        Some(key) => (
+            if parent.is_empty() {
+                key.to_string()
+            } else {
+                format!("{parent}.{key}")
+            },
+            format!("{field} is required (is `{key}` a misspelling of it?)"),
+        ),
+        None => (path.to_string(), format!("{field} is required")),
+    }
+}
+
+/// The full path of the field a "missing field `port`" error at `at` names (`spec.port`).
+fn missing_field(at: &str, message: &str) -> Option<String> {
+    let field = message.strip_prefix("missing field `")?.strip_suffix('`')?;
+    Some(if at.is_empty() {
+        field.to_string()
+    } else {
+        format!("{at}.{field}")
+    })
+}
+
+/// Required fields missing from `input` besides `first`: each missing field is filled with a
+/// stand-in of some type (and the stand-in's own required fields, unreported, likewise) until
+/// the document converts or fails for another reason. Bounded: a few dozen conversions of a
+/// document that failed anyway.
+fn other_missing_fields<T: serde::de::DeserializeOwned>(input: &Value, first: &str) -> Vec<String> {
+    const STAND_INS: [fn() -> Value; 5] = [
+        || Value::String("x".into()),
+        || Value::from(1),
+        || Value::Array(Vec::new()),
+        || Value::Object(Default::default()),
+        || Value::Bool(true),
+    ];
+    /// A stand-in at `path`, as the `tried`-th of [`STAND_INS`].
+    struct Hole {
+        path: String,
+        tried: usize,
+    }
+    let within = |p: &str, hole: &str| {
+        p == hole
+            || p.strip_prefix(hole)
+                .is_some_and(|rest| rest.starts_with('.') || rest.starts_with('['))
+    };
+    let mut value = input.clone();
+    let mut holes = vec![Hole {
+        path: first.to_string(),
+        tried: 0,
+    }];
+    let mut found = Vec::new();
+    if !set_at(&mut value, first, STAND_INS[0]()) {
+        return found;
+    }
+    for _ in 0..48 {
+        let mut track = serde_path_to_error::Track::new();
+        let de = serde_path_to_error::Deserializer::new(value.clone(), &mut track);
+        let Err(err) = T::deserialize(de) else {
+            break;
+        };
+        let at = track.path().to_string();
+        let at = if at == "." { String::new() } else { at };
+        let missing = missing_field(&at, &tidy_serde_message(&err.to_string()));
+        let failed = missing.clone().unwrap_or(at);
+        match holes.iter().rposition(|h| within(&failed, &h.path)) {
+            // A field the stand-in itself lacks: filled in turn, not reported.
+            Some(_)
+                if missing
+                    .as_deref()
+                    .is_some_and(|m| holes.iter().all(|h| h.path != m)) =>
+            {
+                let path = failed;
+                if !set_at(&mut value, &path, STAND_INS[0]()) {
+                    break;
+                }
+                holes.push(Hole { path, tried: 0 });
+            }
+            // The stand-in has the wrong type: the next one, without what was filled in it.
+            Some(i) => {
+                let hole = &mut holes[i];
+                hole.tried += 1;
+                let Some(next) = STAND_INS.get(hole.tried) else {
+                    break;
+                };
+                let path = hole.path.clone();
+                holes.retain(|h| h.path == path || !within(&h.path, &path));
+                if !set_at(&mut value, &path, next()) {
+                    break;
+                }
+            }
+            None => match missing {
+                Some(path) => {
+                    if !set_at(&mut value, &path, STAND_INS[0]()) {
+                        break;
+                    }
+                    found.push(path.clone());
+                    holes.push(Hole { path, tried: 0 });
+                }
+                // Another kind of error: what the user sees once these are fixed.
+                None => break,
+            },
+        }
+    }
+    found
+}
+
+/// Sets the field at `path` (`spec.listeners[0].port`) of `value`, making the objects on the
+/// way; false if a step is not an object or a list index is out of range.
+fn set_at(value: &mut Value, path: &str, new: Value) -> bool {
+    let mut at = value;
+    let mut steps = path.split('.').peekable();
+    while let Some(step) = steps.next() {
+        let (name, indices) = match step.find('[') {
+            Some(i) => (&step[..i], &step[i..]),
+            None => (step, ""),
+        };
+        let Value::Object(map) = at else {
+            return false;
+        };
+        let last = steps.peek().is_none() && indices.is_empty();
+        if last {
+            map.insert(name.to_string(), new);
+            return true;
+        }
+        at = map
+            .entry(name.to_string())
+            .or_insert_with(|| Value::Object(Default::default()));
+        let mut indices = indices
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .split("][");
+        for index in indices.by_ref().filter(|i| !i.is_empty()) {
+            let Some(next) = index.parse::<usize>().ok().and_then(|i| at.get_mut(i)) else {
+                return false;
+            };
+            at = next;
+        }
+        if steps.peek().is_none() {
+            *at = new;
+            return true;
+        }
+    }
+    false
 }
 
 /// The first place where `input` has a list and its typed reading `read` an object. serde's

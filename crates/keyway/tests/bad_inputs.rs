@@ -1456,6 +1456,43 @@ fn every_problem_of_a_rejected_document_is_listed() {
             "mkl.yaml:6: spec.host: host is required",
         ],
     );
+    // Every required field missing is listed, not the first alone: the ListenerSet guide's
+    // Gateway snippet, a ListenerSet with an empty spec, a misspelt field among others.
+    validate_lists(
+        &dir,
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: g}\nspec:\n  allowedListeners:\n    namespaces:\n      from: All\n",
+        &[
+            "mkl.yaml:4: spec.gatewayClassName: gatewayClassName is required",
+            "mkl.yaml:4: spec.listeners: listeners is required",
+        ],
+    );
+    validate_lists(
+        &dir,
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: ListenerSet\nmetadata: {name: ls}\nspec: {}\n---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: l}\nspec:\n  prot: 80\n",
+        &[
+            "mkl.yaml:4: spec.listeners: listeners is required",
+            "mkl.yaml:4: spec.parentRef: parentRef is required",
+            "mkl.yaml:9: spec.host: host is required",
+            "mkl.yaml:9: spec.routingKey: routingKey is required",
+            "mkl.yaml:10: spec.prot: port is required (is `prot` a misspelling of it?)",
+        ],
+    );
+    validate_lists(
+        &dir,
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: g}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - name: a\n  - protocol: HTTP\n",
+        &[
+            "mkl.yaml:7: spec.listeners[0].port: port is required",
+            "mkl.yaml:7: spec.listeners[0].protocol: protocol is required",
+            "mkl.yaml:8: spec.listeners[1].name: name is required",
+            "mkl.yaml:8: spec.listeners[1].port: port is required",
+        ],
+    );
+    let out = keyway(&["validate"], &dir);
+    assert!(
+        !text(&out.stdout).contains("unknown field"),
+        "{}",
+        text(&out.stdout)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
