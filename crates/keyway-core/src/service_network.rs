@@ -47,6 +47,8 @@ pub struct Reachability {
     pub operational_links: BTreeMap<String, String>,
     /// Every site with a link up to this one, either way (links other sites dialled too).
     pub linked_sites: BTreeSet<String>,
+    /// The site is shutting down: it advertises neither its keys nor its links any more.
+    pub draining: bool,
     /// Site name → its id, for the sites of the network this one knows (Link `remoteSiteId`).
     pub site_ids: BTreeMap<String, String>,
     /// This site's id (its process's, as its links' hellos carry it); none offline.
@@ -767,6 +769,12 @@ fn site_status(
     network.extend(reach.remote_sites.iter().cloned());
     let running = match &reach.name_conflict {
         Some(why) => Cond::error("Running", why),
+        None if reach.draining => Cond::new(
+            "Running",
+            false,
+            "Draining",
+            "shutting down: open connections are draining; the network no longer sees this site's keys or links",
+        ),
         None => Cond::ready("Running"),
     };
     let mut v = ready_from(vec![Cond::ready("Configured"), running], generation, now);

@@ -484,6 +484,23 @@ impl DataPlane {
         obs
     }
 
+    /// Sets `keyway_listener_open` of every listener from whether its port accepts now (or,
+    /// while it moves, the port it moves from): read at each scrape, so it is never stale.
+    pub fn refresh_listener_open(&self) {
+        let Ok(listeners) = self.listeners.lock() else {
+            return;
+        };
+        for h in listeners.values() {
+            let open = h.accepting();
+            let label = h.runtime.load().label.clone();
+            self.shared
+                .metrics
+                .listener_open
+                .get_or_create(&Metrics::listener_labels(&label))
+                .set(i64::from(open));
+        }
+    }
+
     /// Counts a connection this data plane does not accept itself (a stream from another
     /// site) as open until the returned guard drops: a graceful shutdown waits for it too.
     pub fn track_connection(&self) -> ConnectionTracker {

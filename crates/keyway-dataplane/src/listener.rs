@@ -92,6 +92,15 @@ fn take(replaced: &Replaced) -> Option<ListenerHandle> {
 }
 
 impl ListenerHandle {
+    /// Whether this listener accepts connections now: on its port, or on the port it moves
+    /// from until the new one binds.
+    pub fn accepting(&self) -> bool {
+        self.state.listening.load(Ordering::Acquire)
+            || lock(&self.replaced)
+                .as_ref()
+                .is_some_and(|old| old.state.listening.load(Ordering::Acquire))
+    }
+
     /// Starts the listener's accept task, once the listeners `after` (see [`Self::finished`])
     /// have closed their ports (for at most a second). With `workers`, the port is bound once
     /// per worker thread and each accepts and serves its own connections (see

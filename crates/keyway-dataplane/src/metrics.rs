@@ -86,6 +86,9 @@ pub struct Metrics {
     pub failovers: Family<Labels, Counter>,
     pub refused: Family<Labels, Counter>,
     pub target_healthy: Family<Labels, Gauge>,
+    /// 1 while a Listener's or MultiKeyListener's port accepts (set at each scrape, see
+    /// `DataPlane::refresh_listener_open`).
+    pub listener_open: Family<Labels, Gauge>,
     pub config_errors: Gauge,
     /// Of those, documents rejected (an edit not applied): what an alert on a bad edit wants,
     /// apart from references that do not resolve yet (status, not a rejected document).
@@ -118,6 +121,7 @@ impl Default for Metrics {
             connections_active: Family::default(),
             bytes: Family::default(),
             failovers: Family::default(),
+            listener_open: Family::default(),
             refused: Family::default(),
             target_healthy: Family::default(),
             config_errors: Gauge::default(),
@@ -153,6 +157,11 @@ impl Default for Metrics {
             "connections_refused",
             "Accepted connections closed because no target could be reached, by listener",
             m.refused.clone(),
+        );
+        registry.register(
+            "listener_open",
+            "1 while the listener's port accepts connections; 0 while it is closed (no routing key reachable: connections are refused by the kernel and counted nowhere else) or cannot be bound",
+            m.listener_open.clone(),
         );
         registry.register(
             "target_healthy",
@@ -435,6 +444,7 @@ impl Metrics {
         let labels = Self::listener_labels(listener);
         self.refused.remove(&labels);
         self.failovers.remove(&labels);
+        self.listener_open.remove(&labels);
         for target in targets {
             let cached = target
                 .metrics_cache

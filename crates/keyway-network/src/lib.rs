@@ -224,6 +224,8 @@ pub struct NetworkView {
     pub operational_links: BTreeMap<String, String>,
     /// Every site with a link up to this one, whichever side dialled it.
     pub linked_sites: BTreeSet<String>,
+    /// The site is shutting down (see [`Network::start_draining`]).
+    pub draining: bool,
     /// Site name → its id (per process, as in its hello), for every site this one knows.
     pub site_ids: BTreeMap<String, String>,
     /// This site's own id.
@@ -479,6 +481,7 @@ impl Network {
             view.site_ids.insert(site.clone(), adv.id.clone());
         }
         view.linked_sites = st.own_links.iter().map(|l| l.site.clone()).collect();
+        view.draining = st.draining;
         for (name, ls) in &st.link_state {
             match ls.up.values().next() {
                 Some((remote, id)) => {

@@ -133,6 +133,7 @@ async fn handle(
                     v.to_str()
                         .is_ok_and(|v| v.contains("application/openmetrics-text"))
                 });
+            site.dataplane.refresh_listener_open();
             let metrics = site.dataplane.metrics();
             let (body, content_type) = if open_metrics {
                 (

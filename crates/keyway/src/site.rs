@@ -395,6 +395,7 @@ impl Site {
             remote_sites: net.remote_sites,
             operational_links: net.operational_links,
             linked_sites: net.linked_sites,
+            draining: net.draining,
             site_ids: net.site_ids,
             site_id: Some(net.site_id),
             link_errors: net.link_errors,

@@ -280,6 +280,43 @@ fn deleted_listeners_and_targets_leave_no_series_behind() {
         "series of deleted listeners/targets remain:\n{m}"
     );
     assert_eq!(series_named(&m, "keyway_bytes_total"), 2, "{m}");
+    assert_eq!(series_named(&m, "keyway_listener_open"), 1, "{m}");
+}
+
+/// `keyway_listener_open` says whether a listener's port accepts: 0 while no routing key is
+/// reachable (the kernel refuses those connections, so no other series counts them), 1 again
+/// once a connector comes.
+#[test]
+fn a_closed_listener_port_shows_in_the_metrics() {
+    let _s = serial();
+    let echo = Echo::start();
+    let port = free_port();
+    let site = SiteProc::start(
+        "closed",
+        &[site_yaml("closed"), listener_yaml("l", "k", port)],
+    );
+    let open = |site: &SiteProc| {
+        let m = site.get("/metrics").unwrap_or_default();
+        (series_named(&m, "keyway_listener_open") == 1)
+            .then(|| value(&m, "keyway_listener_open", &[("listener", "default/l")]))
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || open(&site) == Some(0.0)),
+        "{:?}",
+        site.get("/metrics")
+    );
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+    write_file(
+        &site.config_dir(),
+        "connector.yaml",
+        &connector_yaml("c", "k", echo.port),
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || transfer(port, 10)
+            .is_ok_and(|n| n == 10)),
+        "never served"
+    );
+    assert_eq!(open(&site), Some(1.0));
 }
 
 /// An HTTP/1.1 backend: a WebSocket upgrade gets 101 and then an echo; any other request gets

@@ -258,6 +258,15 @@ fn a_draining_transit_site_is_routed_around_and_keeps_open_connections() {
         Ok("still here\n"),
         "the connection open through b was cut"
     );
+    // b's own status says it is draining, not Ready.
+    let site = b.status_of("Site", "b").expect("b answers while it drains");
+    let running = site["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Running"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(running["reason"], "Draining", "{site}");
+    assert_ne!(site["status"], "Ready", "{site}");
     drop(c);
 }
 
