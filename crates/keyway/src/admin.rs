@@ -234,25 +234,34 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
         (None, None) => return Err(unreachable(&"no address")),
     };
     stream.set_write_timeout(Some(WAIT))?;
-    let no_answer = |e: std::io::Error| {
-        let why = if matches!(
+    let no_answer = |e: std::io::Error, got: usize| {
+        if matches!(
             e.kind(),
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
         ) {
-            format!("no answer within {} s", WAIT.as_secs())
+            // Something holds the port and says nothing: a site that hangs (stopped, or
+            // starved) does exactly this, as does another program.
+            let said = if got == 0 {
+                "sent nothing".to_string()
+            } else {
+                format!("sent {got} bytes and no complete answer")
+            };
+            anyhow::anyhow!(
+                "{addr} accepted the connection but {said}: no answer within {} s. Is the site there hung (stopped with SIGSTOP, or starved of CPU), or is another program on that port?",
+                WAIT.as_secs()
+            )
         } else {
-            e.to_string()
-        };
-        anyhow::anyhow!(
-            "{addr} accepted the connection but did not answer as a keyway admin endpoint ({why}); is --admin the address of `keyway run --admin`?"
-        )
+            anyhow::anyhow!(
+                "{addr} accepted the connection but did not answer as a keyway admin endpoint ({e}); is --admin the address of `keyway run --admin`?"
+            )
+        }
     };
     // The address connected to, not the name given: a loopback endpoint answers only requests
     // for an address or localhost.
     let host = stream
         .peer_addr()
         .map_or_else(|_| addr.to_string(), |a| a.to_string());
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").map_err(no_answer)?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").map_err(|e| no_answer(e, 0))?;
     // The whole answer within WAIT: a peer trickling bytes must not keep us for ever.
     let deadline = std::time::Instant::now() + WAIT;
     let mut raw = Vec::new();
@@ -260,14 +269,14 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
-            return Err(no_answer(std::io::ErrorKind::TimedOut.into()));
+            return Err(no_answer(std::io::ErrorKind::TimedOut.into(), raw.len()));
         }
         stream.set_read_timeout(Some(left))?;
         match stream.read(&mut chunk) {
             Ok(0) => break,
             Ok(n) => raw.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(no_answer(e)),
+            Err(e) => return Err(no_answer(e, raw.len())),
         }
     }
     let text = String::from_utf8_lossy(&raw);
