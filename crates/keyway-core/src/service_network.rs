@@ -652,14 +652,12 @@ pub fn statuses(
             Resource::Link(l) => {
                 let name = &key.name;
                 let up = reach.operational_links.get(name);
-                let why = reach
-                    .link_errors
-                    .get(name)
-                    .cloned()
-                    .unwrap_or_else(|| "Not operational".into());
-                let operational = match up {
-                    Some(_) => Cond::ready("Operational"),
-                    None => Cond::pending("Operational", &why),
+                // Down for a known reason (refused, a failed handshake: it is redialled all
+                // the while) is an error; down before any attempt has answered, pending.
+                let operational = match (up, reach.link_errors.get(name)) {
+                    (Some(_), _) => Cond::ready("Operational"),
+                    (None, Some(why)) => Cond::error("Operational", why),
+                    (None, None) => Cond::pending("Operational", "Not operational"),
                 };
                 let mut v = ready_from(vec![configured(key), operational], generation, now);
                 if let Some(remote) = up {

@@ -490,11 +490,11 @@ impl Network {
                     // advertisement of a restarted peer may not have caught up with yet.
                     view.site_ids.insert(remote.clone(), id.clone());
                 }
+                // Down with a reason (a refusal, a failed handshake); one not tried yet has none.
                 None => {
-                    view.link_errors.insert(
-                        name.clone(),
-                        ls.error.clone().unwrap_or_else(|| "not connected".into()),
-                    );
+                    if let Some(error) = &ls.error {
+                        view.link_errors.insert(name.clone(), error.clone());
+                    }
                 }
             }
         }

@@ -438,6 +438,9 @@ fn link_with_the_wrong_ca_is_refused_and_status_says_why() {
     );
     // A TLS alert read after the handshake is not an HTTP/2 error.
     assert!(!message.contains("HTTP/2:"), "{message}");
+    // A link down for a known reason is an error, not pending.
+    let link = a.status_of("Link", "to-b").unwrap_or_default();
+    assert_eq!(link["status"], "Error", "{link}");
     assert_eq!(a.sites_in_network(), 1);
     assert!(
         who(listen).is_err(),
