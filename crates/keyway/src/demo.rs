@@ -51,10 +51,9 @@ const START_LIMIT: Duration = Duration::from_secs(30);
 
 pub fn run(port_base: u16, keep: bool) -> Result<ExitCode> {
     let ports = Ports::new(port_base)?;
-    ports.check_free()?;
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|text| ports.ephemeral_overlap(&text));
+    let range =
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let ephemeral = ports.ephemeral_overlap(&range);
     if let Some((low, high)) = ephemeral {
         eprintln!(
             "note: ports {}..{} overlap this machine's ephemeral port range {low}-{high} \
@@ -65,6 +64,7 @@ pub fn run(port_base: u16, keep: bool) -> Result<ExitCode> {
             ports.at(SPAN)
         );
     }
+    ports.check_free(&range)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -110,7 +110,8 @@ impl Ports {
     }
 
     /// Fails with a clear message when a port is taken. Gateway listeners bind every address.
-    fn check_free(self) -> Result<()> {
+    /// `range`: the machine's ephemeral port range, for what to suggest instead.
+    fn check_free(self, range: &str) -> Result<()> {
         let mut wanted = vec![
             (
                 self.at(MKL),
@@ -139,13 +140,21 @@ impl Ports {
         }
         for (port, host, what) in wanted {
             if let Err(e) = std::net::TcpListener::bind((host, port)) {
+                // Another range clear of this one and of the ephemeral ports: 1000 up, else
+                // the default, else below it.
+                let other = [self.base.checked_add(1000), Some(17000), Some(12000)]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|b| Ports::new(b).ok())
+                    .find(|p| p.base != self.base && p.ephemeral_overlap(range).is_none())
+                    .map_or(17000, |p| p.base);
+                let holder = if self.ephemeral_overlap(range).is_some() {
+                    "another `keyway demo`, or an outgoing connection given that port (these ports lie in this machine's ephemeral range)"
+                } else {
+                    "another `keyway demo`, most likely"
+                };
                 anyhow::bail!(
-                    "port {port} ({what}) is busy: {e}. Is another `keyway demo` running? Stop it, or pick another range: keyway demo --port-base {}",
-                    // Another range clear of this one: 1000 up, or back to the default.
-                    match self.base.checked_add(1000 + SPAN) {
-                        Some(_) => self.base + 1000,
-                        None => 17000,
-                    }
+                    "port {port} ({what}) is busy: {e}. Held by {holder}: stop it, or pick another range: keyway demo --port-base {other}"
                 );
             }
         }
@@ -977,14 +986,33 @@ mod tests {
         let Ok(ports) = Ports::new(port) else {
             return;
         };
-        let err = ports
-            .check_free()
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let busy = |range: &str| {
+            ports
+                .check_free(range)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        let err = busy("");
         assert!(
             err.contains(&format!("port {port} (the MultiKeyListener) is busy"))
                 && err.contains("--port-base"),
+            "{err}"
+        );
+        // In the ephemeral range: it says an outgoing connection may hold it, and suggests a
+        // base outside the range.
+        let err = busy("1024\t65535");
+        assert!(err.contains("outgoing connection"), "{err}");
+        let err = busy("32768\t60999");
+        let suggested: u16 = err
+            .rsplit(' ')
+            .next()
+            .and_then(|b| b.parse().ok())
+            .unwrap_or_default();
+        assert!(
+            suggested != port
+                && Ports::new(suggested)
+                    .is_ok_and(|p| p.ephemeral_overlap("32768\t60999").is_none()),
             "{err}"
         );
     }
