@@ -633,14 +633,15 @@ fn condition_true(status: &Value, type_: &str) -> bool {
     })
 }
 
-/// `accepted/declared` listeners of a Gateway or ListenerSet, e.g. `1/2`.
+/// `programmed/declared` listeners of a Gateway or ListenerSet, e.g. `1/2`: those that serve.
+/// Accepted alone would count a listener whose certificate is missing, which serves nothing.
 fn listeners_accepted(v: &Value) -> String {
     let declared = v["spec"]["listeners"].as_array().map_or(0, Vec::len);
     let accepted = v["status"]["listeners"]
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|l| condition_true(l, "Accepted"))
+        .filter(|l| condition_true(l, "Programmed"))
         .count();
     if v["status"].is_null() {
         declared.to_string()
@@ -1317,8 +1318,10 @@ mod table_tests {
                 "conditions": [cond("Accepted", "True", "ListenersNotValid"),
                     cond("Programmed", "True", "Programmed")],
                 "listeners": [
-                    {"name": "a", "conditions": [cond("Accepted", "True", "Accepted")]},
+                    {"name": "a", "conditions": [cond("Accepted", "True", "Accepted"),
+                        cond("Programmed", "True", "Programmed")]},
                     {"name": "b", "conditions": [cond("Accepted", "False", "ProtocolConflict"),
+                        cond("Programmed", "False", "ProtocolConflict"),
                         cond("Conflicted", "True", "ProtocolConflict")]}]},
         });
         let out = tables(&[v]);
