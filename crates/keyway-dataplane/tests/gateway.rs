@@ -1165,6 +1165,13 @@ async fn grpc_route_matches_service_and_method_over_h2() {
             Some("application/grpc")
         );
     }
+    // grpc-message says what a plain client's body says, not only a reason phrase.
+    let r = send(&h2, port, "POST", "x", "/no.Backend/Hi", &ct).await;
+    let message = r.headers.get("grpc-message").and_then(|v| v.to_str().ok());
+    assert!(
+        message.is_some_and(|m| m.starts_with("backend cannot be resolved")),
+        "{message:?}"
+    );
 }
 
 /// Reads from `s` until the gateway closes it (EOF or reset); how long that took, or `None`

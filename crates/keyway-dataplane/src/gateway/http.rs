@@ -250,9 +250,9 @@ async fn serve_h2<I: Io>(
 }
 
 /// Marks a response keyway made itself (not a backend's), so a gRPC client can get it in
-/// gRPC's terms (see [`as_grpc`]).
-#[derive(Clone, Copy)]
-struct LocalReply;
+/// gRPC's terms (see [`as_grpc`]), with the text a plain client reads in its body.
+#[derive(Clone)]
+struct LocalReply(Option<std::sync::Arc<str>>);
 
 fn full(status: StatusCode, text: &str) -> Response<Body> {
     let mut r = Response::new(Body::full(format!("{text}\n")));
@@ -261,7 +261,7 @@ fn full(status: StatusCode, text: &str) -> Response<Body> {
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
-    r.extensions_mut().insert(LocalReply);
+    r.extensions_mut().insert(LocalReply(Some(text.into())));
     r
 }
 
@@ -271,10 +271,10 @@ fn full(status: StatusCode, text: &str) -> Response<Body> {
 fn as_grpc(resp: Response<Body>) -> Response<Body> {
     let status = resp.status();
     // Redirects and successes are not errors to translate.
-    if resp.extensions().get::<LocalReply>().is_none()
-        || status.is_success()
-        || status.is_redirection()
-    {
+    let Some(LocalReply(text)) = resp.extensions().get::<LocalReply>().cloned() else {
+        return resp;
+    };
+    if status.is_success() || status.is_redirection() {
         return resp;
     }
     let code = match status.as_u16() {
@@ -285,7 +285,12 @@ fn as_grpc(resp: Response<Body>) -> Response<Body> {
         500 | 502 | 503 => "14", // UNAVAILABLE
         _ => "2",                // UNKNOWN
     };
-    let message = status.canonical_reason().unwrap_or("error");
+    // What a plain client reads in the body ("no route matches"), percent-encoded as the gRPC
+    // protocol writes grpc-message; else the status's reason phrase.
+    let message = match &text {
+        Some(text) => grpc_percent_encode(text),
+        None => status.canonical_reason().unwrap_or("error").to_string(),
+    };
     // No body at all: hyper then ends the stream with these headers (one HEADERS frame with
     // END_STREAM), which is what gRPC clients read as trailers-only.
     let mut r = Response::new(Body::Empty);
@@ -298,10 +303,23 @@ fn as_grpc(resp: Response<Body>) -> Response<Body> {
         HeaderName::from_static("grpc-status"),
         HeaderValue::from_static(code),
     );
-    if let Ok(v) = HeaderValue::from_str(message) {
+    if let Ok(v) = HeaderValue::from_str(&message) {
         h.insert(HeaderName::from_static("grpc-message"), v);
     }
     r
+}
+
+/// `grpc-message` encoding (gRPC over HTTP/2): bytes outside printable ASCII, and `%`, as `%XX`.
+fn grpc_percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// The request's host, lower-case, without port: the URI authority (HTTP/2, absolute-form)
@@ -420,6 +438,18 @@ async fn route(
         return Err((
             Unrouted::Invalid,
             full(StatusCode::BAD_REQUEST, "no Host header"),
+        ));
+    }
+    // RFC 9113 §8.3.1: an HTTP/2 request whose Host names another entity than its
+    // :authority is malformed. Routing takes :authority; a backend or a log reading Host
+    // would see another host than the one routed on.
+    if req.version() == Version::HTTP_2
+        && let (Some(a), Some(h)) = (authority, host_header)
+        && !h.as_bytes().eq_ignore_ascii_case(a.as_str().as_bytes())
+    {
+        return Err((
+            Unrouted::Invalid,
+            full(StatusCode::BAD_REQUEST, "Host differs from :authority"),
         ));
     }
     // RFC 9110 §4.2.4: userinfo in an http(s) URI is an error; in a Host header it is not even
@@ -662,7 +692,7 @@ async fn with_cors(
         for (name, value) in cors_headers.iter() {
             resp.headers_mut().insert(name, value.clone());
         }
-        resp.extensions_mut().insert(LocalReply);
+        resp.extensions_mut().insert(LocalReply(None));
         return resp;
     }
     let allowed = cors.allowed_origin(req.headers());
@@ -1503,9 +1533,14 @@ fn connect_error(e: &ConnectError) -> Failed {
             answer: full(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             reach: Reach::Final,
         },
-        // No healthy endpoint: 503, the conventional "try again later".
+        // No healthy endpoint: 503, the conventional "try again later". The client is not
+        // told which Service or Listener of the config that was (SPEC §4: answers reveal no
+        // object); the route's metrics and the backend's status say it.
         ConnectError::Unreachable(_) => Failed {
-            answer: full(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+            answer: full(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no endpoint of the backend could be reached",
+            ),
             reach: Reach::NotSent,
         },
         // The backend cannot be spoken to as its BackendTLSPolicy asks (its certificate, the
