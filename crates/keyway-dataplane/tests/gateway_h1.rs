@@ -520,6 +520,26 @@ async fn bad_backend_input_gives_502_or_an_aborted_response() {
             "{path}: {o:?}"
         );
     }
+    // An HTTP/1.0 client gets no framing: the close ends its body. A cut body must not end
+    // in a FIN, which would read as complete: the connection is reset.
+    for path in ["/short", "/chunk-cut", "/chunks-then-close"] {
+        let mut s = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(IO_TIMEOUT, s.read_to_end(&mut got))
+            .await
+            .expect("an end in time");
+        let head = String::from_utf8_lossy(&got);
+        assert!(
+            matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+                || head.starts_with("HTTP/1.1 502"),
+            "{path}: {read:?} after {head:?}"
+        );
+    }
     // And the gateway still serves.
     let be = answering(&[("/ok", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")]).await;
     let (_dp2, port) = gateway_to(be.addr).await;

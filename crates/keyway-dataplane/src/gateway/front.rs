@@ -698,6 +698,9 @@ pub enum Next {
     /// Ready for the next request.
     KeepAlive,
     Close,
+    /// The response was cut (its body failed, or did not match its length): the connection
+    /// ends abortively (see [`abort`]).
+    Abort,
     /// The connection was handed over (upgrade).
     Gone,
 }
@@ -923,7 +926,7 @@ pub async fn respond(
     }
     match send_body(conn, &mut body, encoder, wbuf).await {
         Ok(()) => {}
-        Err(()) => return Next::Close,
+        Err(()) => return Next::Abort,
     }
     if last || encoder == Encoder::Close {
         return Next::Close;
@@ -1034,6 +1037,32 @@ async fn send_body(
         write_all(conn, wbuf, &[]).await.map_err(drop)?;
     }
     flush(conn).await.map_err(drop)
+}
+
+/// Ends a connection whose response was cut, so that the client cannot take it for a complete
+/// one: a response without framing (HTTP/1.0, or a backend's close-delimited body) ends at the
+/// close, and a FIN after the bytes that came would read as its end. TCP sends RST instead
+/// (linger zero), TLS no close_notify (a TLS client reads that as truncation).
+pub fn abort(conn: &Mutex<Conn>) {
+    use crate::gateway::idle::Watched;
+    use crate::gateway::sni::Prefixed;
+    use tokio::net::TcpStream;
+    let io = lock(conn).io.take();
+    if let Some(io) = io {
+        // The client connections served here: plain TCP, or TLS over the stream the
+        // ClientHello was read from (see `gateway::serve_tls`).
+        let io: &dyn std::any::Any = &*io;
+        let tcp = io
+            .downcast_ref::<Watched<TcpStream>>()
+            .map(|w| &w.io)
+            .or_else(|| {
+                io.downcast_ref::<Watched<tokio_rustls::server::TlsStream<Prefixed<TcpStream>>>>()
+                    .map(|w| w.io.get_ref().0.get_ref())
+            });
+        if let Some(tcp) = tcp {
+            let _ = tcp.set_zero_linger();
+        }
+    }
 }
 
 /// Ends the connection: TLS says close_notify, TCP sends its FIN (bounded: the client may not

@@ -185,6 +185,10 @@ async fn serve_h1(info: &Arc<ConnInfo>, conn: &Arc<Mutex<front::Conn>>, activity
         match front::respond(conn, exchange, resp, raw, shutting_down).await {
             front::Next::KeepAlive => {}
             front::Next::Close => break,
+            front::Next::Abort => {
+                front::abort(conn);
+                return;
+            }
             front::Next::Gone => return,
         }
     }
@@ -440,18 +444,10 @@ async fn route(
             full(StatusCode::BAD_REQUEST, "no Host header"),
         ));
     }
-    // RFC 9113 §8.3.1: an HTTP/2 request whose Host names another entity than its
-    // :authority is malformed. Routing takes :authority; a backend or a log reading Host
-    // would see another host than the one routed on.
-    if req.version() == Version::HTTP_2
-        && let (Some(a), Some(h)) = (authority, host_header)
-        && !h.as_bytes().eq_ignore_ascii_case(a.as_str().as_bytes())
-    {
-        return Err((
-            Unrouted::Invalid,
-            full(StatusCode::BAD_REQUEST, "Host differs from :authority"),
-        ));
-    }
+    // RFC 9113 §8.3.1 lets a server refuse an HTTP/2 request whose Host names another host
+    // than :authority (SHOULD). It is served: routing takes :authority, and the backend gets
+    // that host as Host, so nothing reads the other one; clients that set both (hyper's, a
+    // Host header added by hand) keep working.
     // RFC 9110 §4.2.4: userinfo in an http(s) URI is an error; in a Host header it is not even
     // valid syntax (RFC 9112 §3.2). Either would let the host routed on differ from the one a
     // backend reads.

@@ -157,6 +157,11 @@ impl<S> Prefixed<S> {
             inner,
         }
     }
+
+    /// The stream read after the prefix.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
