@@ -657,6 +657,11 @@ pub fn statuses(
                 let operational = match (up, reach.link_errors.get(name)) {
                     (Some(_), _) => Cond::ready("Operational"),
                     (None, Some(why)) => Cond::error("Operational", why),
+                    // Offline (`status --config`): nothing was dialled, so nothing is known.
+                    (None, None) if reach.site_id.is_none() => Cond::pending(
+                        "Operational",
+                        "Not operational (offline status dials no link: keyway status --admin asks the running site)",
+                    ),
                     (None, None) => Cond::pending("Operational", "Not operational"),
                 };
                 let mut v = ready_from(vec![configured(key), operational], generation, now);

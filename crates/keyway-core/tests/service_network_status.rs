@@ -591,6 +591,14 @@ fn site_and_link_status() {
     let link = status_of(&st, Kind::Link, "to-east");
     assert_eq!(cond(link, "Operational")["status"], "False");
     assert!(link.get("remoteSiteName").is_none());
+    // Offline nothing is dialled: pending, saying so, not an error.
+    assert_eq!(link["status"], "Pending", "{link}");
+    assert!(
+        link["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("offline")),
+        "{link}"
+    );
     let site = status_of(&st, Kind::Site, "west");
     assert_eq!(site["sitesInNetwork"], 1);
     assert_eq!(site["network"][0]["name"], "west");
@@ -604,6 +612,15 @@ fn site_and_link_status() {
         name: Some("east".into()),
         ..Default::default()
     });
+    // A running site whose link is down for a known reason: an error, with it.
+    let mut down = Reachability::offline(&service_network::resolve(&index));
+    down.site_id = Some("w1".into());
+    down.link_errors
+        .insert("to-east".into(), "TLS handshake failed: …".into());
+    let (_, st) = statuses(&index, Some(down));
+    let link = status_of(&st, Kind::Link, "to-east");
+    assert_eq!(link["status"], "Error", "{link}");
+    assert_eq!(link["message"], "TLS handshake failed: …", "{link}");
     let (_, st) = statuses(&index, Some(reach));
     let link = status_of(&st, Kind::Link, "to-east");
     assert_eq!(cond(link, "Operational")["status"], "True");
