@@ -662,7 +662,7 @@ pub fn statuses(
                         "Operational",
                         "Not operational (offline status dials no link: keyway status --admin asks the running site)",
                     ),
-                    (None, None) => Cond::pending("Operational", "Not operational"),
+                    (None, None) => Cond::pending("Operational", "connecting"),
                 };
                 let mut v = ready_from(vec![configured(key), operational], generation, now);
                 if let Some(remote) = up {

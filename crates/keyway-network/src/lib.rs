@@ -46,6 +46,9 @@ pub const H_SITE: &str = "keyway-site";
 pub const H_HOPS: &str = "keyway-hops";
 /// Response header saying why a CONNECT failed.
 pub const H_ERROR: &str = "keyway-error";
+/// Response header of a relayed refusal that came from the destination site (or a site
+/// past the relay that said the same): no other path would do better, so none is tried.
+pub const H_FINAL: &str = "keyway-final";
 /// Most sites a stream may cross (guards against loops while routes converge).
 pub const MAX_HOPS: u8 = 32;
 
@@ -422,7 +425,8 @@ impl Network {
                     let ls = st.link_state.entry(name.clone()).or_default();
                     if !replaced {
                         ls.up.clear();
-                        ls.error = Some("connecting".into());
+                        // Connecting: no attempt has answered yet, so no reason to give.
+                        ls.error = None;
                     }
                     let cost = Arc::new(AtomicU64::new(link.cost));
                     let generation = st.next_link_generation;
@@ -1068,7 +1072,9 @@ impl RemoteDialer for Dialer {
     fn dial<'a>(&'a self, site: &'a str, key: &'a str) -> DialFuture<'a> {
         Box::pin(async move {
             let inner = self.0.upgrade().ok_or("network stopped")?;
-            session::open_stream(&inner, site, key, MAX_HOPS).await
+            session::open_stream(&inner, site, key, MAX_HOPS)
+                .await
+                .map_err(|e| e.why)
         })
     }
 }

@@ -23,8 +23,8 @@ use crate::handshake;
 use crate::protocol::{Decoder, Message, VERSION};
 use crate::stream::H2Stream;
 use crate::{
-    ALPN_FORWARD, ALPN_REVERSE, AbortOnDrop, CONTROL_PATH, Conn, H_ERROR, H_HOPS, H_KEY, H_SITE,
-    Inner, NetError, StreamCount, boxed, lock,
+    ALPN_FORWARD, ALPN_REVERSE, AbortOnDrop, CONTROL_PATH, Conn, H_ERROR, H_FINAL, H_HOPS, H_KEY,
+    H_SITE, Inner, NetError, StreamCount, boxed, lock,
 };
 
 /// HTTP/2 flow control for tunnels: 4 MiB per stream, 64 MiB per connection. Unequal on
@@ -829,7 +829,20 @@ async fn serve_stream(
         }
         match open_stream(&inner, &site, &key, hops - 1).await {
             Ok(io) => Upstream::Remote(io),
-            Err(e) => return refuse(respond, StatusCode::BAD_GATEWAY, &e),
+            Err(e) => {
+                let mut resp = Response::new(());
+                *resp.status_mut() = StatusCode::BAD_GATEWAY;
+                if let Ok(v) = HeaderValue::from_str(&e.why) {
+                    resp.headers_mut().insert(H_ERROR, v);
+                }
+                // The destination's own refusal, passed on: the origin tries no other path.
+                if e.at_destination {
+                    resp.headers_mut()
+                        .insert(H_FINAL, HeaderValue::from_static("1"));
+                }
+                let _ = respond.send_response(resp, true);
+                return;
+            }
         }
     };
     let send = match respond.send_response(Response::new(()), false) {
@@ -855,7 +868,7 @@ pub(crate) async fn open_stream(
     site: &str,
     key: &str,
     hops: u8,
-) -> Result<BoxTunnel, String> {
+) -> Result<BoxTunnel, StreamError> {
     let deadline = tokio::time::Instant::now() + STREAM_SETUP_TIMEOUT;
     let mut avoid: Vec<String> = Vec::new();
     let mut failed: Option<String> = None;
@@ -863,11 +876,24 @@ pub(crate) async fn open_stream(
         let conn = match inner.next_hop(site, &avoid) {
             Ok(conn) => conn,
             // No other path: the last failure says why.
-            Err(e) => return Err(failed.unwrap_or(e)),
+            Err(e) => {
+                return Err(StreamError {
+                    why: failed.unwrap_or(e),
+                    at_destination: false,
+                });
+            }
         };
         match try_stream(&conn, site, key, hops, deadline).await {
             Ok(stream) => return Ok(stream),
-            Err(Failed::Final(why)) => return Err(why),
+            Err(Failed::Final {
+                why,
+                at_destination,
+            }) => {
+                return Err(StreamError {
+                    why,
+                    at_destination,
+                });
+            }
             Err(Failed::Path(why)) => {
                 tracing::debug!(routing_key = key, %site, via = %conn.peer, "{why}; looking for another path");
                 avoid.push(conn.peer.clone());
@@ -877,13 +903,22 @@ pub(crate) async fn open_stream(
     }
 }
 
+/// Why [`open_stream`] failed.
+pub(crate) struct StreamError {
+    pub why: String,
+    /// The destination site refused (no target of the key could be reached there): a relay
+    /// passes that on as final (see [`H_FINAL`]).
+    pub at_destination: bool,
+}
+
 /// Why one attempt of [`open_stream`] failed.
 enum Failed {
     /// Over this next hop: another path may do (the link failed, or the next hop, not the
     /// destination, refused).
     Path(String),
-    /// The destination refused, or the time is up: no other path would do better.
-    Final(String),
+    /// The destination refused (`at_destination`), or the time is up: no other path would do
+    /// better.
+    Final { why: String, at_destination: bool },
 }
 
 /// One attempt of [`open_stream`] over `conn`, answered by `deadline`.
@@ -906,7 +941,10 @@ async fn try_stream(
         .header(H_SITE, crate::protocol::header_encode(site))
         .header(H_HOPS, hops.to_string())
         .body(())
-        .map_err(|e| Failed::Final(format!("routing key {key}: {e}")))?;
+        .map_err(|e| Failed::Final {
+            why: format!("routing key {key}: {e}"),
+            at_destination: false,
+        })?;
     let (resp, send): (_, SendStream<Bytes>) =
         sender.send_request(req, false).map_err(link_failed)?;
     let count = StreamCount::new(&conn.streams);
@@ -914,25 +952,16 @@ async fn try_stream(
     // dropping the request resets the stream there too.
     let resp = tokio::time::timeout_at(deadline, resp)
         .await
-        .map_err(|_| {
-            Failed::Final(format!(
+        .map_err(|_| Failed::Final {
+            why: format!(
                 "link to {}: no answer within {STREAM_SETUP_TIMEOUT:?}",
                 conn.peer
-            ))
+            ),
+            at_destination: false,
         })?
         .map_err(link_failed)?;
     if resp.status() != StatusCode::OK {
-        let why = resp
-            .headers()
-            .get(H_ERROR)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("refused");
-        let why = format!("site {site}: {why} ({})", resp.status());
-        return Err(if conn.peer == site {
-            Failed::Final(why)
-        } else {
-            Failed::Path(why)
-        });
+        return Err(refusal(&conn.peer, site, resp.status(), resp.headers()));
     }
     Ok(boxed(H2Stream::new(
         send,
@@ -940,6 +969,71 @@ async fn try_stream(
         Some(Box::new(count)),
         conn.metrics.clone(),
     )))
+}
+
+/// What a refusal from next hop `peer` of a stream to `site` means: the destination's answer,
+/// straight or passed on by a relay ([`H_FINAL`]), is final; a relay's own (no route on from
+/// there, its link on failed) is this path's, and another may do.
+fn refusal(peer: &str, site: &str, status: StatusCode, headers: &http::HeaderMap) -> Failed {
+    let why = headers
+        .get(H_ERROR)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("refused");
+    if peer == site {
+        Failed::Final {
+            why: format!("site {site}: {why} ({status})"),
+            at_destination: true,
+        }
+    } else if headers.contains_key(H_FINAL) {
+        Failed::Final {
+            why: why.to_string(),
+            at_destination: true,
+        }
+    } else {
+        Failed::Path(format!("via site {peer}: {why} ({status})"))
+    }
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> http::HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    http::HeaderName::from_static(k),
+                    HeaderValue::from_static(v),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn only_a_relays_own_refusal_is_worth_another_path() {
+        let refused = headers(&[(
+            H_ERROR,
+            "site c: connect to 127.0.0.1:9: refused (502 Bad Gateway)",
+        )]);
+        // From the destination itself: final.
+        assert!(matches!(
+            refusal("c", "c", StatusCode::BAD_GATEWAY, &headers(&[(H_ERROR, "connect refused")])),
+            Failed::Final { at_destination: true, why } if why == "site c: connect refused (502 Bad Gateway)"
+        ));
+        // Passed on by relay b, marked final: final, and its text not wrapped again.
+        let mut passed = refused.clone();
+        passed.insert(H_FINAL, HeaderValue::from_static("1"));
+        assert!(matches!(
+            refusal("b", "c", StatusCode::BAD_GATEWAY, &passed),
+            Failed::Final { at_destination: true, why } if why.starts_with("site c: connect")
+        ));
+        // b's own trouble (no route on): another path may do.
+        assert!(matches!(
+            refusal("b", "c", StatusCode::BAD_GATEWAY, &headers(&[(H_ERROR, "no route to site c")])),
+            Failed::Path(why) if why == "via site b: no route to site c (502 Bad Gateway)"
+        ));
+    }
 }
 
 #[cfg(test)]
