@@ -421,6 +421,9 @@ impl RouteResult {
     /// listener), while a route refused for what it is itself (a conflict with other routes,
     /// no valid rule) is not counted.
     fn counts_at(&self, at: (usize, usize), lost: Option<&Vec<(usize, usize)>>) -> bool {
+        // No valid rule: refused for what it is, wherever it attached.
+        let all_invalid =
+            self.rin.rule_count > 0 && self.rin.invalid_rules.len() == self.rin.rule_count;
         self.parents
             .iter()
             .zip(&self.reach)
@@ -428,7 +431,7 @@ impl RouteResult {
             .any(|((p, reach), live)| {
                 let accepted = p.conditions.first().is_some_and(|c| c.status);
                 // Attached, and not accepted only because none of its listeners is.
-                let only_listeners_lost = live.is_empty() && !reach.is_empty();
+                let only_listeners_lost = live.is_empty() && !reach.is_empty() && !all_invalid;
                 reach.contains(&at) && (accepted || only_listeners_lost) && !beaten(live, lost)
             })
     }

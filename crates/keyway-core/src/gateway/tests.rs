@@ -2293,6 +2293,15 @@ fn a_route_attached_only_to_a_losing_listener_counts_there() {
         no("NoMatchingParent")
     );
     assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 1);
+    // A route with no valid rule is refused for itself: it counts nowhere, a losing listener
+    // included.
+    let invalid = y.replace(
+        "  - backendRefs: [{name: app, port: 80}]\n",
+        "  - backendRefs: [{name: app, port: 80}]\n    filters: [{type: ExtensionRef, extensionRef: {group: auth.example, kind: Policy, name: p}}]\n",
+    );
+    assert_ne!(invalid, y);
+    let r = resolve(&index_of(&invalid), &now());
+    assert_eq!(listener(&r, LS, "team-a", "ls", "dup")["attachedRoutes"], 0);
 }
 
 /// A route accepted through one listener of a parent counts on every listener of it that it
