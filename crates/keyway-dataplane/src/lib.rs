@@ -490,12 +490,17 @@ impl DataPlane {
         let Ok(listeners) = self.listeners.lock() else {
             return;
         };
-        for h in listeners.values() {
-            let open = h.accepting();
-            let label = h.runtime.load().label.clone();
-            self.shared
-                .metrics
-                .listener_open
+        let now: Vec<(String, bool)> = listeners
+            .values()
+            .map(|h| (h.runtime.load().label.clone(), h.accepting()))
+            .collect();
+        drop(listeners);
+        // Rebuilt whole: a listener dropped on any path (deleted, or refused on an edit) has
+        // no series left.
+        let family = &self.shared.metrics.listener_open;
+        family.clear();
+        for (label, open) in now {
+            family
                 .get_or_create(&Metrics::listener_labels(&label))
                 .set(i64::from(open));
         }

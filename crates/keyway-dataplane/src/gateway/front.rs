@@ -1016,6 +1016,9 @@ async fn send_body(
                     break;
                 }
             }
+            // Every byte its length promised is out: what failed after that (an HTTP/2
+            // backend's end of stream coming late) cuts nothing.
+            Some(Err(_)) if matches!(encoder, Encoder::Length(_)) && left == Some(0) => break,
             Some(Err(e)) => {
                 tracing::debug!("response body failed: {e}");
                 // What went out stays cut: the client sees the response aborted.
