@@ -127,8 +127,16 @@ fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
 /// that a granting site can tell the site itself from another one of its name.
 pub const SITE_ID_FILE: &str = "site-id";
 
-/// The id of the site that last ran on `dir` (not necessarily running now).
-pub fn site_id(dir: &Path) -> Option<String> {
+/// The id of the site running on `dir` now: none when no `keyway run` holds its lock (the
+/// site stopped, or the directory is a copy, whose id belongs to another process).
+pub fn running_site_id(dir: &Path) -> Option<String> {
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(".lock"))
+        .ok()?;
+    if !matches!(lock.try_lock(), Err(std::fs::TryLockError::WouldBlock)) {
+        return None;
+    }
     let id = std::fs::read_to_string(dir.join(SITE_ID_FILE)).ok()?;
     Some(id.trim().to_string()).filter(|id| !id.is_empty())
 }

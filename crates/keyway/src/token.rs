@@ -276,7 +276,7 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         code: token.spec.code.clone(),
         site: site.clone(),
         // Proves it is this site, where it runs, should the granting site see its name live.
-        site_id: crate::state::site_id(&cli::default_state_dir(config)),
+        site_id: crate::state::running_site_id(&cli::default_state_dir(config)),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

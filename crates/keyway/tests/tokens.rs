@@ -182,8 +182,25 @@ fn issue_then_redeem_links_the_sites_and_carries_traffic() {
     assert!(!twin.join("link-to-west-2.yaml").exists());
     let grant = west.status_of("AccessGrant", "to-west-2").expect("grant");
     assert_eq!(grant["redemptions"], 0, "{grant}");
-    // east itself, running, may: a second link between two linked sites (its id, from its
-    // state directory, is the one the network knows it by).
+    // A copy of east's config directory (state and its site id included) is not east: no
+    // process holds that state, so no id is sent, and it is refused too.
+    let copy = west.dir.join("east-copy");
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg(east.config_dir())
+        .arg(&copy)
+        .status()
+        .expect("cp");
+    assert!(copied.success());
+    let out = redeem(&second, &copy, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("a site named east is already in the network"),
+        "{}",
+        text(&out)
+    );
+    // east itself, running, may: a second link between two linked sites (its id, from the
+    // state directory it holds, is the one the network knows it by).
     let out = redeem(&second, &east.config_dir(), &[]);
     assert!(out.status.success(), "east's second link: {}", text(&out));
     assert!(
