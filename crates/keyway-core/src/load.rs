@@ -504,11 +504,22 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         }
         _ => None,
     };
+    // Keys the errors already name (a misspelt required field) are not looked up again.
+    let named: Vec<&String> = parsed
+        .as_ref()
+        .err()
+        .map(|(path, _)| path)
+        .into_iter()
+        .chain(also_missing.iter().map(|(path, _)| path))
+        .collect();
     let mut unknown = Vec::new();
     for path in ignored
         .iter()
         .filter(|p| *p != "apiVersion" && *p != "kind")
     {
+        if named.contains(&path) {
+            continue;
+        }
         if unknown_upstream.as_ref().is_some_and(|u| !u.contains(path)) {
             load.warnings.push(err(
                 path,
@@ -528,16 +539,9 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         && parsed
             .as_ref()
             .is_err_and(|(path, _)| path == "spec" || path.starts_with("spec."));
-    let failed_at: Vec<&String> = parsed
-        .as_ref()
-        .err()
-        .map(|(path, _)| path)
-        .into_iter()
-        .chain(also_missing.iter().map(|(path, _)| path))
-        .collect();
     let unknown: Vec<DocOutcome> = unknown
         .iter()
-        .filter(|p| !failed_at.contains(p))
+        .filter(|p| !named.contains(p))
         .map(|p| {
             let message = if spec_slip.as_ref() == Some(p) {
                 "unknown field: is it a misspelling of `spec`?".into()

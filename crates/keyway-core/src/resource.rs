@@ -285,10 +285,13 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
             let mut also = Vec::new();
             // "missing field `port`" at `spec` reads better as "port is required" at `spec.port`.
             if let Some(missing) = missing_field(&path, &message) {
-                also = other_missing_fields::<T>(&input, &missing)
-                    .iter()
-                    .map(|p| required(p, &ignored))
-                    .collect();
+                let (more, more_ignored) = other_missing_fields::<T>(&input, &missing);
+                for p in more_ignored {
+                    if !ignored.contains(&p) {
+                        ignored.push(p);
+                    }
+                }
+                also = more.iter().map(|p| required(p, &ignored)).collect();
                 (path, message) = required(&missing, &ignored);
             }
             Err(PathError {
@@ -337,7 +340,10 @@ fn missing_field(at: &str, message: &str) -> Option<String> {
 /// stand-in of some type (and the stand-in's own required fields, unreported, likewise) until
 /// the document converts or fails for another reason. Bounded: a few dozen conversions of a
 /// document that failed anyway.
-fn other_missing_fields<T: serde::de::DeserializeOwned>(input: &Value, first: &str) -> Vec<String> {
+fn other_missing_fields<T: serde::de::DeserializeOwned>(
+    input: &Value,
+    first: &str,
+) -> (Vec<String>, Vec<String>) {
     const STAND_INS: [fn() -> Value; 5] = [
         || Value::String("x".into()),
         || Value::from(1),
@@ -345,34 +351,47 @@ fn other_missing_fields<T: serde::de::DeserializeOwned>(input: &Value, first: &s
         || Value::Object(Default::default()),
         || Value::Bool(true),
     ];
-    /// A stand-in at `path`, as the `tried`-th of [`STAND_INS`].
+    /// A stand-in at `path`, as the `tried`-th of [`STAND_INS`] (or, for an enum, the first
+    /// variant its error named).
     struct Hole {
         path: String,
         tried: usize,
+        variant_tried: bool,
     }
+    let hole = |path: String| Hole {
+        path,
+        tried: 0,
+        variant_tried: false,
+    };
     let within = |p: &str, hole: &str| {
         p == hole
             || p.strip_prefix(hole)
                 .is_some_and(|rest| rest.starts_with('.') || rest.starts_with('['))
     };
     let mut value = input.clone();
-    let mut holes = vec![Hole {
-        path: first.to_string(),
-        tried: 0,
-    }];
+    let mut holes = vec![hole(first.to_string())];
     let mut found = Vec::new();
+    // Unknown keys met past the first error (each pass gets further into the document).
+    let mut ignored = Vec::new();
     if !set_at(&mut value, first, STAND_INS[0]()) {
-        return found;
+        return (found, ignored);
     }
     for _ in 0..48 {
         let mut track = serde_path_to_error::Track::new();
         let de = serde_path_to_error::Deserializer::new(value.clone(), &mut track);
-        let Err(err) = T::deserialize(de) else {
+        let result: Result<T, _> = serde_ignored::deserialize(de, |path| {
+            let path = path_text(&path);
+            if !ignored.contains(&path) {
+                ignored.push(path);
+            }
+        });
+        let Err(err) = result else {
             break;
         };
         let at = track.path().to_string();
         let at = if at == "." { String::new() } else { at };
-        let missing = missing_field(&at, &tidy_serde_message(&err.to_string()));
+        let message = tidy_serde_message(&err.to_string());
+        let missing = missing_field(&at, &message);
         let failed = missing.clone().unwrap_or(at);
         match holes.iter().rposition(|h| within(&failed, &h.path)) {
             // A field the stand-in itself lacks: filled in turn, not reported.
@@ -381,22 +400,32 @@ fn other_missing_fields<T: serde::de::DeserializeOwned>(input: &Value, first: &s
                     .as_deref()
                     .is_some_and(|m| holes.iter().all(|h| h.path != m)) =>
             {
-                let path = failed;
-                if !set_at(&mut value, &path, STAND_INS[0]()) {
+                if !set_at(&mut value, &failed, STAND_INS[0]()) {
                     break;
                 }
-                holes.push(Hole { path, tried: 0 });
+                holes.push(hole(failed));
             }
-            // The stand-in has the wrong type: the next one, without what was filled in it.
+            // The stand-in has the wrong type: an enum's first variant when that is what the
+            // error asks for, else the next stand-in, without what was filled in it.
             Some(i) => {
-                let hole = &mut holes[i];
-                hole.tried += 1;
-                let Some(next) = STAND_INS.get(hole.tried) else {
-                    break;
+                let path = holes[i].path.clone();
+                let variant =
+                    first_variant(&message).filter(|_| failed == path && !holes[i].variant_tried);
+                let next = match variant {
+                    Some(v) => {
+                        holes[i].variant_tried = true;
+                        Value::String(v)
+                    }
+                    None => {
+                        holes[i].tried += 1;
+                        let Some(next) = STAND_INS.get(holes[i].tried) else {
+                            break;
+                        };
+                        next()
+                    }
                 };
-                let path = hole.path.clone();
                 holes.retain(|h| h.path == path || !within(&h.path, &path));
-                if !set_at(&mut value, &path, next()) {
+                if !set_at(&mut value, &path, next) {
                     break;
                 }
             }
@@ -406,14 +435,23 @@ fn other_missing_fields<T: serde::de::DeserializeOwned>(input: &Value, first: &s
                         break;
                     }
                     found.push(path.clone());
-                    holes.push(Hole { path, tried: 0 });
+                    holes.push(hole(path));
                 }
                 // Another kind of error: what the user sees once these are fixed.
                 None => break,
             },
         }
     }
-    found
+    (found, ignored)
+}
+
+/// The first variant an "unknown variant `x`, expected one of `A`, `B`" error names.
+fn first_variant(message: &str) -> Option<String> {
+    let rest = message.split_once("unknown variant")?.1;
+    let expected = rest.split_once("expected")?.1;
+    let start = expected.find('`')? + 1;
+    let len = expected[start..].find('`')?;
+    Some(expected[start..start + len].to_string())
 }
 
 /// Sets the field at `path` (`spec.listeners[0].port`) of `value`, making the objects on the

@@ -186,7 +186,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
         if let Some(path) = emptied
             && started.elapsed() < SETTLE
         {
-            tracing::debug!(file = %path.display(), "a file was emptied just now: waiting for its content");
+            tracing::debug!(path = %path.display(), "emptied just now: waiting for its content");
             std::thread::sleep(SETTLE_POLL);
             continue;
         }

@@ -1493,6 +1493,18 @@ fn every_problem_of_a_rejected_document_is_listed() {
         "{}",
         text(&out.stdout)
     );
+    // Past a missing enum field (a filter's `type`), and a misspelling in a later item.
+    validate_lists(
+        &dir,
+        "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {name: r}\nspec:\n  rules:\n  - matches:\n    - headers:\n      - value: x\n    filters:\n    - requestHeaderModifier: {}\n    backendRefs:\n    - port: 80\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: g}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - nmae: a\n    port: 80\n    protocol: HTTP\n  - name: b\n    protocol: HTTP\n    prot: 81\n",
+        &[
+            "mkl.yaml:8: spec.rules[0].matches[0].headers[0].name: name is required",
+            "mkl.yaml:10: spec.rules[0].filters[0].type: type is required",
+            "mkl.yaml:12: spec.rules[0].backendRefs[0].name: name is required",
+            "mkl.yaml:20: spec.listeners[0].nmae: name is required (is `nmae` a misspelling of it?)",
+            "mkl.yaml:25: spec.listeners[1].prot: port is required (is `prot` a misspelling of it?)",
+        ],
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
