@@ -785,3 +785,52 @@ fn site_status(
     v["network"] = serde_json::to_value(&network).unwrap_or(Value::Null);
     v
 }
+
+/// Objects whose TLS Secret runs on its last valid version, because the Secret's latest edit
+/// was rejected, say so in their message: nothing else shows it before a restart, when the
+/// Secret would have no valid version at all (SPEC §7: bad input loses nothing running, and
+/// says so). `errors`: the config errors of the objects' reconcile.
+pub fn note_rejected_secrets(
+    statuses: &mut BTreeMap<ObjectKey, Value>,
+    index: &Index,
+    errors: &[ConfigError],
+) {
+    // Each Secret's first error (a document with several problems has one per field).
+    let mut rejected: BTreeMap<&ObjectKey, String> = BTreeMap::new();
+    for e in errors {
+        if let Some(key) = e.object.as_ref()
+            && key.kind == Kind::Secret
+            && index.get(key).is_some()
+        {
+            rejected.entry(key).or_insert_with(|| e.origin.to_string());
+        }
+    }
+    if rejected.is_empty() {
+        return;
+    }
+    for (key, status) in statuses.iter_mut() {
+        let Some(obj) = index.get(key) else {
+            continue;
+        };
+        let secret = match &obj.resource {
+            Resource::Listener(l) => l.spec.tls_credentials.as_deref(),
+            Resource::Connector(c) => c.spec.tls_credentials.as_deref(),
+            Resource::MultiKeyListener(m) => m.spec.tls_credentials.as_deref(),
+            Resource::Link(l) => l.spec.tls_credentials.as_deref(),
+            Resource::RouterAccess(r) => Some(r.spec.tls_credentials.as_str()),
+            _ => None,
+        };
+        let Some(secret) = secret else {
+            continue;
+        };
+        let secret_key = ObjectKey::new(Kind::Secret, &key.namespace, secret);
+        let Some(at) = rejected.get(&secret_key) else {
+            continue;
+        };
+        let message = status.get("message").and_then(Value::as_str).unwrap_or("");
+        status["message"] = Value::from(format!(
+            "{message}; Secret {}/{secret}: its latest edit is rejected (see the error at {at}), so its last valid version is in use until it is fixed (a restart would find none)",
+            key.namespace
+        ));
+    }
+}

@@ -788,3 +788,43 @@ fn a_listener_certificate_that_has_expired_is_held() {
     let untimed = service_network::resolve(&index);
     assert!(untimed.plan.listeners.iter().any(|l| l.id == id));
 }
+
+/// A Secret whose latest edit was rejected runs on its last valid version: the Link using it
+/// says so (nothing else would show it before a restart finds no valid version).
+#[test]
+fn a_rejected_secret_edit_shows_on_the_objects_using_it() {
+    let yaml = format!(
+        "{LINK_SECRET}---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  tlsCredentials: link-tls\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: 55671\n"
+    );
+    let index = index_of(&yaml);
+    let (_, mut st) = statuses(&index, None);
+    let secret = ObjectKey::new(Kind::Secret, "default", "link-tls");
+    let rejected = keyway_core::ConfigError {
+        origin: keyway_core::Origin {
+            file: "link.yaml".into(),
+            line: 7,
+        },
+        path: "stringData.tls.crt".into(),
+        message: "malformed PEM".into(),
+        object: Some(secret),
+    };
+    // An error naming another object changes nothing.
+    let other = keyway_core::ConfigError {
+        object: Some(ObjectKey::new(Kind::Secret, "default", "other")),
+        ..rejected.clone()
+    };
+    service_network::note_rejected_secrets(&mut st, &index, &[other]);
+    let message = status_of(&st, Kind::Link, "to-east")["message"].clone();
+    assert!(
+        !message.as_str().unwrap_or_default().contains("rejected"),
+        "{message}"
+    );
+    service_network::note_rejected_secrets(&mut st, &index, &[rejected]);
+    let link = status_of(&st, Kind::Link, "to-east");
+    assert!(
+        link["message"].as_str().is_some_and(|m| m.contains(
+            "Secret default/link-tls: its latest edit is rejected (see the error at link.yaml:7)"
+        )),
+        "{link}"
+    );
+}
