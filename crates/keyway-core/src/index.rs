@@ -15,6 +15,8 @@ pub struct Index {
     /// Objects with no version in force whose document was rejected, with where: a reference
     /// to one says it is not valid rather than not found.
     rejected: BTreeMap<ObjectKey, Origin>,
+    /// Objects in force whose latest document was rejected (see [`Index::rejected_edit`]).
+    rejected_edits: BTreeMap<ObjectKey, Origin>,
 }
 
 impl Index {
@@ -60,9 +62,21 @@ impl Index {
         self.objects.values().filter(move |o| o.key.kind == kind)
     }
 
-    /// Records the objects whose document was rejected and that have no version in force.
-    pub fn set_rejected(&mut self, rejected: BTreeMap<ObjectKey, Origin>) {
+    /// Records the objects whose document was rejected: those with no version in force, and
+    /// those whose last valid version stays in force (`edits`).
+    pub fn set_rejected(
+        &mut self,
+        rejected: BTreeMap<ObjectKey, Origin>,
+        edits: BTreeMap<ObjectKey, Origin>,
+    ) {
         self.rejected = rejected;
+        self.rejected_edits = edits;
+    }
+
+    /// Where the rejected latest edit of an object in force is, if its last valid version
+    /// stands in for it.
+    pub fn rejected_edit(&self, key: &ObjectKey) -> Option<&Origin> {
+        self.rejected_edits.get(key)
     }
 
     /// Where the rejected document of an object not in force is, if it has one.

@@ -421,18 +421,21 @@ pub fn reconcile(
             out.changed.insert(key);
         }
     }
-    let mut not_in_force = BTreeMap::new();
+    // Each rejected object's first error: where its document is, for what refers to it.
+    let (mut not_in_force, mut in_force) = (BTreeMap::new(), BTreeMap::new());
     for e in &out.errors {
         if let Some(key) = &e.object
             && rejected.contains(key)
-            && index.get(key).is_none()
         {
-            not_in_force
-                .entry(key.clone())
-                .or_insert_with(|| e.origin.clone());
+            let into = if index.get(key).is_none() {
+                &mut not_in_force
+            } else {
+                &mut in_force
+            };
+            into.entry(key.clone()).or_insert_with(|| e.origin.clone());
         }
     }
-    index.set_rejected(not_in_force);
+    index.set_rejected(not_in_force, in_force);
     out.errors.sort();
     out.errors.dedup();
     out.warnings.sort();

@@ -789,25 +789,8 @@ fn site_status(
 /// Objects whose TLS Secret runs on its last valid version, because the Secret's latest edit
 /// was rejected, say so in their message: nothing else shows it before a restart, when the
 /// Secret would have no valid version at all (SPEC §7: bad input loses nothing running, and
-/// says so). `errors`: the config errors of the objects' reconcile.
-pub fn note_rejected_secrets(
-    statuses: &mut BTreeMap<ObjectKey, Value>,
-    index: &Index,
-    errors: &[ConfigError],
-) {
-    // Each Secret's first error (a document with several problems has one per field).
-    let mut rejected: BTreeMap<&ObjectKey, String> = BTreeMap::new();
-    for e in errors {
-        if let Some(key) = e.object.as_ref()
-            && key.kind == Kind::Secret
-            && index.get(key).is_some()
-        {
-            rejected.entry(key).or_insert_with(|| e.origin.to_string());
-        }
-    }
-    if rejected.is_empty() {
-        return;
-    }
+/// says so).
+pub fn note_rejected_secrets(statuses: &mut BTreeMap<ObjectKey, Value>, index: &Index) {
     for (key, status) in statuses.iter_mut() {
         let Some(obj) = index.get(key) else {
             continue;
@@ -823,8 +806,8 @@ pub fn note_rejected_secrets(
         let Some(secret) = secret else {
             continue;
         };
-        let secret_key = ObjectKey::new(Kind::Secret, &key.namespace, secret);
-        let Some(at) = rejected.get(&secret_key) else {
+        let Some(at) = index.rejected_edit(&ObjectKey::new(Kind::Secret, &key.namespace, secret))
+        else {
             continue;
         };
         let message = status.get("message").and_then(Value::as_str).unwrap_or("");

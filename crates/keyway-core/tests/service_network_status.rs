@@ -793,33 +793,45 @@ fn a_listener_certificate_that_has_expired_is_held() {
 /// says so (nothing else would show it before a restart finds no valid version).
 #[test]
 fn a_rejected_secret_edit_shows_on_the_objects_using_it() {
-    let yaml = format!(
-        "{LINK_SECRET}---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  tlsCredentials: link-tls\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: 55671\n"
+    let link = "apiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata:\n  name: to-east\nspec:\n  tlsCredentials: link-tls\n  endpoints:\n  - name: inter-router\n    host: east.example.com\n    port: 55671\n";
+    let other = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: other\nstringData:\n  a: b\n";
+    let (mut index, mut state) = (Index::default(), ObjectState::default());
+    let load = |index: &mut Index, state: &mut ObjectState, secret: &str, other: &str| {
+        let files = [
+            load_file(
+                "link.yaml",
+                &format!("# a Link and its Secret\n{secret}---\n{link}"),
+            ),
+            load_file("other.yaml", other),
+        ];
+        reconcile(index, state, &files, &now());
+    };
+    load(&mut index, &mut state, LINK_SECRET, other);
+    // An edit of another Secret rejected changes nothing.
+    load(
+        &mut index,
+        &mut state,
+        LINK_SECRET,
+        &other.replace("name: other", "name: other\n  labels: [x]"),
     );
-    let index = index_of(&yaml);
-    let (_, mut st) = statuses(&index, None);
-    let secret = ObjectKey::new(Kind::Secret, "default", "link-tls");
-    let rejected = keyway_core::ConfigError {
-        origin: keyway_core::Origin {
-            file: "link.yaml".into(),
-            line: 7,
-        },
-        path: "stringData.tls.crt".into(),
-        message: "malformed PEM".into(),
-        object: Some(secret),
-    };
-    // An error naming another object changes nothing.
-    let other = keyway_core::ConfigError {
-        object: Some(ObjectKey::new(Kind::Secret, "default", "other")),
-        ..rejected.clone()
-    };
-    service_network::note_rejected_secrets(&mut st, &index, &[other]);
+    let (_, st) = statuses(&index, None);
     let message = status_of(&st, Kind::Link, "to-east")["message"].clone();
+    let mut st = st;
+    service_network::note_rejected_secrets(&mut st, &index);
     assert!(
         !message.as_str().unwrap_or_default().contains("rejected"),
         "{message}"
     );
-    service_network::note_rejected_secrets(&mut st, &index, &[rejected]);
+    // The Link's own Secret edited to a malformed certificate: rejected, the last valid
+    // version in force, and the Link says where the error is.
+    load(
+        &mut index,
+        &mut state,
+        &LINK_SECRET.replacen("MIIBdDCC", "XXXXXXXX", 1),
+        other,
+    );
+    let (_, mut st) = statuses(&index, None);
+    service_network::note_rejected_secrets(&mut st, &index);
     let link = status_of(&st, Kind::Link, "to-east");
     assert!(
         link["message"].as_str().is_some_and(|m| m.contains(

@@ -404,11 +404,7 @@ impl Site {
         let now = cli::now();
         let mut statuses =
             service_network::statuses(&current.index, &current.resolution, &reach, &now);
-        service_network::note_rejected_secrets(
-            &mut statuses,
-            &current.index,
-            &current.reconciled.errors,
-        );
+        service_network::note_rejected_secrets(&mut statuses, &current.index);
         // A listener held at its last valid TLS (its Secret no longer resolves) that listens
         // says so, or its Error would read as down.
         for key in &current.resolution.plan.held {
