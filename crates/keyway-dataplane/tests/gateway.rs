@@ -223,6 +223,49 @@ async fn an_exact_route_hostname_goes_before_an_older_wildcard_one() {
     }
 }
 
+/// The best match across every route serving a host wins; a route's more specific hostname
+/// only breaks a tie between equal matches (upstream conformance
+/// `HTTPRouteMatchingAcrossRoutes`, its manifest and requests as written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matches_rank_across_routes_before_their_hostnames() {
+    let be = http_backend("be").await;
+    let port = free_port();
+    let named = |route: String, hosts: &str| {
+        route.replacen("spec:\n", &format!("spec:\n  hostnames: {hosts}\n"), 1)
+    };
+    let part1 = "[{path: {type: PathPrefix, value: /}}, {headers: [{name: version, value: one}]}]";
+    let part2 =
+        "[{path: {type: PathPrefix, value: /v2}}, {headers: [{name: version, value: two}]}]";
+    let routes = [
+        named(
+            http_route("matching-part1", 1, "", &tagged(part1, "v1", "svc")),
+            "[example.com, example.net]",
+        ),
+        named(
+            http_route("matching-part2", 2, "", &tagged(part2, "v2", "svc")),
+            "[\"*.com\"]",
+        ),
+    ]
+    .concat();
+    let listener = format!("  - {{name: http, port: {port}, protocol: HTTP}}\n");
+    let yaml = format!("{}{}{routes}", service("svc", be), gateway(&listener));
+    let _dp = start(&yaml, port).await;
+    let c = client();
+    for (host, path, headers, want) in [
+        ("example.com", "/", &[][..], "v1"),
+        ("example.com", "/example", &[], "v1"),
+        ("example.net", "/example", &[], "v1"),
+        ("example.com", "/example", &[("version", "one")], "v1"),
+        ("example.com", "/v2", &[], "v2"),
+        ("example.net", "/v2", &[], "v1"),
+        ("example.com", "/v2/example", &[], "v2"),
+        ("example.com", "/", &[("version", "two")], "v2"),
+    ] {
+        let r = send(&c, port, "GET", host, path, headers).await;
+        assert_eq!(r.header("x-rule"), Some(want), "{host}{path} {headers:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn match_precedence() {
     let be = http_backend("be").await;

@@ -48,7 +48,7 @@ use tokio::sync::watch;
 
 use crate::workers::{self, AcceptGroup, Workers};
 use crate::{ConnectionTracker, Shared};
-use route_match::{Entry, RouteHosts, Table, host_rank};
+use route_match::{Entry, HostPrecedence, RouteHosts, Table, host_rank};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -1076,7 +1076,7 @@ impl Gateways {
                             metrics: metrics.clone(),
                         });
                     }
-                    hostnames.push(hosts(route));
+                    hostnames.push((hosts(route), HostPrecedence::BreaksTies));
                     rules.push(compiled);
                 }
                 RouteRules::Grpc(rs) => {
@@ -1100,7 +1100,7 @@ impl Gateways {
                             metrics: metrics.clone(),
                         });
                     }
-                    hostnames.push(hosts(route));
+                    hostnames.push((hosts(route), HostPrecedence::First));
                     rules.push(compiled);
                 }
                 RouteRules::Tls(rs) | RouteRules::Tcp(rs) => {

@@ -433,37 +433,93 @@ pub struct Entry {
     pub m: Match,
 }
 
+/// How a route's hostnames weigh against its matches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostPrecedence {
+    /// HTTPRoute: matches are ranked across all routes serving the host first; the more
+    /// specific hostname only breaks a tie between equal matches, before the routes' ages
+    /// (HTTPRouteRule.matches; conformance `HTTPRouteMatchingAcrossRoutes` and
+    /// `HTTPRouteMultipleRoutesAttachmentSameHostnameIntersection`).
+    BreaksTies,
+    /// GRPCRoute: the more specific hostname goes first, then the match (GRPCRouteRule.matches).
+    First,
+}
+
 /// All matches of a listener's routes, best first.
 #[derive(Clone, Debug, Default)]
 pub struct Table {
-    /// Per route: its hostnames on this listener.
-    pub hostnames: Vec<RouteHosts>,
+    /// Per route: its hostnames on this listener, and how they weigh.
+    pub hostnames: Vec<(RouteHosts, HostPrecedence)>,
     pub entries: Vec<Entry>,
+    /// Per entry: its match's place in the precedence order (equal matches share one).
+    tiers: Vec<usize>,
 }
 
 impl Table {
-    pub fn new(hostnames: Vec<RouteHosts>, mut entries: Vec<Entry>) -> Table {
+    pub fn new(hostnames: Vec<(RouteHosts, HostPrecedence)>, mut entries: Vec<Entry>) -> Table {
         entries.sort_by_cached_key(|e| Reverse((e.m.rank(), Reverse(e.route), Reverse(e.rule))));
-        Table { hostnames, entries }
+        let mut tiers = Vec::with_capacity(entries.len());
+        let mut last = None;
+        for e in &entries {
+            let rank = e.m.rank();
+            let tier = match (last, tiers.last()) {
+                (Some(r), Some(&t)) if r == rank => t,
+                (_, Some(&t)) => t + 1,
+                _ => 0,
+            };
+            tiers.push(tier);
+            last = Some(rank);
+        }
+        Table {
+            hostnames,
+            entries,
+            tiers,
+        }
     }
 
     /// The winning entry for a request to `host`, if any.
     pub fn find(&self, host: &str, req: &Request<'_>) -> Option<&Entry> {
         // Common case: no route names hostnames, so all are equally specific.
-        if self.hostnames.iter().all(RouteHosts::any) {
+        if self.hostnames.iter().all(|(h, _)| h.any()) {
             return self.entries.iter().find(|e| e.m.matches(req));
         }
-        let ranks: Vec<Option<HostRank>> = self.hostnames.iter().map(|h| h.rank(host)).collect();
-        let mut levels: Vec<HostRank> = ranks.iter().flatten().copied().collect();
-        levels.sort_unstable_by(|a, b| b.cmp(a));
-        levels.dedup();
-        // Routes with the most specific hostname take precedence; less specific ones only
-        // serve what none of those match.
-        levels.into_iter().find_map(|level| {
-            self.entries
-                .iter()
-                .find(|e| ranks.get(e.route).copied().flatten() == Some(level) && e.m.matches(req))
-        })
+        let ranks: Vec<Option<HostRank>> =
+            self.hostnames.iter().map(|(h, _)| h.rank(host)).collect();
+        let rank_of = |e: &Entry| ranks.get(e.route).copied().flatten();
+        // Routes whose hostnames overlap are all HTTPRoutes or all GRPCRoutes (the resolver
+        // serves only the older of an HTTPRoute and a GRPCRoute that overlap).
+        let hostname_first = self
+            .hostnames
+            .iter()
+            .zip(&ranks)
+            .any(|((_, p), r)| r.is_some() && *p == HostPrecedence::First);
+        if hostname_first {
+            let mut levels: Vec<HostRank> = ranks.iter().flatten().copied().collect();
+            levels.sort_unstable_by(|a, b| b.cmp(a));
+            levels.dedup();
+            // Routes with the most specific hostname take precedence; less specific ones only
+            // serve what none of those match.
+            return levels.into_iter().find_map(|level| {
+                self.entries
+                    .iter()
+                    .find(|e| rank_of(e) == Some(level) && e.m.matches(req))
+            });
+        }
+        // The best match of any route serving the host; among equal matches the route with
+        // the more specific hostname, then the older route, then the earlier rule (the order
+        // entries of one tier are in).
+        let mut best: Option<(usize, HostRank, &Entry)> = None;
+        for (e, &tier) in self.entries.iter().zip(&self.tiers) {
+            if best.is_some_and(|(t, _, _)| t != tier) {
+                break;
+            }
+            let Some(rank) = rank_of(e) else { continue };
+            if best.is_some_and(|(_, r, _)| r >= rank) || !e.m.matches(req) {
+                continue;
+            }
+            best = Some((tier, rank, e));
+        }
+        best.map(|(_, _, e)| e)
     }
 }
 
@@ -599,7 +655,10 @@ mod tests {
         assert!(with_header.rank() > m(PathMatch::prefix("/a")).rank());
         // Older route wins a tie; earlier rule wins within a route.
         let t = Table::new(
-            vec![RouteHosts::default(), RouteHosts::default()],
+            vec![
+                (RouteHosts::default(), HostPrecedence::BreaksTies),
+                (RouteHosts::default(), HostPrecedence::BreaksTies),
+            ],
             vec![
                 Entry {
                     route: 1,
@@ -622,6 +681,87 @@ mod tests {
             .find("h", &req(&get, "/x", None, &h))
             .map(|e| (e.route, e.rule));
         assert_eq!(e, Some((0, 1)));
+    }
+
+    /// HTTPRoute: the best match across every route serving the host wins; a more specific
+    /// hostname only breaks ties between equal matches (conformance
+    /// `HTTPRouteMatchingAcrossRoutes`, `HTTPRouteMultipleRoutesAttachmentSameHostnameIntersection`).
+    /// GRPCRoute: the more specific hostname goes first.
+    #[test]
+    fn matches_rank_across_routes_before_hostnames() {
+        let get = Method::GET;
+        let hosts = |names: &[&str]| RouteHosts {
+            served: names.iter().map(|h| h.to_string()).collect(),
+            ranked_by: names.iter().map(|h| h.to_string()).collect(),
+        };
+        let header = |v: &str| {
+            let mut x = m(PathMatch::prefix("/"));
+            x.headers.push((
+                HeaderName::from_static("version"),
+                ValueMatch::Exact(v.into()),
+            ));
+            x
+        };
+        let entry = |route, m| Entry { route, rule: 0, m };
+        // matching-part1 (route 0, the older): example.com, example.net; `/` or `version: one`.
+        // matching-part2 (route 1): *.com; `/v2` or `version: two`.
+        let table = |precedence| {
+            Table::new(
+                vec![
+                    (hosts(&["example.com", "example.net"]), precedence),
+                    (hosts(&["*.com"]), precedence),
+                ],
+                vec![
+                    entry(0, m(PathMatch::prefix("/"))),
+                    entry(0, header("one")),
+                    entry(1, m(PathMatch::prefix("/v2"))),
+                    entry(1, header("two")),
+                ],
+            )
+        };
+        let http = table(HostPrecedence::BreaksTies);
+        let grpc = table(HostPrecedence::First);
+        let mut one = HeaderMap::new();
+        one.insert("version", "one".parse().expect("value"));
+        let mut two = HeaderMap::new();
+        two.insert("version", "two".parse().expect("value"));
+        let none = HeaderMap::new();
+        for (host, path, h, want_http, want_grpc) in [
+            ("example.com", "/", &none, Some(0), Some(0)),
+            ("example.com", "/example", &none, Some(0), Some(0)),
+            ("example.net", "/example", &none, Some(0), Some(0)),
+            ("example.com", "/example", &one, Some(0), Some(0)),
+            ("example.com", "/v2", &none, Some(1), Some(0)),
+            ("example.net", "/v2", &none, Some(0), Some(0)),
+            ("example.com", "/v2/example", &none, Some(1), Some(0)),
+            ("example.com", "/", &two, Some(1), Some(0)),
+            ("other.com", "/v2", &none, Some(1), Some(1)),
+            ("other.com", "/", &none, None, None),
+        ] {
+            let r = req(&get, path, None, h);
+            let route = |t: &Table| t.find(host, &r).map(|e| e.route);
+            assert_eq!(route(&http), want_http, "HTTPRoute {host}{path}");
+            assert_eq!(route(&grpc), want_grpc, "GRPCRoute {host}{path}");
+        }
+        // Equal matches: the exact hostname, then the longer wildcard, wins over an older
+        // route's (route 0 is the older in each pair).
+        for (older, newer, host) in [
+            ("*.example.com", "abc.example.com", "abc.example.com"),
+            ("*.com", "*.example.com", "abc.example.com"),
+        ] {
+            let t = Table::new(
+                vec![
+                    (hosts(&[older]), HostPrecedence::BreaksTies),
+                    (hosts(&[newer]), HostPrecedence::BreaksTies),
+                ],
+                vec![
+                    entry(0, m(PathMatch::prefix("/"))),
+                    entry(1, m(PathMatch::prefix("/"))),
+                ],
+            );
+            let r = req(&get, "/", None, &none);
+            assert_eq!(t.find(host, &r).map(|e| e.route), Some(1), "{newer}");
+        }
     }
 
     #[test]
