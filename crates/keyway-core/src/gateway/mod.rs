@@ -2162,19 +2162,23 @@ fn owner_conditions(o: &Owner<'_>, sets: Option<SetsSummary>) -> Vec<C> {
             conds
         }
         // Some of its listeners lost or are invalid: still accepted and programmed, for the
-        // rest, with the reason saying so (conformance ListenerSetHostnameConflict).
+        // rest. `Accepted` says so in its reason; `Programmed=True` has the one reason
+        // `Programmed` (ListenerSetConditionProgrammed; conformance ListenerSetHostnameConflict
+        // and ListenerSetProtocolConflict as of gateway-api v1.5).
         Admission::Accepted => {
             let (reason, message, programmed) = if some_listener_not_valid(o) {
-                let message =
-                    "some listeners are invalid or conflict with others; see status.listeners";
-                ("ListenersNotValid", message, ("ListenersNotValid", message))
+                (
+                    "ListenersNotValid",
+                    "some listeners are invalid or conflict with others; see status.listeners",
+                    "programmed for its valid listeners; see status.listeners",
+                )
             } else {
-                ("Accepted", "accepted", ("Programmed", "programmed"))
+                ("Accepted", "accepted", "programmed")
             };
             vec![
                 C::new("Accepted", true, reason, message),
                 if own_programmed {
-                    C::new("Programmed", true, programmed.0, programmed.1)
+                    C::new("Programmed", true, "Programmed", programmed)
                 } else {
                     C::new(
                         "Programmed",
