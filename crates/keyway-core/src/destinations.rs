@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::resource::{Kind, ObjectKey};
+use crate::index::Index;
+use crate::resource::{Kind, ObjectKey, Resource};
 
 /// One change worth a log line.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,10 +19,13 @@ pub struct DestinationChange {
 }
 
 /// The changes from `before` to `after` (statuses by object, as `service_network::statuses`
-/// renders them). Objects in only one of them (added, deleted) are not changes of destination.
+/// renders them), with `index` the objects `after` was computed from (a key no longer in use
+/// may have been edited out of a MultiKeyListener rather than lost). Objects in only one of
+/// them (added, deleted) are not changes of destination.
 pub fn destination_changes(
     before: &BTreeMap<ObjectKey, Value>,
     after: &BTreeMap<ObjectKey, Value>,
+    index: &Index,
 ) -> Vec<DestinationChange> {
     let mut out = Vec::new();
     for (key, new) in after {
@@ -29,7 +33,13 @@ pub fn destination_changes(
             continue;
         };
         match key.kind {
-            Kind::MultiKeyListener => multi_key(key, old, new, &mut out),
+            Kind::MultiKeyListener => {
+                let listed = match index.get(key).map(|o| &o.resource) {
+                    Some(Resource::MultiKeyListener(m)) => m.spec.strategy.routing_keys(),
+                    _ => Vec::new(),
+                };
+                multi_key(key, old, new, &listed, &mut out)
+            }
             Kind::Listener => {
                 let had = old["hasMatchingConnector"].as_bool();
                 let has = new["hasMatchingConnector"].as_bool();
@@ -82,7 +92,14 @@ fn strategy(status: &Value) -> Option<&Value> {
 
 use crate::service_network::reachable_keys as keys;
 
-fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<DestinationChange>) {
+/// `listed`: the routing keys its spec lists now.
+fn multi_key(
+    key: &ObjectKey,
+    old: &Value,
+    new: &Value,
+    listed: &[&str],
+    out: &mut Vec<DestinationChange>,
+) {
     let closed = port_closed(new);
     let (Some(old), Some(new)) = (strategy(old), strategy(new)) else {
         return;
@@ -107,7 +124,14 @@ fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<Destinatio
     let change = match (active_was, active_now) {
         // A priority strategy whose key in use changed.
         (Some(a), Some(b)) if a != b => {
-            if !now.contains(&a) {
+            if !listed.contains(&a) {
+                DestinationChange {
+                    degraded: false,
+                    message: format!(
+                        "{key}: new connections go to routing key {b} ({a} is no longer one of its routing keys)"
+                    ),
+                }
+            } else if !now.contains(&a) {
                 DestinationChange {
                     degraded: true,
                     message: format!(
@@ -139,7 +163,8 @@ fn multi_key(key: &ObjectKey, old: &Value, new: &Value, out: &mut Vec<Destinatio
             ),
         },
         _ => DestinationChange {
-            degraded: was.iter().any(|k| !now.contains(k)),
+            // A key edited out of the list is not lost.
+            degraded: was.iter().any(|k| !now.contains(k) && listed.contains(k)),
             message: format!(
                 "{key}: reachable routing keys now {} (were {})",
                 now.join(", "),
@@ -169,14 +194,72 @@ mod tests {
         status
     }
 
+    /// An index holding MultiKeyListener default/svc with `keys` listed.
+    fn listing(keys: &[&str]) -> Index {
+        let yaml = format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: MultiKeyListener\nmetadata: {{name: svc}}\nspec:\n  host: 127.0.0.1\n  port: 9000\n  strategy: {{priorityFailover: {{routingKeys: [{}]}}}}\n",
+            keys.join(", ")
+        );
+        let loads = [crate::load::load_file("test.yaml", &yaml)];
+        let mut index = Index::default();
+        let now =
+            crate::Time(crate::jiff::Timestamp::from_second(1_700_000_000).unwrap_or_default());
+        let r = crate::reconcile::reconcile(
+            &mut index,
+            &mut crate::reconcile::ObjectState::default(),
+            &loads,
+            &now,
+        );
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        index
+    }
+
     fn one(before: Value, after: Value, kind: Kind) -> Vec<(bool, String)> {
+        edited(before, after, kind, &["east", "west", "a", "b"])
+    }
+
+    /// `one` where the spec lists `keys` after the change.
+    fn edited(before: Value, after: Value, kind: Kind, keys: &[&str]) -> Vec<(bool, String)> {
         let key = ObjectKey::new(kind, "default", "svc");
         let b = BTreeMap::from([(key.clone(), before)]);
         let a = BTreeMap::from([(key, after)]);
-        destination_changes(&b, &a)
+        destination_changes(&b, &a, &listing(keys))
             .into_iter()
             .map(|c| (c.degraded, c.message))
             .collect()
+    }
+
+    /// A key edited out of the list is not said to be lost, nor is it a degradation.
+    #[test]
+    fn a_key_edited_out_is_not_a_failover() {
+        let pf = "priorityFailover";
+        let m = "MultiKeyListener default/svc";
+        assert_eq!(
+            edited(
+                mkl(pf, &["east", "west"], Some("east")),
+                mkl(pf, &["west"], Some("west")),
+                Kind::MultiKeyListener,
+                &["west"],
+            ),
+            vec![(
+                false,
+                format!(
+                    "{m}: new connections go to routing key west (east is no longer one of its routing keys)"
+                )
+            )]
+        );
+        assert_eq!(
+            edited(
+                mkl(pf, &["east", "west"], Some("east")),
+                mkl(pf, &["east"], Some("east")),
+                Kind::MultiKeyListener,
+                &["east"],
+            ),
+            vec![(
+                false,
+                format!("{m}: reachable routing keys now east (were east, west)")
+            )]
+        );
     }
 
     #[test]
@@ -281,7 +364,8 @@ mod tests {
         let key = ObjectKey::new(Kind::MultiKeyListener, "default", "svc");
         let status = mkl("priorityFailover", &["east"], Some("east"));
         let some = BTreeMap::from([(key, status)]);
-        assert!(destination_changes(&BTreeMap::new(), &some).is_empty());
-        assert!(destination_changes(&some, &BTreeMap::new()).is_empty());
+        let index = listing(&["east"]);
+        assert!(destination_changes(&BTreeMap::new(), &some, &index).is_empty());
+        assert!(destination_changes(&some, &BTreeMap::new(), &index).is_empty());
     }
 }

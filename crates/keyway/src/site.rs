@@ -477,9 +477,11 @@ impl Site {
         }
         // Failovers and lost or regained keys show in the log too, within the second the
         // status is computed in (and not at the first computation: nothing changed then).
-        for change in
-            keyway_core::destinations::destination_changes(&current.last_status, &statuses)
-        {
+        for change in keyway_core::destinations::destination_changes(
+            &current.last_status,
+            &statuses,
+            &current.index,
+        ) {
             if change.degraded {
                 tracing::warn!("{}", change.message);
             } else {
