@@ -83,7 +83,8 @@ pub fn run(
                 .context("cannot handle SIGHUP")?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let root_gone = Arc::new(AtomicBool::new(false));
-        let watcher = watch::watch(&config, tx.clone(), root_gone.clone())
+        let pending = Arc::new(watch::Pending::default());
+        let watcher = watch::watch(&config, tx.clone(), root_gone.clone(), pending.clone())
             .context("cannot watch the config directory")?;
         let mut root = dir_identity(&config);
         if !site.reload() {
@@ -132,7 +133,7 @@ pub fn run(
                 let mut check = tokio::time::interval(ROOT_CHECK);
                 loop {
                     tokio::select! {
-                        got = rx.recv() => if got.is_none() || !watch::settle(&mut rx).await { return },
+                        got = rx.recv() => if got.is_none() || !watch::settle(&mut rx, &pending).await { return },
                         _ = hangup.recv() => {
                             tracing::info!("SIGHUP: reloading the config directory");
                         }
@@ -148,7 +149,7 @@ pub fn run(
                             root = now;
                             watcher = None;
                             if root.is_some() {
-                                match watch::watch(&config, tx.clone(), root_gone.clone()) {
+                                match watch::watch(&config, tx.clone(), root_gone.clone(), pending.clone()) {
                                     Ok(w) => watcher = Some(w),
                                     Err(e) => {
                                         tracing::warn!("cannot watch the config directory again: {e:#}");

@@ -1,11 +1,13 @@
 //! Watches the config directory (recursively; editors replace files atomically, so the directory,
 //! not single files, is watched) and turns bursts of events into one reload ([`settle`]).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
@@ -15,20 +17,97 @@ const QUIET: Duration = Duration::from_millis(150);
 /// The longest [`settle`] waits for the files to stop changing, so that a reload still comes
 /// within the 1 s budget of SPEC §7 while something writes without pause.
 const SETTLE_MAX: Duration = Duration::from_millis(600);
+/// The longest [`settle`] waits for a file being written in place to be closed: a writer
+/// slower than that has its file read as it stands.
+const WRITE_MAX: Duration = Duration::from_secs(5);
+/// A file written in place and left open without a change for this long no longer holds a
+/// reload back (a program that keeps it open).
+const WRITER_IDLE: Duration = Duration::from_secs(2);
 
 /// Waits, after a change was reported on `rx`, until no other change has come for [`QUIET`]
 /// (but at most [`SETTLE_MAX`]), so that a file written in pieces is read once, whole, and a
 /// file rewritten without pause is still reloaded. (`notify-debouncer-full`, used before,
 /// released each event once it was old enough however many followed, and held a file replaced
-/// every 50 ms for as long as that went on.) False when the watch has ended.
-pub async fn settle(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
+/// every 50 ms for as long as that went on.) Past that, it waits while [`Pending`] says so. False
+/// when the watch has ended.
+pub async fn settle(rx: &mut mpsc::UnboundedReceiver<()>, pending: &Pending) -> bool {
     let first = tokio::time::Instant::now();
     loop {
         match tokio::time::timeout(QUIET, rx.recv()).await {
-            Ok(Some(())) if first.elapsed() < SETTLE_MAX => {}
+            Ok(Some(())) if first.elapsed() < SETTLE_MAX => continue,
             Ok(None) => return false,
-            Ok(Some(())) | Err(_) => return true,
+            Ok(Some(())) | Err(_) => {}
         }
+        match pending.holding() {
+            Some(path) if first.elapsed() < WRITE_MAX => {
+                tracing::debug!(path = %path.display(), "reload waits for this path");
+            }
+            _ => return true,
+        }
+    }
+}
+
+/// What a reload waits for besides a burst of events ([`settle`]):
+/// - a manifest being written in place (changed, not yet closed: a slow `scp`, `ssh … cat > f`,
+///   a script writing line by line). Read midway, a prefix that parses would be applied: the
+///   listeners and routes of its missing lines would close until the rest lands. A file
+///   replaced by a rename is whole at once and holds nothing back.
+/// - a manifest or directory removed (or moved out) less than [`crate::source::SETTLE`] ago
+///   and not back yet: `rm` then `cp`, or `mv` out and back, would otherwise delete its
+///   objects and make them again, new, and a ListenerSet made again loses its precedence to
+///   every newer one.
+#[derive(Default)]
+pub struct Pending(Mutex<PendingPaths>);
+
+#[derive(Default)]
+struct PendingPaths {
+    /// Files changed in place and not closed, with when they last changed.
+    writing: HashMap<PathBuf, Instant>,
+    /// Paths removed or moved out of the tree, with when.
+    removed: HashMap<PathBuf, Instant>,
+}
+
+impl Pending {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PendingPaths> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records what `kind` says of `path` (a path that may hold manifests).
+    fn note(&self, kind: &EventKind, path: &Path) {
+        let mut paths = self.lock();
+        match kind {
+            EventKind::Modify(ModifyKind::Data(_)) => {
+                paths.writing.insert(path.to_path_buf(), Instant::now());
+            }
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => {
+                paths.writing.remove(path);
+            }
+            EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(RenameMode::From)) => {
+                paths.writing.remove(path);
+                paths.removed.insert(path.to_path_buf(), Instant::now());
+            }
+            _ => {}
+        }
+    }
+
+    /// A path the next reload should wait for now, if any.
+    fn holding(&self) -> Option<PathBuf> {
+        let now = Instant::now();
+        let mut paths = self.lock();
+        paths
+            .writing
+            .retain(|p, at| now.duration_since(*at) < WRITER_IDLE && p.exists());
+        paths.removed.retain(|p, at| {
+            now.duration_since(*at) < crate::source::SETTLE && std::fs::symlink_metadata(p).is_err()
+        });
+        paths
+            .writing
+            .keys()
+            .next()
+            .or_else(|| paths.removed.keys().next())
+            .cloned()
     }
 }
 
@@ -65,10 +144,12 @@ impl Watch {
 
 /// Starts watching; every debounced burst sends one `()`.
 /// `root_gone` is set when the watched directory itself is removed: its watch is dead.
+/// `pending` learns of files written in place and of removals (see [`settle`]).
 pub fn watch(
     dir: &Path,
     tx: mpsc::UnboundedSender<()>,
     root_gone: Arc<AtomicBool>,
+    pending: Arc<Pending>,
 ) -> anyhow::Result<Watch> {
     // Events come with absolute paths: a relative root would never be their prefix.
     let root = std::path::absolute(dir)?;
@@ -82,9 +163,20 @@ pub fn watch(
                 // Dot-files are skipped by the loader, and our own state directory lives under
                 // the config dir as `.keyway-state`: neither may trigger a reload. Reading the
                 // directory or a file reports Access events (open/close): the reload itself
-                // causes them, and they must not trigger the next one.
-                let relevant = !matches!(event.kind, EventKind::Access(_))
-                    && event.paths.iter().any(|p| may_hold_manifests(&root, p));
+                // causes them, and they must not trigger the next one. A writer closing a
+                // file it changed is no reader's doing, and ends a wait for it.
+                let counts = !matches!(event.kind, EventKind::Access(_))
+                    || matches!(
+                        event.kind,
+                        EventKind::Access(AccessKind::Close(AccessMode::Write))
+                    );
+                let mut relevant = false;
+                for path in event.paths.iter().filter(|p| may_hold_manifests(&root, p)) {
+                    if counts {
+                        pending.note(&event.kind, path);
+                        relevant = true;
+                    }
+                }
                 if relevant {
                     let _ = tx.send(());
                 }
