@@ -112,13 +112,23 @@ pub fn encode_head(
     dst.put_slice(target.as_bytes());
     dst.put_slice(b" HTTP/1.1\r\n");
     for (k, v) in &head.headers {
+        // Written once below: HTTP/2 lets a request repeat it (hyper checks the copies
+        // agree), and an HTTP/1.1 origin refuses two lines (RFC 9110 §8.6).
+        if k == header::CONTENT_LENGTH {
+            continue;
+        }
         dst.put_slice(k.as_str().as_bytes());
         dst.put_slice(b": ");
         dst.put_slice(v.as_bytes());
         dst.put_slice(b"\r\n");
     }
     let framing = match request_content_length(&head.headers) {
-        Ok(Some(n)) => Framing::Length(n),
+        Ok(Some(n)) => {
+            dst.put_slice(b"content-length: ");
+            dst.put_slice(n.to_string().as_bytes());
+            dst.put_slice(b"\r\n");
+            Framing::Length(n)
+        }
         // An invalid Content-Length cannot come from hyper's server: treat it as unknown.
         Ok(None) | Err(_) if body_empty => Framing::Length(0),
         Ok(None) | Err(_) => match body_len {
@@ -865,6 +875,20 @@ mod tests {
                 Some(7),
                 "POST /p HTTP/1.1\r\ncontent-length: 7\r\n\r\n",
                 Framing::Length(7),
+            ),
+            // HTTP/2 may repeat it (hyper checks the copies agree): one line goes out.
+            (
+                "POST",
+                "/p",
+                &[
+                    ("content-length", "5"),
+                    ("host", "x"),
+                    ("content-length", "5"),
+                ],
+                false,
+                Some(5),
+                "POST /p HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\n",
+                Framing::Length(5),
             ),
             (
                 "POST",
