@@ -595,6 +595,13 @@ async fn crafted_paths_cannot_pass_a_more_specific_route() {
         out.contains("path=/a/%2F/b"),
         "an encoded slash stays a character: {out}"
     );
+    // A raw backslash, which some origins read as `/`, is refused; encoded, it is a character.
+    for path in ["/x/..\\admin/secret", "/x\\..\\admin"] {
+        let out = raw(path).await;
+        assert!(out.starts_with("HTTP/1.1 400"), "{path}: {out}");
+    }
+    let out = raw("/a%5cb?q=\\").await;
+    assert!(out.contains("path=/a%5Cb?q=\\"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

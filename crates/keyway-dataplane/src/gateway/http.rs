@@ -225,6 +225,12 @@ async fn serve_h2<I: Io>(
     });
     let mut closing = info.ctx.closing.subscribe();
     let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        // What one client may make the gateway hold: a client that opens a large window and
+        // stops reading leaves each stream's queued response in memory. hyper's defaults
+        // (200 streams × 400 KiB) let one connection hold ~120 MB of backend responses;
+        // HAProxy allows 100 streams.
+        .max_concurrent_streams(H2_MAX_STREAMS)
+        .max_send_buf_size(H2_SEND_BUFFER)
         .serve_connection(TokioIo::new(io), svc);
     tokio::pin!(connection);
     tokio::select! {
@@ -252,6 +258,11 @@ async fn serve_h2<I: Io>(
         }
     }
 }
+
+/// Streams one HTTP/2 client connection may have open at once.
+const H2_MAX_STREAMS: u32 = 100;
+/// Response bytes queued per HTTP/2 stream before the backend is read no further.
+const H2_SEND_BUFFER: usize = 64 * 1024;
 
 /// Marks a response keyway made itself (not a backend's), so a gRPC client can get it in
 /// gRPC's terms (see [`as_grpc`]), with the text a plain client reads in its body.
@@ -524,6 +535,17 @@ async fn route(
         return Err((
             Unrouted::Invalid,
             full(StatusCode::NOT_IMPLEMENTED, "unsupported transfer coding"),
+        ));
+    }
+    // A raw backslash is no URI character (RFC 3986 §3.3), yet origins that take it for `/`
+    // (IIS, WHATWG URL parsers) would read `/x/..\admin` as `/admin`, past a route for it.
+    if req.uri().path().contains('\\') {
+        return Err((
+            Unrouted::Invalid,
+            full(
+                StatusCode::BAD_REQUEST,
+                "a backslash in the path; send it encoded as %5C",
+            ),
         ));
     }
     // Routes match, and the backend gets, the normalised path (see `path`): a raw `..` or `//`
