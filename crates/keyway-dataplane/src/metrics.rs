@@ -101,6 +101,9 @@ pub struct Metrics {
     pub link_bytes: Family<Labels, Counter>,
     /// Gateway requests no route took, by why (see [`Unrouted`]).
     pub gateway_unrouted: Family<Labels, Counter>,
+    /// Connections to Gateway TLS ports refused before a TLS session, by why (see
+    /// [`TlsRefused`]).
+    pub gateway_tls_refused: Family<Labels, Counter>,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
     /// Connection series of (listener, target) pairs that left the configuration while
@@ -108,7 +111,7 @@ pub struct Metrics {
     /// removed (at the next scrape).
     retired: Mutex<Vec<(Labels, Gauge)>>,
     /// Listeners deleted (`namespace/name`) and not in the plan again since.
-    forgotten: Mutex<std::collections::HashSet<String>>,
+    forgotten: Mutex<std::collections::HashMap<String, std::time::Instant>>,
 }
 
 impl Default for Metrics {
@@ -133,6 +136,7 @@ impl Default for Metrics {
             link_streams_active: Family::default(),
             link_bytes: Family::default(),
             gateway_unrouted: Family::default(),
+            gateway_tls_refused: Family::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
             forgotten: Mutex::default(),
@@ -213,9 +217,17 @@ impl Default for Metrics {
             "Gateway HTTP requests answered without a route, by reason: invalid (400, 431, 501), no_listener (404: no listener for the Host), misdirected (421), no_route (404: the listener's routes do not match)",
             m.gateway_unrouted.clone(),
         );
+        registry.register(
+            "gateway_tls_refused_connections",
+            "Connections to Gateway HTTPS/TLS ports closed before a TLS session, by reason: not_tls (no ClientHello; plain HTTP gets a 400), unknown_name (no listener or TLSRoute for the SNI), no_certificate (the listener has no usable certificate), handshake (the TLS handshake failed: version, cipher, client certificate), timeout (no handshake within 10 s)",
+            m.gateway_tls_refused.clone(),
+        );
         // Every reason from the start, so a rate over them starts from 0.
         for why in Unrouted::ALL {
             m.unrouted_counter(why);
+        }
+        for why in TlsRefused::ALL {
+            m.tls_refused_counter(why);
         }
         if let Ok(mut r) = m.registry.lock() {
             *r = registry;
@@ -254,6 +266,41 @@ impl Unrouted {
         }
     }
 }
+
+/// Why a connection to a Gateway TLS port was closed before a TLS session began. Logged at
+/// debug only (any client can cause them), so counted here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsRefused {
+    NotTls,
+    UnknownName,
+    NoCertificate,
+    Handshake,
+    Timeout,
+}
+
+impl TlsRefused {
+    const ALL: [TlsRefused; 5] = [
+        TlsRefused::NotTls,
+        TlsRefused::UnknownName,
+        TlsRefused::NoCertificate,
+        TlsRefused::Handshake,
+        TlsRefused::Timeout,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            TlsRefused::NotTls => "not_tls",
+            TlsRefused::UnknownName => "unknown_name",
+            TlsRefused::NoCertificate => "no_certificate",
+            TlsRefused::Handshake => "handshake",
+            TlsRefused::Timeout => "timeout",
+        }
+    }
+}
+
+/// How long a deleted listener's name stops its late connections from making series again:
+/// well past a connection's setup (connect timeouts, failover to the next key).
+const FORGOTTEN_FOR: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Metrics {
     /// The Prometheus text exposition.
@@ -299,6 +346,17 @@ impl Metrics {
     /// Counts a Gateway request answered without a route.
     pub fn unrouted(&self, why: Unrouted) {
         self.unrouted_counter(why).inc();
+    }
+
+    /// Counts a connection to a Gateway TLS port closed before a TLS session.
+    pub fn tls_refused(&self, why: TlsRefused) {
+        self.tls_refused_counter(why).inc();
+    }
+
+    fn tls_refused_counter(&self, why: TlsRefused) -> Counter {
+        self.gateway_tls_refused
+            .get_or_create(&vec![("reason", why.label().to_string())])
+            .clone()
     }
 
     fn unrouted_counter(&self, why: Unrouted) -> Counter {
@@ -437,10 +495,14 @@ impl Metrics {
     pub fn forget_listener(&self, listener: &str, targets: &[Arc<Target>]) {
         // First, so that a connection it accepted meanwhile does not make its series again
         // (see `connection`, which looks under the target's cache lock taken below).
-        self.forgotten
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(listener.to_string());
+        {
+            let mut forgotten = self.forgotten.lock().unwrap_or_else(|p| p.into_inner());
+            // A name is kept only while connections its listener accepted may still be
+            // choosing a target; kept longer, the set would grow by every name ever deleted.
+            let now = std::time::Instant::now();
+            forgotten.retain(|_, at| now.duration_since(*at) < FORGOTTEN_FOR);
+            forgotten.insert(listener.to_string(), now);
+        }
         let labels = Self::listener_labels(listener);
         self.refused.remove(&labels);
         self.failovers.remove(&labels);
@@ -470,7 +532,7 @@ impl Metrics {
         self.forgotten
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .contains(listener)
+            .contains_key(listener)
     }
 
     /// Removes the connection and byte series of one (listener, target) pair, at once if no

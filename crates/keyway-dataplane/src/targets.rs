@@ -145,8 +145,14 @@ impl Target {
     }
 
     /// Takes over the open-connection count of the target this one replaces.
+    /// A target replacing `old` under the same series (same key and address, or same key and
+    /// site): it shares its open-connection count and takes over its series handles, so that a
+    /// listener deleted later finds them here and removes them.
     fn sharing_count_of(mut self, old: &Target) -> Self {
         self.open = old.open.clone();
+        let handles =
+            std::mem::take(&mut *old.metrics_cache.lock().unwrap_or_else(|p| p.into_inner()));
+        self.metrics_cache = Mutex::new(handles);
         self
     }
 
@@ -356,7 +362,12 @@ impl Registry {
                     }
                 }
             }
-            retired.extend(old.into_values());
+            // A site no longer reachable (gone, or a link down): its series go with it, as a
+            // deleted connector's do; a return makes them again, from 0.
+            for (_, gone) in old {
+                self.metrics.forget_connections(&gone);
+                retired.push(gone);
+            }
         }
         self.rebuild(&checkers);
         for target in retired {

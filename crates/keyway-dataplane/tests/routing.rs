@@ -390,6 +390,39 @@ async fn replaced_targets_keep_their_open_count() {
     assert_eq!(replaced.open_connections(), 0);
 }
 
+/// A remote target's connection series go when its site is no longer reachable (as a deleted
+/// connector's do), and follow a target replaced under the same labels (a new path cost), so
+/// that a listener deleted later takes them along: neither stays on `/metrics` for good.
+#[test]
+fn remote_target_series_leave_with_their_site_or_listener() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let _enter = rt.enter();
+    let dp = dataplane();
+    let reg = dp.registry().clone();
+    let metrics = dp.metrics().clone();
+    let series = |listener: &str| {
+        metrics
+            .encode()
+            .lines()
+            .any(|l| l.contains(&format!("listener=\"{listener}\"")) && l.contains("site/s1"))
+    };
+    reg.set_remote(&[("r".into(), "s1".into(), 2)]);
+    let first = reg.candidates("r")[0].clone();
+    metrics.connection("default/l1", &first).opened.inc();
+    assert!(series("default/l1"));
+    // A new path cost replaces the target; deleting the listener then removes its series.
+    reg.set_remote(&[("r".into(), "s1".into(), 1)]);
+    assert!(series("default/l1"));
+    metrics.forget_listener("default/l1", &reg.all());
+    assert!(!series("default/l1"), "{}", metrics.encode());
+    // The site leaves: its series go at once.
+    let second = reg.candidates("r")[0].clone();
+    metrics.connection("default/l2", &second).opened.inc();
+    assert!(series("default/l2"));
+    reg.set_remote(&[]);
+    assert!(!series("default/l2"), "{}", metrics.encode());
+}
+
 /// Choosing a target reads each score once while other connections move the counts (a sort
 /// whose keys change under it can panic), and a path cost near the largest number does not
 /// overflow the score.

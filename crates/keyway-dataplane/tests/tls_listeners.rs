@@ -550,7 +550,7 @@ async fn a_name_nobody_serves_gets_a_tls_alert() {
         ),
     );
     yaml.push_str(&tls_route("rp", "p", "a.pass.test", "sp"));
-    let _dp = start(&yaml, port).await;
+    let dp = start(&yaml, port).await;
     assert_eq!(
         https_get(port, &ca, "a.example.com", "a.example.com")
             .await
@@ -586,6 +586,41 @@ async fn a_name_nobody_serves_gets_a_tls_alert() {
     let out = openssl_s_client(port, "b.example.com").await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("unrecognized name"), "{stderr}");
+    // A handshake rustls refuses (no protocol in common), garbage, and a connection closed
+    // at once (a TCP health check, not counted).
+    let mut odd = (*client_config(&ca, true)).clone();
+    odd.alpn_protocols = vec![b"no-such-protocol".to_vec()];
+    let tcp = common::connect(port).await.expect("connect");
+    let name = ServerName::try_from("a.example.com").expect("name");
+    let refused = tokio_rustls::TlsConnector::from(Arc::new(odd))
+        .connect(name, tcp)
+        .await;
+    assert!(refused.is_err(), "a handshake without a protocol in common");
+    let mut garbage = common::connect(port).await.expect("connect");
+    garbage
+        .write_all(&[0x16, 0x03, 0x01, 0x00, 0x05, 0xff, 0xff, 0xff, 0xff, 0xff])
+        .await
+        .expect("write");
+    let _ = read_all(&mut garbage).await;
+    drop(common::connect(port).await.expect("connect"));
+    // Every refusal above is counted by why.
+    let counted = |reason: &str, n: u32| {
+        let line =
+            format!("keyway_gateway_tls_refused_connections_total{{reason=\"{reason}\"}} {n}");
+        dp.metrics().encode().contains(&line)
+    };
+    let all = || {
+        counted("unknown_name", 4)
+            && counted("no_certificate", 1)
+            && counted("handshake", 1)
+            && counted("not_tls", 1)
+            && counted("timeout", 0)
+    };
+    assert!(
+        common::eventually(Duration::from_secs(5), || async { all() }).await,
+        "{}",
+        dp.metrics().encode()
+    );
 }
 
 /// A listener with several certificates (one per name, same key type): the client gets the

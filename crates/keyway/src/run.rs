@@ -261,8 +261,11 @@ fn init_tracing() {
         // notify logs at info each watch it cannot remove (every ConfigMap update does that):
         // noise to an operator. rustls warns of each peer that breaks the protocol: anyone
         // who reaches a TLS port could fill the log, and keyway logs its own refusals under a
-        // throttle.
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,notify=warn,rustls=error"));
+        // throttle. h2 warns of each client that resets streams faster than it opens them
+        // (rapid reset): one client wrote 10,000 lines in 5 s; the GOAWAY is the answer.
+        .unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new("info,notify=warn,rustls=error,h2=error")
+        });
     // Colours only on a terminal: a log file must not fill with escape codes.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()

@@ -46,6 +46,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
+use crate::metrics::TlsRefused;
 use crate::workers::{self, AcceptGroup, Workers};
 use crate::{ConnectionTracker, Shared};
 use route_match::{Entry, HostPrecedence, RouteHosts, Table, host_rank};
@@ -1309,12 +1310,12 @@ async fn serve_tls(
             }
         }
     };
+    let metrics = &ctx.shared.metrics;
     let sni = match tokio::time::timeout_at(deadline, read_hello).await {
         Ok(Some(sni::Hello::Tls(sni))) => sni,
         Ok(Some(sni::Hello::PlainHttp)) => {
-            ctx.shared
-                .metrics
-                .unrouted(crate::metrics::Unrouted::Invalid);
+            metrics.unrouted(crate::metrics::Unrouted::Invalid);
+            metrics.tls_refused(TlsRefused::NotTls);
             let body = "this port speaks TLS (HTTPS); the request was sent as plain HTTP\n";
             let resp = format!(
                 "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -1324,14 +1325,22 @@ async fn serve_tls(
             let _ = stream.shutdown().await;
             return;
         }
+        Err(_) => {
+            metrics.tls_refused(TlsRefused::Timeout);
+            return;
+        }
+        // A connection closed before sending anything (a TCP health check) is not counted.
+        Ok(None) if buf.is_empty() => return,
         _ => {
             tracing::debug!(%peer, "not a TLS ClientHello: closing");
+            metrics.tls_refused(TlsRefused::NotTls);
             return;
         }
     };
     let cfg = config.load_full();
     let Some(l) = cfg.select(sni.as_deref(), |_| true) else {
         tracing::debug!(%peer, ?sni, "no listener for this server name: closing");
+        metrics.tls_refused(TlsRefused::UnknownName);
         // `unrecognized_name` answers a name the client sent (RFC 6066 §3); without one, no
         // listener without a hostname can serve it.
         let alert = if sni.is_some() {
@@ -1347,6 +1356,7 @@ async fn serve_tls(
             Some(route) => tcp::forward(&ctx, route, buf, stream).await,
             None => {
                 tracing::debug!(%peer, ?sni, "no TLSRoute for this server name: closing");
+                metrics.tls_refused(TlsRefused::UnknownName);
                 refuse_handshake(stream, UNRECOGNIZED_NAME, deadline).await;
             }
         }
@@ -1354,6 +1364,7 @@ async fn serve_tls(
     }
     if l.server_config.is_none() {
         tracing::debug!(%peer, ?sni, "the listener for this server name has no usable certificate: closing");
+        metrics.tls_refused(TlsRefused::NoCertificate);
         refuse_handshake(stream, HANDSHAKE_FAILURE, deadline).await;
         return;
     }
@@ -1363,7 +1374,14 @@ async fn serve_tls(
     );
     let start = match tokio::time::timeout_at(deadline, acceptor).await {
         Ok(Ok(s)) => s,
-        _ => return,
+        Ok(Err(_)) => {
+            metrics.tls_refused(TlsRefused::Handshake);
+            return;
+        }
+        Err(_) => {
+            metrics.tls_refused(TlsRefused::Timeout);
+            return;
+        }
     };
     // rustls' own reading of the ClientHello picks the certificate.
     let name = start
@@ -1375,19 +1393,25 @@ async fn serve_tls(
     let Some(l) = cfg.select(name.as_deref(), |l| {
         l.tls_mode != Some(TlsMode::Passthrough)
     }) else {
+        metrics.tls_refused(TlsRefused::UnknownName);
         return;
     };
     let Some(server_config) = l.server_config.clone() else {
         tracing::debug!(%peer, ?name, "the listener for this server name has no usable certificate: closing");
+        metrics.tls_refused(TlsRefused::NoCertificate);
         return;
     };
     let tls = match tokio::time::timeout_at(deadline, start.into_stream(server_config)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             tracing::debug!(%peer, "TLS handshake failed: {e}");
+            metrics.tls_refused(TlsRefused::Handshake);
             return;
         }
-        Err(_) => return,
+        Err(_) => {
+            metrics.tls_refused(TlsRefused::Timeout);
+            return;
+        }
     };
     if l.protocol == Protocol::Https {
         let session = http::TlsSession {
