@@ -42,7 +42,8 @@ pub enum Error {
     ChunkSize,
     #[error("chunk data not followed by CRLF")]
     ChunkEnd,
-    #[error("response trailers larger than {MAX_HEAD} bytes")]
+    /// Request or response: the chunked decoder reads both.
+    #[error("trailer section larger than {MAX_HEAD} bytes")]
     TrailersTooLarge,
     #[error("invalid trailer line (a `name: value` field line ending in CRLF)")]
     Trailer,
