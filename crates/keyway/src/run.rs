@@ -90,6 +90,7 @@ pub fn run(
         if !site.reload() {
             let _ = tx.send(());
         }
+        pending.loaded(&config);
         let admin = admin::start(admin_listener, site.clone())?;
         tracing::info!(config = %config.display(), admin = %admin, "site running");
         // A condition's lastTransitionTime is when it changed, not when someone first asked:
@@ -163,7 +164,13 @@ pub fn run(
                     // Coalesce whatever else arrived while we were busy.
                     while rx.try_recv().is_ok() {}
                     let site = site.clone();
-                    let applied = tokio::task::spawn_blocking(move || site.reload()).await;
+                    let (read, dir) = (pending.clone(), config.clone());
+                    let applied = tokio::task::spawn_blocking(move || {
+                        let applied = site.reload();
+                        read.loaded(&dir);
+                        applied
+                    })
+                    .await;
                     // A symlink added or re-pointed: watch where it leads now.
                     follow(&mut watcher, &config);
                     if !matches!(applied, Ok(true)) {

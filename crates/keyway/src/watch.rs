@@ -1,7 +1,7 @@
 //! Watches the config directory (recursively; editors replace files atomically, so the directory,
 //! not single files, is watched) and turns bursts of events into one reload ([`settle`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -52,8 +52,8 @@ pub async fn settle(rx: &mut mpsc::UnboundedReceiver<()>, pending: &Pending) -> 
 ///   a script writing line by line). Read midway, a prefix that parses would be applied: the
 ///   listeners and routes of its missing lines would close until the rest lands. A file
 ///   replaced by a rename is whole at once and holds nothing back.
-/// - a manifest or directory removed (or moved out) less than [`crate::source::SETTLE`] ago
-///   and not back yet: `rm` then `cp`, or `mv` out and back, would otherwise delete its
+/// - a manifest or directory the last load read, removed (or moved out) less than
+///   [`crate::source::SETTLE`] ago and not back yet: `rm` then `cp`, or `mv` out and back, would otherwise delete its
 ///   objects and make them again, new, and a ListenerSet made again loses its precedence to
 ///   every newer one.
 #[derive(Default)]
@@ -65,6 +65,10 @@ struct PendingPaths {
     writing: HashMap<PathBuf, Instant>,
     /// Paths removed or moved out of the tree, with when.
     removed: HashMap<PathBuf, Instant>,
+    /// The manifests and directories the last load read (absolute): only their removal is
+    /// waited on, not a temporary file's (`mkstemp`, `sed -i`, an editor's probe) that was
+    /// never meant to come back.
+    read: HashSet<PathBuf>,
 }
 
 impl Pending {
@@ -86,10 +90,28 @@ impl Pending {
             }
             EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(RenameMode::From)) => {
                 paths.writing.remove(path);
-                paths.removed.insert(path.to_path_buf(), Instant::now());
+                if paths.read.contains(path) {
+                    paths.removed.insert(path.to_path_buf(), Instant::now());
+                }
             }
             _ => {}
         }
+    }
+
+    /// Notes what a load of `config` read: the manifests and directories whose removal a
+    /// reload waits on.
+    pub fn loaded(&self, config: &Path) {
+        let Ok(listing) = crate::source::manifest_files(config) else {
+            return;
+        };
+        let read = listing
+            .files
+            .iter()
+            .chain(&listing.dirs)
+            .chain(std::iter::once(&config.to_path_buf()))
+            .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()))
+            .collect();
+        self.lock().read = read;
     }
 
     /// A path the next reload should wait for now, if any.

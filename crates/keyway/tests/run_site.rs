@@ -537,8 +537,8 @@ fn a_file_written_in_place_slowly_is_read_once_closed() {
 }
 
 /// A manifest removed and put back 300 ms later (`rm` then `cp`), and a directory removed and
-/// made again, delete nothing meanwhile; a manifest removed for good is still deleted within
-/// the 1 s of SPEC §7.
+/// made again, delete nothing meanwhile; a manifest removed for good is still deleted (in
+/// ~0.65 s, inside SPEC §7's 1 s; asserted loosely, for a loaded machine).
 #[test]
 fn a_file_removed_and_put_back_at_once_is_not_deleted() {
     let a = Backend::start("a");
@@ -576,8 +576,20 @@ fn a_file_removed_and_put_back_at_once_is_not_deleted() {
 /// still reloaded within the 1 s budget while that goes on, not only once it stops.
 #[test]
 fn a_file_replaced_without_pause_is_reloaded_meanwhile() {
+    replaced_without_pause("busy-writer", |_| ".svc.yaml.tmp".to_string());
+}
+
+/// The same through temporary files named as `mkstemp` and Go's `os.CreateTemp` name them (no
+/// dot, a new name each time): a temporary file renamed away is not a manifest removed, so
+/// nothing waits for it to come back.
+#[test]
+fn a_file_replaced_through_temporary_names_is_reloaded_meanwhile() {
+    replaced_without_pause("busy-tmp-writer", |i| format!("tmp{i:06}x"));
+}
+
+fn replaced_without_pause(name: &str, temporary: fn(usize) -> String) {
     let a = Backend::start("a");
-    let dir = temp_dir("busy-writer");
+    let dir = temp_dir(name);
     std::fs::write(dir.join("a.yaml"), connector("a", "key-a", a.port)).expect("write");
     let site = Site::start(&dir);
     let count = || reload_count(&site.get("/metrics").1);
@@ -586,8 +598,8 @@ fn a_file_replaced_without_pause_is_reloaded_meanwhile() {
     let writer = {
         let dir = dir.to_path_buf();
         thread::spawn(move || {
-            for _ in 0..50 {
-                let tmp = dir.join(".svc.yaml.tmp");
+            for i in 0..50 {
+                let tmp = dir.join(temporary(i));
                 std::fs::write(&tmp, mkl("svc", port, &["key-a"])).expect("write");
                 std::fs::rename(&tmp, dir.join("svc.yaml")).expect("rename");
                 thread::sleep(Duration::from_millis(50));
