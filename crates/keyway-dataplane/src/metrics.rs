@@ -219,7 +219,7 @@ impl Default for Metrics {
         );
         registry.register(
             "gateway_tls_refused_connections",
-            "Connections to Gateway HTTPS/TLS ports closed before a TLS session, by reason: not_tls (no ClientHello; plain HTTP gets a 400), unknown_name (no listener or TLSRoute for the SNI), no_certificate (the listener has no usable certificate), handshake (the TLS handshake failed: version, cipher, client certificate), timeout (no handshake within 10 s)",
+            "Connections to Gateway HTTPS/TLS ports closed before a TLS session or right after its handshake, by reason: not_tls (no ClientHello; plain HTTP gets a 400), unknown_name (no listener or TLSRoute for the SNI), no_certificate (the listener has no usable certificate), handshake (the TLS handshake failed or was given up: version, cipher, client certificate), timeout (no handshake within 10 s)",
             m.gateway_tls_refused.clone(),
         );
         // Every reason from the start, so a rate over them starts from 0.
@@ -298,6 +298,15 @@ impl TlsRefused {
     }
 }
 
+/// A target's per-listener metric handles (see [`Metrics::connection`]).
+#[derive(Default)]
+pub struct SeriesCache {
+    pub(crate) handles: std::collections::HashMap<String, Arc<ConnMetrics>>,
+    /// Its series were removed (the target left) or handed to the target replacing it: a
+    /// connection still being set up on it counts into handles of its own.
+    pub(crate) closed: bool,
+}
+
 /// How long a deleted listener's name stops its late connections from making series again:
 /// well past a connection's setup (connect timeouts, failover to the next key).
 const FORGOTTEN_FOR: std::time::Duration = std::time::Duration::from_secs(60);
@@ -372,12 +381,13 @@ impl Metrics {
             .metrics_cache
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = cache.get(listener) {
+        if let Some(m) = cache.handles.get(listener) {
             return m.clone();
         }
-        // A connection a deleted listener accepted just before it stopped: it counts into
-        // handles of its own, or its series would come back after they were removed, for good.
-        if self.forgotten_listener(listener) {
+        // A connection a deleted listener accepted just before it stopped, or one still being
+        // set up on a target that left (or was replaced) meanwhile: it counts into handles of
+        // its own, or its series would come back after they were removed, for good.
+        if cache.closed || self.forgotten_listener(listener) {
             return Arc::new(ConnMetrics {
                 opened: Counter::default(),
                 active: Gauge::default(),
@@ -399,7 +409,7 @@ impl Metrics {
             bytes_in,
             bytes_out,
         });
-        cache.insert(listener.to_string(), m.clone());
+        cache.handles.insert(listener.to_string(), m.clone());
         // The pair is in use again (a target edited away and back): its series stay.
         self.retired
             .lock()
@@ -512,6 +522,7 @@ impl Metrics {
                 .metrics_cache
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
+                .handles
                 .remove(listener);
             if let Some(m) = cached {
                 self.forget_pair(listener, target, &m);
@@ -575,12 +586,14 @@ impl Metrics {
     /// listener that used it, so deleted targets do not stay on /metrics forever. Connections
     /// still open on it keep their series until the last of them closes.
     pub fn forget_connections(&self, target: &Target) {
-        let pairs: Vec<(String, Arc<ConnMetrics>)> = target
-            .metrics_cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .collect();
+        let pairs: Vec<(String, Arc<ConnMetrics>)> = {
+            let mut cache = target
+                .metrics_cache
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            cache.closed = true;
+            cache.handles.drain().collect()
+        };
         for (listener, handles) in pairs {
             self.forget_pair(&listener, target, &handles);
         }

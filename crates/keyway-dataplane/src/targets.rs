@@ -31,7 +31,7 @@ pub enum Health {
 /// One connector target at this site.
 pub struct Target {
     /// Per-listener metric handles (see [`Metrics::connection`]).
-    pub(crate) metrics_cache: Mutex<HashMap<String, Arc<crate::metrics::ConnMetrics>>>,
+    pub(crate) metrics_cache: Mutex<crate::metrics::SeriesCache>,
     pub connector: ObjectKey,
     pub routing_key: String,
     pub host: String,
@@ -62,7 +62,7 @@ impl Target {
     fn new(plan: &ConnectorPlan, tls: Option<Arc<ClientTlsConfig>>) -> Self {
         let tls_suspect = AtomicBool::new(tls.is_some());
         Target {
-            metrics_cache: Mutex::new(HashMap::new()),
+            metrics_cache: Mutex::default(),
             connector: plan.id.clone(),
             routing_key: plan.routing_key.clone(),
             host: plan.host.clone(),
@@ -150,9 +150,15 @@ impl Target {
     /// listener deleted later finds them here and removes them.
     fn sharing_count_of(mut self, old: &Target) -> Self {
         self.open = old.open.clone();
-        let handles =
-            std::mem::take(&mut *old.metrics_cache.lock().unwrap_or_else(|p| p.into_inner()));
-        self.metrics_cache = Mutex::new(handles);
+        let handles = {
+            let mut old = old.metrics_cache.lock().unwrap_or_else(|p| p.into_inner());
+            old.closed = true;
+            std::mem::take(&mut old.handles)
+        };
+        self.metrics_cache = Mutex::new(crate::metrics::SeriesCache {
+            handles,
+            closed: false,
+        });
         self
     }
 

@@ -421,6 +421,12 @@ fn remote_target_series_leave_with_their_site_or_listener() {
     assert!(series("default/l2"));
     reg.set_remote(&[]);
     assert!(!series("default/l2"), "{}", metrics.encode());
+    // A connection still being set up to a site that left meanwhile makes no series again.
+    reg.set_remote(&[("r".into(), "s1".into(), 1)]);
+    let third = reg.candidates("r")[0].clone();
+    reg.set_remote(&[]);
+    metrics.connection("default/l3", &third).opened.inc();
+    assert!(!series("default/l3"), "{}", metrics.encode());
 }
 
 /// Choosing a target reads each score once while other connections move the counts (a sort

@@ -1329,8 +1329,13 @@ async fn serve_tls(
             metrics.tls_refused(TlsRefused::Timeout);
             return;
         }
-        // A connection closed before sending anything (a TCP health check) is not counted.
+        // A connection closed before sending anything (a TCP health check) is not counted;
+        // one closed partway through its ClientHello gave up the handshake.
         Ok(None) if buf.is_empty() => return,
+        Ok(None) => {
+            metrics.tls_refused(TlsRefused::Handshake);
+            return;
+        }
         _ => {
             tracing::debug!(%peer, "not a TLS ClientHello: closing");
             metrics.tls_refused(TlsRefused::NotTls);
@@ -1423,7 +1428,10 @@ async fn serve_tls(
     } else {
         match tcp::by_sni(&l.streams, name.as_deref()) {
             Some(route) => tcp::forward(&ctx, route, Vec::new(), tls).await,
-            None => tracing::debug!(%peer, "no TLSRoute for this server name: closing"),
+            None => {
+                tracing::debug!(%peer, "no TLSRoute for this server name: closing");
+                metrics.tls_refused(TlsRefused::UnknownName);
+            }
         }
     }
 }
