@@ -4,8 +4,9 @@
 //! Gateway API precedence (exact path > longest prefix > method > most headers > most query
 //! params), as linkerd2-proxy's `http/route` does; ties go to the older route (lower index in
 //! the listener's route list, which the resolver sorts by age then name), then to the earlier
-//! rule. Entries are sorted once, best first, so a lookup returns the first entry that matches
-//! among the routes with the most specific hostname for the request.
+//! rule. Entries are sorted once, best first. Among HTTPRoutes serving the request's host, a
+//! lookup takes the best match, a more specific route hostname breaking ties between equal
+//! matches; GRPCRoutes with the most specific hostname go first (see [`HostPrecedence`]).
 
 use std::cmp::Reverse;
 
