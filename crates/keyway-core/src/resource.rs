@@ -259,12 +259,9 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
     value: Value,
 ) -> Result<(T, Vec<String>), PathError> {
     let mut ignored = Vec::new();
-    let mut track = serde_path_to_error::Track::new();
     // Kept to find lists read as objects (see `list_for_object`).
     let input = value.clone();
-    let de = serde_path_to_error::Deserializer::new(value, &mut track);
-    let result = serde_ignored::deserialize(de, |path| ignored.push(path_text(&path)));
-    match result {
+    match read_tracked::<T>(value, |path| ignored.push(path)) {
         Ok(obj) => {
             let read = serde_json::to_value(&obj).unwrap_or(Value::Null);
             if let Some(path) = list_for_object(&input, &read, String::new()) {
@@ -278,10 +275,7 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
             }
             Ok((obj, ignored))
         }
-        Err(err) => {
-            let path = track.path().to_string();
-            let mut path = if path == "." { String::new() } else { path };
-            let mut message = tidy_serde_message(&err.to_string());
+        Err((mut path, mut message)) => {
             let mut also = Vec::new();
             // "missing field `port`" at `spec` reads better as "port is required" at `spec.port`.
             if let Some(missing) = missing_field(&path, &message) {
@@ -300,6 +294,24 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
                 ignored,
                 also,
             })
+        }
+    }
+}
+
+/// Reads `value` as `T`, handing each unknown key's path to `ignored`. An error comes with the
+/// path it was met at (empty for the root) and serde's message, tidied.
+fn read_tracked<T: serde::de::DeserializeOwned>(
+    value: Value,
+    mut ignored: impl FnMut(String),
+) -> Result<T, (String, String)> {
+    let mut track = serde_path_to_error::Track::new();
+    let de = serde_path_to_error::Deserializer::new(value, &mut track);
+    match serde_ignored::deserialize(de, |path| ignored(path_text(&path))) {
+        Ok(t) => Ok(t),
+        Err(err) => {
+            let at = track.path().to_string();
+            let at = if at == "." { String::new() } else { at };
+            Err((at, tidy_serde_message(&err.to_string())))
         }
     }
 }
@@ -377,20 +389,14 @@ fn other_missing_fields<T: serde::de::DeserializeOwned>(
         return (found, ignored);
     }
     for _ in 0..48 {
-        let mut track = serde_path_to_error::Track::new();
-        let de = serde_path_to_error::Deserializer::new(value.clone(), &mut track);
-        let result: Result<T, _> = serde_ignored::deserialize(de, |path| {
-            let path = path_text(&path);
+        let result = read_tracked::<T>(value.clone(), |path| {
             if !ignored.contains(&path) {
                 ignored.push(path);
             }
         });
-        let Err(err) = result else {
+        let Err((at, message)) = result else {
             break;
         };
-        let at = track.path().to_string();
-        let at = if at == "." { String::new() } else { at };
-        let message = tidy_serde_message(&err.to_string());
         let missing = missing_field(&at, &message);
         let failed = missing.clone().unwrap_or(at);
         match holes.iter().rposition(|h| within(&failed, &h.path)) {

@@ -734,12 +734,17 @@ async fn serve_connection<S>(
 }
 
 fn refuse(mut respond: h2::server::SendResponse<Bytes>, status: StatusCode, why: &str) {
+    let _ = respond.send_response(refusal_response(status, why), true);
+}
+
+/// A refusal of a CONNECT stream: `status`, with why in [`H_ERROR`].
+fn refusal_response(status: StatusCode, why: &str) -> Response<()> {
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     if let Ok(v) = HeaderValue::from_str(why) {
         resp.headers_mut().insert(H_ERROR, v);
     }
-    let _ = respond.send_response(resp, true);
+    resp
 }
 
 fn header<'a>(req: &'a Request<RecvStream>, name: &str) -> Option<&'a str> {
@@ -830,11 +835,7 @@ async fn serve_stream(
         match open_stream(&inner, &site, &key, hops - 1).await {
             Ok(io) => Upstream::Remote(io),
             Err(e) => {
-                let mut resp = Response::new(());
-                *resp.status_mut() = StatusCode::BAD_GATEWAY;
-                if let Ok(v) = HeaderValue::from_str(&e.why) {
-                    resp.headers_mut().insert(H_ERROR, v);
-                }
+                let mut resp = refusal_response(StatusCode::BAD_GATEWAY, &e.why);
                 // The destination's own refusal, passed on: the origin tries no other path.
                 if e.at_destination {
                     resp.headers_mut()

@@ -32,7 +32,7 @@ pub fn lock(dir: &Path) -> Result<StateLock> {
     Ok(StateLock {
         dir: dir.to_path_buf(),
         held: std::sync::Mutex::new(
-            lock_file(dir, true)?.map(|f| (identity(&dir.join(".lock")), f)),
+            lock_file(dir, true)?.map(|f| (identity(&dir.join(LOCK_FILE)), f)),
         ),
         warned: std::sync::atomic::AtomicBool::new(false),
     })
@@ -59,7 +59,7 @@ impl StateLock {
     /// while this site ran, say with the config directory it lives in: the site writes its
     /// state there again, and a second `keyway run` must still find it taken.
     pub fn keep(&self) {
-        let path = self.dir.join(".lock");
+        let path = self.dir.join(LOCK_FILE);
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         if held
             .as_ref()
@@ -90,7 +90,7 @@ impl StateLock {
 /// Opens (creating) and locks `dir/.lock`. With `make_dir`, `dir` is made first (at start);
 /// without, a directory that is not there (removed while the site runs) is left alone.
 fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
-    let path = dir.join(".lock");
+    let path = dir.join(LOCK_FILE);
     let made = if make_dir {
         std::fs::create_dir_all(dir)
     } else {
@@ -123,6 +123,9 @@ fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
     }
 }
 
+/// The file a running site holds locked in its state directory.
+const LOCK_FILE: &str = ".lock";
+
 /// The running site's id (its network's, per process), which `keyway token redeem` sends so
 /// that a granting site can tell the site itself from another one of its name.
 pub const SITE_ID_FILE: &str = "site-id";
@@ -132,7 +135,7 @@ pub const SITE_ID_FILE: &str = "site-id";
 pub fn running_site_id(dir: &Path) -> Option<String> {
     let lock = std::fs::OpenOptions::new()
         .write(true)
-        .open(dir.join(".lock"))
+        .open(dir.join(LOCK_FILE))
         .ok()?;
     if !matches!(lock.try_lock(), Err(std::fs::TryLockError::WouldBlock)) {
         return None;

@@ -1291,9 +1291,23 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 async fn serve_tls(
     ctx: Arc<Ctx>,
     config: Arc<ArcSwap<PortConfig>>,
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
 ) {
+    let metrics = ctx.shared.metrics.clone();
+    if let Err(why) = tls_session(ctx, config, stream, peer).await {
+        metrics.tls_refused(why);
+    }
+}
+
+/// [`serve_tls`]'s work; `Err` says why the connection was closed before a TLS session (or
+/// right after its handshake, with nothing to serve the name), to be counted.
+async fn tls_session(
+    ctx: Arc<Ctx>,
+    config: Arc<ArcSwap<PortConfig>>,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+) -> Result<(), TlsRefused> {
     let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
     let mut buf = Vec::with_capacity(2048);
     let read_hello = async {
@@ -1310,12 +1324,12 @@ async fn serve_tls(
             }
         }
     };
-    let metrics = &ctx.shared.metrics;
     let sni = match tokio::time::timeout_at(deadline, read_hello).await {
         Ok(Some(sni::Hello::Tls(sni))) => sni,
         Ok(Some(sni::Hello::PlainHttp)) => {
-            metrics.unrouted(crate::metrics::Unrouted::Invalid);
-            metrics.tls_refused(TlsRefused::NotTls);
+            ctx.shared
+                .metrics
+                .unrouted(crate::metrics::Unrouted::Invalid);
             let body = "this port speaks TLS (HTTPS); the request was sent as plain HTTP\n";
             let resp = format!(
                 "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -1323,29 +1337,21 @@ async fn serve_tls(
             );
             let _ = stream.write_all(resp.as_bytes()).await;
             let _ = stream.shutdown().await;
-            return;
+            return Err(TlsRefused::NotTls);
         }
-        Err(_) => {
-            metrics.tls_refused(TlsRefused::Timeout);
-            return;
-        }
+        Err(_) => return Err(TlsRefused::Timeout),
         // A connection closed before sending anything (a TCP health check) is not counted;
         // one closed partway through its ClientHello gave up the handshake.
-        Ok(None) if buf.is_empty() => return,
-        Ok(None) => {
-            metrics.tls_refused(TlsRefused::Handshake);
-            return;
-        }
+        Ok(None) if buf.is_empty() => return Ok(()),
+        Ok(None) => return Err(TlsRefused::Handshake),
         _ => {
             tracing::debug!(%peer, "not a TLS ClientHello: closing");
-            metrics.tls_refused(TlsRefused::NotTls);
-            return;
+            return Err(TlsRefused::NotTls);
         }
     };
     let cfg = config.load_full();
     let Some(l) = cfg.select(sni.as_deref(), |_| true) else {
         tracing::debug!(%peer, ?sni, "no listener for this server name: closing");
-        metrics.tls_refused(TlsRefused::UnknownName);
         // `unrecognized_name` answers a name the client sent (RFC 6066 §3); without one, no
         // listener without a hostname can serve it.
         let alert = if sni.is_some() {
@@ -1354,24 +1360,21 @@ async fn serve_tls(
             HANDSHAKE_FAILURE
         };
         refuse_handshake(stream, alert, deadline).await;
-        return;
+        return Err(TlsRefused::UnknownName);
     };
     if l.tls_mode == Some(TlsMode::Passthrough) {
-        match tcp::by_sni(&l.streams, sni.as_deref()) {
-            Some(route) => tcp::forward(&ctx, route, buf, stream).await,
-            None => {
-                tracing::debug!(%peer, ?sni, "no TLSRoute for this server name: closing");
-                metrics.tls_refused(TlsRefused::UnknownName);
-                refuse_handshake(stream, UNRECOGNIZED_NAME, deadline).await;
-            }
-        }
-        return;
+        let Some(route) = tcp::by_sni(&l.streams, sni.as_deref()) else {
+            tracing::debug!(%peer, ?sni, "no TLSRoute for this server name: closing");
+            refuse_handshake(stream, UNRECOGNIZED_NAME, deadline).await;
+            return Err(TlsRefused::UnknownName);
+        };
+        tcp::forward(&ctx, route, buf, stream).await;
+        return Ok(());
     }
     if l.server_config.is_none() {
         tracing::debug!(%peer, ?sni, "the listener for this server name has no usable certificate: closing");
-        metrics.tls_refused(TlsRefused::NoCertificate);
         refuse_handshake(stream, HANDSHAKE_FAILURE, deadline).await;
-        return;
+        return Err(TlsRefused::NoCertificate);
     }
     let acceptor = tokio_rustls::LazyConfigAcceptor::new(
         rustls::server::Acceptor::default(),
@@ -1379,14 +1382,8 @@ async fn serve_tls(
     );
     let start = match tokio::time::timeout_at(deadline, acceptor).await {
         Ok(Ok(s)) => s,
-        Ok(Err(_)) => {
-            metrics.tls_refused(TlsRefused::Handshake);
-            return;
-        }
-        Err(_) => {
-            metrics.tls_refused(TlsRefused::Timeout);
-            return;
-        }
+        Ok(Err(_)) => return Err(TlsRefused::Handshake),
+        Err(_) => return Err(TlsRefused::Timeout),
     };
     // rustls' own reading of the ClientHello picks the certificate.
     let name = start
@@ -1398,25 +1395,19 @@ async fn serve_tls(
     let Some(l) = cfg.select(name.as_deref(), |l| {
         l.tls_mode != Some(TlsMode::Passthrough)
     }) else {
-        metrics.tls_refused(TlsRefused::UnknownName);
-        return;
+        return Err(TlsRefused::UnknownName);
     };
     let Some(server_config) = l.server_config.clone() else {
         tracing::debug!(%peer, ?name, "the listener for this server name has no usable certificate: closing");
-        metrics.tls_refused(TlsRefused::NoCertificate);
-        return;
+        return Err(TlsRefused::NoCertificate);
     };
     let tls = match tokio::time::timeout_at(deadline, start.into_stream(server_config)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             tracing::debug!(%peer, "TLS handshake failed: {e}");
-            metrics.tls_refused(TlsRefused::Handshake);
-            return;
+            return Err(TlsRefused::Handshake);
         }
-        Err(_) => {
-            metrics.tls_refused(TlsRefused::Timeout);
-            return;
-        }
+        Err(_) => return Err(TlsRefused::Timeout),
     };
     if l.protocol == Protocol::Https {
         let session = http::TlsSession {
@@ -1425,15 +1416,14 @@ async fn serve_tls(
             client_check: l.client_check.as_ref().map_or(0, |c| c.id),
         };
         http::serve(ctx, config.clone(), tls, peer, Some(session)).await;
-    } else {
-        match tcp::by_sni(&l.streams, name.as_deref()) {
-            Some(route) => tcp::forward(&ctx, route, Vec::new(), tls).await,
-            None => {
-                tracing::debug!(%peer, "no TLSRoute for this server name: closing");
-                metrics.tls_refused(TlsRefused::UnknownName);
-            }
-        }
+        return Ok(());
     }
+    let Some(route) = tcp::by_sni(&l.streams, name.as_deref()) else {
+        tracing::debug!(%peer, "no TLSRoute for this server name: closing");
+        return Err(TlsRefused::UnknownName);
+    };
+    tcp::forward(&ctx, route, Vec::new(), tls).await;
+    Ok(())
 }
 
 /// TLS alert `unrecognized_name` (RFC 6066 §3): no listener or route serves the name asked for.
