@@ -126,6 +126,8 @@ impl PrivateKeyDerClone {
 }
 
 /// Value of a Secret key from `stringData` (preferred, as the API server merges it) or `data`.
+/// An empty value counts as absent: cert-manager writes `ca.crt: ""` beside the serving
+/// certificate it got from a public CA (ACME), and that Secret must still serve.
 pub fn secret_value(secret: &Secret, key: &str) -> Option<Vec<u8>> {
     secret
         .string_data
@@ -139,6 +141,7 @@ pub fn secret_value(secret: &Secret, key: &str) -> Option<Vec<u8>> {
                 .and_then(|m| m.get(key))
                 .map(|b| b.0.clone())
         })
+        .filter(|v| !v.iter().all(u8::is_ascii_whitespace))
 }
 
 /// Whether `key` can sign and belongs to the first certificate of `chain`, as rustls will

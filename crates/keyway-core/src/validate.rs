@@ -622,18 +622,7 @@ fn check_secret_name(p: &mut Problems, path: &str, name: Option<&str>) {
 }
 
 fn check_secret(p: &mut Problems, s: &k8s_openapi::api::core::v1::Secret) {
-    let get = |key: &str| -> Option<Vec<u8>> {
-        s.string_data
-            .as_ref()
-            .and_then(|m| m.get(key))
-            .map(|v| v.as_bytes().to_vec())
-            .or_else(|| {
-                s.data
-                    .as_ref()
-                    .and_then(|m| m.get(key))
-                    .map(|b| b.0.clone())
-            })
-    };
+    let get = |key: &str| crate::tls::secret_value(s, key);
     let field = |key: &str| -> String {
         if s.string_data.as_ref().is_some_and(|m| m.contains_key(key)) {
             format!("stringData.{key}")
@@ -762,13 +751,39 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(String, &'static str)> {
                 ));
             }
         }
-        Resource::Link(link) if link.spec.cost == Some(0) => {
-            out.push((
-                "spec.cost",
-                "a link costs at least 1 (a free hop would make paths of any length tie): cost 0 counts as 1",
-            ));
+        Resource::Link(link) => {
+            if link.spec.cost == Some(0) {
+                out.push((
+                    "spec.cost",
+                    "a link costs at least 1 (a free hop would make paths of any length tie): cost 0 counts as 1",
+                ));
+            }
+            unread(
+                &link.spec.settings,
+                &[],
+                "ignored: keyway reads no settings on a Link",
+                &mut unread_keys,
+            );
         }
+        Resource::AccessGrant(g) => unread(
+            &g.spec.settings,
+            &[],
+            "ignored: keyway reads no settings on an AccessGrant",
+            &mut unread_keys,
+        ),
+        Resource::AccessToken(t) => unread(
+            &t.spec.settings,
+            &[],
+            "ignored: keyway reads no settings on an AccessToken",
+            &mut unread_keys,
+        ),
         Resource::RouterAccess(r) => {
+            unread(
+                &r.spec.settings,
+                &[],
+                "ignored: keyway reads no settings on a RouterAccess",
+                &mut unread_keys,
+            );
             if r.spec.generate_tls_credentials {
                 out.push((
                     "spec.generateTlsCredentials",
@@ -980,6 +995,16 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
     }
     for (i, rule) in rules.iter().enumerate() {
         let at = format!("spec.rules[{i}]");
+        if let Some(name) = rule["name"].as_str()
+            && !is_section_name(name)
+        {
+            p.add(
+                format!("{at}.name"),
+                format!(
+                    "`{name}` is not a valid rule name: lowercase letters, digits, '-' and '.'"
+                ),
+            );
+        }
         for (j, m) in rule["matches"]
             .as_array()
             .map(Vec::as_slice)
@@ -1026,6 +1051,8 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                         check_regex(p, &format!("{at}.matches[{j}].method.{part}"), v);
                     }
                 }
+            } else if kind == crate::resource::Kind::GRPCRoute && m["method"].is_object() {
+                check_grpc_exact_method(p, &format!("{at}.matches[{j}].method"), &m["method"]);
             }
             // The API server refuses a name listed twice (these lists are keyed by name);
             // header names differing in case pass, and the data plane uses the first of them.
@@ -1120,6 +1147,9 @@ fn check_route(p: &mut Problems, v: &Value, kind: crate::resource::Kind) {
                         ),
                     );
                 }
+            }
+            if let Some(port) = f["requestRedirect"]["port"].as_i64() {
+                check_port(p, &format!("{at}.filters[{j}].requestRedirect.port"), port);
             }
             if let Some(code) = f["requestRedirect"]["statusCode"].as_i64()
                 && !matches!(code, 301 | 302 | 303 | 307 | 308)
@@ -1542,6 +1572,38 @@ pub fn is_dns_subdomain(s: &str) -> bool {
     !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 
+/// Upstream's CEL on an Exact GRPCMethodMatch (the default type): it names a service or a
+/// method or both, each made of the characters a protobuf name can have.
+fn check_grpc_exact_method(p: &mut Problems, at: &str, method: &Value) {
+    let ident = |s: &str| {
+        s.bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    };
+    let service = method["service"].as_str();
+    let name = method["method"].as_str();
+    if service.is_none() && name.is_none() {
+        p.add(at, "one or both of 'service' or 'method' must be specified");
+    }
+    if let Some(s) = service
+        && !s.strip_prefix('.').unwrap_or(s).split('.').all(ident)
+    {
+        p.add(
+            format!("{at}.service"),
+            format!("`{s}` is not a gRPC service name: dot-separated letters, digits and '_'"),
+        );
+    }
+    if let Some(m) = name
+        && !ident(m)
+    {
+        p.add(
+            format!("{at}.method"),
+            format!("`{m}` is not a gRPC method name: letters, digits and '_'"),
+        );
+    }
+}
+
 fn is_section_name(s: &str) -> bool {
     !s.is_empty() && s.len() <= 253 && is_dns_subdomain(s)
 }
@@ -1799,5 +1861,46 @@ fn check_frontend_tls(p: &mut Problems, frontend: &serde_json::Value) {
             &entry["tls"]["validation"],
             &format!("spec.tls.frontend.perPort[{i}].tls.validation"),
         );
+    }
+}
+
+#[cfg(test)]
+mod settings_tests {
+    /// `settings` on the Skupper kinds keyway reads none of are warned about, key by key, as
+    /// on a Listener: a setting that does nothing here is not taken for one that works.
+    #[test]
+    fn settings_of_network_kinds_are_warnings() {
+        for (kind, spec) in [
+            (
+                "Link",
+                "endpoints: [{name: inter-router, host: 127.0.0.1, port: \"55671\"}]\n  tlsCredentials: to-b",
+            ),
+            ("AccessGrant", "redemptionsAllowed: 1"),
+            (
+                "AccessToken",
+                "url: https://127.0.0.1:9090/x\n  code: abc\n  ca: x",
+            ),
+            (
+                "RouterAccess",
+                "tlsCredentials: ra\n  roles: [{name: inter-router, port: 55671}]",
+            ),
+        ] {
+            let yaml = format!(
+                "apiVersion: skupper.io/v2alpha1\nkind: {kind}\nmetadata: {{name: x}}\nspec:\n  {spec}\n  settings: {{foo: bar}}\n"
+            );
+            let load = crate::load::load_file("a.yaml", &yaml);
+            let warnings: Vec<String> = load
+                .warnings
+                .iter()
+                .map(|w| format!("{}: {}", w.path, w.message))
+                .collect();
+            let want = "spec.settings.foo: ignored: keyway reads no settings on a";
+            assert!(
+                warnings
+                    .iter()
+                    .any(|w| w.starts_with(want) && w.ends_with(kind)),
+                "{kind}: {warnings:?}"
+            );
+        }
     }
 }

@@ -123,6 +123,10 @@ fn http_route(rules: &str) -> String {
     )
 }
 
+fn grpc_route(rules: &str) -> String {
+    http_route(rules).replace("kind: HTTPRoute", "kind: GRPCRoute")
+}
+
 fn indent(text: &str, n: usize) -> String {
     text.lines()
         .map(|l| format!("{}{l}\n", " ".repeat(n)))
@@ -922,6 +926,44 @@ fn cases() -> Vec<Case> {
             11,
             "spec.rules[0].filters[0].requestRedirect.hostname",
             "`evil.com/x` must be a precise hostname",
+        ),
+        case(
+            "route-redirect-to-port-zero",
+            http_route(
+                "  - filters:\n    - type: RequestRedirect\n      requestRedirect: {port: 0}\n",
+            ),
+            11,
+            "spec.rules[0].filters[0].requestRedirect.port",
+            "port must be between 1 and 65535, found 0",
+        ),
+        case(
+            "route-rule-name-not-a-section-name",
+            http_route("  - name: Bad_Name\n"),
+            9,
+            "spec.rules[0].name",
+            "`Bad_Name` is not a valid rule name",
+        ),
+        // --- GRPCRoute method matches: the schema's CEL rules for Exact ----------------------
+        case(
+            "grpc-method-match-naming-nothing",
+            grpc_route("  - matches: [{method: {}}]\n"),
+            9,
+            "spec.rules[0].matches[0].method",
+            "one or both of 'service' or 'method' must be specified",
+        ),
+        case(
+            "grpc-method-with-a-space",
+            grpc_route("  - matches: [{method: {service: a.B, method: \"Log in\"}}]\n"),
+            9,
+            "spec.rules[0].matches[0].method.method",
+            "`Log in` is not a gRPC method name",
+        ),
+        case(
+            "grpc-service-with-a-slash",
+            grpc_route("  - matches: [{method: {service: com/example}}]\n"),
+            9,
+            "spec.rules[0].matches[0].method.service",
+            "`com/example` is not a gRPC service name",
         ),
         // --- Header and query parameter names: the schema's HeaderName pattern ---------------
         case(

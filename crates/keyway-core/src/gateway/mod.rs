@@ -97,7 +97,22 @@ pub(crate) fn is_our_class(index: &Index, class: &str) -> bool {
         || matches!(
             index.resource(Kind::GatewayClass, "", class),
             Some(Resource::GatewayClass(c)) if c.spec.controller_name == CONTROLLER_NAME
+                && class_parameters_problem(c).is_none()
         )
+}
+
+/// Why a GatewayClass of keyway's controller is not accepted: it names parameters, and keyway
+/// has no parameter kinds (Gateway API: an unsupported `parametersRef` SHOULD make the class
+/// `Accepted=False/InvalidParameters`). Its Gateways are then left alone, with a warning.
+fn class_parameters_problem(
+    class: &gateway_api::apis::standard::gatewayclasses::GatewayClass,
+) -> Option<String> {
+    class.spec.parameters_ref.as_ref().map(|r| {
+        format!(
+            "spec.parametersRef: keyway takes no parameters ({}/{} {})",
+            r.group, r.kind, r.name
+        )
+    })
 }
 
 pub fn foreign_class_warnings(index: &Index) -> Vec<ConfigError> {
@@ -105,13 +120,21 @@ pub fn foreign_class_warnings(index: &Index) -> Vec<ConfigError> {
         .of_kind(Kind::Gateway)
         .filter_map(|g| match &g.resource {
             Resource::Gateway(gw) if !is_our_class(index, &gw.spec.gateway_class_name) => {
-                Some(g.error_at(
-                    "spec.gatewayClassName",
-                    format!(
-                        "class `{}` is not served by keyway, so this Gateway is left alone; use `gatewayClassName: {BUILTIN_CLASS}` or a GatewayClass with `controllerName: {CONTROLLER_NAME}`",
-                        gw.spec.gateway_class_name
+                let class = &gw.spec.gateway_class_name;
+                let message = match index.resource(Kind::GatewayClass, "", class) {
+                    Some(Resource::GatewayClass(c))
+                        if c.spec.controller_name == CONTROLLER_NAME =>
+                    {
+                        format!(
+                            "class `{class}` is not accepted, so this Gateway is left alone: {}",
+                            class_parameters_problem(c).unwrap_or_default()
+                        )
+                    }
+                    _ => format!(
+                        "class `{class}` is not served by keyway, so this Gateway is left alone; use `gatewayClassName: {BUILTIN_CLASS}` or a GatewayClass with `controllerName: {CONTROLLER_NAME}`"
                     ),
-                ))
+                };
+                Some(g.error_at("spec.gatewayClassName", message))
             }
             _ => None,
         })
@@ -909,10 +932,14 @@ impl GatewayResolver {
             if let Resource::GatewayClass(gc) = &c.resource
                 && gc.spec.controller_name == CONTROLLER_NAME
             {
-                ours.insert(c.key.name.as_str());
+                let invalid = class_parameters_problem(gc);
+                if invalid.is_none() {
+                    ours.insert(c.key.name.as_str());
+                }
                 class_keys.push(&c.key);
                 let model = Model::Class {
                     generation: generation(c),
+                    invalid,
                 };
                 self.out.statuses.put(&c.key, model, now);
             }
@@ -925,9 +952,14 @@ impl GatewayResolver {
                 matches!(&g.resource, Resource::Gateway(gw) if gw.spec.gateway_class_name == BUILTIN_CLASS)
             });
         if builtin_listed {
-            self.out
-                .statuses
-                .put(&builtin, Model::Class { generation: 1 }, now);
+            self.out.statuses.put(
+                &builtin,
+                Model::Class {
+                    generation: 1,
+                    invalid: None,
+                },
+                now,
+            );
         } else if index.get(&builtin).is_none() {
             self.out.statuses.remove(&builtin);
         }

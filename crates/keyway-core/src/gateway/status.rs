@@ -77,6 +77,8 @@ pub(crate) struct ParentStatus {
 pub(crate) enum Model {
     Class {
         generation: i64,
+        /// Why the class is not accepted (`InvalidParameters`), if it is not.
+        invalid: Option<String>,
     },
     /// A Gateway (with `attached_listener_sets`) or a ListenerSet (without).
     Listeners {
@@ -119,13 +121,19 @@ fn kinds(list: &[Kind]) -> Value {
 /// `top` (their own transition times, see [`Statuses::put`]).
 fn render_with(model: &Model, now: &Value, top: &[Value]) -> Value {
     let mut v = match model {
-        Model::Class { generation } => {
-            let accepted = C::new(
-                "Accepted",
-                true,
-                "Accepted",
-                format!("handled by {CONTROLLER_NAME}"),
-            );
+        Model::Class {
+            generation,
+            invalid,
+        } => {
+            let accepted = match invalid {
+                None => C::new(
+                    "Accepted",
+                    true,
+                    "Accepted",
+                    format!("handled by {CONTROLLER_NAME}"),
+                ),
+                Some(why) => C::new("Accepted", false, "InvalidParameters", why.clone()),
+            };
             json!({ "conditions": conds([&accepted], &Value::from(*generation), now) })
         }
         Model::Listeners {
@@ -233,7 +241,7 @@ impl Model {
     /// while their status does not flip (as [`crate::conditions::carry_transition_times`]).
     fn top(&self) -> Vec<(&'static str, bool)> {
         match self {
-            Model::Class { .. } => vec![("Accepted", true)],
+            Model::Class { invalid, .. } => vec![("Accepted", invalid.is_none())],
             Model::Listeners { conditions, .. } => {
                 conditions.iter().map(|c| (c.type_, c.status)).collect()
             }

@@ -1901,6 +1901,29 @@ fn gateway_class_objects_naming_our_controller_are_accepted() {
     assert!(!r.statuses.contains_key(&key(GW, "infra", "other")));
 }
 
+/// A class of keyway's controller that names parameters is not accepted (keyway has no
+/// parameter kinds), and its Gateways are left alone with a warning saying why.
+#[test]
+fn a_gateway_class_with_parameters_is_not_accepted() {
+    let y = "---\napiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: tuned}\nspec:\n  controllerName: keyway.io/gateway-controller\n  parametersRef: {group: example.com, kind: Config, name: cfg}\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: gw, namespace: infra}\nspec:\n  gatewayClassName: tuned\n  listeners: [{name: a, port: 80, protocol: HTTP}]\n";
+    let index = index_of(y);
+    let r = resolve(&index, &now());
+    assert_eq!(
+        top(&r, Kind::GatewayClass, "", "tuned", "Accepted"),
+        no("InvalidParameters")
+    );
+    assert!(!r.statuses.contains_key(&key(GW, "infra", "gw")));
+    assert!(r.plan.gateways.is_empty(), "{:?}", r.plan.gateways);
+    let warnings = foreign_class_warnings(&index);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].message.contains("`tuned` is not accepted")
+            && warnings[0].message.contains("example.com/Config cfg"),
+        "{}",
+        warnings[0].message
+    );
+}
+
 #[test]
 fn plan_groups_listeners_by_port_and_family() {
     let y = base("from: All")
@@ -2098,6 +2121,32 @@ fn regression_hostname_conflict_leaves_exactly_one_winner() {
     let want =
         ["team-b", "team-a"].map(|ns| (format!("ListenerSet {ns}/ls"), "x", "HostnameConflict"));
     assert_eq!(lost, want);
+}
+
+/// A Secret as cert-manager writes it for a certificate from a public CA: base64 `data` with an
+/// empty `ca.crt`. The empty key counts as absent, so the Secret loads and its listener serves.
+#[test]
+fn a_cert_manager_secret_with_an_empty_ca_serves() {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let cm = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: cert\n  namespace: infra\n  annotations:\n    cert-manager.io/issuer-name: letsencrypt\ntype: kubernetes.io/tls\ndata:\n  ca.crt: \"\"\n  tls.crt: {}\n  tls.key: {}\n",
+        b64(CERT),
+        b64(KEY)
+    );
+    let gw = gateway(
+        "infra",
+        "gw",
+        "from: None",
+        &l("tls", 443, "HTTPS", Some("a.example.com")),
+    );
+    let index = index_of_files(&[("cm.yaml", &cm), ("gw.yaml", &gw)]);
+    let r = resolve(&index, &now());
+    let conds = &listener(&r, Kind::Gateway, "infra", "gw", "tls")["conditions"];
+    for t in ["ResolvedRefs", "Programmed"] {
+        let got = status_and_message(conds, t);
+        assert!(got.starts_with("True"), "{t}: {got}");
+    }
 }
 
 /// A certificate Secret whose document was rejected (and has no valid version) is named as not
