@@ -302,6 +302,20 @@ pub fn load_file(file: &str, text: &str) -> FileLoad {
     load
 }
 
+/// Experimental fields of earlier Gateway API releases that a later one renamed, with their
+/// new place: a manifest written for v1.3 names the field to move.
+fn renamed_field(kind: Kind, path: &str) -> Option<&'static str> {
+    if kind != Kind::Gateway {
+        return None;
+    }
+    if path == "spec.backendTLS" {
+        return Some("`spec.tls.backend`");
+    }
+    let (listener, field) = path.strip_prefix("spec.listeners[")?.split_once(']')?;
+    (listener.parse::<usize>().is_ok() && field == ".tls.frontendValidation")
+        .then_some("the Gateway's `spec.tls.frontend` (default or per port)")
+}
+
 fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
     let lines = Arc::new(doc.lines);
     let err = |path: &str, message: String, object: Option<ObjectKey>| ConfigError {
@@ -313,6 +327,10 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         message,
         object,
     };
+    // A null document (`--- ~`, `null`) is skipped, as kubectl skips it: it holds no object.
+    if doc.value.is_null() {
+        return;
+    }
     let Value::Object(map) = &doc.value else {
         load.outcomes.push(DocOutcome::Rejected(err(
             "",
@@ -331,13 +349,26 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_string();
-    if kind_name == "List" && api_version == "v1" {
+    // A typed list (`ConnectorList`, as the API and client-go write them) holds items without
+    // apiVersion and kind: they are the list's, as kubectl reads them.
+    let typed = kind_name
+        .strip_suffix("List")
+        .filter(|stem| Kind::from_type(&api_version, stem).is_some());
+    if (kind_name == "List" && api_version == "v1") || typed.is_some() {
         let items = map
             .get("items")
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        for (i, item) in items.into_iter().enumerate() {
+        for (i, mut item) in items.into_iter().enumerate() {
+            if let (Some(stem), Value::Object(fields)) = (typed, &mut item) {
+                fields
+                    .entry("apiVersion")
+                    .or_insert_with(|| Value::String(api_version.clone()));
+                fields
+                    .entry("kind")
+                    .or_insert_with(|| Value::String(stem.to_string()));
+            }
             let sub = lines.subtree(&format!("items[{i}]"));
             let start_line = sub.line_of("");
             load_document(
@@ -545,6 +576,8 @@ fn load_document(file: &str, doc: ParsedDoc, load: &mut FileLoad) {
         .map(|p| {
             let message = if spec_slip.as_ref() == Some(p) {
                 "unknown field: is it a misspelling of `spec`?".into()
+            } else if let Some(now) = renamed_field(kind, p) {
+                format!("unknown field: Gateway API v1.4 replaced it with {now}")
             } else {
                 "unknown field".into()
             };

@@ -765,6 +765,19 @@ pub fn ignored_settings(resource: &Resource) -> Vec<(String, &'static str)> {
                 &mut unread_keys,
             );
         }
+        Resource::Service(svc)
+            if svc
+                .spec
+                .as_ref()
+                .and_then(|spec| spec.type_.as_deref())
+                .is_some_and(|t| t == "ExternalName") =>
+        {
+            out.push((
+                "spec.type",
+                "ignored: keyway does not resolve ExternalName Services (Gateway API advises against them); \
+                 give the Service an EndpointSlice with the addresses to reach",
+            ));
+        }
         Resource::AccessGrant(g) => unread(
             &g.spec.settings,
             &[],
@@ -1902,5 +1915,22 @@ mod settings_tests {
                 "{kind}: {warnings:?}"
             );
         }
+    }
+
+    /// An ExternalName Service loads (upstream manifests have them) but is said to serve
+    /// nothing here, rather than read as resolved.
+    #[test]
+    fn an_external_name_service_is_a_warning() {
+        let load = crate::load::load_file(
+            "s.yaml",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: ext}\nspec:\n  type: ExternalName\n  externalName: example.com\n",
+        );
+        let warnings: Vec<String> = load.warnings.iter().map(ToString::to_string).collect();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0]
+                .starts_with("s.yaml:5: spec.type: ignored: keyway does not resolve ExternalName"),
+            "{warnings:?}"
+        );
     }
 }

@@ -409,40 +409,69 @@ pub fn parse_yaml_stream(text: &str) -> Vec<Result<ParsedDoc, SyntaxError>> {
     split_documents(text).iter().map(parse_chunk).collect()
 }
 
-/// Parses a JSON file. It must be strict JSON without duplicate keys (a YAML parser would also take
-/// trailing commas, comments and single quotes, and serde_json silently keeps the last duplicate).
-/// Lines come from the located YAML parser when it can read the text (JSON is YAML), else every
-/// path is on the document's first line (tabs and other JSON-only spellings).
+/// Parses a JSON file: one document, or several in a row (a stream, as `jq -c '.items[]'`
+/// writes and kubectl reads). Each must be strict JSON without duplicate keys (a YAML parser
+/// would also take trailing commas, comments and single quotes, and serde_json silently keeps
+/// the last duplicate). Lines come from the located YAML parser when it can read the text (JSON
+/// is YAML), else every path is on the document's first line (tabs and other JSON-only
+/// spellings).
 pub fn parse_json(text: &str) -> Vec<Result<ParsedDoc, SyntaxError>> {
-    if text.trim().is_empty() {
-        return Vec::new();
+    let mut out = Vec::new();
+    let mut docs = serde_json::Deserializer::from_str(text).into_iter::<serde::de::IgnoredAny>();
+    let mut start = 0;
+    while let Some(next) = docs.next() {
+        let end = docs.byte_offset();
+        match next {
+            Ok(_) => {
+                let offset = text[..start].matches('\n').count();
+                let offset = u32::try_from(offset).unwrap_or(u32::MAX);
+                out.push(parse_json_document(&text[start..end], offset));
+                start = end;
+            }
+            Err(err) => {
+                out.push(Err(json_error(&err, 0)));
+                break;
+            }
+        }
     }
-    let json_error = |err: serde_json::Error| SyntaxError {
-        line: u32::try_from(err.line()).unwrap_or(0).max(1),
+    out
+}
+
+fn json_error(err: &serde_json::Error, offset: u32) -> SyntaxError {
+    SyntaxError {
+        line: u32::try_from(err.line())
+            .unwrap_or(0)
+            .max(1)
+            .saturating_add(offset),
         message: format!("invalid JSON: {err}"),
-    };
-    let value = match serde_json::from_str::<Value>(text) {
-        Ok(value) => value,
-        Err(err) => return vec![Err(json_error(err))],
-    };
-    let mut de = serde_json::Deserializer::from_str(text);
-    if let Err(err) = NoDuplicateKeys::deserialize(&mut de) {
-        return vec![Err(json_error(err))];
     }
+}
+
+/// One JSON document of a file, `offset` lines into it.
+fn parse_json_document(text: &str, offset: u32) -> Result<ParsedDoc, SyntaxError> {
+    let value = serde_json::from_str::<Value>(text).map_err(|e| json_error(&e, offset))?;
+    let mut de = serde_json::Deserializer::from_str(text);
+    NoDuplicateKeys::deserialize(&mut de).map_err(|e| json_error(&e, offset))?;
+    // The document's first line: past the blank lines that ended the one before it.
+    let lead = &text[..text.len() - text.trim_start().len()];
+    let first = offset + 1 + u32::try_from(lead.matches('\n').count()).unwrap_or(0);
     if let Ok(node) = serde_saphyr::from_str::<Spanned<Node>>(text) {
         let mut lines = HashMap::new();
-        let value = lower(node, String::new(), 0, &mut lines);
-        return vec![Ok(ParsedDoc {
+        let value = lower(node, String::new(), offset, &mut lines);
+        return Ok(ParsedDoc {
             value,
-            lines: LineIndex { lines, fallback: 1 },
-            start_line: 1,
-        })];
+            lines: LineIndex {
+                lines,
+                fallback: first,
+            },
+            start_line: first,
+        });
     }
-    vec![Ok(ParsedDoc {
+    Ok(ParsedDoc {
         value,
-        lines: LineIndex::flat(1),
-        start_line: 1,
-    })]
+        lines: LineIndex::flat(first),
+        start_line: first,
+    })
 }
 
 /// Walks a JSON document and fails on the first object with a repeated key.
@@ -580,6 +609,26 @@ mod tests {
             .unwrap_err();
         assert!(err.message.contains("duplicate key `a`"), "{err:?}");
         assert_eq!(err.line, 3, "{err:?}");
+    }
+
+    /// Several JSON documents in a row (`jq -c '.items[]'`), each with its own lines; a
+    /// broken one ends the stream with an error at its line.
+    #[test]
+    fn json_streams_are_read_document_by_document() {
+        let docs = parse_json(
+            "{\"kind\": \"A\"}\n{\"kind\": \"B\",\n \"spec\": {\"x\": 1}}\n\n{\"kind\": \"C\"}\n",
+        );
+        assert_eq!(docs.len(), 3);
+        let doc = |i: usize| docs[i].as_ref().unwrap();
+        assert_eq!(doc(1).value["kind"], "B");
+        assert_eq!((doc(1).start_line, doc(1).lines.line_of("spec.x")), (2, 3));
+        assert_eq!((doc(2).start_line, doc(2).lines.line_of("kind")), (5, 5));
+        let docs = parse_json("{\"a\": 1}\n{\"a\": 1,\n}\n");
+        assert!(docs[0].is_ok());
+        assert_eq!(docs[1].as_ref().unwrap_err().line, 3);
+        let docs = parse_json("{\"a\": 1}\n{\"a\": 1,\n \"a\": 2}\n");
+        assert_eq!(docs[1].as_ref().unwrap_err().line, 3);
+        assert!(parse_json(" \n").is_empty());
     }
 
     #[test]

@@ -446,6 +446,30 @@ fn json_files_load_with_lines() {
     assert_eq!(obj.key.name, "db");
 }
 
+/// The shapes other tools write, read as kubectl reads them: a typed list (`ConnectorList`,
+/// items without kind), a stream of JSON documents (`jq -c '.items[]'`), and null documents.
+#[test]
+fn typed_lists_json_streams_and_null_documents() {
+    let typed = r#"{"apiVersion": "skupper.io/v2alpha1", "kind": "ConnectorList", "items": [
+  {"metadata": {"name": "a"}, "spec": {"routingKey": "a", "host": "127.0.0.1", "port": 1}},
+  {"metadata": {"name": "b"}, "spec": {"routingKey": "b", "host": "127.0.0.1", "port": 2}}
+]}"#;
+    let keys: Vec<String> = objects("typed.json", typed)
+        .iter()
+        .map(|o| o.key.to_string())
+        .collect();
+    assert_eq!(keys, ["Connector default/a", "Connector default/b"]);
+
+    let stream = "{\"apiVersion\": \"skupper.io/v2alpha1\", \"kind\": \"Listener\", \"metadata\": {\"name\": \"a\"}, \"spec\": {\"routingKey\": \"a\", \"host\": \"127.0.0.1\", \"port\": 1}}\n{\"apiVersion\": \"skupper.io/v2alpha1\", \"kind\": \"Connector\",\n \"metadata\": {\"name\": \"a\"}, \"spec\": {\"routingKey\": \"a\", \"host\": \"127.0.0.1\", \"port\": 2}}\n";
+    let objs = objects("stream.json", stream);
+    assert_eq!(objs.len(), 2);
+    assert_eq!(objs[1].key.to_string(), "Connector default/a");
+    assert_eq!(objs[1].lines.line_of("spec.port"), 3);
+
+    let nulls = "--- ~\n---\nnull\n---\napiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: a}\nspec: {routingKey: a, host: 127.0.0.1, port: 1}\n";
+    assert_eq!(objects("nulls.yaml", nulls).len(), 1);
+}
+
 #[test]
 fn json_list_and_yaml_list() {
     let json = r#"{"apiVersion": "v1", "kind": "List", "items": [

@@ -221,6 +221,27 @@ spec:
     );
 }
 
+/// Gateway fields of the v1.3 experimental channel that v1.4 moved are rejected (no channel
+/// has them now), with where they went.
+#[test]
+fn gateway_fields_moved_by_v1_4_name_their_new_place() {
+    let gateway = "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: gw}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - name: h\n    port: 443\n    protocol: HTTPS\n    tls:\n      certificateRefs: [{name: c}]\n";
+    assert_rejected(
+        &format!("{gateway}  backendTLS:\n    clientCertificateRef: {{name: c}}\n"),
+        "spec.backendTLS",
+        "unknown field: Gateway API v1.4 replaced it with `spec.tls.backend`",
+        "v1.3's backendTLS",
+    );
+    assert_rejected(
+        &format!(
+            "{gateway}      frontendValidation:\n        caCertificateRefs: [{{name: ca, kind: ConfigMap, group: \"\"}}]\n"
+        ),
+        "spec.listeners[0].tls.frontendValidation",
+        "unknown field: Gateway API v1.4 replaced it with the Gateway's `spec.tls.frontend` (default or per port)",
+        "v1.3's frontendValidation",
+    );
+}
+
 /// `retry` on an HTTPRoute rule is Gateway API's standard channel since v1.7: read without a
 /// warning, its values checked as the schema bounds them, and a misspelt field inside it
 /// (`attemps`) rejects the document at its own path.
