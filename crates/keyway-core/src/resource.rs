@@ -250,8 +250,8 @@ pub struct PathError {
     /// Unknown fields met before the error: they often explain it (`stratgy:` for a missing
     /// `strategy`), so they are reported with it rather than lost.
     pub ignored: Vec<String>,
-    /// Other required fields missing beside this one (path, message): serde stops at the
-    /// first, and a user fixes them all in one go.
+    /// Other errors beside this one (path, message: a required field missing, a value of the
+    /// wrong type): serde stops at the first, and a user fixes them all in one go.
     pub also: Vec<(String, String)>,
 }
 
@@ -276,16 +276,27 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(
             Ok((obj, ignored))
         }
         Err((mut path, mut message)) => {
-            let mut also = Vec::new();
-            // "missing field `port`" at `spec` reads better as "port is required" at `spec.port`.
-            if let Some(missing) = missing_field(&path, &message) {
-                let (more, more_ignored) = other_missing_fields::<T>(&input, &missing);
-                for p in more_ignored {
-                    if !ignored.contains(&p) {
-                        ignored.push(p);
-                    }
+            let missing = missing_field(&path, &message);
+            let first = missing.clone().unwrap_or_else(|| path.clone());
+            let (more, more_ignored) = if first.is_empty() {
+                Default::default()
+            } else {
+                other_errors::<T>(&input, &first)
+            };
+            for p in more_ignored {
+                if !ignored.contains(&p) {
+                    ignored.push(p);
                 }
-                also = more.iter().map(|p| required(p, &ignored)).collect();
+            }
+            let also = more
+                .into_iter()
+                .map(|(p, wrong)| match wrong {
+                    Some(wrong) => (p, wrong),
+                    None => required(&p, &ignored),
+                })
+                .collect();
+            // "missing field `port`" at `spec` reads better as "port is required" at `spec.port`.
+            if let Some(missing) = missing {
                 (path, message) = required(&missing, &ignored);
             }
             Err(PathError {
@@ -348,14 +359,14 @@ fn missing_field(at: &str, message: &str) -> Option<String> {
     })
 }
 
-/// Required fields missing from `input` besides `first`: each missing field is filled with a
-/// stand-in of some type (and the stand-in's own required fields, unreported, likewise) until
-/// the document converts or fails for another reason. Bounded: a few dozen conversions of a
-/// document that failed anyway.
-fn other_missing_fields<T: serde::de::DeserializeOwned>(
+/// Errors of `input` besides the one at `first`, as (path, message), the message `None` for a
+/// missing required field: each field at fault (missing, or of the wrong type) is filled with
+/// a stand-in of some type (and the stand-in's own required fields, unreported, likewise) until
+/// the document converts. Bounded: a few dozen conversions of a document that failed anyway.
+fn other_errors<T: serde::de::DeserializeOwned>(
     input: &Value,
     first: &str,
-) -> (Vec<String>, Vec<String>) {
+) -> (Vec<(String, Option<String>)>, Vec<String>) {
     const STAND_INS: [fn() -> Value; 5] = [
         || Value::String("x".into()),
         || Value::from(1),
@@ -435,17 +446,15 @@ fn other_missing_fields<T: serde::de::DeserializeOwned>(
                     break;
                 }
             }
-            None => match missing {
-                Some(path) => {
-                    if !set_at(&mut value, &path, STAND_INS[0]()) {
-                        break;
-                    }
-                    found.push(path.clone());
-                    holes.push(hole(path));
+            // A field of its own at fault: reported, and filled like the first.
+            None => {
+                let wrong = missing.is_none().then_some(message);
+                if failed.is_empty() || !set_at(&mut value, &failed, STAND_INS[0]()) {
+                    break;
                 }
-                // Another kind of error: what the user sees once these are fixed.
-                None => break,
-            },
+                found.push((failed.clone(), wrong));
+                holes.push(hole(failed));
+            }
         }
     }
     (found, ignored)

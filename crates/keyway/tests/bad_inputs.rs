@@ -1547,6 +1547,20 @@ fn every_problem_of_a_rejected_document_is_listed() {
             "mkl.yaml:25: spec.listeners[1].prot: port is required (is `prot` a misspelling of it?)",
         ],
     );
+    // Past a value of the wrong type, to the next one and to a required field missing after it.
+    validate_lists(
+        &dir,
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {name: l}\nspec:\n  host: 127.0.0.1\n  port: \"35008\"\n  exposePodsByName: \"true\"\n  hostName: x\n---\napiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata: {name: g}\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - name: a\n    port: eighty\n    protocol: HTTP\n  - port: 81\n    protocol: [HTTP]\n",
+        &[
+            "mkl.yaml:6: spec.port: invalid type: string \"35008\", expected an integer",
+            "mkl.yaml:7: spec.exposePodsByName: invalid type: string \"true\", expected a boolean",
+            "mkl.yaml:8: spec.hostName: unknown field",
+            "mkl.yaml:4: spec.routingKey: routingKey is required",
+            "mkl.yaml:17: spec.listeners[0].port: invalid type: string \"eighty\"",
+            "mkl.yaml:19: spec.listeners[1].name: name is required",
+            "mkl.yaml:20: spec.listeners[1].protocol: invalid type: sequence, expected a string",
+        ],
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
