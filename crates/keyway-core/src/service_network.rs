@@ -253,7 +253,7 @@ pub fn resolve_at(index: &Index, now: Option<&crate::Time>) -> Resolution {
                 }
             }
             Resource::Link(l) => {
-                if let Some(link) = link_plan(index, obj, l, &mut res) {
+                if let Some(link) = link_plan(index, obj, l, now, &mut res) {
                     res.plan.links.push(link);
                 }
             }
@@ -276,7 +276,7 @@ pub fn resolve_at(index: &Index, now: Option<&crate::Time>) -> Resolution {
             .then_with(|| a.0.key.cmp(&b.0.key))
     });
     for (obj, r) in accesses {
-        router_access(index, obj, r, &mut res);
+        router_access(index, obj, r, now, &mut res);
     }
     res.problems.sort();
     res
@@ -287,12 +287,16 @@ fn router_access(
     index: &Index,
     obj: &LoadedObject,
     r: &skupper::RouterAccess,
+    now: Option<i64>,
     res: &mut Resolution,
 ) {
     let Ok(tls) = secret_material(index, obj, &r.spec.tls_credentials, true, res) else {
         res.plan.held.insert(obj.key.clone());
         return;
     };
+    if expired_link_leaf(obj, &tls, now, res) {
+        return;
+    }
     if tls.ca.is_empty() {
         res.plan.held.insert(obj.key.clone());
         not_configured(
@@ -344,6 +348,23 @@ impl Resolution {
     }
 }
 
+/// A Link's or RouterAccess's certificate rotated to one that has expired: every peer would
+/// refuse it, so the running one goes on with the TLS it had (held, as a listener's), and the
+/// status says why. True if so.
+fn expired_link_leaf(
+    obj: &LoadedObject,
+    tls: &tls::TlsMaterial,
+    now: Option<i64>,
+    res: &mut Resolution,
+) -> bool {
+    let Some(why) = now.and_then(|now| tls::expired_leaf(tls, now)) else {
+        return false;
+    };
+    not_configured(obj, "spec.tlsCredentials", why, res);
+    res.plan.held.insert(obj.key.clone());
+    true
+}
+
 fn not_configured(obj: &LoadedObject, path: &str, msg: String, res: &mut Resolution) {
     let e = obj.error_at(path, msg);
     res.not_configured
@@ -356,6 +377,7 @@ fn link_plan(
     index: &Index,
     obj: &LoadedObject,
     link: &skupper::Link,
+    now: Option<i64>,
     res: &mut Resolution,
 ) -> Option<LinkPlan> {
     let Some(secret) = link.spec.tls_credentials.as_deref() else {
@@ -367,6 +389,9 @@ fn link_plan(
         res.plan.held.insert(obj.key.clone());
         return None;
     };
+    if expired_link_leaf(obj, &tls, now, res) {
+        return None;
+    }
     if tls.ca.is_empty() {
         let msg = format!("Secret {} needs ca.crt to verify the peer site", tls.secret);
         not_configured(obj, "spec.tlsCredentials", msg, res);

@@ -789,6 +789,42 @@ fn a_listener_certificate_that_has_expired_is_held() {
     assert!(untimed.plan.listeners.iter().any(|l| l.id == id));
 }
 
+/// A Link's or RouterAccess's Secret rotated to an expired certificate is held as a
+/// listener's is: the running one goes on (peers would refuse the new one) and says why.
+#[test]
+fn a_link_certificate_that_has_expired_is_held() {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2020, 2, 1);
+    let cert = params.self_signed(&key).expect("cert");
+    let secret = format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: old}}\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n  ca.crt: {:?}\n",
+        cert.pem(),
+        key.serialize_pem(),
+        cert.pem()
+    );
+    let link = "---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata: {name: to-b}\nspec:\n  tlsCredentials: old\n  endpoints: [{name: inter-router, host: 127.0.0.1, port: \"55671\"}]\n";
+    let access = "---\napiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata: {name: ra}\nspec:\n  tlsCredentials: old\n  roles: [{name: inter-router, port: 55671}]\n";
+    let index = index_of(&format!("{secret}{link}{access}"));
+    let res = service_network::resolve_at(&index, Some(&now()));
+    for kind in [Kind::Link, Kind::RouterAccess] {
+        let name = if kind == Kind::Link { "to-b" } else { "ra" };
+        let id = ObjectKey::new(kind, "default", name);
+        assert!(res.plan.held.contains(&id), "{kind:?}: {:?}", res.plan.held);
+        assert!(
+            res.problems.iter().any(|p| p.object.as_ref() == Some(&id)
+                && p.path == "spec.tlsCredentials"
+                && p.message.contains("expired at 2020-02-01")),
+            "{kind:?}: {:?}",
+            res.problems
+        );
+    }
+    assert!(res.plan.links.is_empty() && res.plan.router_access.is_none());
+    let untimed = service_network::resolve(&index);
+    assert!(untimed.plan.links.len() == 1 && untimed.plan.router_access.is_some());
+}
+
 /// A Secret whose latest edit was rejected runs on its last valid version: the Link using it
 /// says so (nothing else would show it before a restart finds no valid version).
 #[test]

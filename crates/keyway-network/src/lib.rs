@@ -104,6 +104,16 @@ pub(crate) struct Conn {
     pub metrics: Arc<keyway_dataplane::metrics::LinkMetrics>,
 }
 
+/// Whether every CA certificate of `old` is in `new`: connections verified under `old` are
+/// then still trusted (a CA added to the bundle, the first step of a rotation with an overlap,
+/// keeps them), and only a CA removed revokes them.
+fn still_trusted(
+    old: &[rustls::pki_types::CertificateDer<'static>],
+    new: &[rustls::pki_types::CertificateDer<'static>],
+) -> bool {
+    old.iter().all(|ca| new.contains(ca))
+}
+
 impl Conn {
     /// Stops new streams here, at both ends (the peer is told with a `retire` message).
     fn retire(&self) {
@@ -347,11 +357,12 @@ impl Network {
                     .as_ref()
                     .filter(|o| o.plan.bind_host == ra.bind_host && o.plan.port == ra.port)
                     .map(|o| o.socket.clone());
-                // Links accepted under the same CA stay (only the serving certificate or the
-                // address changed); a new CA, or a rename, ends them: a rotated CA revokes.
+                // Links accepted under CAs still trusted stay (the serving certificate or the
+                // address changed, or a CA was added: the first step of a rotation with an
+                // overlap); a CA removed, or a rename, ends them: a removed CA revokes.
                 let kept = old
                     .as_ref()
-                    .filter(|o| !renamed && o.plan.tls.ca == ra.tls.ca)
+                    .filter(|o| !renamed && still_trusted(&o.plan.tls.ca, &ra.tls.ca))
                     .map(|o| o.sessions.clone());
                 if kept.is_some() {
                     let what = match &old {
@@ -405,13 +416,14 @@ impl Network {
                     changed = true;
                 }
                 old => {
-                    // Only the certificate changed (same peer, same CA): the new connections
-                    // come up beside the old ones, which close when their streams are done.
+                    // Only the certificate changed, or a CA was added (same peer, every CA
+                    // still trusted): the new connections come up beside the old ones, which
+                    // close when their streams are done.
                     let rotated = old.filter(|o| {
                         !renamed
                             && o.plan.host == link.host
                             && o.plan.port == link.port
-                            && o.plan.tls.ca == link.tls.ca
+                            && still_trusted(&o.plan.tls.ca, &link.tls.ca)
                     });
                     let replaced = rotated.is_some();
                     if let Some(old) = rotated {

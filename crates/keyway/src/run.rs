@@ -105,7 +105,7 @@ pub fn run(
                     tick.tick().await;
                     let site = site.clone();
                     let _ = tokio::task::spawn_blocking(move || {
-                        site.status();
+                        site.observe_status();
                         // Notes when every listener has listened (see `Site::ready`).
                         let _ = site.ready();
                         site.keep_state_lock();

@@ -374,9 +374,38 @@ impl Site {
 
     /// Live status of every object (SPEC §6 `/status`), as a `List`.
     pub fn status(&self) -> Value {
+        let mut current = lock(&self.current);
+        self.refresh_status(&mut current);
+        let current = &*current;
+        let items = report::objects(&current.index, &current.last_status, &Filter::default());
+        let mut errors: Vec<String> = all_errors(current)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        if let Some((why, _)) = lock(&self.unreadable).as_ref() {
+            errors.push(format!("{why} (the site keeps its running config)"));
+        }
+        let warnings: Vec<String> = current
+            .reconciled
+            .warnings
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        report::status_list(items, &errors, &warnings)
+    }
+
+    /// Computes every object's status now, stamping each change and logging failovers, without
+    /// rendering it: what the site does every second whether or not anyone asks, so its cost
+    /// at thousands of objects stays in the statuses themselves.
+    pub fn observe_status(&self) {
+        self.refresh_status(&mut lock(&self.current));
+    }
+
+    /// The statuses of this moment into `current.last_status`, with each condition's
+    /// transition time carried over from the last ones while it did not change.
+    fn refresh_status(&self, current: &mut Current) {
         let obs = self.dataplane.observe();
         let net = self.network.observe();
-        let mut current = lock(&self.current);
         let mut listened_keys: std::collections::BTreeSet<String> = current
             .resolution
             .plan
@@ -488,22 +517,7 @@ impl Site {
                 tracing::info!("{}", change.message);
             }
         }
-        current.last_status = statuses.clone();
-        let items = report::objects(&current.index, &statuses, &Filter::default());
-        let mut errors: Vec<String> = all_errors(&current)
-            .iter()
-            .map(ToString::to_string)
-            .collect();
-        if let Some((why, _)) = lock(&self.unreadable).as_ref() {
-            errors.push(format!("{why} (the site keeps its running config)"));
-        }
-        let warnings: Vec<String> = current
-            .reconciled
-            .warnings
-            .iter()
-            .map(ToString::to_string)
-            .collect();
-        report::status_list(items, &errors, &warnings)
+        current.last_status = statuses;
     }
 
     /// Answers a token redemption for AccessGrant `ns/name` (SPEC §3.2): checks the code, expiry

@@ -238,6 +238,36 @@ fn rotating_a_router_access_certificate_keeps_live_connections() {
     assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
 }
 
+/// The first step of a CA rotation with an overlap: both sites' `ca.crt` gets a second CA
+/// beside the one in use. Every connection was verified by a CA still trusted, so the links
+/// and the connections crossing them stay (before, any change of `ca.crt` cut them all).
+#[test]
+fn adding_a_ca_to_the_bundles_keeps_live_connections() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let next = Ca::new("net-next");
+    let backend = Backend::start("at-b");
+    let (a, b, _b_port, listen) = pair(&ca, &backend);
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
+    assert_eq!(line, "at-b\n");
+    let bundle: String = next.pem().lines().map(|l| format!("    {l}\n")).collect();
+    for site in [&b, &a] {
+        rewrite(site, |d| {
+            d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
+                .then(|| format!("{}{bundle}", ca.secret_yaml("link-tls")))
+        });
+        std::thread::sleep(Duration::from_secs(2));
+        assert_eq!(
+            echo(&mut w, &mut r, "still there?\n").as_deref(),
+            Ok("still there?\n"),
+            "a CA added to a bundle cut the live connection; a's log:\n{}\nb's log:\n{}",
+            tail(&a.log()),
+            tail(&b.log())
+        );
+    }
+    assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
+}
+
 /// A rotation while a stream keeps the old connections busy, then the Link is deleted: the
 /// retiring connections go with it and carry no new connection.
 #[test]
