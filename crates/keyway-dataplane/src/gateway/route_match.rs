@@ -9,6 +9,7 @@
 //! matches; GRPCRoutes with the most specific hostname go first (see [`HostPrecedence`]).
 
 use std::cmp::Reverse;
+use std::collections::HashMap;
 
 use gateway_api::apis::standard::grpcroutes::{
     GrpcRouteRulesMatches, GrpcRouteRulesMatchesHeadersType, GrpcRouteRulesMatchesMethodType,
@@ -454,6 +455,75 @@ pub struct Table {
     pub entries: Vec<Entry>,
     /// Per entry: its match's place in the precedence order (equal matches share one).
     tiers: Vec<usize>,
+    /// Which routes serve a host, so that a request weighs only those: with thousands of
+    /// routes for distinct hostnames on one listener, a request (or a 404) costs what the
+    /// routes for its own host cost, not a scan of all of them.
+    by_host: HostIndex,
+}
+
+/// The routes of a [`Table`] by the hosts they serve (their `served` hostnames).
+#[derive(Clone, Debug, Default)]
+struct HostIndex {
+    /// Lowercase exact hostname → the routes serving it.
+    exact: HashMap<String, Vec<usize>>,
+    /// Lowercase wildcard suffix (`.example.com` of `*.example.com`) → the routes serving it.
+    wildcard: HashMap<String, Vec<usize>>,
+    /// Routes serving every host (no hostnames), or with a hostname of another shape, which
+    /// [`RouteHosts::rank`] decides for each request.
+    always: Vec<usize>,
+    /// Per route, its entries' places in [`Table::entries`], ascending.
+    entries: Vec<Vec<usize>>,
+}
+
+impl HostIndex {
+    fn new(hostnames: &[(RouteHosts, HostPrecedence)], entries: &[Entry]) -> HostIndex {
+        let mut index = HostIndex {
+            entries: vec![Vec::new(); hostnames.len()],
+            ..HostIndex::default()
+        };
+        for (route, (hosts, _)) in hostnames.iter().enumerate() {
+            if hosts.served.is_empty() {
+                index.always.push(route);
+            }
+            for h in &hosts.served {
+                let h = h.to_ascii_lowercase();
+                let list = match h.strip_prefix('*') {
+                    Some(suffix) if suffix.starts_with('.') => {
+                        index.wildcard.entry(suffix.to_string()).or_default()
+                    }
+                    Some(_) => &mut index.always,
+                    None => index.exact.entry(h).or_default(),
+                };
+                if list.last() != Some(&route) {
+                    list.push(route);
+                }
+            }
+        }
+        for (i, e) in entries.iter().enumerate() {
+            if let Some(list) = index.entries.get_mut(e.route) {
+                list.push(i);
+            }
+        }
+        index
+    }
+
+    /// The routes that may serve `host` (lowercase), each once, ascending.
+    fn candidates(&self, host: &str) -> Vec<usize> {
+        let mut routes: Vec<usize> = self.always.clone();
+        if let Some(r) = self.exact.get(host) {
+            routes.extend(r);
+        }
+        // `*.example.com` serves `a.example.com` and `a.b.example.com`, not the apex: each
+        // suffix of the host that starts at a dot past its first character.
+        for (i, _) in host.match_indices(".").filter(|(i, _)| *i > 0) {
+            if let Some(r) = self.wildcard.get(&host[i..]) {
+                routes.extend(r);
+            }
+        }
+        routes.sort_unstable();
+        routes.dedup();
+        routes
+    }
 }
 
 impl Table {
@@ -471,50 +541,82 @@ impl Table {
             tiers.push(tier);
             last = Some(rank);
         }
+        let by_host = HostIndex::new(&hostnames, &entries);
         Table {
             hostnames,
             entries,
             tiers,
+            by_host,
         }
     }
 
     /// The winning entry for a request to `host`, if any.
     pub fn find(&self, host: &str, req: &Request<'_>) -> Option<&Entry> {
         // Common case: no route names hostnames, so all are equally specific.
-        if self.hostnames.iter().all(|(h, _)| h.any()) {
+        if self.by_host.always.len() == self.hostnames.len()
+            && self.hostnames.iter().all(|(h, _)| h.any())
+        {
             return self.entries.iter().find(|e| e.m.matches(req));
         }
-        let ranks: Vec<Option<HostRank>> =
-            self.hostnames.iter().map(|(h, _)| h.rank(host)).collect();
-        let rank_of = |e: &Entry| ranks.get(e.route).copied().flatten();
+        let lower;
+        let host = if host.bytes().any(|b| b.is_ascii_uppercase()) {
+            lower = host.to_ascii_lowercase();
+            lower.as_str()
+        } else {
+            host
+        };
+        // The routes serving the host, with how their hostnames rank for it.
+        let ranked: Vec<(usize, HostRank)> = self
+            .by_host
+            .candidates(host)
+            .into_iter()
+            .filter_map(|r| Some((r, self.hostnames.get(r)?.0.rank(host)?)))
+            .collect();
+        if ranked.is_empty() {
+            return None;
+        }
+        // Their entries, in the table's order, each with its route's rank.
+        let mut places: Vec<(usize, HostRank)> = ranked
+            .iter()
+            .flat_map(|&(r, rank)| {
+                let places = self.by_host.entries.get(r).into_iter().flatten();
+                places.map(move |&i| (i, rank))
+            })
+            .collect();
+        if ranked.len() > 1 {
+            places.sort_unstable();
+        }
+        let entries = places
+            .iter()
+            .filter_map(|&(i, rank)| Some((self.entries.get(i)?, *self.tiers.get(i)?, rank)));
         // Routes whose hostnames overlap are all HTTPRoutes or all GRPCRoutes (the resolver
         // serves only the older of an HTTPRoute and a GRPCRoute that overlap).
-        let hostname_first = self
-            .hostnames
-            .iter()
-            .zip(&ranks)
-            .any(|((_, p), r)| r.is_some() && *p == HostPrecedence::First);
+        let hostname_first = ranked.iter().any(|(r, _)| {
+            self.hostnames
+                .get(*r)
+                .is_some_and(|(_, p)| *p == HostPrecedence::First)
+        });
         if hostname_first {
-            let mut levels: Vec<HostRank> = ranks.iter().flatten().copied().collect();
+            let mut levels: Vec<HostRank> = ranked.iter().map(|&(_, rank)| rank).collect();
             levels.sort_unstable_by(|a, b| b.cmp(a));
             levels.dedup();
             // Routes with the most specific hostname take precedence; less specific ones only
             // serve what none of those match.
             return levels.into_iter().find_map(|level| {
-                self.entries
-                    .iter()
-                    .find(|e| rank_of(e) == Some(level) && e.m.matches(req))
+                entries
+                    .clone()
+                    .find(|&(e, _, rank)| rank == level && e.m.matches(req))
+                    .map(|(e, _, _)| e)
             });
         }
         // The best match of any route serving the host; among equal matches the route with
         // the more specific hostname, then the older route, then the earlier rule (the order
         // entries of one tier are in).
         let mut best: Option<(usize, HostRank, &Entry)> = None;
-        for (e, &tier) in self.entries.iter().zip(&self.tiers) {
+        for (e, tier, rank) in entries {
             if best.is_some_and(|(t, _, _)| t != tier) {
                 break;
             }
-            let Some(rank) = rank_of(e) else { continue };
             if best.is_some_and(|(_, r, _)| r >= rank) || !e.m.matches(req) {
                 continue;
             }
@@ -763,6 +865,123 @@ mod tests {
             let r = req(&get, "/", None, &none);
             assert_eq!(t.find(host, &r).map(|e| e.route), Some(1), "{newer}");
         }
+    }
+
+    /// What [`Table::find`] answered before it had a host index: every entry weighed, each
+    /// route's hostnames ranked for the host.
+    fn find_by_scanning<'t>(t: &'t Table, host: &str, req: &Request<'_>) -> Option<&'t Entry> {
+        let ranks: Vec<Option<HostRank>> = t.hostnames.iter().map(|(h, _)| h.rank(host)).collect();
+        let rank_of = |e: &Entry| ranks.get(e.route).copied().flatten();
+        let hostname_first = t
+            .hostnames
+            .iter()
+            .zip(&ranks)
+            .any(|((_, p), r)| r.is_some() && *p == HostPrecedence::First);
+        if hostname_first {
+            let mut levels: Vec<HostRank> = ranks.iter().flatten().copied().collect();
+            levels.sort_unstable_by(|a, b| b.cmp(a));
+            levels.dedup();
+            return levels.into_iter().find_map(|level| {
+                t.entries
+                    .iter()
+                    .find(|e| rank_of(e) == Some(level) && e.m.matches(req))
+            });
+        }
+        let mut best: Option<(usize, HostRank, &Entry)> = None;
+        for (e, &tier) in t.entries.iter().zip(&t.tiers) {
+            if best.is_some_and(|(t, _, _)| t != tier) {
+                break;
+            }
+            let Some(rank) = rank_of(e) else { continue };
+            if best.is_some_and(|(_, r, _)| r >= rank) || !e.m.matches(req) {
+                continue;
+            }
+            best = Some((tier, rank, e));
+        }
+        best.map(|(_, _, e)| e)
+    }
+
+    /// The host index changes no answer: random tables of routes with exact, wildcard, mixed
+    /// case and no hostnames, HTTP and gRPC precedence, against every host and path of a pool,
+    /// give what weighing every entry gives.
+    #[test]
+    fn the_host_index_answers_as_a_full_scan() {
+        let names = [
+            "a.example.com",
+            "b.example.com",
+            "example.com",
+            "*.example.com",
+            "*.com",
+            "A.Example.com",
+            "*.a.example.com",
+        ];
+        let paths = ["/", "/a", "/a/b", "/b"];
+        let hosts = [
+            "a.example.com",
+            "x.a.example.com",
+            "example.com",
+            "other.com",
+            "B.EXAMPLE.COM",
+            "com",
+            ".example.com",
+        ];
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: usize| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            usize::try_from(seed >> 33).unwrap_or(0) % n
+        };
+        let get = Method::GET;
+        let h = HeaderMap::new();
+        let mut compared = 0;
+        for _ in 0..400 {
+            let precedence = if next(4) == 0 {
+                HostPrecedence::First
+            } else {
+                HostPrecedence::BreaksTies
+            };
+            let routes = 1 + next(6);
+            let hostnames: Vec<(RouteHosts, HostPrecedence)> = (0..routes)
+                .map(|_| {
+                    let served: Vec<String> = (0..next(3))
+                        .map(|_| names[next(names.len())].to_string())
+                        .collect();
+                    let ranked_by = if next(3) == 0 {
+                        vec![names[next(names.len())].to_string()]
+                    } else {
+                        served.clone()
+                    };
+                    (RouteHosts { served, ranked_by }, precedence)
+                })
+                .collect();
+            let entries: Vec<Entry> = (0..1 + next(8))
+                .map(|rule| Entry {
+                    route: next(routes),
+                    rule,
+                    m: if next(2) == 0 {
+                        m(PathMatch::prefix(paths[next(paths.len())]))
+                    } else {
+                        m(PathMatch::Exact(paths[next(paths.len())].to_string()))
+                    },
+                })
+                .collect();
+            let t = Table::new(hostnames, entries);
+            for host in hosts {
+                for path in paths.iter().chain(&["/a/b/c"]) {
+                    let r = req(&get, path, None, &h);
+                    let key = |e: Option<&Entry>| e.map(|e| (e.route, e.rule));
+                    assert_eq!(
+                        key(t.find(host, &r)),
+                        key(find_by_scanning(&t, host, &r)),
+                        "{host}{path} in {:?}",
+                        t.hostnames
+                    );
+                    compared += 1;
+                }
+            }
+        }
+        assert_eq!(compared, 400 * hosts.len() * 5);
     }
 
     #[test]
