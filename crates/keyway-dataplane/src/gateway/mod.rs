@@ -367,9 +367,53 @@ pub struct PortConfig {
     pub port: u16,
     pub family: ProtocolFamily,
     pub listeners: Vec<Listener>,
+    /// The listeners by hostname, so that picking one for a handshake or a request weighs
+    /// only those for its host, not every ListenerSet's listener on the port.
+    by_host: ListenerIndex,
+}
+
+/// A port's listeners (their places in [`PortConfig::listeners`], in merge order) by hostname.
+#[derive(Default)]
+struct ListenerIndex {
+    /// Lowercase exact hostname → listeners.
+    exact: HashMap<String, Vec<usize>>,
+    /// Lowercase wildcard suffix (`.example.com` of `*.example.com`) → listeners.
+    wildcard: HashMap<String, Vec<usize>>,
+    /// Listeners without a hostname.
+    any: Vec<usize>,
+    /// Listeners with a hostname of another shape, ranked for each host as they come.
+    other: Vec<usize>,
 }
 
 impl PortConfig {
+    pub fn new(port: u16, family: ProtocolFamily, listeners: Vec<Listener>) -> PortConfig {
+        let mut by_host = ListenerIndex::default();
+        for (i, l) in listeners.iter().enumerate() {
+            let Some(h) = &l.hostname else {
+                by_host.any.push(i);
+                continue;
+            };
+            let h = h.to_ascii_lowercase();
+            match h.strip_prefix('*') {
+                Some(suffix) if suffix.starts_with('.') => {
+                    by_host
+                        .wildcard
+                        .entry(suffix.to_string())
+                        .or_default()
+                        .push(i);
+                }
+                Some(_) => by_host.other.push(i),
+                None => by_host.exact.entry(h).or_default().push(i),
+            }
+        }
+        PortConfig {
+            port,
+            family,
+            listeners,
+            by_host,
+        }
+    }
+
     /// The most specific listener for `host` among those `accept` allows: exact hostname, then
     /// longest wildcard, then no hostname; on a tie the first in merge order. `None` (no SNI)
     /// matches only listeners without a hostname.
@@ -378,14 +422,45 @@ impl PortConfig {
         host: Option<&str>,
         accept: impl Fn(&Listener) -> bool,
     ) -> Option<&Listener> {
-        let mut best: Option<((u8, usize), &Listener)> = None;
-        for l in self.listeners.iter().filter(|l| accept(l)) {
+        let index = &self.by_host;
+        let first = |places: Option<&Vec<usize>>| {
+            places
+                .into_iter()
+                .flatten()
+                .filter_map(|&i| self.listeners.get(i))
+                .find(|l| accept(l))
+        };
+        let lower = host
+            .filter(|h| h.bytes().any(|b| b.is_ascii_uppercase()))
+            .map(str::to_ascii_lowercase);
+        let host = lower.as_deref().or(host);
+        // The best of the regular shapes: the exact name, else the longest wildcard suffix
+        // (each suffix of the host from a dot past its first character, longest first), else
+        // a listener without a hostname.
+        let regular = host
+            .and_then(|host| {
+                first(index.exact.get(host))
+                    .map(|l| ((2, host.len()), l))
+                    .or_else(|| {
+                        host.match_indices('.')
+                            .filter(|(i, _)| *i > 0)
+                            .find_map(|(i, _)| {
+                                let suffix = &host[i..];
+                                first(index.wildcard.get(suffix))
+                                    .map(|l| ((1, suffix.len() + 1), l))
+                            })
+                    })
+            })
+            .or_else(|| first(Some(&index.any)).map(|l| ((0, 0), l)));
+        // Hostnames of another shape, as the ranking says (none in a valid config).
+        let mut best = regular;
+        for l in index.other.iter().filter_map(|&i| self.listeners.get(i)) {
             let rank = match (&l.hostname, host) {
-                (None, _) => Some((0, 0)),
                 (Some(h), Some(host)) => host_rank(std::slice::from_ref(h), host),
-                (Some(_), None) => None,
+                _ => None,
             };
             if let Some(r) = rank
+                && accept(l)
                 && best.as_ref().is_none_or(|(b, _)| r > *b)
             {
                 best = Some((r, l));
@@ -567,11 +642,7 @@ fn blank(config: &ArcSwap<PortConfig>) {
 
 /// `config`'s port and protocol family, with no listener.
 fn empty_like(config: &PortConfig) -> Arc<PortConfig> {
-    Arc::new(PortConfig {
-        port: config.port,
-        family: config.family,
-        listeners: Vec::new(),
-    })
+    Arc::new(PortConfig::new(config.port, config.family, Vec::new()))
 }
 
 struct PortHandle {
@@ -965,11 +1036,7 @@ impl Gateways {
                 }
             }
         }
-        PortConfig {
-            port: pb.port,
-            family: pb.family,
-            listeners,
-        }
+        PortConfig::new(pb.port, pb.family, listeners)
     }
 
     /// What listener `l` serves with: the certificates (its own, or, while they do not
@@ -1474,6 +1541,96 @@ fn push_entries(
 #[cfg(test)]
 mod tests {
     use super::GatewayMetrics;
+
+    /// What [`super::PortConfig::select`] answered before it had a host index: every listener
+    /// of the port weighed.
+    fn select_by_scanning<'c>(
+        config: &'c super::PortConfig,
+        host: Option<&str>,
+        accept: impl Fn(&super::Listener) -> bool,
+    ) -> Option<&'c super::Listener> {
+        let mut best: Option<((u8, usize), &super::Listener)> = None;
+        for l in config.listeners.iter().filter(|l| accept(l)) {
+            let rank = match (&l.hostname, host) {
+                (None, _) => Some((0, 0)),
+                (Some(h), Some(host)) => super::host_rank(std::slice::from_ref(h), host),
+                (Some(_), None) => None,
+            };
+            if let Some(r) = rank
+                && best.as_ref().is_none_or(|(b, _)| r > *b)
+            {
+                best = Some((r, l));
+            }
+        }
+        best.map(|(_, l)| l)
+    }
+
+    /// The listener index changes no answer: random ports of exact, wildcard and hostname-less
+    /// listeners (repeats included), with some refused by the caller's filter, pick for every
+    /// host of a pool (no SNI, mixed case) what weighing every listener picks.
+    #[test]
+    fn the_listener_index_answers_as_a_full_scan() {
+        use keyway_core::gateway::plan::{Protocol, ProtocolFamily};
+        let names = [
+            None,
+            Some("a.example.com"),
+            Some("*.example.com"),
+            Some("*.com"),
+            Some("*.a.example.com"),
+            Some("example.com"),
+        ];
+        let hosts = [
+            None,
+            Some("a.example.com"),
+            Some("b.a.example.com"),
+            Some("A.EXAMPLE.com"),
+            Some("example.com"),
+            Some("other.org"),
+            Some("x.com"),
+        ];
+        let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |n: usize| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            usize::try_from(seed >> 33).unwrap_or(0) % n
+        };
+        let mut compared = 0;
+        for _ in 0..300 {
+            let listeners = (0..1 + next(7))
+                .map(|i| super::Listener {
+                    owner: keyway_core::ObjectKey::new(keyway_core::Kind::Gateway, "ns", "gw"),
+                    name: format!("l{i}"),
+                    hostname: names[next(names.len())].map(str::to_string),
+                    protocol: Protocol::Http,
+                    tls_mode: None,
+                    server_config: None,
+                    served_tls: None,
+                    client_check: None,
+                    http: super::HttpRoutes::default(),
+                    streams: Vec::new(),
+                })
+                .collect();
+            let config = super::PortConfig::new(80, ProtocolFamily::Http, listeners);
+            let refused = format!("l{}", next(4));
+            let accept = |l: &super::Listener| l.name != refused;
+            for host in hosts {
+                let name = |l: Option<&super::Listener>| l.map(|l| l.name.clone());
+                assert_eq!(
+                    name(config.select(host, accept)),
+                    name(select_by_scanning(&config, host, accept)),
+                    "{host:?} among {:?} without {refused}",
+                    config
+                        .listeners
+                        .iter()
+                        .map(|l| &l.hostname)
+                        .collect::<Vec<_>>()
+                );
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 300 * hosts.len());
+    }
 
     /// A TLS or TCP route has byte series only: requests and response classes would stay at 0.
     #[test]
