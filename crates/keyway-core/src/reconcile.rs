@@ -74,11 +74,11 @@ pub struct Reconciled {
 pub fn reconcile(
     index: &mut Index,
     state: &mut ObjectState,
-    files: &[FileLoad],
+    files: &[impl std::borrow::Borrow<FileLoad>],
     now: &Time,
 ) -> Reconciled {
     let mut out = Reconciled::default();
-    let mut files: Vec<&FileLoad> = files.iter().collect();
+    let mut files: Vec<&FileLoad> = files.iter().map(std::borrow::Borrow::borrow).collect();
     files.sort_by(|a, b| a.file.cmp(&b.file));
 
     // 1. Candidates: of two definitions of one object, the one from the file it is in force

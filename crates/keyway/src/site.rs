@@ -85,6 +85,8 @@ pub struct Site {
     /// Why the config directory could not be read, and when that was last logged: a directory
     /// gone for minutes is retried twice a second, and logged once per [`UNREADABLE_LOG_EVERY`].
     unreadable: Mutex<Option<(String, std::time::Instant)>>,
+    /// The manifests as last parsed: a reload parses only the files whose text changed.
+    parsed: Mutex<source::ParsedFiles>,
 }
 
 /// How often an unchanged reason for an unreadable config directory is logged again.
@@ -133,6 +135,7 @@ impl Site {
             grants,
             tokens: Arc::default(),
             unreadable: Mutex::new(None),
+            parsed: Mutex::default(),
         })
     }
 
@@ -142,7 +145,8 @@ impl Site {
     /// descriptors): nothing changed, and the caller should try again.
     pub fn reload(&self) -> bool {
         let metrics = self.dataplane.metrics();
-        let files = match source::load_dir(&self.config) {
+        let loaded = source::load_dir_cached(&self.config, &mut lock(&self.parsed));
+        let files = match loaded {
             Ok(files) => {
                 if lock(&self.unreadable).take().is_some() {
                     tracing::info!(config = %self.config.display(), "config directory readable again");

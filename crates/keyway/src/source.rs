@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result};
@@ -157,6 +158,53 @@ fn walk(entries: std::fs::ReadDir, listing: &mut Listing, seen: &mut HashSet<(u6
 /// [`SETTLE`]: a file emptied on purpose still takes effect, [`SETTLE`] later. So does a
 /// directory left with no manifest.
 pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
+    load_dir_via(dir, |path| {
+        let (text, empty) = read_text(path);
+        (
+            text.map_or_else(
+                |unreadable| unreadable,
+                |text| load_file(&path.display().to_string(), &text),
+            ),
+            empty,
+        )
+    })
+}
+
+/// The parsed manifests of the last [`load_dir_cached`], by path, with the text each was
+/// parsed from: a reload parses only the files whose text changed. Parsing is most of a
+/// reload's cost, so with thousands of files one edited file re-parsed alone keeps the
+/// change within the second a change applies in (SPEC §7).
+#[derive(Default)]
+pub struct ParsedFiles(std::collections::HashMap<PathBuf, (String, Arc<FileLoad>)>);
+
+/// [`load_dir`], re-using the parse of every file whose text is what it was at the last call
+/// (a parse depends on the text and the path alone). Files gone since are forgotten.
+pub fn load_dir_cached(dir: &Path, parsed: &mut ParsedFiles) -> Result<Vec<Arc<FileLoad>>> {
+    let mut seen = HashSet::new();
+    let loads = load_dir_via(dir, |path| {
+        let (text, empty) = read_text(path);
+        let load = match text {
+            Err(unreadable) => Arc::new(unreadable),
+            Ok(text) => match parsed.0.get(path) {
+                Some((was, load)) if *was == text => load.clone(),
+                _ => {
+                    let load = Arc::new(load_file(&path.display().to_string(), &text));
+                    parsed.0.insert(path.to_path_buf(), (text, load.clone()));
+                    load
+                }
+            },
+        };
+        seen.insert(path.to_path_buf());
+        (load, empty)
+    })?;
+    parsed.0.retain(|path, _| seen.contains(path));
+    Ok(loads)
+}
+
+fn load_dir_via<L: From<FileLoad>>(
+    dir: &Path,
+    mut read: impl FnMut(&Path) -> (L, bool),
+) -> Result<Vec<L>> {
     let started = Instant::now();
     let mut attempt = 0;
     loop {
@@ -164,7 +212,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
         let mut emptied = None;
         let mut loads = Vec::with_capacity(listing.files.len() + listing.unreadable.len());
         for path in &listing.files {
-            let (load, empty) = read_path(path);
+            let (load, empty) = read(path);
             if empty && emptied.is_none() && emptied_just_now(path) {
                 emptied = Some(path.as_path());
             }
@@ -178,10 +226,10 @@ pub fn load_dir(dir: &Path) -> Result<Vec<FileLoad>> {
                 .find(|d| !listing.files.iter().any(|f| f.starts_with(d)) && emptied_just_now(d));
         }
         for (path, why) in &listing.unreadable {
-            loads.push(FileLoad::unreadable_directory(
+            loads.push(L::from(FileLoad::unreadable_directory(
                 &path.display().to_string(),
                 why,
-            ));
+            )));
         }
         if let Some(path) = emptied
             && started.elapsed() < SETTLE
@@ -225,10 +273,10 @@ fn emptied_just_now(path: &Path) -> bool {
 /// parsing it whole at every reload would stall every change and take gigabytes.
 pub const MAX_FILE_BYTES: u64 = 16 << 20;
 
-/// Loads one file; unreadable, oversized or non-UTF-8 files are reported like a syntax error
-/// (so the objects they held keep their last valid versions). Also says whether the file was
-/// read empty.
-fn read_path(path: &Path) -> (FileLoad, bool) {
+/// Reads one file's text; unreadable, oversized or non-UTF-8 files are a load reporting that
+/// like a syntax error (so the objects they held keep their last valid versions). Also says
+/// whether the file was read empty.
+fn read_text(path: &Path) -> (Result<String, FileLoad>, bool) {
     use std::io::Read;
     let name = path.display().to_string();
     let mut bytes = Vec::new();
@@ -236,19 +284,17 @@ fn read_path(path: &Path) -> (FileLoad, bool) {
     let read =
         std::fs::File::open(path).and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes));
     let empty = matches!(read, Ok(0));
-    let load = match read {
-        Ok(_) if bytes.len() as u64 > MAX_FILE_BYTES => FileLoad::unreadable(
+    let text = match read {
+        Ok(_) if bytes.len() as u64 > MAX_FILE_BYTES => Err(FileLoad::unreadable(
             &name,
             &format!(
                 "file is larger than {} MiB; split it into several files, or move it out of the config directory",
                 MAX_FILE_BYTES >> 20
             ),
-        ),
-        Ok(_) => match String::from_utf8(bytes) {
-            Ok(text) => load_file(&name, &text),
-            Err(_) => FileLoad::unreadable(&name, "file is not valid UTF-8"),
-        },
-        Err(e) => match std::fs::read_link(path) {
+        )),
+        Ok(_) => String::from_utf8(bytes)
+            .map_err(|_| FileLoad::unreadable(&name, "file is not valid UTF-8")),
+        Err(e) => Err(match std::fs::read_link(path) {
             Ok(target) if e.kind() == std::io::ErrorKind::NotFound => FileLoad::unreadable(
                 &name,
                 &format!(
@@ -257,7 +303,69 @@ fn read_path(path: &Path) -> (FileLoad, bool) {
                 ),
             ),
             _ => FileLoad::unreadable(&name, &format!("cannot read file: {e}")),
-        },
+        }),
     };
-    (load, empty)
+    (text, empty)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{ParsedFiles, load_dir, load_dir_cached};
+
+    /// A reload re-parses only what changed: an untouched file's parse is the one of the last
+    /// reload, an edited file's is new (and reads what it now says), a file gone is forgotten,
+    /// and every load is what an uncached read gives.
+    #[test]
+    fn a_reload_parses_only_the_files_that_changed() {
+        let dir = std::env::temp_dir().join(format!("keyway-parsed-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let listener = |name: &str, port: u16| {
+            format!(
+                "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata: {{name: {name}}}\nspec: {{routingKey: k, host: 127.0.0.1, port: {port}}}\n"
+            )
+        };
+        std::fs::write(dir.join("a.yaml"), listener("a", 18001)).expect("write");
+        std::fs::write(dir.join("b.yaml"), listener("b", 18002)).expect("write");
+        let mut parsed = ParsedFiles::default();
+        let first = load_dir_cached(&dir, &mut parsed).expect("load");
+        std::fs::write(dir.join("b.yaml"), listener("b", 18003)).expect("write");
+        let second = load_dir_cached(&dir, &mut parsed).expect("load");
+        assert_eq!(first.len(), 2);
+        assert!(
+            Arc::ptr_eq(&first[0], &second[0]),
+            "a.yaml was parsed again"
+        );
+        assert!(
+            !Arc::ptr_eq(&first[1], &second[1]),
+            "b.yaml's edit was not read"
+        );
+        let plain = load_dir(&dir).expect("load");
+        // (Line indexes are hash maps: compared by what they answer, not by their order.)
+        let summary = |load: &keyway_core::load::FileLoad| -> Vec<String> {
+            load.outcomes
+                .iter()
+                .map(|o| match o {
+                    keyway_core::load::DocOutcome::Object(obj) => format!(
+                        "{:?} {:?} {:?} {}",
+                        obj.key,
+                        obj.resource,
+                        obj.origin,
+                        obj.lines.line_of("spec.port")
+                    ),
+                    other => format!("{other:?}"),
+                })
+                .collect()
+        };
+        for (cached, plain) in second.iter().zip(&plain) {
+            assert_eq!(summary(cached), summary(plain));
+        }
+        assert!(summary(&second[1])[0].contains("port: 18003"));
+        std::fs::remove_file(dir.join("a.yaml")).expect("remove");
+        let third = load_dir_cached(&dir, &mut parsed).expect("load");
+        assert_eq!((third.len(), parsed.0.len()), (1, 1));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
