@@ -423,6 +423,14 @@ impl PortConfig {
         accept: impl Fn(&Listener) -> bool,
     ) -> Option<&Listener> {
         let index = &self.by_host;
+        // Most ports have no hostname at all (or one listener): nothing to look up.
+        if index.exact.is_empty() && index.wildcard.is_empty() && index.other.is_empty() {
+            return index
+                .any
+                .iter()
+                .filter_map(|&i| self.listeners.get(i))
+                .find(|l| accept(l));
+        }
         let first = |places: Option<&Vec<usize>>| {
             places
                 .into_iter()

@@ -515,7 +515,8 @@ impl HostIndex {
         }
         // `*.example.com` serves `a.example.com` and `a.b.example.com`, not the apex: each
         // suffix of the host that starts at a dot past its first character.
-        for (i, _) in host.match_indices(".").filter(|(i, _)| *i > 0) {
+        let dots = host.match_indices('.').filter(|(i, _)| *i > 0);
+        for (i, _) in dots.take_while(|_| !self.wildcard.is_empty()) {
             if let Some(r) = self.wildcard.get(&host[i..]) {
                 routes.extend(r);
             }
