@@ -268,6 +268,28 @@ fn adding_a_ca_to_the_bundles_keeps_live_connections() {
     assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
 }
 
+/// A Link whose Secret is deleted keeps its connections (SPEC §7), and its status says it
+/// serves on rather than reading as down.
+#[test]
+fn a_link_held_at_its_last_tls_says_it_serves_on() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let backend = Backend::start("at-b");
+    let (a, _b, _b_port, listen) = pair(&ca, &backend);
+    assert_eq!(who(listen).as_deref(), Ok("at-b"));
+    rewrite(&a, |d| {
+        d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
+            .then(String::new)
+    });
+    let mut status = String::new();
+    let said = eventually(Duration::from_secs(10), || {
+        status = a.get("/status").unwrap_or_default();
+        status.contains("not found; it serves on with its last valid TLS")
+    });
+    assert!(said, "a's status:\n{status}");
+    assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
+}
+
 /// A rotation while a stream keeps the old connections busy, then the Link is deleted: the
 /// retiring connections go with it and carry no new connection.
 #[test]
