@@ -757,20 +757,24 @@ fn verify_hostname_without_a_ca_is_not_configured() {
     assert_eq!(cond(c, "Configured")["status"], "False", "{c}");
 }
 
+/// A self-signed certificate for `name` valid only in January 2020, and its key (PEM).
+fn expired_certificate(name: &str) -> (String, String) {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2020, 2, 1);
+    let cert = params.self_signed(&key).expect("cert");
+    (cert.pem(), key.serialize_pem())
+}
+
 /// A Listener whose Secret holds a certificate that has expired by the resolve's time is held
 /// (a running one goes on with the TLS it had) and says when it expired; without a time (an
 /// older caller) nothing changes.
 #[test]
 fn a_listener_certificate_that_has_expired_is_held() {
-    let key = rcgen::KeyPair::generate().expect("key");
-    let mut params = rcgen::CertificateParams::new(vec!["db.example".to_string()]).expect("params");
-    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
-    params.not_after = rcgen::date_time_ymd(2020, 2, 1);
-    let cert = params.self_signed(&key).expect("cert");
+    let (cert, key) = expired_certificate("db.example");
     let secret = format!(
-        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: old}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
-        cert.pem(),
-        key.serialize_pem()
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: old}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {cert:?}\n  tls.key: {key:?}\n"
     );
     let yaml = listener("l", "db", 17001, "  tlsCredentials: old\n") + &secret;
     let index = index_of(&yaml);
@@ -793,16 +797,9 @@ fn a_listener_certificate_that_has_expired_is_held() {
 /// listener's is: the running one goes on (peers would refuse the new one) and says why.
 #[test]
 fn a_link_certificate_that_has_expired_is_held() {
-    let key = rcgen::KeyPair::generate().expect("key");
-    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("params");
-    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
-    params.not_after = rcgen::date_time_ymd(2020, 2, 1);
-    let cert = params.self_signed(&key).expect("cert");
+    let (cert, key) = expired_certificate("127.0.0.1");
     let secret = format!(
-        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: old}}\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n  ca.crt: {:?}\n",
-        cert.pem(),
-        key.serialize_pem(),
-        cert.pem()
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: old}}\nstringData:\n  tls.crt: {cert:?}\n  tls.key: {key:?}\n  ca.crt: {cert:?}\n"
     );
     let link = "---\napiVersion: skupper.io/v2alpha1\nkind: Link\nmetadata: {name: to-b}\nspec:\n  tlsCredentials: old\n  endpoints: [{name: inter-router, host: 127.0.0.1, port: \"55671\"}]\n";
     let access = "---\napiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata: {name: ra}\nspec:\n  tlsCredentials: old\n  roles: [{name: inter-router, port: 55671}]\n";

@@ -1546,9 +1546,20 @@ fn push_entries(
     }
 }
 
+/// A repeatable pseudo-random source for table tests: each call picks a number below `n`.
+#[cfg(test)]
+pub(crate) fn pick_below(mut seed: u64) -> impl FnMut(usize) -> usize {
+    move |n| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        usize::try_from(seed >> 33).unwrap_or(0) % n
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::GatewayMetrics;
+    use super::{GatewayMetrics, pick_below};
 
     /// What [`super::PortConfig::select`] answered before it had a host index: every listener
     /// of the port weighed.
@@ -1596,13 +1607,7 @@ mod tests {
             Some("other.org"),
             Some("x.com"),
         ];
-        let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = |n: usize| {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            usize::try_from(seed >> 33).unwrap_or(0) % n
-        };
+        let mut next = pick_below(0x2545_f491_4f6c_dd1d);
         let mut compared = 0;
         for _ in 0..300 {
             let listeners = (0..1 + next(7))

@@ -926,13 +926,7 @@ mod tests {
             "com",
             ".example.com",
         ];
-        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = |n: usize| {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            usize::try_from(seed >> 33).unwrap_or(0) % n
-        };
+        let mut next = super::super::pick_below(0x9e37_79b9_7f4a_7c15);
         let get = Method::GET;
         let h = HeaderMap::new();
         let mut compared = 0;
