@@ -89,6 +89,20 @@ pub struct Site {
     parsed: Mutex<source::ParsedFiles>,
 }
 
+/// How many documents `errors` (the reconcile's, one per problem) reject: those naming an
+/// object count once per file and object, the others (a document that does not parse) once
+/// per file and line.
+fn rejected_documents(errors: &[ConfigError]) -> usize {
+    errors
+        .iter()
+        .map(|e| match &e.object {
+            Some(key) => (e.origin.file.as_str(), Some(key), 0),
+            None => (e.origin.file.as_str(), None, e.origin.line),
+        })
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+}
+
 /// How often an unchanged reason for an unreadable config directory is logged again.
 const UNREADABLE_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -177,11 +191,13 @@ impl Site {
                 // Counted as an error as long as it lasts, as `/status` lists it. (Not while
                 // holding `unreadable`: `status` takes `current` first.)
                 let current = lock(&self.current);
+                let rejected = rejected_documents(&current.reconciled.errors);
                 let known = all_errors(&current).len();
-                metrics.config_errors.set(known as i64 + 1);
+                let broken_references = known - current.reconciled.errors.len().min(known);
                 metrics
-                    .config_rejected
-                    .set(current.reconciled.errors.len() as i64 + 1);
+                    .config_errors
+                    .set((broken_references + rejected) as i64 + 1);
+                metrics.config_rejected.set(rejected as i64 + 1);
                 drop(current);
                 return false;
             }
@@ -241,10 +257,13 @@ impl Site {
                 tracing::error!("{e}");
             }
         }
-        metrics.config_errors.set(errors.len() as i64);
+        // A document with several problems is one rejected document (one line each in status).
+        let rejected = rejected_documents(&current.reconciled.errors);
+        let broken_references = errors.len() - current.reconciled.errors.len().min(errors.len());
         metrics
-            .config_rejected
-            .set(current.reconciled.errors.len() as i64);
+            .config_errors
+            .set((broken_references + rejected) as i64);
+        metrics.config_rejected.set(rejected as i64);
         metrics.reloads.inc();
         // A reload that rejected an edit (or found a port taken) failed in part, whatever else
         // it applied.
