@@ -294,7 +294,8 @@ fn router_access(
         res.plan.held.insert(obj.key.clone());
         return;
     };
-    if expired_link_leaf(obj, &tls, now, res) {
+    if expired_leaf(obj, &tls, now, res) {
+        res.plan.held.insert(obj.key.clone());
         return;
     }
     if tls.ca.is_empty() {
@@ -348,10 +349,10 @@ impl Resolution {
     }
 }
 
-/// A Link's or RouterAccess's certificate rotated to one that has expired: every peer would
-/// refuse it, so the running one goes on with the TLS it had (held, as a listener's), and the
-/// status says why. True if so.
-fn expired_link_leaf(
+/// A certificate rotated to one that has expired by `now`: every peer would refuse it, so the
+/// object is not configured with it and says why; the caller holds it (a running listener or
+/// link goes on with the TLS it had). True if so.
+fn expired_leaf(
     obj: &LoadedObject,
     tls: &tls::TlsMaterial,
     now: Option<i64>,
@@ -361,7 +362,6 @@ fn expired_link_leaf(
         return false;
     };
     not_configured(obj, "spec.tlsCredentials", why, res);
-    res.plan.held.insert(obj.key.clone());
     true
 }
 
@@ -389,7 +389,8 @@ fn link_plan(
         res.plan.held.insert(obj.key.clone());
         return None;
     };
-    if expired_link_leaf(obj, &tls, now, res) {
+    if expired_leaf(obj, &tls, now, res) {
+        res.plan.held.insert(obj.key.clone());
         return None;
     }
     if tls.ca.is_empty() {
@@ -447,10 +448,7 @@ fn server_tls(
 ) -> Result<Option<ServerTls>, ()> {
     let Some(name) = secret else { return Ok(None) };
     let material = secret_material(index, obj, name, true, res)?;
-    // Rotated to an expired certificate: every client would refuse it, so a running listener
-    // goes on with the TLS it had (held), and says why.
-    if let Some(why) = now.and_then(|now| tls::expired_leaf(&material, now)) {
-        not_configured(obj, "spec.tlsCredentials", why, res);
+    if expired_leaf(obj, &material, now, res) {
         return Err(());
     }
     if require_client_cert && material.ca.is_empty() {

@@ -49,7 +49,7 @@ use tokio::sync::watch;
 use crate::metrics::TlsRefused;
 use crate::workers::{self, AcceptGroup, Workers};
 use crate::{ConnectionTracker, Shared};
-use route_match::{Entry, HostPrecedence, RouteHosts, Table, host_rank};
+use route_match::{Entry, HostPrecedence, HostnameIndex, RouteHosts, Table, host_rank};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -375,35 +375,18 @@ pub struct PortConfig {
 /// A port's listeners (their places in [`PortConfig::listeners`], in merge order) by hostname.
 #[derive(Default)]
 struct ListenerIndex {
-    /// Lowercase exact hostname → listeners.
-    exact: HashMap<String, Vec<usize>>,
-    /// Lowercase wildcard suffix (`.example.com` of `*.example.com`) → listeners.
-    wildcard: HashMap<String, Vec<usize>>,
+    names: HostnameIndex,
     /// Listeners without a hostname.
     any: Vec<usize>,
-    /// Listeners with a hostname of another shape, ranked for each host as they come.
-    other: Vec<usize>,
 }
 
 impl PortConfig {
     pub fn new(port: u16, family: ProtocolFamily, listeners: Vec<Listener>) -> PortConfig {
         let mut by_host = ListenerIndex::default();
         for (i, l) in listeners.iter().enumerate() {
-            let Some(h) = &l.hostname else {
-                by_host.any.push(i);
-                continue;
-            };
-            let h = h.to_ascii_lowercase();
-            match h.strip_prefix('*') {
-                Some(suffix) if suffix.starts_with('.') => {
-                    by_host
-                        .wildcard
-                        .entry(suffix.to_string())
-                        .or_default()
-                        .push(i);
-                }
-                Some(_) => by_host.other.push(i),
-                None => by_host.exact.entry(h).or_default().push(i),
+            match &l.hostname {
+                Some(h) => by_host.names.add(h, i),
+                None => by_host.any.push(i),
             }
         }
         PortConfig {
@@ -422,47 +405,31 @@ impl PortConfig {
         host: Option<&str>,
         accept: impl Fn(&Listener) -> bool,
     ) -> Option<&Listener> {
-        let index = &self.by_host;
-        // Most ports have no hostname at all (or one listener): nothing to look up.
-        if index.exact.is_empty() && index.wildcard.is_empty() && index.other.is_empty() {
-            return index
-                .any
-                .iter()
-                .filter_map(|&i| self.listeners.get(i))
-                .find(|l| accept(l));
-        }
-        let first = |places: Option<&Vec<usize>>| {
+        let first = |places: &[usize]| {
             places
-                .into_iter()
-                .flatten()
+                .iter()
                 .filter_map(|&i| self.listeners.get(i))
                 .find(|l| accept(l))
         };
-        let lower = host
-            .filter(|h| h.bytes().any(|b| b.is_ascii_uppercase()))
-            .map(str::to_ascii_lowercase);
-        let host = lower.as_deref().or(host);
-        // The best of the regular shapes: the exact name, else the longest wildcard suffix
-        // (each suffix of the host from a dot past its first character, longest first), else
-        // a listener without a hostname.
+        let names = &self.by_host.names;
+        // Most ports have no hostname at all (or one listener): nothing to look up.
+        if names.is_empty() {
+            return first(&self.by_host.any);
+        }
+        let host = host.map(route_match::lowercase);
+        let host = host.as_deref();
+        // The best of the regular shapes: the exact name, else the longest wildcard, else a
+        // listener without a hostname.
         let regular = host
             .and_then(|host| {
-                first(index.exact.get(host))
-                    .map(|l| ((2, host.len()), l))
-                    .or_else(|| {
-                        host.match_indices('.')
-                            .filter(|(i, _)| *i > 0)
-                            .find_map(|(i, _)| {
-                                let suffix = &host[i..];
-                                first(index.wildcard.get(suffix))
-                                    .map(|l| ((1, suffix.len() + 1), l))
-                            })
-                    })
+                names
+                    .matching(host)
+                    .find_map(|(rank, places)| Some((rank, first(places)?)))
             })
-            .or_else(|| first(Some(&index.any)).map(|l| ((0, 0), l)));
+            .or_else(|| first(&self.by_host.any).map(|l| ((0, 0), l)));
         // Hostnames of another shape, as the ranking says (none in a valid config).
         let mut best = regular;
-        for l in index.other.iter().filter_map(|&i| self.listeners.get(i)) {
+        for l in names.other.iter().filter_map(|&i| self.listeners.get(i)) {
             let rank = match (&l.hostname, host) {
                 (Some(h), Some(host)) => host_rank(std::slice::from_ref(h), host),
                 _ => None,

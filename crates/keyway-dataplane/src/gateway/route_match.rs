@@ -461,15 +461,73 @@ pub struct Table {
     by_host: HostIndex,
 }
 
+/// Places (in a list of routes or listeners) by the hostnames they are for, lowercase: exact
+/// names, and wildcards by their suffix (`.example.com` of `*.example.com`). A hostname of any
+/// other shape goes to `other`, for the caller to rank with [`host_rank`] as it comes. Shared
+/// by a listener's routes ([`Table`]) and a port's listeners (`PortConfig`).
+#[derive(Clone, Debug, Default)]
+pub struct HostnameIndex {
+    exact: HashMap<String, Vec<usize>>,
+    wildcard: HashMap<String, Vec<usize>>,
+    pub other: Vec<usize>,
+}
+
+impl HostnameIndex {
+    /// Files `place` under `hostname` (a place with several hostnames is added for each, in a row).
+    pub fn add(&mut self, hostname: &str, place: usize) {
+        let h = hostname.to_ascii_lowercase();
+        let list = match h.strip_prefix('*') {
+            Some(suffix) if suffix.starts_with('.') => {
+                self.wildcard.entry(suffix.to_string()).or_default()
+            }
+            Some(_) => &mut self.other,
+            None => self.exact.entry(h).or_default(),
+        };
+        if list.last() != Some(&place) {
+            list.push(place);
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.exact.is_empty() && self.wildcard.is_empty() && self.other.is_empty()
+    }
+
+    /// The places whose hostname serves `host` (lowercase), most specific first, each group with
+    /// its rank as [`host_rank`] gives it: the exact name, then each wildcard suffix of the host
+    /// from the longest (`*.example.com` serves `a.example.com` and `a.b.example.com`, not the
+    /// apex: suffixes start at a dot past the host's first character).
+    pub fn matching<'a>(&'a self, host: &'a str) -> impl Iterator<Item = (HostRank, &'a [usize])> {
+        let exact = self
+            .exact
+            .get(host)
+            .map(|places| ((2, host.len()), places.as_slice()));
+        let wildcards = host
+            .match_indices('.')
+            .filter(|(i, _)| *i > 0)
+            .take_while(|_| !self.wildcard.is_empty())
+            .filter_map(|(i, _)| {
+                let suffix = &host[i..];
+                let places = self.wildcard.get(suffix)?;
+                Some(((1, suffix.len() + 1), places.as_slice()))
+            });
+        exact.into_iter().chain(wildcards)
+    }
+}
+
+/// `host` in lowercase, as [`HostnameIndex`] files names (borrowed when it already is).
+pub fn lowercase(host: &str) -> std::borrow::Cow<'_, str> {
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        std::borrow::Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        std::borrow::Cow::Borrowed(host)
+    }
+}
+
 /// The routes of a [`Table`] by the hosts they serve (their `served` hostnames).
 #[derive(Clone, Debug, Default)]
 struct HostIndex {
-    /// Lowercase exact hostname → the routes serving it.
-    exact: HashMap<String, Vec<usize>>,
-    /// Lowercase wildcard suffix (`.example.com` of `*.example.com`) → the routes serving it.
-    wildcard: HashMap<String, Vec<usize>>,
-    /// Routes serving every host (no hostnames), or with a hostname of another shape, which
-    /// [`RouteHosts::rank`] decides for each request.
+    names: HostnameIndex,
+    /// Routes serving every host (no hostnames).
     always: Vec<usize>,
     /// Per route, its entries' places in [`Table::entries`], ascending.
     entries: Vec<Vec<usize>>,
@@ -486,17 +544,7 @@ impl HostIndex {
                 index.always.push(route);
             }
             for h in &hosts.served {
-                let h = h.to_ascii_lowercase();
-                let list = match h.strip_prefix('*') {
-                    Some(suffix) if suffix.starts_with('.') => {
-                        index.wildcard.entry(suffix.to_string()).or_default()
-                    }
-                    Some(_) => &mut index.always,
-                    None => index.exact.entry(h).or_default(),
-                };
-                if list.last() != Some(&route) {
-                    list.push(route);
-                }
+                index.names.add(h, route);
             }
         }
         for (i, e) in entries.iter().enumerate() {
@@ -507,19 +555,13 @@ impl HostIndex {
         index
     }
 
-    /// The routes that may serve `host` (lowercase), each once, ascending.
+    /// The routes that may serve `host` (lowercase), each once, ascending: [`RouteHosts::rank`]
+    /// decides for those of `other` shapes.
     fn candidates(&self, host: &str) -> Vec<usize> {
         let mut routes: Vec<usize> = self.always.clone();
-        if let Some(r) = self.exact.get(host) {
-            routes.extend(r);
-        }
-        // `*.example.com` serves `a.example.com` and `a.b.example.com`, not the apex: each
-        // suffix of the host that starts at a dot past its first character.
-        let dots = host.match_indices('.').filter(|(i, _)| *i > 0);
-        for (i, _) in dots.take_while(|_| !self.wildcard.is_empty()) {
-            if let Some(r) = self.wildcard.get(&host[i..]) {
-                routes.extend(r);
-            }
+        routes.extend(&self.names.other);
+        for (_, places) in self.names.matching(host) {
+            routes.extend(places);
         }
         routes.sort_unstable();
         routes.dedup();
@@ -559,13 +601,8 @@ impl Table {
         {
             return self.entries.iter().find(|e| e.m.matches(req));
         }
-        let lower;
-        let host = if host.bytes().any(|b| b.is_ascii_uppercase()) {
-            lower = host.to_ascii_lowercase();
-            lower.as_str()
-        } else {
-            host
-        };
+        let host = lowercase(host);
+        let host = host.as_ref();
         // The routes serving the host, with how their hostnames rank for it.
         let ranked: Vec<(usize, HostRank)> = self
             .by_host
