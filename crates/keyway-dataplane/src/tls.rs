@@ -496,6 +496,51 @@ pub fn link_certificate_problem(material: &keyway_core::tls::TlsMaterial) -> Opt
         .map(|e| e.to_string())
 }
 
+/// Which end of a link connection the peer was: its certificate was verified as a server's (we
+/// dialed) or as a client's (we accepted).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkPeer {
+    Server,
+    Client,
+}
+
+/// Whether a link peer's certificate chain, verified at its handshake, would verify against
+/// `ca` now, as that handshake did (chain and usage, not the name): a connection of a Link or
+/// RouterAccess whose bundle lost a CA stays only if it does.
+pub fn link_peer_trusted(
+    ca: &[CertificateDer<'static>],
+    chain: &[CertificateDer<'static>],
+    peer: LinkPeer,
+) -> bool {
+    let [end_entity, intermediates @ ..] = chain else {
+        return false;
+    };
+    let Ok(roots) = roots("ca.crt", ca).map(Arc::new) else {
+        return false;
+    };
+    let now = UnixTime::now();
+    match peer {
+        LinkPeer::Server => {
+            rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider())
+                .build()
+                .is_ok_and(|v| {
+                    ChainOnly(v)
+                        .verify_server_cert(
+                            end_entity,
+                            intermediates,
+                            &ServerName::from(std::net::Ipv4Addr::LOCALHOST),
+                            &[],
+                            now,
+                        )
+                        .is_ok()
+                })
+        }
+        LinkPeer::Client => WebPkiClientVerifier::builder_with_provider(roots, provider())
+            .build()
+            .is_ok_and(|v| v.verify_client_cert(end_entity, intermediates, now).is_ok()),
+    }
+}
+
 /// The redeeming side of a token (no client certificate): TLS 1.3 only, and the granting site's
 /// chain must verify against `ca` (the token's `ca`). As for links, only the chain is checked,
 /// not the name.
@@ -667,5 +712,47 @@ mod tests {
         a.key = b.key.clone();
         let err = server_config_choosing(&[a, b], &[], None).expect_err("mismatched key");
         assert!(err.to_string().contains("key"), "{err}");
+    }
+
+    /// A link peer's chain is trusted by a bundle holding its CA, whichever end it was, and by
+    /// no bundle without it (the test a CA removed from a Link's or RouterAccess's bundle
+    /// applies to each live connection).
+    #[test]
+    fn a_link_peer_is_trusted_by_the_bundles_that_hold_its_ca() {
+        let ca = |name: &str| {
+            let key = KeyPair::generate().expect("key");
+            let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, name);
+            let cert = params.self_signed(&key).expect("ca");
+            (rcgen::Issuer::new(params, key), cert.der().clone())
+        };
+        let (old, old_der) = ca("old");
+        let (new, new_der) = ca("new");
+        let leaf = |issuer: &rcgen::Issuer<'_, KeyPair>| {
+            let params = CertificateParams::new(vec!["site.test".to_string()]).expect("params");
+            let key = KeyPair::generate().expect("key");
+            vec![params.signed_by(&key, issuer).expect("leaf").der().clone()]
+        };
+        let (from_old, from_new) = (leaf(&old), leaf(&new));
+        let both = [old_der.clone(), new_der.clone()];
+        for peer in [LinkPeer::Server, LinkPeer::Client] {
+            assert!(link_peer_trusted(&both, &from_old, peer), "{peer:?}");
+            assert!(link_peer_trusted(&both, &from_new, peer), "{peer:?}");
+            assert!(link_peer_trusted(
+                std::slice::from_ref(&new_der),
+                &from_new,
+                peer
+            ));
+            assert!(!link_peer_trusted(
+                std::slice::from_ref(&new_der),
+                &from_old,
+                peer
+            ));
+            assert!(!link_peer_trusted(&both, &[], peer), "no chain");
+            assert!(!link_peer_trusted(&[], &from_new, peer), "no CA");
+        }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use rustls::client::UnbufferedClientConnection;
 use rustls::kernel::KernelConnection;
-use rustls::pki_types::ServerName;
+use rustls::pki_types::{CertificateDer, ServerName};
 use rustls::server::UnbufferedServerConnection;
 use rustls::unbuffered::{
     ConnectionState, EncodeError, UnbufferedConnectionCommon, UnbufferedStatus,
@@ -26,6 +26,9 @@ pub(crate) struct Established {
     pub alpn: Option<Vec<u8>>,
     /// The peer presented a certificate that verified.
     pub authenticated: bool,
+    /// The certificate chain the peer presented (empty if none): checked again when the CA
+    /// bundle it was verified against loses a CA.
+    pub peer_chain: Vec<CertificateDer<'static>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,9 +66,12 @@ where
     let mut io = Handshake::new(tcp);
     while !io.step(&mut conn).await? {}
     let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
-    let authenticated = conn.peer_certificates().is_some_and(|c| !c.is_empty());
+    let peer_chain: Vec<CertificateDer<'static>> = conn
+        .peer_certificates()
+        .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
+        .unwrap_or_default();
     let (secrets, kernel) = conn.into_kernel()?;
-    io.finish(secrets, kernel, alpn, authenticated)
+    io.finish(secrets, kernel, alpn, peer_chain)
 }
 
 /// A client or server connection of rustls's unbuffered API.
@@ -226,7 +232,7 @@ impl Handshake {
         secrets: ExtractedSecrets,
         kernel: KernelConnection<Data>,
         alpn: Option<Vec<u8>>,
-        authenticated: bool,
+        peer_chain: Vec<CertificateDer<'static>>,
     ) -> Result<Established, HandshakeError> {
         let Some(suite) = kernel.negotiated_cipher_suite().tls13() else {
             return Err(rustls::Error::General("links require TLS 1.3".into()).into());
@@ -243,7 +249,8 @@ impl Handshake {
         Ok(Established {
             stream,
             alpn,
-            authenticated,
+            authenticated: !peer_chain.is_empty(),
+            peer_chain,
         })
     }
 }

@@ -26,8 +26,10 @@ use bytes::Bytes;
 use keyway_core::ObjectKey;
 use keyway_core::plan::{LinkPlan, Plan, RouterAccessPlan};
 use keyway_core::skupper::{LinkRecord, ServiceRecord, SiteRecord};
+use keyway_dataplane::tls;
 use keyway_dataplane::tunnel::BoxTunnel;
 use keyway_dataplane::{DataPlane, DialFuture, RemoteDialer};
+use rustls::pki_types::CertificateDer;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -102,19 +104,44 @@ pub(crate) struct Conn {
     pub retiring: AtomicBool,
     /// The metrics of the links to `peer`.
     pub metrics: Arc<keyway_dataplane::metrics::LinkMetrics>,
+    /// The certificate chain the peer presented at the handshake (empty over in-memory test
+    /// pipes): verified again when the bundle it was verified against loses a CA.
+    pub peer_chain: Vec<CertificateDer<'static>>,
+    /// Notified to close the connection now: its peer no longer verifies.
+    pub revoked: tokio::sync::Notify,
 }
 
 /// Whether every CA certificate of `old` is in `new`: connections verified under `old` are
 /// then still trusted (a CA added to the bundle, the first step of a rotation with an overlap,
 /// keeps them), and only a CA removed revokes them.
-fn still_trusted(
-    old: &[rustls::pki_types::CertificateDer<'static>],
-    new: &[rustls::pki_types::CertificateDer<'static>],
-) -> bool {
+fn still_trusted(old: &[CertificateDer<'static>], new: &[CertificateDer<'static>]) -> bool {
     old.iter().all(|ca| new.contains(ca))
 }
 
+/// Closes the connections of the Link `link` (`None`: those the RouterAccess accepted) whose
+/// peer no longer verifies against `ca`; returns how many.
+fn revoke_untrusted(st: &State, link: Option<&str>, ca: &[CertificateDer<'static>]) -> usize {
+    let mut closing = 0;
+    for c in st.conns.values().filter(|c| c.link.as_deref() == link) {
+        if !c.trusted_by(ca) {
+            c.revoked.notify_one();
+            closing += 1;
+        }
+    }
+    closing
+}
+
 impl Conn {
+    /// Whether the peer's chain verifies against `ca` as it did at the handshake: as a
+    /// server's where this site dialed (a Link's connection), as a client's where it accepted.
+    fn trusted_by(&self, ca: &[CertificateDer<'static>]) -> bool {
+        let peer = match self.link {
+            Some(_) => tls::LinkPeer::Server,
+            None => tls::LinkPeer::Client,
+        };
+        self.peer_chain.is_empty() || tls::link_peer_trusted(ca, &self.peer_chain, peer)
+    }
+
     /// Stops new streams here, at both ends (the peer is told with a `retire` message).
     fn retire(&self) {
         if !self.retiring.swap(true, Ordering::Relaxed) {
@@ -357,19 +384,25 @@ impl Network {
                     .as_ref()
                     .filter(|o| o.plan.bind_host == ra.bind_host && o.plan.port == ra.port)
                     .map(|o| o.socket.clone());
-                // Links accepted under CAs still trusted stay (the serving certificate or the
-                // address changed, or a CA was added: the first step of a rotation with an
-                // overlap); a CA removed, or a rename, ends them: a removed CA revokes.
+                // The links it accepted stay while their peers' certificates verify (the
+                // serving certificate or the address changed, or a CA was added: the first
+                // step of a rotation with an overlap); a CA removed revokes those it had
+                // verified, and a rename ends them all.
                 let kept = old
                     .as_ref()
-                    .filter(|o| !renamed && still_trusted(&o.plan.tls.ca, &ra.tls.ca))
+                    .filter(|_| !renamed)
                     .map(|o| o.sessions.clone());
-                if kept.is_some() {
-                    let what = match &old {
-                        Some(o) if o.plan.tls == ra.tls => "changed",
-                        _ => "certificate replaced",
-                    };
-                    tracing::info!(router_access = %ra.id.name, "RouterAccess {what}; links accepted under the old one stay");
+                if let Some(o) = old.as_ref().filter(|_| kept.is_some()) {
+                    if still_trusted(&o.plan.tls.ca, &ra.tls.ca) {
+                        let what = match o.plan.tls == ra.tls {
+                            true => "changed",
+                            false => "certificate replaced",
+                        };
+                        tracing::info!(router_access = %ra.id.name, "RouterAccess {what}; links accepted under the old one stay");
+                    } else {
+                        let closing = revoke_untrusted(&st, None, &ra.tls.ca);
+                        tracing::info!(router_access = %ra.id.name, closing, "RouterAccess CA bundle lost a CA; accepted links whose certificates no longer verify close, the others stay");
+                    }
                 }
                 let sessions = kept.unwrap_or_default();
                 drop(old);
@@ -416,22 +449,26 @@ impl Network {
                     changed = true;
                 }
                 old => {
-                    // Only the certificate changed, or a CA was added (same peer, every CA
-                    // still trusted): the new connections come up beside the old ones, which
-                    // close when their streams are done.
+                    // The same peer under a new certificate or CA bundle: the new connections
+                    // come up beside the old ones, which close when their streams are done. A
+                    // CA removed from the bundle first closes the connections (of this start
+                    // or earlier ones still retiring) whose peer it had verified.
                     let rotated = old.filter(|o| {
-                        !renamed
-                            && o.plan.host == link.host
-                            && o.plan.port == link.port
-                            && still_trusted(&o.plan.tls.ca, &link.tls.ca)
+                        !renamed && o.plan.host == link.host && o.plan.port == link.port
                     });
+                    if let Some(o) = &rotated
+                        && !still_trusted(&o.plan.tls.ca, &link.tls.ca)
+                    {
+                        let closing = revoke_untrusted(&st, Some(&name), &link.tls.ca);
+                        tracing::info!(link = %name, closing, "link CA bundle lost a CA; connections whose peer no longer verifies close");
+                    }
                     let replaced = rotated.is_some();
                     if let Some(old) = rotated {
                         inner.retire_link(&mut st, old);
                     }
                     if !replaced {
-                        // Not a rotation: earlier starts still retiring go now too (a changed
-                        // CA revokes; a changed endpoint is another peer).
+                        // Another peer (a changed endpoint) or a renamed site: earlier starts
+                        // still retiring go now too.
                         st.retired.retain(|_, r| r.plan.id.name != name);
                     }
                     let ls = st.link_state.entry(name.clone()).or_default();
@@ -847,9 +884,18 @@ impl Inner {
         }
     }
 
-    /// Adds a connection whose hellos were exchanged, and sends it what we know.
-    fn register(&self, conn: Arc<Conn>) {
+    /// Adds a connection whose hellos were exchanged, and sends it what we know; `false` if
+    /// its peer no longer verifies against the CA bundle in force (its handshake ran under a
+    /// bundle that has lost a CA since), and the connection must close.
+    fn register(&self, conn: Arc<Conn>) -> bool {
         let mut st = lock(&self.state);
+        let in_force = match &conn.link {
+            Some(name) => st.links.get(name).map(|l| &l.plan.tls.ca),
+            None => st.access.as_ref().map(|a| &a.plan.tls.ca),
+        };
+        if in_force.is_some_and(|ca| !conn.trusted_by(ca)) {
+            return false;
+        }
         if st.retired.contains_key(&conn.link_generation) {
             conn.retire();
         }
@@ -870,6 +916,7 @@ impl Inner {
         if adjacency {
             self.originate(&mut st);
         }
+        true
     }
 
     /// Removes a connection that ended, saying why for its Link's status.

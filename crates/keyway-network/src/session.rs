@@ -146,6 +146,7 @@ pub(crate) fn start_access(
                     stream: tls,
                     alpn,
                     authenticated,
+                    peer_chain,
                 } = tls;
                 let forward = match accepted_role(alpn.as_deref(), authenticated) {
                     Ok(Role::Link { forward }) => forward,
@@ -166,7 +167,7 @@ pub(crate) fn start_access(
                     }
                 };
                 // Forward: the dialer is the HTTP/2 client, so this side serves.
-                match run_session(&inner, tls, !forward, 0, None).await {
+                match run_session(&inner, tls, !forward, 0, None, peer_chain).await {
                     Ok(()) => tracing::info!(%peer, "link connection closed"),
                     Err(e) => tracing::warn!(%peer, "link connection closed: {e}"),
                 }
@@ -365,22 +366,30 @@ async fn dial_once(
     let _ = tcp.set_nodelay(true);
     let name = ServerName::try_from(link.host.clone())
         .map_err(|e| NetError::Tls(format!("endpoint host {}: {e}", link.host)))?;
-    let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::connect(config, name, tcp))
-        .await
-        .map_err(|_| NetError::Timeout("TLS handshake"))?
-        .map_err(|e| {
-            let e = e.to_string();
-            let hint = handshake::failure_hint(
-                &e,
-                &format!("{}:{}", link.host, link.port),
-                "the ca.crt of this Link's tlsCredentials Secret",
-            );
-            NetError::Tls(format!("TLS handshake failed: {e}{hint}"))
-        })?
-        .stream;
+    let established =
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake::connect(config, name, tcp))
+            .await
+            .map_err(|_| NetError::Timeout("TLS handshake"))?
+            .map_err(|e| {
+                let e = e.to_string();
+                let hint = handshake::failure_hint(
+                    &e,
+                    &format!("{}:{}", link.host, link.port),
+                    "the ca.crt of this Link's tlsCredentials Secret",
+                );
+                NetError::Tls(format!("TLS handshake failed: {e}{hint}"))
+            })?;
     let cost = dial.cost.load(Ordering::Relaxed);
     let dialed = Some((link.id.name.clone(), dial.generation));
-    run_session(inner, tls, dial.client, cost, dialed).await
+    run_session(
+        inner,
+        established.stream,
+        dial.client,
+        cost,
+        dialed,
+        established.peer_chain,
+    )
+    .await
 }
 
 fn h2_client() -> h2::client::Builder {
@@ -428,6 +437,7 @@ async fn run_session<S>(
     client: bool,
     cost: u64,
     dialed: Option<(String, u64)>,
+    peer_chain: Vec<rustls::pki_types::CertificateDer<'static>>,
 ) -> Result<(), NetError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -545,14 +555,20 @@ where
         link_generation,
         retiring: AtomicBool::new(false),
         metrics: inner.dataplane.metrics().link(&peer),
+        peer_chain,
+        revoked: tokio::sync::Notify::new(),
     });
     let mut registration = Registration {
         inner: inner.clone(),
         id: conn.id,
         why: None,
     };
+    if !inner.register(conn.clone()) {
+        return Err(NetError::Tls(format!(
+            "site {peer}: its certificate does not verify against the CA bundle in force (a CA was removed during the handshake)"
+        )));
+    }
     tracing::info!(peer = %peer, cost, client, "link connection up");
-    inner.register(conn.clone());
     let _ = ready.send(Some(conn.metrics.clone()));
 
     let mut keepalive = tokio::time::interval(KEEPALIVE_EVERY);
@@ -607,6 +623,9 @@ where
             }
             e = &mut pinger => break Err(e),
             _ = &mut driver.0 => break Err(NetError::Peer("connection closed".into())),
+            _ = conn.revoked.notified() => break Err(NetError::Tls(
+                "closed: the peer's certificate does not verify against the CA bundle in force (a CA was removed)".into()
+            )),
         }
     };
     registration.why = Some(match &result {
@@ -1166,10 +1185,11 @@ mod linked_in_memory {
             let (x, y) = tokio::io::duplex(1 << 20);
             let (ia, ib) = (a.inner.clone(), b.inner.clone());
             tasks.push(AbortOnDrop(tokio::spawn(async move {
-                let _ = run_session(&ia, x, a_client, cost, Some(("link".into(), 1))).await;
+                let _ =
+                    run_session(&ia, x, a_client, cost, Some(("link".into(), 1)), Vec::new()).await;
             })));
             tasks.push(AbortOnDrop(tokio::spawn(async move {
-                let _ = run_session(&ib, y, !a_client, 0, None).await;
+                let _ = run_session(&ib, y, !a_client, 0, None, Vec::new()).await;
             })));
         }
         tasks

@@ -268,14 +268,82 @@ fn adding_a_ca_to_the_bundles_keeps_live_connections() {
     assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
 }
 
+/// A whole CA rotation with an overlap: the new CA joins both bundles, both leaves are
+/// reissued by it, then the old CA leaves both bundles. At that last step the connections whose
+/// peers the new CA verified stay, with the stream crossing them (before, dropping any CA cut
+/// every connection of the Link and the RouterAccess); a stream older than the new leaves
+/// rides connections the old CA verified, and its removal revokes them.
+#[test]
+fn removing_the_old_ca_keeps_connections_the_new_one_verified() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let next = Ca::new("net-next");
+    let backend = Backend::start("at-b");
+    let (a, b, _b_port, listen) = pair(&ca, &backend);
+    let (mut old_w, mut old_r, line) = greet(listen, Duration::from_secs(3));
+    assert_eq!(line, "at-b\n");
+    let set_secret = |site: &SiteProc, leaf: &Ca, also: Option<&Ca>| {
+        let extra: String = also
+            .map(|c| c.pem().lines().map(|l| format!("    {l}\n")).collect())
+            .unwrap_or_default();
+        let yaml = format!("{}{extra}", leaf.secret_yaml("link-tls"));
+        rewrite(site, |d| {
+            d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
+                .then(|| yaml.clone())
+        });
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    for site in [&b, &a] {
+        set_secret(site, &ca, Some(&next));
+    }
+    let before = connections_up(&a);
+    for site in [&b, &a] {
+        set_secret(site, &next, Some(&ca));
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || connections_up(&a) >= before + 2),
+        "no connections under the new leaves; a's log:\n{}",
+        tail(&a.log())
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let (mut w, mut r, line) = greet(listen, Duration::from_secs(3));
+    assert_eq!(line, "at-b\n");
+    for site in [&b, &a] {
+        set_secret(site, &next, None);
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        echo(&mut w, &mut r, "still there?\n").as_deref(),
+        Ok("still there?\n"),
+        "dropping the old CA cut a stream on connections the new CA verified; a's log:\n{}\nb's log:\n{}",
+        tail(&a.log()),
+        tail(&b.log())
+    );
+    assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
+    let old = echo(&mut old_w, &mut old_r, "x\n");
+    assert!(
+        old.as_deref() != Ok("x\n"),
+        "a stream on connections the removed CA verified went on: {old:?}; a's log:\n{}",
+        tail(&a.log())
+    );
+    for site in [&a, &b] {
+        assert!(
+            site.log().contains("lost a CA"),
+            "{}'s log:\n{}",
+            site.name,
+            tail(&site.log())
+        );
+    }
+}
+
 /// A Link whose Secret is deleted keeps its connections (SPEC §7), and its status says it
-/// serves on rather than reading as down.
+/// serves on rather than reading as down; so does a RouterAccess whose Secret is deleted.
 #[test]
 fn a_link_held_at_its_last_tls_says_it_serves_on() {
     let _serial = serial();
     let ca = Ca::new("net");
     let backend = Backend::start("at-b");
-    let (a, _b, _b_port, listen) = pair(&ca, &backend);
+    let (a, b, _b_port, listen) = pair(&ca, &backend);
     assert_eq!(who(listen).as_deref(), Ok("at-b"));
     rewrite(&a, |d| {
         d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
