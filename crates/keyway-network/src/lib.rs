@@ -276,6 +276,8 @@ pub struct NetworkView {
     pub listened_keys: BTreeSet<String>,
     /// A RouterAccess whose port could not be bound.
     pub bind_errors: BTreeMap<ObjectKey, String>,
+    /// The RouterAccess accepting links now (its port bound, its accept task running).
+    pub accepting: Option<ObjectKey>,
     /// Another live site advertises this site's name (see [`NAME_RECLAIM_AFTER`]).
     pub name_conflict: Option<String>,
 }
@@ -592,6 +594,7 @@ impl Network {
         if let Some((key, e)) = &st.access_error {
             view.bind_errors.insert(key.clone(), e.clone());
         }
+        view.accepting = st.access.as_ref().map(|a| a.plan.id.clone());
         if st.duplicate_seen.is_some() {
             view.name_conflict = Some(format!(
                 "another live site in the network has this site's name {}: site names must be unique; rename one of them",

@@ -458,11 +458,13 @@ impl Site {
             service_network::statuses(&current.index, &current.resolution, &reach, &now);
         service_network::note_rejected_secrets(&mut statuses, &current.index);
         // A listener held at its last valid TLS (its Secret no longer resolves) that listens,
-        // or a Link so held with a connection up, says so, or its Error would read as down.
+        // a Link so held with a connection up, or a RouterAccess so held that accepts, says
+        // so, or its Error would read as down.
         for key in &current.resolution.plan.held {
             // (A held Link keeps its connections: it serves on while one is up.)
             let serving = obs.listening.contains(key)
-                || (key.kind == Kind::Link && reach.operational_links.contains_key(&key.name));
+                || (key.kind == Kind::Link && reach.operational_links.contains_key(&key.name))
+                || net.accepting.as_ref() == Some(key);
             if serving
                 && let Some(status) = statuses.get_mut(key)
                 && let Some(message) = status.get("message").and_then(Value::as_str)

@@ -356,6 +356,16 @@ fn a_link_held_at_its_last_tls_says_it_serves_on() {
     });
     assert!(said, "a's status:\n{status}");
     assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
+    rewrite(&b, |d| {
+        d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
+            .then(String::new)
+    });
+    let said = eventually(Duration::from_secs(10), || {
+        status = b.get("/status").unwrap_or_default();
+        status.contains("not found; it serves on with its last valid TLS")
+    });
+    assert!(said, "b's status:\n{status}");
+    assert_eq!(who(listen).as_deref(), Ok("at-b"), "b's log:\n{}", b.log());
 }
 
 /// A rotation while a stream keeps the old connections busy, then the Link is deleted: the
