@@ -227,6 +227,50 @@ pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMateri
 pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::ConfigError> {
     let now = now.0.as_second();
     let mut out = Vec::new();
+    for_each_config_certificate(index, |obj, key, field, i, of, der| {
+        let which = match (key, i) {
+            ("tls.crt", 0) => "the certificate".to_string(),
+            ("tls.crt", i) => format!("certificate {} of the chain", i + 1),
+            (_, 0) if of == 1 => "the CA certificate".to_string(),
+            (_, i) => format!("CA certificate {}", i + 1),
+        };
+        if let Some(why) = validity_problem(der, now) {
+            out.push(obj.error_at(field, format!("{which} {why}")));
+        }
+    });
+    out
+}
+
+/// The first moment after `now` (seconds since the epoch) at which a certificate of the
+/// config's Secrets or ConfigMaps expires or becomes valid: what the config means changes
+/// then, though no file does, so a running site resolves again at that moment.
+pub fn next_validity_change(index: &crate::Index, now: &crate::Time) -> Option<i64> {
+    let now = now.0.as_second();
+    let mut next: Option<i64> = None;
+    for_each_config_certificate(index, |_, _, _, _, _, der| {
+        let Ok((_, cert)) = x509_parser::parse_x509_certificate(der.as_ref()) else {
+            return;
+        };
+        let validity = cert.validity();
+        // Expired once `not_after` is in the past (see `validity_problem`): a second later.
+        let changes = [
+            validity.not_before.timestamp(),
+            validity.not_after.timestamp().saturating_add(1),
+        ];
+        for at in changes.into_iter().filter(|&at| at > now) {
+            next = Some(next.map_or(at, |n| n.min(at)));
+        }
+    });
+    next
+}
+
+/// Calls `f` with every certificate of the config's Secrets (`tls.crt`, `ca.crt`) and
+/// ConfigMaps (`ca.crt`) that parses: its object, key, field (`data.ca.crt`, say), position
+/// and the number of certificates in that value.
+fn for_each_config_certificate(
+    index: &crate::Index,
+    mut f: impl FnMut(&crate::LoadedObject, &str, &str, usize, usize, &CertificateDer<'_>),
+) {
     let secrets = index.of_kind(crate::Kind::Secret).filter_map(|obj| {
         let crate::Resource::Secret(secret) = &obj.resource else {
             return None;
@@ -255,19 +299,10 @@ pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::
                 continue;
             };
             for (i, der) in chain.iter().enumerate() {
-                let which = match (key, i) {
-                    ("tls.crt", 0) => "the certificate".to_string(),
-                    ("tls.crt", i) => format!("certificate {} of the chain", i + 1),
-                    (_, 0) if chain.len() == 1 => "the CA certificate".to_string(),
-                    (_, i) => format!("CA certificate {}", i + 1),
-                };
-                if let Some(why) = validity_problem(der, now) {
-                    out.push(obj.error_at(&field, format!("{which} {why}")));
-                }
+                f(obj, key, &field, i, chain.len(), der);
             }
         }
     }
-    out
 }
 
 /// A ConfigMap's `ca.crt` (PEM), from `data` or else `binaryData`, with the field it is in.

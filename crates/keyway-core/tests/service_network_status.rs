@@ -793,6 +793,55 @@ fn a_listener_certificate_that_has_expired_is_held() {
     assert!(untimed.plan.listeners.iter().any(|l| l.id == id));
 }
 
+/// The moment a running site must resolve again although no file changed: the first time
+/// after now that a certificate of a Secret or ConfigMap expires (a second after its
+/// `notAfter`) or becomes valid; none when every certificate's window is behind it.
+#[test]
+fn the_next_validity_change_is_the_first_expiry_or_start_ahead() {
+    let cert = |from: (i32, u8), to: (i32, u8)| {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["a.example".to_string()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(from.0, from.1, 1);
+        params.not_after = rcgen::date_time_ymd(to.0, to.1, 1);
+        params.self_signed(&key).expect("cert").pem()
+    };
+    let at = |y: i16, m: i8| {
+        jiff::civil::date(y, m, 1)
+            .to_zoned(jiff::tz::TimeZone::UTC)
+            .expect("date")
+            .timestamp()
+            .as_second()
+    };
+    let (expired, far, soon) = (
+        cert((2020, 1), (2020, 2)),
+        cert((2020, 1), (2090, 1)),
+        cert((2020, 1), (2080, 1)),
+    );
+    let future = cert((2070, 1), (2095, 1));
+    let secret = |name: &str, crt: &str, ca: &str| {
+        format!(
+            "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\nstringData:\n  tls.crt: {crt:?}\n  ca.crt: {ca:?}\n"
+        )
+    };
+    let config_map = format!(
+        "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: cas}}\ndata:\n  ca.crt: {future:?}\n"
+    );
+    let next = |yaml: &str| keyway_core::tls::next_validity_change(&index_of(yaml), &now());
+    assert_eq!(next(&secret("a", &expired, &expired)), None);
+    assert_eq!(next(&secret("a", &far, &expired)), Some(at(2090, 1) + 1));
+    assert_eq!(
+        next(&(secret("a", &far, &expired) + &secret("b", &expired, &soon))),
+        Some(at(2080, 1) + 1),
+        "a CA expiring first counts too"
+    );
+    assert_eq!(
+        next(&(secret("a", &far, &soon) + &config_map)),
+        Some(at(2070, 1)),
+        "a ConfigMap CA becoming valid first"
+    );
+}
+
 /// A Link's or RouterAccess's Secret rotated to an expired certificate is held as a
 /// listener's is: the running one goes on (peers would refuse the new one) and says why.
 #[test]

@@ -96,15 +96,22 @@ pub fn run(
         // A condition's lastTransitionTime is when it changed, not when someone first asked:
         // status is computed every second, asked for or not, so each change is stamped within
         // a second of it.
+        // A certificate expiring (or becoming valid) changes what the config means without a
+        // file changing: the reloader resolves it again then.
         let observer = {
             let site = site.clone();
+            let reload = tx.clone();
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(STATUS_EVERY);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
                 loop {
                     tick.tick().await;
                     let site = site.clone();
+                    let reload = reload.clone();
                     let _ = tokio::task::spawn_blocking(move || {
+                        if site.certificate_validity_changed() {
+                            let _ = reload.send(());
+                        }
                         site.observe_status();
                         // Notes when every listener has listened (see `Site::ready`).
                         let _ = site.ready();

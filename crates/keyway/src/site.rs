@@ -61,6 +61,9 @@ struct Current {
     taken_ports: Vec<TakenPort>,
     /// Gateway ports another Gateway holds, as the data plane settled them on the last apply.
     gateway_conflicts: Vec<ConfigError>,
+    /// When a certificate of the config next expires or becomes valid (seconds since the
+    /// epoch): the site resolves again then ([`Site::certificate_validity_changed`]).
+    validity_changes_at: Option<i64>,
 }
 
 pub struct Site {
@@ -251,6 +254,8 @@ impl Site {
         current.resolution = resolution;
         current.taken_ports = taken_ports;
         current.gateway_conflicts = gateway_conflicts;
+        current.validity_changes_at =
+            keyway_core::tls::next_validity_change(&current.index, &cli::now());
         let errors = all_errors(&current);
         for e in &errors {
             if !previous_errors.contains(e) {
@@ -415,6 +420,24 @@ impl Site {
             .map(ToString::to_string)
             .collect();
         report::status_list(items, &errors, &warnings)
+    }
+
+    /// Whether a certificate of the config has expired or become valid since the last
+    /// resolve; if so, the next reload (which the caller asks for) recomputes every Gateway
+    /// result, so a listener, Link or RouterAccess whose certificate expired while the site
+    /// ran says so (and is held, as at a reload), with a log line and the config error
+    /// metrics, as a restart would show it. True once per change.
+    pub fn certificate_validity_changed(&self) -> bool {
+        let mut current = lock(&self.current);
+        let due = current
+            .validity_changes_at
+            .is_some_and(|at| cli::now().0.as_second() >= at);
+        if due {
+            current.validity_changes_at = None;
+            current.gateway.recompute_all();
+            tracing::info!("a certificate of the config expired or became valid: resolving again");
+        }
+        due
     }
 
     /// Computes every object's status now, stamping each change and logging failovers, without

@@ -119,3 +119,49 @@ fn a_client_cert_listener_keeps_serving_when_its_secret_loses_ca_crt() {
     );
     assert_eq!(tls_who(port, &config), Ok("A".to_string()));
 }
+
+/// A certificate that expires while the site runs is noticed within seconds, as a restart
+/// would see it: the site resolves again at the expiry though no file changed, the Listener's
+/// status says when it expired, and the listener goes on with the TLS it had (held).
+#[test]
+fn a_certificate_that_expires_while_the_site_runs_is_noticed() {
+    let ca = Ca::new("listener CA");
+    let backend = Backend::start("A");
+    let port = free_port();
+    let listener = format!(
+        "apiVersion: skupper.io/v2alpha1\nkind: Listener\nmetadata:\n  name: svc\nspec:\n  routingKey: svc\n  host: 127.0.0.1\n  port: {port}\n  tlsCredentials: srv\n"
+    );
+    let expires = time::OffsetDateTime::now_utc() + time::Duration::seconds(6);
+    let secret = ca.secret_yaml_with("srv", |p| p.not_after = expires);
+    let site = SiteProc::start(
+        "a",
+        &[
+            site_yaml("a"),
+            listener,
+            connector_yaml("svc", "svc", backend.port),
+            secret,
+        ],
+    );
+    let config = client(&ca);
+    assert!(
+        eventually(Duration::from_secs(4), || tls_who(port, &config).as_deref()
+            == Ok("A")),
+        "{:?}\n{}",
+        tls_who(port, &config),
+        site.log()
+    );
+    let status = site.get("/status").unwrap_or_default();
+    assert!(!status.contains("expired at"), "{status}");
+    let mut status = String::new();
+    let said = eventually(Duration::from_secs(15), || {
+        status = site.get("/status").unwrap_or_default();
+        status.contains("expired at") && status.contains("it serves on with its last valid TLS")
+    });
+    assert!(said, "status:\n{status}\nlog:\n{}", site.log());
+    let log = site.log();
+    assert!(
+        log.contains("a certificate of the config expired or became valid")
+            && log.contains("expired at"),
+        "{log}"
+    );
+}

@@ -361,6 +361,9 @@ pub struct GatewayResolver {
     /// Used once ([`resolve`]): builds nothing only a later run would use (merge tables, the
     /// route input cache, the list of route objects).
     one_shot: bool,
+    /// The next run recomputes everything: the inputs did not change, but what they mean did
+    /// (a certificate expired with time). See [`GatewayResolver::recompute_all`].
+    recompute: bool,
     run: u64,
     next_version: u64,
     /// Secrets and backends not in force whose document was rejected: a listener or route
@@ -777,6 +780,12 @@ impl GatewayResolver {
         &self.out
     }
 
+    /// Makes the next [`update`](Self::update) recompute every result instead of those whose
+    /// inputs changed: for when time alone changed what they mean (a certificate expired).
+    pub fn recompute_all(&mut self) {
+        self.recompute = true;
+    }
+
     /// Brings the result in line with `index`; `now` stamps conditions that changed.
     pub fn update(&mut self, index: &Index, now: &Time) -> &GatewayResolution {
         self.run += 1;
@@ -815,7 +824,7 @@ impl GatewayResolver {
         // other dependency (Namespaces, grants, classes) may change anything and drops it all.
         let mut secrets: HashSet<(String, String)> = HashSet::default();
         let mut backends: HashSet<u64> = HashSet::default();
-        let mut drop_all = false;
+        let mut drop_all = std::mem::take(&mut self.recompute);
         let mut config_maps: HashSet<(String, String)> = HashSet::default();
         for (old, new) in dep_changes(&self.deps, &dep_objs) {
             for o in [old, new].into_iter().flatten() {

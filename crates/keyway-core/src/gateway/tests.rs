@@ -2866,6 +2866,60 @@ fn an_expired_listener_certificate_is_an_invalid_reference() {
     }
 }
 
+/// A certificate that expires while the resolver keeps its results: no input changed, so an
+/// update goes on with the cached listener, until `recompute_all` (what a running site asks
+/// for at the certificate's expiry) makes it `InvalidCertificateRef`.
+#[test]
+fn recompute_all_notices_a_certificate_that_expired_since() {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params =
+        rcgen::CertificateParams::new(vec!["a.example.com".to_string()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2024, 1, 1);
+    let cert = params.self_signed(&key).expect("cert");
+    let y = gateway(
+        "infra",
+        "gw",
+        "from: All",
+        &l("a", 443, "HTTPS", Some("a.example.com")),
+    ) + &format!(
+        "---\napiVersion: v1\nkind: Secret\nmetadata: {{name: cert, namespace: infra}}\ntype: kubernetes.io/tls\nstringData:\n  tls.crt: {:?}\n  tls.key: {:?}\n",
+        cert.pem(),
+        key.serialize_pem()
+    );
+    let index = index_of(&y);
+    let later = Time(crate::jiff::Timestamp::from_second(1_710_000_000).unwrap_or_default());
+    let mut resolver = GatewayResolver::default();
+    let r = resolver.update(&index, &now());
+    assert_eq!(
+        lcond(r, GW, "infra", "gw", "a", "ResolvedRefs"),
+        yes("ResolvedRefs")
+    );
+    let r = resolver.update(&index, &later);
+    assert_eq!(
+        lcond(r, GW, "infra", "gw", "a", "ResolvedRefs"),
+        yes("ResolvedRefs"),
+        "cached"
+    );
+    resolver.recompute_all();
+    let r = resolver.update(&index, &later);
+    assert_eq!(
+        lcond(r, GW, "infra", "gw", "a", "ResolvedRefs").1,
+        "InvalidCertificateRef"
+    );
+    assert!(
+        status(r, GW, "infra", "gw")
+            .to_string()
+            .contains("expired at 2024-01-01")
+    );
+    let r = resolver.update(&index, &later);
+    assert_eq!(
+        lcond(r, GW, "infra", "gw", "a", "ResolvedRefs").1,
+        "InvalidCertificateRef",
+        "and it stays so"
+    );
+}
+
 /// GEP-3567's second reason: HTTPS listeners on one port whose certificates cover a name in
 /// common (one wildcard certificate shared by two hostnames, a name under another listener's
 /// wildcard certificate) carry `OverlappingTLSConfig=True/OverlappingCertificates`, also when
