@@ -540,6 +540,38 @@ async fn redirect_codes_ipv6_locations_and_forwarded_lists() {
     );
 }
 
+/// An IPv4 client of a dual-stack Gateway (`addresses: ["::"]`) arrives on an IPv6 socket as
+/// `::ffff:127.0.0.1`; X-Forwarded-For names it as the IPv4 address it is, for backends
+/// that match IPv4 ranges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv4_client_of_a_dual_stack_gateway_is_forwarded_as_ipv4() {
+    if std::net::TcpListener::bind("[::]:0").is_err() {
+        eprintln!("no IPv6 on this machine: skipped");
+        return;
+    }
+    let port = free_port();
+    let be = http_backend("be").await;
+    let mut yaml = service("svc", be);
+    yaml.push_str(
+        &gateway(&format!(
+            "  - {{name: web, port: {port}, protocol: HTTP}}\n"
+        ))
+        .replace(
+            "spec:\n",
+            "spec:\n  addresses: [{type: IPAddress, value: \"::\"}]\n",
+        ),
+    );
+    yaml.push_str(&http_route(
+        "r",
+        1,
+        "",
+        "  - backendRefs: [{name: svc, port: 80}]\n",
+    ));
+    let _dp = start(&yaml, port).await;
+    let r = send(&client(), port, "GET", "h.example", "/", &[]).await;
+    assert_eq!(r.header("x-forwarded-for"), Some("127.0.0.1"));
+}
+
 /// A route for `/admin` cannot be passed by spelling the path another way: dot segments, runs
 /// of slashes and escaped letters are normalised before matching, and the backend gets the
 /// path that was matched.

@@ -94,6 +94,9 @@ pub async fn serve<I: Io>(
         io,
         activity: activity.clone(),
     };
+    // An IPv4 client of a dual-stack (`::`) socket arrives as `::ffff:a.b.c.d`: backends
+    // matching X-Forwarded-For against IPv4 ranges must see `a.b.c.d`.
+    let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
     let info = Arc::new(ConnInfo {
         ctx,
         config,
@@ -380,12 +383,25 @@ fn plain_host(raw: &str) -> Option<&str> {
 }
 
 /// Whether an authority (a Host value, `:authority`, an absolute-form target's) names a host:
-/// empty (RFC 9112 §3.2 allows it), a name or IPv4 address with an optional port, or an IP
-/// literal in brackets.
+/// empty (RFC 9112 §3.2 allows it), a name or IPv4 address with an optional port, or an IPv6
+/// literal in brackets with an optional port.
 fn valid_authority(raw: &str) -> bool {
-    raw.is_empty()
-        || plain_host(raw).is_some()
-        || (raw.starts_with('[') && !raw.contains('@') && raw.parse::<Authority>().is_ok())
+    raw.is_empty() || plain_host(raw).is_some() || bracketed_ipv6(raw)
+}
+
+/// `[IPv6address]` with an optional `:port` of digits (RFC 3986 §3.2.2). The brackets must
+/// hold an address: routing strips them, so `[example.com]` would be routed as
+/// `example.com` while the backend read another Host. No zone id (RFC 6874 keeps those out
+/// of Host) and no IPvFuture, which nothing sends.
+fn bracketed_ipv6(raw: &str) -> bool {
+    let Some((literal, rest)) = raw.strip_prefix('[').and_then(|r| r.split_once(']')) else {
+        return false;
+    };
+    let port_ok = match rest.strip_prefix(':') {
+        Some(port) => !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()),
+        None => rest.is_empty(),
+    };
+    port_ok && literal.parse::<std::net::Ipv6Addr>().is_ok()
 }
 
 fn trim_host(host: &str) -> &str {
@@ -1720,6 +1736,40 @@ mod tests {
         assert_eq!(plain_host("user@a.example"), None);
         assert_eq!(plain_host("a.example:"), None);
         assert_eq!(plain_host(""), None);
+    }
+
+    /// A bracketed authority must hold an IPv6 address and at most a port of digits: routing
+    /// strips the brackets, so anything else would be routed on one host and forwarded with
+    /// another.
+    #[test]
+    fn only_ipv6_addresses_go_in_brackets() {
+        for ok in [
+            "[::1]",
+            "[::1]:8080",
+            "[2001:db8::5]:443",
+            "[::ffff:127.0.0.1]",
+            "a.example:80",
+            "",
+        ] {
+            assert!(valid_authority(ok), "{ok}");
+        }
+        for bad in [
+            "[example.com]",
+            "[example.com]x",
+            "[::1]x",
+            "[::1]:abc",
+            "[::1]:",
+            "[fe80::1%eth0]",
+            "[fe80::1%25eth0]",
+            "[127.0.0.1]",
+            "[v1.x]",
+            "[::1",
+            "::1",
+            "user@[::1]",
+            "[]",
+        ] {
+            assert!(!valid_authority(bad), "{bad}");
+        }
     }
 
     #[test]
