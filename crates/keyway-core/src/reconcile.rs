@@ -595,11 +595,11 @@ fn is_incomplete(incomplete: &HashSet<&str>, file: &str) -> bool {
             .any(|dir| dir.ends_with('/') && file.starts_with(dir))
 }
 
-/// Two listener hosts collide on one port when equal, when either is a wildcard address, or
-/// when both are loopback (`localhost` is 127.0.0.1 and ::1 alike).
+/// Two listener hosts collide on one port when they name one address, when their binds
+/// would clash as addresses ([`addresses_overlap`]), or when both are loopback (`localhost`
+/// is 127.0.0.1 and ::1 alike).
 pub(crate) fn hosts_overlap(a: &str, b: &str) -> bool {
     let (ip_a, ip_b) = (host_ip(a), host_ip(b));
-    let wildcard = |ip: Option<IpAddr>| ip.is_some_and(|ip| ip.is_unspecified());
     let localhost = |h: &str| h.eq_ignore_ascii_case("localhost");
     let loopback = |h: &str, ip: Option<IpAddr>| {
         localhost(h)
@@ -608,11 +608,29 @@ pub(crate) fn hosts_overlap(a: &str, b: &str) -> bool {
                     || ip == IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
             })
     };
+    // A name other than localhost resolves to who knows what: it clashes with a wildcard.
+    let wildcard = |ip: Option<IpAddr>| ip.is_some_and(|ip| ip.is_unspecified());
+    let named = |ip: Option<IpAddr>, h: &str| ip.is_none() && !localhost(h);
     a.eq_ignore_ascii_case(b)
-        || (ip_a.is_some() && ip_a == ip_b)
-        || wildcard(ip_a)
-        || wildcard(ip_b)
+        || matches!((ip_a, ip_b), (Some(x), Some(y)) if addresses_overlap(x, y))
+        || (named(ip_a, a) && wildcard(ip_b))
+        || (named(ip_b, b) && wildcard(ip_a))
         || ((localhost(a) || localhost(b)) && loopback(a, ip_a) && loopback(b, ip_b))
+        || (localhost(a) && wildcard(ip_b))
+        || (localhost(b) && wildcard(ip_a))
+}
+
+/// Whether binding both addresses on one port clashes, as Linux decides it: one address (an
+/// IPv4-mapped IPv6 address is its IPv4 address), `0.0.0.0` with every IPv4 address, and `::`
+/// with every address of both families (a socket bound to `::` is dual-stack unless
+/// `net.ipv6.bindv6only` is set). `0.0.0.0` and `::1` do not clash.
+pub fn addresses_overlap(a: IpAddr, b: IpAddr) -> bool {
+    let (a, b) = (a.to_canonical(), b.to_canonical());
+    let any6 = |ip: IpAddr| ip == IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
+    a == b
+        || any6(a)
+        || any6(b)
+        || (a.is_ipv4() && b.is_ipv4() && (a.is_unspecified() || b.is_unspecified()))
 }
 
 /// The address a host names when it is written as one: an IP address (IPv6 bracketed or not),
@@ -692,5 +710,36 @@ mod tests {
             back.objects["Listener/default/web"].first_seen,
             at("2026-12-07T06:59:30Z")
         );
+    }
+
+    /// Hosts clash on a port as their binds do on Linux: `::` (dual-stack) with everything,
+    /// `0.0.0.0` with IPv4 only, an IPv4-mapped address with its IPv4 form, loopback names with
+    /// loopback addresses; a DNS name only with itself and wildcards.
+    #[test]
+    fn hosts_overlap_as_their_binds_do() {
+        for (a, b, clash) in [
+            ("0.0.0.0", "127.0.0.1", true),
+            ("0.0.0.0", "::1", false),
+            ("0.0.0.0", "::", true),
+            ("::", "127.0.0.1", true),
+            ("::", "::1", true),
+            ("[::]", "10.0.0.1", true),
+            ("::ffff:127.0.0.1", "127.0.0.1", true),
+            ("::ffff:7f00:1", "127.1", true),
+            ("0:0:0:0:0:0:0:1", "[::1]", true),
+            ("::1", "127.0.0.1", false),
+            ("localhost", "::1", true),
+            ("localhost", "127.0.0.1", true),
+            ("localhost", "0.0.0.0", true),
+            ("localhost", "10.0.0.1", false),
+            ("db.example", "0.0.0.0", true),
+            ("db.example", "::", true),
+            ("db.example", "DB.example", true),
+            ("db.example", "10.0.0.1", false),
+            ("10.0.0.1", "10.0.0.2", false),
+        ] {
+            assert_eq!(hosts_overlap(a, b), clash, "{a} / {b}");
+            assert_eq!(hosts_overlap(b, a), clash, "{b} / {a}");
+        }
     }
 }

@@ -659,12 +659,6 @@ pub struct Gateways {
     client_certs: Mutex<BTreeMap<ObjectKey, (ClientCert, bool)>>,
 }
 
-/// Whether binding both addresses on one port would clash: the same address, or a wildcard of
-/// the same family (IPv4 `0.0.0.0` takes every IPv4 address).
-fn overlap(a: IpAddr, b: IpAddr) -> bool {
-    a == b || (a.is_ipv4() == b.is_ipv4() && (a.is_unspecified() || b.is_unspecified()))
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -737,7 +731,9 @@ impl Gateways {
             let taken = wanted.iter().find(|(addr, (owner, _, _))| {
                 addr.port() == pb.port
                     && *owner != gw_key
-                    && ips.iter().any(|ip| overlap(*ip, addr.ip()))
+                    && ips
+                        .iter()
+                        .any(|ip| keyway_core::reconcile::addresses_overlap(*ip, addr.ip()))
             });
             if let Some((_, (owner, _, _))) = taken {
                 for l in &pb.listeners {
