@@ -4,6 +4,7 @@
 //! and get back objects, errors, a [`plan::Plan`] for the data plane and the status of every object.
 //! That keeps every semantic rule testable with plain table tests.
 
+pub mod address;
 pub mod conditions;
 pub mod destinations;
 pub mod gateway;

@@ -125,7 +125,10 @@ pub fn compile_checking_addresses(
     let mut reach = Reachability::offline(&resolution);
     for l in &resolution.plan.listeners {
         if let Some(e) = bind_error(&l.host, l.port) {
-            let message = format!("cannot bind {}:{}: {e}", l.host, l.port);
+            let message = format!(
+                "cannot bind {}: {e}",
+                crate::address::host_port(&l.host, l.port)
+            );
             reach.bind_errors.insert(l.id.clone(), message);
         }
     }

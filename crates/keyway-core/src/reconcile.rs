@@ -269,7 +269,10 @@ pub fn reconcile(
         {
             let err = candidates[&key].error_at(
                 "spec.port",
-                format!("{host}:{port} is already used by {holder}"),
+                format!(
+                    "{} is already used by {holder}",
+                    crate::address::host_port(&host, port)
+                ),
             );
             reject(&mut candidates, &key, err);
         } else {

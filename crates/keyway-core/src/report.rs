@@ -490,13 +490,7 @@ fn list(v: &Value) -> String {
 
 /// `host:port`, an IPv6 address in brackets (`[::1]:80`) so the port stays apart.
 fn host_port(v: &Value) -> String {
-    let host = s(&v["spec"]["host"]);
-    let port = s(&v["spec"]["port"]);
-    if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
+    crate::address::host_port(&s(&v["spec"]["host"]), s(&v["spec"]["port"]))
 }
 
 /// The one strategy of a MultiKeyListener spec or status: (kind, body).

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use keyway_core::address::host_port;
 use keyway_core::plan::{KeySelection, ListenerPlan};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -322,7 +323,7 @@ async fn accept_loop(
             }
             let error = probed
                 .err()
-                .map(|e| format!("cannot bind {host}:{port}: {e}"));
+                .map(|e| format!("cannot bind {}: {e}", host_port(host, port)));
             // Logged once, at the second probe in a row that fails alike (a port another
             // object of the site gives up in the same reload is free by then), not at every
             // retry: the seed's `host: example-01` would otherwise be silent until a key is
@@ -361,7 +362,7 @@ async fn accept_loop(
                     let addr = s.local_addr().map_or_else(String::new, |a| a.to_string());
                     tracing::info!(listener = %rt.label, %addr, "listening");
                     if let Some(old) = take(&replaced) {
-                        tracing::info!(listener = %rt.label, from = %format!("{}:{}", old.host, old.port), "moved: the old port stops accepting");
+                        tracing::info!(listener = %rt.label, from = %host_port(&old.host, old.port), "moved: the old port stops accepting");
                     }
                     socket = Some(s);
                     bind_failures = 0;
@@ -371,11 +372,14 @@ async fn accept_loop(
                 Err(e) => {
                     bind_failures += 1;
                     state.elsewhere.store(not_here(&e), Ordering::Release);
-                    let mut msg = format!("cannot bind {}:{}: {e}", rt.plan.host, rt.plan.port);
+                    let mut msg = format!(
+                        "cannot bind {}: {e}",
+                        host_port(&rt.plan.host, rt.plan.port)
+                    );
                     if let Some(old) = lock(&replaced).as_ref() {
                         msg.push_str(&format!(
-                            "; still accepting on {}:{} until it binds",
-                            old.host, old.port
+                            "; still accepting on {} until it binds",
+                            host_port(&old.host, old.port)
                         ));
                     }
                     // The status says so at once; the log waits for a third failure (~200

@@ -127,11 +127,7 @@ impl Target {
         if let Some(site) = &self.remote {
             return format!("site/{site}");
         }
-        if self.host.contains(':') && !self.host.starts_with('[') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        keyway_core::address::host_port(&self.host, self.port)
     }
 
     /// Gone from the registry (its Connector deleted or edited, its remote site's key withdrawn):

@@ -173,20 +173,12 @@ impl GrantUrl {
 
     /// The url of AccessGrant `namespace/name` at `host:port`.
     pub fn format(host: &str, port: u16, namespace: &str, name: &str) -> String {
-        let host = if host.contains(':') {
-            format!("[{host}]")
-        } else {
-            host.to_string()
-        };
-        format!("https://{host}:{port}{GRANT_PATH}{namespace}/{name}")
+        let authority = keyway_core::address::host_port(host, port);
+        format!("https://{authority}{GRANT_PATH}{namespace}/{name}")
     }
 
     fn addr(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        keyway_core::address::host_port(&self.host, self.port)
     }
 }
 
@@ -469,7 +461,13 @@ mod tests {
             ("default", "g1")
         );
         let v6 = GrantUrl::format("::1", 1, "ns", "n");
+        assert_eq!(v6, "https://[::1]:1/keyway.grant/v1/ns/n");
         assert_eq!(GrantUrl::parse(&v6).expect("v6").host, "::1");
+        assert_eq!(
+            GrantUrl::format("[::1]", 1, "ns", "n"),
+            v6,
+            "bracketed once"
+        );
     }
 
     #[test]

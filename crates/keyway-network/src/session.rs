@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use h2::{RecvStream, SendStream};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
+use keyway_core::address::host_port;
 use keyway_core::plan::{LinkPlan, RouterAccessPlan};
 use keyway_dataplane::listener::Upstream;
 use keyway_dataplane::metrics::LinkMetrics;
@@ -81,8 +82,8 @@ pub(crate) fn start_access(
             let socket =
                 std::net::TcpListener::bind((ra.bind_host.as_str(), ra.port)).map_err(|e| {
                     NetError::Peer(format!(
-                        "cannot bind the inter-router port {}:{}: {e}",
-                        ra.bind_host, ra.port
+                        "cannot bind the inter-router port {}: {e}",
+                        host_port(&ra.bind_host, ra.port)
                     ))
                 })?;
             socket.set_nonblocking(true)?;
@@ -304,7 +305,7 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
             // Replaced by a later start of the Link, which reports its own state.
             return;
         }
-        let endpoint = format!("{}:{}", link.host, link.port);
+        let endpoint = host_port(&link.host, link.port);
         // An attempt that outlived a handshake was up for a while: its end is news.
         if started.elapsed() > HANDSHAKE_TIMEOUT + Duration::from_secs(1) {
             logged = None;
@@ -359,8 +360,8 @@ async fn dial_once(
     .map_err(|_| NetError::Timeout("connect"))?
     .map_err(|e| {
         NetError::Peer(format!(
-            "connect to {}:{} failed: {e}",
-            link.host, link.port
+            "connect to {} failed: {e}",
+            host_port(&link.host, link.port)
         ))
     })?;
     let _ = tcp.set_nodelay(true);
@@ -374,7 +375,7 @@ async fn dial_once(
                 let e = e.to_string();
                 let hint = handshake::failure_hint(
                     &e,
-                    &format!("{}:{}", link.host, link.port),
+                    &host_port(&link.host, link.port),
                     "the ca.crt of this Link's tlsCredentials Secret",
                 );
                 NetError::Tls(format!("TLS handshake failed: {e}{hint}"))

@@ -407,8 +407,13 @@ pub fn router_access_ca(index: &Index, router_access: &ObjectKey) -> Option<Stri
 /// first `subjectAlternativeNames` entry.
 pub fn public_host(ra: &RouterAccess) -> Option<String> {
     let bind = ra.spec.bind_host.as_deref().unwrap_or("0.0.0.0");
-    if !matches!(bind, "0.0.0.0" | "::" | "[::]" | "") {
-        return Some(bind.to_string());
+    let bare = bind.trim_start_matches('[').trim_end_matches(']');
+    let wildcard = bare.is_empty()
+        || bare
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_unspecified());
+    if !wildcard {
+        return Some(bare.to_string());
     }
     ra.spec.subject_alternative_names.first().cloned()
 }
@@ -544,6 +549,37 @@ mod tests {
             allowed: 2,
             expires,
         }
+    }
+
+    /// The host a token names: the RouterAccess's bindHost unless it is a wildcard, however
+    /// written, else its first subjectAlternativeName.
+    #[test]
+    fn the_public_host_skips_wildcards_however_written() {
+        let ra = |bind: Option<&str>| {
+            let mut ra = RouterAccess::new("ra", Default::default());
+            ra.spec.bind_host = bind.map(str::to_string);
+            ra.spec.subject_alternative_names = vec!["site.example".into()];
+            ra
+        };
+        for wildcard in [
+            None,
+            Some(""),
+            Some("0.0.0.0"),
+            Some("::"),
+            Some("[::]"),
+            Some("0:0:0:0:0:0:0:0"),
+        ] {
+            assert_eq!(
+                public_host(&ra(wildcard)).as_deref(),
+                Some("site.example"),
+                "{wildcard:?}"
+            );
+        }
+        assert_eq!(
+            public_host(&ra(Some("10.0.0.5"))).as_deref(),
+            Some("10.0.0.5")
+        );
+        assert_eq!(public_host(&ra(Some("[::1]"))).as_deref(), Some("::1"));
     }
 
     #[test]

@@ -133,8 +133,12 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
             );
         }
     };
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    if bare.parse::<std::net::IpAddr>().is_err() && !keyway_core::validate::is_dns_subdomain(&host)
+    // `--host '[::1]'` is the address ::1: the URL brackets it once.
+    let host = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(bare) => bare.to_string(),
+        None => host,
+    };
+    if host.parse::<std::net::IpAddr>().is_err() && !keyway_core::validate::is_dns_subdomain(&host)
     {
         return fail(
             INVALID,
