@@ -193,6 +193,10 @@ fn validate_spec(resource: &Resource) -> Vec<Problem> {
                 );
             }
             check_secret_name(&mut p, "spec.tlsCredentials", Some(&r.spec.tls_credentials));
+            // Empty: every address, as when it is absent.
+            if let Some(host) = r.spec.bind_host.as_deref().filter(|h| !h.is_empty()) {
+                check_host(&mut p, "spec.bindHost", host);
+            }
         }
         Resource::AccessGrant(g) => {
             if let Some(n) = g.spec.redemptions_allowed
@@ -601,7 +605,21 @@ fn check_host(p: &mut Problems, path: &str, host: &str) {
     } else if host.parse::<std::net::IpAddr>().is_err()
         && !is_dns_subdomain(&host.to_ascii_lowercase())
     {
-        p.add(path, format!("`{host}` is not an IP address or DNS name"));
+        let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+        let hint = if bare.is_some_and(|h| h.parse::<std::net::Ipv6Addr>().is_ok()) {
+            format!(
+                ": write an IPv6 address without brackets (`{}`)",
+                bare.unwrap_or_default()
+            )
+        } else if host.contains('%') && host.contains(':') {
+            ": IPv6 zone ids (`%eth0`) are not supported; use a global or loopback address".into()
+        } else {
+            String::new()
+        };
+        p.add(
+            path,
+            format!("`{host}` is not an IP address or DNS name{hint}"),
+        );
     }
 }
 

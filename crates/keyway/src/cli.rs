@@ -25,11 +25,17 @@ struct Cli {
 /// `HOST:PORT` (`[v6]:PORT` for an IPv6 address): a malformed address is a usage error (exit
 /// 2), not a failure to bind.
 fn host_port(s: &str) -> Result<String, String> {
-    let well_formed = s
-        .rsplit_once(':')
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    // An address with its port, or a name (no `:` in it: `::1:9901` is ambiguous) and a port.
+    let well_formed = s.parse::<std::net::SocketAddr>().is_ok()
+        || s.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && !host.contains([':', '[', ']']) && port.parse::<u16>().is_ok()
+        });
     if well_formed {
         Ok(s.to_string())
+    } else if s.contains(':') && !s.starts_with('[') {
+        Err(format!(
+            "`{s}` is not HOST:PORT: write an IPv6 address in brackets, [::1]:9901"
+        ))
     } else {
         Err(format!("`{s}` is not HOST:PORT (e.g. 127.0.0.1:9901)"))
     }
@@ -650,4 +656,35 @@ fn print_items(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--admin` takes an address with its port, or a name and a port; a bare or unbracketed
+    /// IPv6 address is a usage error with the bracketed form to write.
+    #[test]
+    fn admin_addresses_are_host_and_port() {
+        for ok in [
+            "127.0.0.1:9901",
+            "[::1]:9901",
+            "localhost:9901",
+            "0.0.0.0:1",
+        ] {
+            assert_eq!(host_port(ok).as_deref(), Ok(ok));
+        }
+        for bad in [
+            "::1",
+            "::1:9901",
+            "[::1]",
+            "127.0.0.1",
+            "localhost:x",
+            ":9901",
+            "[a]:1",
+        ] {
+            assert!(host_port(bad).is_err(), "{bad}");
+        }
+        assert!(host_port("::1").is_err_and(|e| e.contains("[::1]:9901")));
+    }
 }

@@ -339,6 +339,36 @@ fn cases() -> Vec<Case> {
             "tlsCredentials is required",
         ),
         case(
+            "routeraccess-bracketed-bindHost",
+            skupper(
+                "RouterAccess",
+                "  tlsCredentials: s\n  bindHost: \"[::1]\"\n  roles: [{name: inter-router, port: 55671}]\n",
+            ),
+            7,
+            "spec.bindHost",
+            "`[::1]` is not an IP address or DNS name: write an IPv6 address without brackets (`::1`)",
+        ),
+        case(
+            "routeraccess-garbage-bindHost",
+            skupper(
+                "RouterAccess",
+                "  tlsCredentials: s\n  bindHost: \"not a host\"\n  roles: [{name: inter-router, port: 55671}]\n",
+            ),
+            7,
+            "spec.bindHost",
+            "`not a host` is not an IP address or DNS name",
+        ),
+        case(
+            "listener-zone-id-host",
+            skupper(
+                "Listener",
+                "  routingKey: a\n  host: \"fe80::1%eth0\"\n  port: 9\n",
+            ),
+            7,
+            "spec.host",
+            "`fe80::1%eth0` is not an IP address or DNS name: IPv6 zone ids (`%eth0`) are not supported; use a global or loopback address",
+        ),
+        case(
             "gateway-missing-gatewayClassName",
             "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: g\nspec:\n  listeners:\n  - name: http\n    port: 8080\n    protocol: HTTP\n",
             5,
