@@ -5,6 +5,7 @@
 //! host:port is unchanged keeps its socket (its key selection and TLS are swapped in place), a
 //! connector whose spec is unchanged keeps its health state, and no open connection is touched.
 
+pub mod connect;
 pub mod copy;
 pub mod gateway;
 pub mod listener;

@@ -545,7 +545,7 @@ async fn connect_target(
     }
     let stream = match tokio::time::timeout(
         timeout,
-        TcpStream::connect((target.host.as_str(), target.port)),
+        crate::connect::connect(&target.host, target.port),
     )
     .await
     {

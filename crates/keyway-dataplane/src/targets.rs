@@ -12,7 +12,6 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use keyway_core::ObjectKey;
 use keyway_core::plan::{ConnectorPlan, HealthCheck};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -564,7 +563,7 @@ enum ProbeError {
 const POST_HANDSHAKE_WAIT: Duration = Duration::from_millis(200);
 
 async fn probe(target: &Target) -> Result<(), ProbeError> {
-    let stream = TcpStream::connect((target.host.as_str(), target.port))
+    let stream = crate::connect::connect(&target.host, target.port)
         .await
         .map_err(|e| {
             let why = format!("connect to {} failed: {e}", target.address());

@@ -23,7 +23,6 @@ use http::{Method, Request, Response, StatusCode};
 use rustls::pki_types::ServerName;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
 /// ALPN of a token redemption on the RouterAccess port.
@@ -372,7 +371,7 @@ pub async fn redeem(
     };
     let tcp = tokio::time::timeout(
         TIMEOUT,
-        TcpStream::connect((target.host.as_str(), target.port)),
+        keyway_dataplane::connect::connect(&target.host, target.port),
     )
     .await
     .map_err(|_| unreachable("connect timed out".into()))?

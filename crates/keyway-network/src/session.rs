@@ -16,7 +16,7 @@ use keyway_dataplane::tls;
 use keyway_dataplane::tunnel::{self, BoxTunnel};
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::grant::{self, ALPN_GRANT};
@@ -354,7 +354,7 @@ async fn dial_once(
     let link = &dial.link;
     let tcp = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        TcpStream::connect((link.host.as_str(), link.port)),
+        keyway_dataplane::connect::connect(&link.host, link.port),
     )
     .await
     .map_err(|_| NetError::Timeout("connect"))?
