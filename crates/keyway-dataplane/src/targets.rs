@@ -620,6 +620,10 @@ async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
     }
     let interval = Duration::from_millis(hc.interval_ms.max(10));
     let timeout = Duration::from_millis(hc.timeout_ms.max(10));
+    // Until its first success a target is checked sooner (50 ms, doubling up to the
+    // interval): a workload started with its site (the README's quick start) is used as soon
+    // as it listens, not an interval after a first check that came before it.
+    let mut starting = Some(FIRST_RECHECK);
     loop {
         let result = tokio::time::timeout(timeout, probe(&target)).await;
         let Some(registry) = registry.upgrade() else {
@@ -629,6 +633,7 @@ async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
             Ok(Ok(())) => {
                 target.failures.store(0, Ordering::Release);
                 registry.set_health(&target, Health::Healthy, None);
+                starting = None;
             }
             Ok(Err(ProbeError::Local(why))) => {
                 tracing::debug!("health check skipped: {why}");
@@ -647,9 +652,21 @@ async fn health_loop(registry: std::sync::Weak<Registry>, target: Arc<Target>) {
             }
         }
         drop(registry);
-        tokio::time::sleep(interval).await;
+        match starting {
+            Some(soon) if soon < interval => {
+                tokio::time::sleep(soon).await;
+                starting = Some(soon * 2);
+            }
+            _ => {
+                starting = None;
+                tokio::time::sleep(interval).await;
+            }
+        }
     }
 }
+
+/// How soon a target that has not answered yet is checked again (see `health_loop`).
+const FIRST_RECHECK: Duration = Duration::from_millis(50);
 
 #[cfg(test)]
 mod tests {

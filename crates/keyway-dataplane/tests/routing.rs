@@ -675,6 +675,29 @@ async fn observe_reports_reachability_health_and_bind_errors() {
     assert!(!dp.observe().bind_errors.contains_key(&listener_id("taken")));
 }
 
+/// A workload that starts just after its site (the README's quick start) is used as soon as
+/// it listens: until a target's first success it is checked again at 50 ms, doubling, not a
+/// whole interval (here 3 s) after a first check that came before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_started_after_its_site_is_used_once_it_listens() {
+    let port = free_port();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut c = connector("late", "late", addr);
+    c.health.interval_ms = 3_000;
+    let dp = dataplane();
+    dp.apply(&plan(vec![listener("l", port, "late")], vec![c]));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _late = Backend::start_on("L", addr).await;
+    let started = std::time::Instant::now();
+    wait_listening(&dp, &listener_id("l")).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(1_500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(who(port).await.expect("through the listener"), "L");
+}
+
 /// A listener moved to a port another process holds keeps accepting on its old port (make
 /// before break: SPEC §7, nothing serving is lost to a bad edit), says why in its status, and
 /// moves once the new port frees; a move undone meanwhile goes back to the old port without
