@@ -298,6 +298,10 @@ fn init_tracing() {
 /// connections past ~500 would fail to be accepted. The hard limit is the administrator's
 /// ceiling; Go's runtime raises to it the same way.
 #[cfg(unix)]
+/// Below this many descriptors a site says how few connections fit (systemd's default soft
+/// limit is 1024; its default hard limit, 524288).
+const LOW_OPEN_FILE_LIMIT: u64 = 8192;
+
 fn raise_open_file_limit() {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     /// The kernel's default ceiling (`fs.nr_open`) when the hard limit is unlimited.
@@ -308,6 +312,15 @@ fn raise_open_file_limit() {
         return;
     };
     if current >= target {
+        // Already at the hard limit: say what fits when that is few (a proxied connection
+        // holds two descriptors), as the log would after raising it.
+        if current < LOW_OPEN_FILE_LIMIT {
+            tracing::warn!(
+                limit = current,
+                "the open-file limit is {current} and cannot be raised (the hard limit): about {} connections can be open at once",
+                current / 2
+            );
+        }
         return;
     }
     let raised = Rlimit {

@@ -218,6 +218,14 @@ fn running_out_of_descriptors_does_not_mark_healthy_connectors_unhealthy() {
     )
     .expect("write");
     let site = Site::start(&dir, Some(64));
+    // A limit it cannot raise (`ulimit -n` set the hard one too) is said at start.
+    assert!(
+        site.log().contains(
+            "the open-file limit is 64 and cannot be raised (the hard limit): about 32 connections"
+        ),
+        "{}",
+        site.log()
+    );
     let flood = flood(gw_port, 120);
     wait_exhausted(&site);
     // Several health-check intervals.
