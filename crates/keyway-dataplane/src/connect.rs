@@ -18,13 +18,15 @@ const ATTEMPT_DELAY: Duration = Duration::from_millis(250);
 /// fails); the first to connect wins and the others are dropped. The caller bounds the whole.
 pub async fn connect(host: &str, port: u16) -> io::Result<TcpStream> {
     let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await?.collect();
-    if addrs.is_empty() {
-        return Err(io::Error::new(
+    match addrs.as_slice() {
+        [] => Err(io::Error::new(
             io::ErrorKind::NotFound,
             format!("{host} has no address"),
-        ));
+        )),
+        // The usual case (an address, or a name with one): no task to race it against.
+        [one] => TcpStream::connect(*one).await,
+        _ => connect_to(interleave(addrs)).await,
     }
-    connect_to(interleave(addrs)).await
 }
 
 /// Connects to the first of `addrs` that answers, starting each attempt [`ATTEMPT_DELAY`]
