@@ -543,32 +543,30 @@ async fn connect_target(
     if last_choice {
         timeout = timeout.max(LAST_CHOICE_CONNECT_TIMEOUT);
     }
-    let stream = match tokio::time::timeout(
-        timeout,
-        crate::connect::connect(&target.host, target.port),
-    )
-    .await
-    {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            let why = format!("connect to {} failed: {e}", target.address());
-            if crate::local_exhaustion(&e) {
-                // Ours, not the target's: this client fails, the target stays as it was.
-                tracing::warn!(target = %target.address(), "{why}");
+    let stream =
+        match tokio::time::timeout(timeout, crate::connect::connect(&target.host, target.port))
+            .await
+        {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                let why = format!("connect to {} failed: {e}", target.address());
+                if crate::local_exhaustion(&e) {
+                    // Ours, not the target's: this client fails, the target stays as it was.
+                    tracing::warn!(target = %target.address(), "{why}");
+                    return Err(why);
+                }
+                shared.registry.connect_failed(target, &why);
                 return Err(why);
             }
-            shared.registry.connect_failed(target, &why);
-            return Err(why);
-        }
-        Err(_) => {
-            let why = format!(
-                "connect to {} timed out after {timeout:?}",
-                target.address()
-            );
-            shared.registry.connect_failed(target, &why);
-            return Err(why);
-        }
-    };
+            Err(_) => {
+                let why = format!(
+                    "connect to {} timed out after {timeout:?}",
+                    target.address()
+                );
+                shared.registry.connect_failed(target, &why);
+                return Err(why);
+            }
+        };
     let _ = stream.set_nodelay(true);
     match &target.tls {
         None => Ok(Upstream::Plain(stream)),
