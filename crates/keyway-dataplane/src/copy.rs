@@ -160,7 +160,12 @@ mod tcp {
             total += n as u64;
             counter.inc_by(n as u64);
             if n == size {
-                size = (size * 2).min(BULK_MAX);
+                // Past `GROW_FREELY`, only while the destination passes on what it is given: a
+                // peer that stops reading would otherwise have this connection hold a bulk
+                // buffer (1 MiB) for as long as it stalls.
+                if size < GROW_FREELY || unsent(dst) < size {
+                    size = (size * 2).min(BULK_MAX);
+                }
             } else if buf.capacity() > KEEP {
                 buf = Vec::new();
                 // Far below the read size: the bulk phase is over, start small again.
@@ -168,6 +173,25 @@ mod tcp {
                     size = INITIAL;
                 }
             }
+        }
+    }
+
+    /// Reads grow without looking at the destination up to here.
+    const GROW_FREELY: usize = 64 * 1024;
+
+    /// Bytes written to `dst` that it has not sent or that its peer has not acknowledged yet
+    /// (`TIOCOUTQ`); 0 if it cannot be told.
+    fn unsent(dst: &TcpStream) -> usize {
+        use std::os::fd::AsRawFd;
+        let mut queued: libc::c_int = 0;
+        // SAFETY: `dst` owns an open socket for the duration of the call, and TIOCOUTQ on a
+        // TCP socket writes exactly one `int` through its pointer argument, which points at
+        // `queued`, a live, aligned `c_int` on this stack frame.
+        let rc = unsafe { libc::ioctl(dst.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+        if rc == 0 {
+            usize::try_from(queued).unwrap_or(0)
+        } else {
+            0
         }
     }
 

@@ -322,6 +322,46 @@ fn idle_listener_connections_give_back_their_buffers() {
     );
 }
 
+/// A Listener client that stops reading while its workload keeps sending makes the site hold
+/// little: reads grow past 64 KiB only while the destination passes on what it is given.
+/// Each such client used to pin a 1 MiB read buffer for as long as it stalled (helper-108:
+/// 300 of them, +324 MB).
+#[test]
+fn a_client_that_stops_reading_pins_no_bulk_buffer() {
+    const N: usize = 40;
+    let dir = temp_dir("stalled-reader");
+    // A workload that sends as fast as it is let to.
+    let flood = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let flood_port = flood.local_addr().expect("addr").port();
+    thread::spawn(move || {
+        for s in flood.incoming().take(N + 5).flatten() {
+            thread::spawn(move || {
+                let chunk = vec![b'x'; 256 * 1024];
+                let mut s = s;
+                while s.write_all(&chunk).is_ok() {}
+            });
+        }
+    });
+    let port = free_port();
+    std::fs::write(
+        dir.join("l.yaml"),
+        listener_and_connector("flood", port, flood_port),
+    )
+    .expect("write");
+    let site = Site::start(&dir, None);
+    let before = site.rss_kib();
+    let conns: Vec<TcpStream> = (0..N)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).expect("connect"))
+        .collect();
+    thread::sleep(Duration::from_secs(2));
+    let per_conn = site.rss_kib().saturating_sub(before) / N as u64;
+    drop(conns);
+    assert!(
+        per_conn <= 256,
+        "{per_conn} KiB of RSS per connection whose client stopped reading ({N} connections)"
+    );
+}
+
 /// An idle keep-alive HTTP client does not pin the buffers of the response it was sent. After
 /// one 1 MiB response each (fetched one connection at a time, so at most one is in flight),
 /// each idle keep-alive connection kept ~1.3 MiB while its backend connection held the grown
