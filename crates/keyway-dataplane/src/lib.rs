@@ -62,6 +62,21 @@ pub fn local_exhaustion(e: &std::io::Error) -> bool {
     })
 }
 
+/// Logs a connect this process could not make for want of its own resources (descriptors,
+/// buffers): a warning, since the operator must act, but at most every 10 s with a count, as
+/// every client of a site at its limit would otherwise log a line.
+pub fn warn_local_exhaustion(what: &str) {
+    static THROTTLE: std::sync::Mutex<Throttle> = std::sync::Mutex::new(Throttle::new());
+    let allowed = THROTTLE.lock().unwrap_or_else(|p| p.into_inner()).allow();
+    match allowed {
+        Some(0) => tracing::warn!("{what} (this process is out of descriptors or memory)"),
+        Some(n) => tracing::warn!(
+            "{what} (this process is out of descriptors or memory; {n} more such failures in the last seconds)"
+        ),
+        None => tracing::debug!("{what}"),
+    }
+}
+
 /// Logs a failure that repeats (an accept loop out of descriptors retries every 50 ms) at most
 /// every 10 s, saying how many went unlogged, instead of every time.
 #[derive(Default)]

@@ -552,7 +552,7 @@ async fn connect_target(
                 let why = format!("connect to {} failed: {e}", target.address());
                 if crate::local_exhaustion(&e) {
                     // Ours, not the target's: this client fails, the target stays as it was.
-                    tracing::warn!(target = %target.address(), "{why}");
+                    crate::warn_local_exhaustion(&why);
                     return Err(why);
                 }
                 shared.registry.connect_failed(target, &why);

@@ -1443,9 +1443,12 @@ impl Pool {
                 });
             }
             Ok(Err(e)) => {
-                tracing::debug!(endpoint = %key, "connect failed: {e}");
-                // Out of descriptors is ours, not the endpoint's: no penalty.
-                if !crate::local_exhaustion(&e) {
+                // Out of descriptors is ours, not the endpoint's: no penalty, and a warning
+                // (the client's 503 would otherwise blame the backend, with nothing logged).
+                if crate::local_exhaustion(&e) {
+                    crate::warn_local_exhaustion(&format!("connect to {addr} failed: {e}"));
+                } else {
+                    tracing::debug!(endpoint = %key, "connect failed: {e}");
                     lock(&self.failed).insert(key.to_string(), Instant::now());
                 }
             }
