@@ -248,7 +248,7 @@ async fn bind(
     let rt = runtime.load();
     let (host, port) = (rt.plan.host.as_str(), rt.plan.port);
     let Some(workers) = workers else {
-        return TcpListener::bind((host, port)).await.map(Sockets::Inline);
+        return workers::bind_one(host, port).await.map(Sockets::Inline);
     };
     // As TcpListener::bind does: the first address that binds.
     let mut last = None;

@@ -349,6 +349,25 @@ fn a_client_that_stops_reading_pins_no_bulk_buffer() {
     )
     .expect("write");
     let site = Site::start(&dir, None);
+    // The Listener's queue of connections not yet accepted is as deep as the kernel allows
+    // (up to 4096), not 128: a reconnect storm is queued, not dropped.
+    let somaxconn: u64 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(4096);
+    let ss = std::process::Command::new("ss")
+        .args(["-Hltn", &format!("sport = :{port}")])
+        .output()
+        .expect("ss (iproute2)");
+    let ss = String::from_utf8_lossy(&ss.stdout);
+    let backlog: Vec<u64> = ss
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .collect();
+    assert!(
+        !backlog.is_empty() && backlog.iter().all(|b| *b == somaxconn.min(4096)),
+        "listen queue of port {port}: {ss}"
+    );
     let before = site.rss_kib();
     let conns: Vec<TcpStream> = (0..N)
         .map(|_| TcpStream::connect(("127.0.0.1", port)).expect("connect"))

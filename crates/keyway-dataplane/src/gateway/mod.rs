@@ -1188,7 +1188,7 @@ enum Bound<'a> {
 
 async fn bind(addr: SocketAddr, workers: Option<&Workers>) -> std::io::Result<Bound<'_>> {
     match workers {
-        None => TcpListener::bind(addr).await.map(Bound::Inline),
+        None => workers::listen_at(addr).map(Bound::Inline),
         Some(w) => workers::bind_group(addr, w.threads()).map(|s| Bound::Group(w, s)),
     }
 }
