@@ -323,7 +323,7 @@ fn idle_listener_connections_give_back_their_buffers() {
 }
 
 /// A Listener client that stops reading while its workload keeps sending makes the site hold
-/// little: reads grow past 64 KiB only while the destination passes on what it is given.
+/// little: reads grow past 128 KiB only while the destination passes on what it is given.
 /// Each such client used to pin a 1 MiB read buffer for as long as it stalled (helper-108:
 /// 300 of them, +324 MB).
 #[test]
