@@ -62,6 +62,16 @@ pub fn local_exhaustion(e: &std::io::Error) -> bool {
     })
 }
 
+/// What to do about a bind refused for want of privilege: ports below
+/// `net.ipv4.ip_unprivileged_port_start` (1024 by default) need `CAP_NET_BIND_SERVICE`.
+pub fn bind_hint(e: &std::io::Error, port: u16) -> &'static str {
+    if e.kind() == std::io::ErrorKind::PermissionDenied && port < 1024 {
+        " (a port below 1024 needs CAP_NET_BIND_SERVICE, e.g. `setcap cap_net_bind_service=+ep` on the binary or AmbientCapabilities= in its systemd unit, or a lower net.ipv4.ip_unprivileged_port_start)"
+    } else {
+        ""
+    }
+}
+
 /// Logs a connect this process could not make for want of its own resources (descriptors,
 /// buffers): a warning, since the operator must act, but at most every 10 s with a count, as
 /// every client of a site at its limit would otherwise log a line.
@@ -557,5 +567,20 @@ impl DataPlane {
         }
         self.shared.registry.stop();
         tracker.open.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A privileged port refused says how to allow it; other failures get no hint.
+    #[test]
+    fn a_refused_low_port_says_what_to_grant() {
+        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        assert!(bind_hint(&denied, 80).contains("CAP_NET_BIND_SERVICE"));
+        assert_eq!(bind_hint(&denied, 8080), "");
+        let busy = std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        assert_eq!(bind_hint(&busy, 80), "");
     }
 }

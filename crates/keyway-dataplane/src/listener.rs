@@ -321,9 +321,13 @@ async fn accept_loop(
             if let Err(e) = &probed {
                 state.elsewhere.store(not_here(e), Ordering::Release);
             }
-            let error = probed
-                .err()
-                .map(|e| format!("cannot bind {}: {e}", host_port(host, port)));
+            let error = probed.err().map(|e| {
+                format!(
+                    "cannot bind {}: {e}{}",
+                    host_port(host, port),
+                    crate::bind_hint(&e, port)
+                )
+            });
             // Logged once, at the second probe in a row that fails alike (a port another
             // object of the site gives up in the same reload is free by then), not at every
             // retry: the seed's `host: example-01` would otherwise be silent until a key is
@@ -373,8 +377,9 @@ async fn accept_loop(
                     bind_failures += 1;
                     state.elsewhere.store(not_here(&e), Ordering::Release);
                     let mut msg = format!(
-                        "cannot bind {}: {e}",
-                        host_port(&rt.plan.host, rt.plan.port)
+                        "cannot bind {}: {e}{}",
+                        host_port(&rt.plan.host, rt.plan.port),
+                        crate::bind_hint(&e, rt.plan.port)
                     );
                     if let Some(old) = lock(&replaced).as_ref() {
                         msg.push_str(&format!(

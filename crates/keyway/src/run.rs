@@ -212,6 +212,11 @@ pub fn run(
         if left > 0 {
             tracing::warn!(open = left, "drain timeout: closing remaining connections");
         }
+        // The log's last line tells a clean exit from a crash.
+        tracing::info!(
+            closed_at_timeout = left,
+            "stopped: every open connection drained or closed"
+        );
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -1190,6 +1190,12 @@ fn sigterm_stops_accepting_and_drains() {
     assert!(status.success());
     let stderr = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
     assert!(stderr.contains("shutting down"), "{stderr}");
+    // Its last line tells a clean exit from a crash.
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("stopped: every open connection drained"),
+        "{stderr}"
+    );
     // A log written to a file holds no terminal colour codes.
     assert!(
         !stderr.contains('\u{1b}'),

@@ -1229,6 +1229,7 @@ async fn accept_loop(
                 } else {
                     format!("cannot bind {addr}: {e}")
                 };
+                msg.push_str(crate::bind_hint(&e, addr.port()));
                 let old: Vec<String> = lock(&state.moved_from)
                     .1
                     .iter()
@@ -1244,7 +1245,15 @@ async fn accept_loop(
                 // port moving between addresses (`0.0.0.0` to `127.0.0.1`) is busy until its
                 // old bind has closed, which is no news to the operator.
                 if failures == 3 || failures.is_multiple_of(30) {
-                    tracing::warn!("{msg}");
+                    // The log names the listeners the port carries, as a Listener's line does
+                    // (their statuses carry the message already).
+                    let carried: Vec<String> = config
+                        .load()
+                        .listeners
+                        .iter()
+                        .map(|l| format!("{} {}", l.owner, l.name))
+                        .collect();
+                    tracing::warn!(listeners = %carried.join(", "), "{msg}");
                 } else {
                     tracing::debug!("{msg}");
                 }
