@@ -32,6 +32,28 @@ pub fn bind(addr: &str) -> anyhow::Result<std::net::TcpListener> {
     Ok(std_listener)
 }
 
+/// A descriptor the admin endpoint holds in reserve (`/dev/null` open): when the process runs
+/// out (clients holding every one), it gives it up to accept a connection, so `/readyz` and
+/// `/metrics` answer exactly when an operator needs them.
+#[derive(Default)]
+struct Reserve(std::sync::Mutex<Option<std::fs::File>>);
+
+impl Reserve {
+    /// Holds a descriptor again if it has none (failing while the process is still out).
+    fn refill(&self) {
+        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if held.is_none() {
+            *held = std::fs::File::open("/dev/null").ok();
+        }
+    }
+
+    /// Closes the reserve descriptor; false if there was none.
+    fn release(&self) -> bool {
+        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        held.take().is_some()
+    }
+}
+
 /// Serves the admin endpoint on `std_listener` (see [`bind`]) on a dedicated thread.
 pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Result<SocketAddr> {
     let local = std_listener.local_addr()?;
@@ -51,10 +73,19 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
                 };
                 let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
                 let mut throttle = keyway_dataplane::Throttle::default();
+                let reserve = Arc::new(Reserve::default());
+                reserve.refill();
                 loop {
                     let stream = match listener.accept().await {
                         Ok((stream, _)) => stream,
                         Err(e) => {
+                            let exhausted = keyway_dataplane::local_exhaustion(&e);
+                            if exhausted && reserve.release() {
+                                tracing::debug!(
+                                    "admin endpoint: out of descriptors, using the reserve"
+                                );
+                                continue;
+                            }
                             // Out of descriptors, say: wait rather than spin.
                             if let Some(unlogged) = throttle.allow() {
                                 tracing::warn!(unlogged, "admin endpoint accept failed: {e}");
@@ -70,6 +101,7 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
                         return;
                     };
                     let site = site.clone();
+                    let reserve = reserve.clone();
                     tokio::spawn(async move {
                         let service = hyper::service::service_fn(move |req| {
                             handle(site.clone(), local.ip().is_loopback(), req)
@@ -81,6 +113,9 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
                         // Whatever a client does, a connection ends within the hour.
                         let _ = tokio::time::timeout(MAX_CONNECTION_AGE, connection).await;
                         drop(slot);
+                        // Its socket just closed: the lowest free descriptor is likely that
+                        // one, before the data plane's accept loops take it.
+                        reserve.refill();
                     });
                 }
             });
@@ -247,7 +282,7 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
                 format!("sent {got} bytes and no complete answer")
             };
             anyhow::anyhow!(
-                "{addr} accepted the connection but {said}: no answer within {} s. Is the site there hung (stopped with SIGSTOP, or starved of CPU), or is another program on that port?",
+                "{addr} accepted the connection but {said}: no answer within {} s. Is the site there hung (stopped with SIGSTOP, or starved of CPU), out of file descriptors (see its log), or is another program on that port?",
                 WAIT.as_secs()
             )
         } else {

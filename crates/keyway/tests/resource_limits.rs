@@ -228,6 +228,21 @@ fn running_out_of_descriptors_does_not_mark_healthy_connectors_unhealthy() {
     );
     let flood = flood(gw_port, 120);
     wait_exhausted(&site);
+    // The admin endpoint answers all the same (it gives up a descriptor it held in reserve):
+    // /readyz and /metrics are wanted exactly then.
+    let (code, _) = admin::get(&site.admin, "/readyz");
+    assert_eq!(
+        code,
+        200,
+        "out of descriptors, /readyz: {code}; log:\n{}",
+        site.log()
+    );
+    // (Its process_open_fds may be missing then: counting needs a descriptor too.)
+    let (code, metrics) = admin::get(&site.admin, "/metrics");
+    assert!(
+        code == 200 && metrics.contains("keyway_"),
+        "{code}: {metrics}"
+    );
     // Several health-check intervals.
     thread::sleep(Duration::from_secs(2));
     let refused = TcpStream::connect(("127.0.0.1", tcp_port))
