@@ -403,6 +403,10 @@ pub fn router_access_ca(index: &Index, router_access: &ObjectKey) -> Option<Stri
     }
 }
 
+/// The annotation `keyway token issue` writes on an AccessGrant: the host its token names
+/// (`--host`, or the RouterAccess's), so the grant's status `url` is the token's.
+pub const TOKEN_HOST: &str = "keyway.io/token-host";
+
 /// The host other sites reach the RouterAccess at: `bindHost` unless it is a wildcard, else the
 /// first `subjectAlternativeNames` entry.
 pub fn public_host(ra: &RouterAccess) -> Option<String> {
@@ -453,13 +457,23 @@ pub fn grant_status(
                 &ra.id,
                 issuer_of(ctx.index, &ra.id.namespace, grant.spec.issuer.as_deref()),
             );
-            let host = match ctx
-                .index
-                .resource(Kind::RouterAccess, &ra.id.namespace, &ra.id.name)
-            {
-                Some(Resource::RouterAccess(r)) => public_host(r),
-                _ => None,
-            };
+            // The host its token names (`token issue --host`), else the RouterAccess's own.
+            let recorded = grant
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(TOKEN_HOST))
+                .filter(|h| !h.is_empty())
+                .cloned();
+            let host = recorded.or_else(|| {
+                match ctx
+                    .index
+                    .resource(Kind::RouterAccess, &ra.id.namespace, &ra.id.name)
+                {
+                    Some(Resource::RouterAccess(r)) => public_host(r),
+                    _ => None,
+                }
+            });
             if let Some(h) = &host {
                 url = Some(GrantUrl::format(h, ra.port, &key.namespace, &key.name));
             }

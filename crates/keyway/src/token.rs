@@ -148,9 +148,11 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
     let code = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(random_bytes(24)?);
     let created = cli::now().0;
     let mut grant = format!(
-        "apiVersion: skupper.io/v2alpha1\nkind: AccessGrant\nmetadata:\n  name: {}\n  namespace: {}\n  creationTimestamp: \"{created}\"\nspec:\n  redemptionsAllowed: {}\n  expirationWindow: {}\n  code: {}\n",
+        "apiVersion: skupper.io/v2alpha1\nkind: AccessGrant\nmetadata:\n  name: {}\n  namespace: {}\n  creationTimestamp: \"{created}\"\n  annotations:\n    {}: {}\nspec:\n  redemptionsAllowed: {}\n  expirationWindow: {}\n  code: {}\n",
         yaml_str(&name),
         yaml_str(&namespace),
+        grants::TOKEN_HOST,
+        yaml_str(&host),
         args.redemptions,
         yaml_str(&args.expiry),
         yaml_str(&code)

@@ -152,6 +152,17 @@ fn issue_then_redeem_links_the_sites_and_carries_traffic() {
             .is_some_and(|u| u.starts_with("https://127.0.0.1:")),
         "{grant}"
     );
+    // A token issued for another host (`--host`): its grant's status names the token's URL.
+    let _named = issue(&west, "via-name", &["--host", "localhost"]);
+    let named = west
+        .status_of("AccessGrant", "via-name")
+        .expect("grant status");
+    assert!(
+        named["url"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("https://localhost:")),
+        "{named}"
+    );
     assert!(
         grant["ca"]
             .as_str()
