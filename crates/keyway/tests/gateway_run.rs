@@ -879,6 +879,13 @@ fn gateway_binds_its_spec_addresses_only() {
     site.wait_for("/status", status_says("127.0.0.3"));
     assert!(answers("127.0.0.3", 200));
     assert!(answers("127.0.0.2", 0));
+    // The log says so, as a Listener's does.
+    let log = std::fs::read_to_string(dir.join(".keyway.log")).unwrap_or_default();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("gateway port stopped listening") && l.contains("127.0.0.2")),
+        "{log}"
+    );
 
     // Every address: the port is busy until the old bind has closed, which is no news worth
     // a warning in the log.

@@ -1278,6 +1278,7 @@ async fn accept_loop(
             });
             let _ = stop.wait_for(|s| *s).await;
             group.close().await;
+            tracing::info!(%addr, "gateway port stopped listening");
             return;
         }
     };
@@ -1298,6 +1299,7 @@ async fn accept_loop(
             },
             _ = stop.changed() => {
                 if *stop.borrow_and_update() {
+                    tracing::info!(%addr, "gateway port stopped listening");
                     return;
                 }
             }
