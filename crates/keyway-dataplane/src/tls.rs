@@ -504,13 +504,16 @@ pub enum LinkPeer {
     Client,
 }
 
-/// Whether a link peer's certificate chain, verified at its handshake, would verify against
-/// `ca` now, as that handshake did (chain and usage, not the name): a connection of a Link or
-/// RouterAccess whose bundle lost a CA stays only if it does.
+/// Whether a link peer's certificate chain, verified at its handshake (`at`), would have
+/// verified against `ca` then, as that handshake did (chain and usage, not the name): a
+/// connection of a Link or RouterAccess whose bundle lost a CA stays only if it does. (At the
+/// handshake's time, so a peer certificate that has merely expired since is not revoked by
+/// the removal of an unrelated CA.)
 pub fn link_peer_trusted(
     ca: &[CertificateDer<'static>],
     chain: &[CertificateDer<'static>],
     peer: LinkPeer,
+    at: UnixTime,
 ) -> bool {
     let [end_entity, intermediates @ ..] = chain else {
         return false;
@@ -518,7 +521,7 @@ pub fn link_peer_trusted(
     let Ok(roots) = roots("ca.crt", ca).map(Arc::new) else {
         return false;
     };
-    let now = UnixTime::now();
+    let now = at;
     match peer {
         LinkPeer::Server => {
             rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider())
@@ -739,20 +742,34 @@ mod tests {
         let (from_old, from_new) = (leaf(&old), leaf(&new));
         let both = [old_der.clone(), new_der.clone()];
         for peer in [LinkPeer::Server, LinkPeer::Client] {
-            assert!(link_peer_trusted(&both, &from_old, peer), "{peer:?}");
-            assert!(link_peer_trusted(&both, &from_new, peer), "{peer:?}");
+            assert!(
+                link_peer_trusted(&both, &from_old, peer, UnixTime::now()),
+                "{peer:?}"
+            );
+            assert!(
+                link_peer_trusted(&both, &from_new, peer, UnixTime::now()),
+                "{peer:?}"
+            );
             assert!(link_peer_trusted(
                 std::slice::from_ref(&new_der),
                 &from_new,
-                peer
+                peer,
+                UnixTime::now()
             ));
             assert!(!link_peer_trusted(
                 std::slice::from_ref(&new_der),
                 &from_old,
-                peer
+                peer,
+                UnixTime::now()
             ));
-            assert!(!link_peer_trusted(&both, &[], peer), "no chain");
-            assert!(!link_peer_trusted(&[], &from_new, peer), "no CA");
+            assert!(
+                !link_peer_trusted(&both, &[], peer, UnixTime::now()),
+                "no chain"
+            );
+            assert!(
+                !link_peer_trusted(&[], &from_new, peer, UnixTime::now()),
+                "no CA"
+            );
         }
     }
 }

@@ -215,6 +215,25 @@ pub fn listen_at(addr: SocketAddr) -> io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::from_std(listen_on(addr, false)?)
 }
 
+/// A (non-blocking) listening socket on the first of `host`'s addresses that binds, with a
+/// [`BACKLOG`]-deep queue, for a caller that keeps the std socket (the RouterAccess port).
+pub fn bind_std(host: &str, port: u16) -> io::Result<std::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for addr in (host, port).to_socket_addrs()? {
+        match listen_on(addr, false) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "could not resolve to any address",
+        )
+    }))
+}
+
 /// One listening socket on the first of `host`'s addresses that binds, as
 /// `tokio::net::TcpListener::bind` makes it but with a [`BACKLOG`]-deep queue (tokio's is 128):
 /// a port served without worker threads.

@@ -107,6 +107,8 @@ pub(crate) struct Conn {
     /// The certificate chain the peer presented at the handshake (empty over in-memory test
     /// pipes): verified again when the bundle it was verified against loses a CA.
     pub peer_chain: Vec<CertificateDer<'static>>,
+    /// When the peer was verified (the connection's registration, just after its handshake).
+    pub verified_at: rustls::pki_types::UnixTime,
     /// Notified to close the connection now: its peer no longer verifies.
     pub revoked: tokio::sync::Notify,
 }
@@ -139,7 +141,8 @@ impl Conn {
             Some(_) => tls::LinkPeer::Server,
             None => tls::LinkPeer::Client,
         };
-        self.peer_chain.is_empty() || tls::link_peer_trusted(ca, &self.peer_chain, peer)
+        self.peer_chain.is_empty()
+            || tls::link_peer_trusted(ca, &self.peer_chain, peer, self.verified_at)
     }
 
     /// Stops new streams here, at both ends (the peer is told with a `retire` message).

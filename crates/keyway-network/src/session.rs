@@ -80,7 +80,7 @@ pub(crate) fn start_access(
         Some(socket) => socket,
         None => {
             let socket =
-                std::net::TcpListener::bind((ra.bind_host.as_str(), ra.port)).map_err(|e| {
+                keyway_dataplane::workers::bind_std(&ra.bind_host, ra.port).map_err(|e| {
                     NetError::Peer(format!(
                         "cannot bind the inter-router port {}: {e}",
                         host_port(&ra.bind_host, ra.port)
@@ -557,6 +557,7 @@ where
         retiring: AtomicBool::new(false),
         metrics: inner.dataplane.metrics().link(&peer),
         peer_chain,
+        verified_at: rustls::pki_types::UnixTime::now(),
         revoked: tokio::sync::Notify::new(),
     });
     let mut registration = Registration {
