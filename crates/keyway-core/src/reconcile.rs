@@ -607,6 +607,7 @@ pub(crate) fn hosts_overlap(a: &str, b: &str) -> bool {
     let loopback = |h: &str, ip: Option<IpAddr>| {
         localhost(h)
             || ip.is_some_and(|ip| {
+                let ip = ip.to_canonical();
                 ip == IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
                     || ip == IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
             })
@@ -735,6 +736,7 @@ mod tests {
             ("localhost", "127.0.0.1", true),
             ("localhost", "0.0.0.0", true),
             ("localhost", "10.0.0.1", false),
+            ("localhost", "::ffff:127.0.0.1", true),
             ("db.example", "0.0.0.0", true),
             ("db.example", "::", true),
             ("db.example", "DB.example", true),

@@ -49,7 +49,12 @@ async fn connect_to(addrs: Vec<SocketAddr>) -> io::Result<TcpStream> {
                         attempts.spawn(TcpStream::connect(addr));
                     }
                 }
-                Some(Err(e)) => last_error = Some(io::Error::other(e)),
+                Some(Err(e)) => {
+                    last_error = Some(io::Error::other(e));
+                    if let Some(addr) = next.next() {
+                        attempts.spawn(TcpStream::connect(addr));
+                    }
+                }
                 None => {
                     return Err(last_error.unwrap_or_else(|| io::Error::other("no address to connect to")));
                 }

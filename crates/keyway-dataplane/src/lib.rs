@@ -62,6 +62,12 @@ pub fn local_exhaustion(e: &std::io::Error) -> bool {
     })
 }
 
+/// Whether `e` says the process (or the system) has no descriptor left to give.
+pub fn out_of_descriptors(e: &std::io::Error) -> bool {
+    use rustix::io::Errno;
+    Errno::from_io_error(e).is_some_and(|n| matches!(n, Errno::MFILE | Errno::NFILE))
+}
+
 /// What to do about a bind refused for want of privilege: ports below
 /// `net.ipv4.ip_unprivileged_port_start` (1024 by default) need `CAP_NET_BIND_SERVICE`.
 pub fn bind_hint(e: &std::io::Error, port: u16) -> &'static str {

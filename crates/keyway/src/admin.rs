@@ -79,7 +79,9 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
                     let stream = match listener.accept().await {
                         Ok((stream, _)) => stream,
                         Err(e) => {
-                            let exhausted = keyway_dataplane::local_exhaustion(&e);
+                            // Out of descriptors (not of memory: giving up a descriptor would
+                            // not help there).
+                            let exhausted = keyway_dataplane::out_of_descriptors(&e);
                             if exhausted && reserve.release() {
                                 tracing::debug!(
                                     "admin endpoint: out of descriptors, using the reserve"
@@ -91,6 +93,9 @@ pub fn start(std_listener: std::net::TcpListener, site: Arc<Site>) -> anyhow::Re
                                 tracing::warn!(unlogged, "admin endpoint accept failed: {e}");
                             }
                             tokio::time::sleep(Duration::from_millis(50)).await;
+                            // Another thread may have taken the descriptor given up: hold one
+                            // again as soon as any frees.
+                            reserve.refill();
                             continue;
                         }
                     };

@@ -298,15 +298,16 @@ fn init_tracing() {
         .try_init();
 }
 
+/// Below this many descriptors a site says how few connections fit (systemd's default soft
+/// limit is 1024; its default hard limit, 524288).
+#[cfg(unix)]
+const LOW_OPEN_FILE_LIMIT: u64 = 8192;
+
 /// Raises the soft limit on open files to the hard limit. Every proxied connection holds two
 /// descriptors (a client and a target), and the soft limit a shell hands out is often 1024:
 /// connections past ~500 would fail to be accepted. The hard limit is the administrator's
 /// ceiling; Go's runtime raises to it the same way.
 #[cfg(unix)]
-/// Below this many descriptors a site says how few connections fit (systemd's default soft
-/// limit is 1024; its default hard limit, 524288).
-const LOW_OPEN_FILE_LIMIT: u64 = 8192;
-
 fn raise_open_file_limit() {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     /// The kernel's default ceiling (`fs.nr_open`) when the hard limit is unlimited.
