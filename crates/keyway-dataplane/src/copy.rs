@@ -182,20 +182,27 @@ mod tcp {
     /// and a client that stops reading costs ~200 KiB, not 1.3 MiB.
     const GROW_FREELY: usize = 128 * 1024;
 
-    /// Bytes written to `dst` that it has not sent or that its peer has not acknowledged yet
-    /// (`TIOCOUTQ`); 0 if it cannot be told.
+    /// Bytes written to `dst` that it has not sent yet (`SIOCOUTQNSD`: held back by its
+    /// peer's window or its congestion window; bytes in flight on a long path do not count);
+    /// 0 if it cannot be told.
+    #[cfg(target_os = "linux")]
     fn unsent(dst: &TcpStream) -> usize {
         use std::os::fd::AsRawFd;
         let mut queued: libc::c_int = 0;
-        // SAFETY: `dst` owns an open socket for the duration of the call, and TIOCOUTQ on a
-        // TCP socket writes exactly one `int` through its pointer argument, which points at
+        // SAFETY: `dst` owns an open socket for the duration of the call, and SIOCOUTQNSD on
+        // a TCP socket writes exactly one `int` through its pointer argument, which points at
         // `queued`, a live, aligned `c_int` on this stack frame.
-        let rc = unsafe { libc::ioctl(dst.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+        let rc = unsafe { libc::ioctl(dst.as_raw_fd(), libc::SIOCOUTQNSD as _, &mut queued) };
         if rc == 0 {
             usize::try_from(queued).unwrap_or(0)
         } else {
             0
         }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn unsent(_dst: &TcpStream) -> usize {
+        0
     }
 
     /// Shuts down `dst`'s sending side, unless the other direction already finished: both peers
