@@ -219,29 +219,28 @@ pub fn listen_at(addr: SocketAddr) -> io::Result<tokio::net::TcpListener> {
 /// [`BACKLOG`]-deep queue, for a caller that keeps the std socket (the RouterAccess port).
 pub fn bind_std(host: &str, port: u16) -> io::Result<std::net::TcpListener> {
     use std::net::ToSocketAddrs;
-    let mut last = None;
-    for addr in (host, port).to_socket_addrs()? {
-        match listen_on(addr, false) {
-            Ok(l) => return Ok(l),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "could not resolve to any address",
-        )
-    }))
+    first_that_binds((host, port).to_socket_addrs()?, |addr| {
+        listen_on(addr, false)
+    })
 }
 
 /// One listening socket on the first of `host`'s addresses that binds, as
 /// `tokio::net::TcpListener::bind` makes it but with a [`BACKLOG`]-deep queue (tokio's is 128):
 /// a port served without worker threads.
 pub async fn bind_one(host: &str, port: u16) -> io::Result<tokio::net::TcpListener> {
+    first_that_binds(tokio::net::lookup_host((host, port)).await?, listen_at)
+}
+
+/// `bind` on each address in turn until one succeeds, as `TcpListener::bind` does; the last
+/// error if none does.
+fn first_that_binds<T>(
+    addrs: impl IntoIterator<Item = SocketAddr>,
+    bind: impl Fn(SocketAddr) -> io::Result<T>,
+) -> io::Result<T> {
     let mut last = None;
-    for addr in tokio::net::lookup_host((host, port)).await? {
-        match listen_at(addr) {
-            Ok(l) => return Ok(l),
+    for addr in addrs {
+        match bind(addr) {
+            Ok(bound) => return Ok(bound),
             Err(e) => last = Some(e),
         }
     }
