@@ -92,11 +92,18 @@ impl Compiled {
 /// `now` ([`crate::tls::validity_warnings`]). `validate`, `status` and a running site (on
 /// each reload) report the same ones.
 pub fn config_warnings(index: &Index, now: &Time) -> Vec<ConfigError> {
+    config_warnings_and_times(index, now).0
+}
+
+/// [`config_warnings`], and the next moment a certificate of the config expires or becomes
+/// valid ([`crate::tls::next_validity_change`]), from one reading of the certificates.
+pub fn config_warnings_and_times(index: &Index, now: &Time) -> (Vec<ConfigError>, Option<i64>) {
     let mut out = gateway::reference_warnings(index);
     out.extend(service_network::unnamed_site_warnings(index));
     out.extend(service_network::unverified_connector_warnings(index));
-    out.extend(crate::tls::validity_warnings(index, now));
-    out
+    let times = crate::tls::certificate_times(index, now);
+    out.extend(times.warnings);
+    (out, times.next_change)
 }
 
 /// Compiles `files` from scratch (no previous index), stamping times from `state` or `now`.

@@ -221,47 +221,58 @@ pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMateri
     })
 }
 
-/// Certificates of the config's Secrets (`tls.crt`, `ca.crt`) and ConfigMaps (`ca.crt`) that
-/// have expired or are not valid yet at `now`: a warning each, since peers are refused by
-/// them, yet a Secret rotated to one is otherwise valid (and Kubernetes takes it too).
-pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::ConfigError> {
-    let now = now.0.as_second();
-    let mut out = Vec::new();
-    for_each_config_certificate(index, |obj, key, field, i, of, der| {
-        let which = match (key, i) {
-            ("tls.crt", 0) => "the certificate".to_string(),
-            ("tls.crt", i) => format!("certificate {} of the chain", i + 1),
-            (_, 0) if of == 1 => "the CA certificate".to_string(),
-            (_, i) => format!("CA certificate {}", i + 1),
-        };
-        if let Some(why) = validity_problem(der, now) {
-            out.push(obj.error_at(field, format!("{which} {why}")));
-        }
-    });
-    out
+/// What time does to the config's certificates: the warnings of [`validity_warnings`] and the
+/// moment of [`next_validity_change`], from one parse of each certificate (a running site
+/// wants both at every reload).
+#[derive(Debug, Default)]
+pub struct CertificateTimes {
+    pub warnings: Vec<crate::ConfigError>,
+    pub next_change: Option<i64>,
 }
 
-/// The first moment after `now` (seconds since the epoch) at which a certificate of the
-/// config's Secrets or ConfigMaps expires or becomes valid: what the config means changes
-/// then, though no file does, so a running site resolves again at that moment.
-pub fn next_validity_change(index: &crate::Index, now: &crate::Time) -> Option<i64> {
+/// See [`CertificateTimes`].
+pub fn certificate_times(index: &crate::Index, now: &crate::Time) -> CertificateTimes {
     let now = now.0.as_second();
-    let mut next: Option<i64> = None;
-    for_each_config_certificate(index, |_, _, _, _, _, der| {
+    let mut out = CertificateTimes::default();
+    for_each_config_certificate(index, |obj, key, field, i, of, der| {
         let Ok((_, cert)) = x509_parser::parse_x509_certificate(der.as_ref()) else {
             return;
         };
         let validity = cert.validity();
+        if let Some(why) = validity_problem(validity, now) {
+            let which = match (key, i) {
+                ("tls.crt", 0) => "the certificate".to_string(),
+                ("tls.crt", i) => format!("certificate {} of the chain", i + 1),
+                (_, 0) if of == 1 => "the CA certificate".to_string(),
+                (_, i) => format!("CA certificate {}", i + 1),
+            };
+            out.warnings
+                .push(obj.error_at(field, format!("{which} {why}")));
+        }
         // Expired once `not_after` is in the past (see `validity_problem`): a second later.
         let changes = [
             validity.not_before.timestamp(),
             validity.not_after.timestamp().saturating_add(1),
         ];
         for at in changes.into_iter().filter(|&at| at > now) {
-            next = Some(next.map_or(at, |n| n.min(at)));
+            out.next_change = Some(out.next_change.map_or(at, |n| n.min(at)));
         }
     });
-    next
+    out
+}
+
+/// Certificates of the config's Secrets (`tls.crt`, `ca.crt`) and ConfigMaps (`ca.crt`) that
+/// have expired or are not valid yet at `now`: a warning each, since peers are refused by
+/// them, yet a Secret rotated to one is otherwise valid (and Kubernetes takes it too).
+pub fn validity_warnings(index: &crate::Index, now: &crate::Time) -> Vec<crate::ConfigError> {
+    certificate_times(index, now).warnings
+}
+
+/// The first moment after `now` (seconds since the epoch) at which a certificate of the
+/// config's Secrets or ConfigMaps expires or becomes valid: what the config means changes
+/// then, though no file does, so a running site resolves again at that moment.
+pub fn next_validity_change(index: &crate::Index, now: &crate::Time) -> Option<i64> {
+    certificate_times(index, now).next_change
 }
 
 /// Calls `f` with every certificate of the config's Secrets (`tls.crt`, `ca.crt`) and
@@ -381,11 +392,8 @@ fn time_text(t: &x509_parser::time::ASN1Time) -> String {
 }
 
 /// "expired at …" or "is not valid before …" for a certificate outside its validity at `now`
-/// (seconds since the epoch); `None` when valid or unreadable (parsing errors are reported
-/// where the Secret is checked).
-fn validity_problem(der: &CertificateDer<'_>, now: i64) -> Option<String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
-    let validity = cert.validity();
+/// (seconds since the epoch); `None` when valid.
+fn validity_problem(validity: &x509_parser::certificate::Validity, now: i64) -> Option<String> {
     let at = time_text;
     if validity.not_after.timestamp() < now {
         Some(format!(

@@ -54,12 +54,8 @@ pub trait RemoteDialer: Send + Sync {
 /// (and close the ports and withdraw the keys that depend on it).
 pub fn local_exhaustion(e: &std::io::Error) -> bool {
     use rustix::io::Errno;
-    Errno::from_io_error(e).is_some_and(|n| {
-        matches!(
-            n,
-            Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM
-        )
-    })
+    out_of_descriptors(e)
+        || Errno::from_io_error(e).is_some_and(|n| matches!(n, Errno::NOBUFS | Errno::NOMEM))
 }
 
 /// Whether `e` says the process (or the system) has no descriptor left to give.

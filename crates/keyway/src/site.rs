@@ -210,9 +210,9 @@ impl Site {
         let mut index = current.index.clone();
         let mut objects = current.objects.clone();
         let mut reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
-        reconciled
-            .warnings
-            .extend(keyway_core::offline::config_warnings(&index, &cli::now()));
+        let (warnings, validity_changes_at) =
+            keyway_core::offline::config_warnings_and_times(&index, &cli::now());
+        reconciled.warnings.extend(warnings);
         let mut resolution = service_network::resolve_at(&index, Some(&cli::now()));
         let conflicts_before = current.gateway.resolution().listener_conflicts.clone();
         let gateway = current.gateway.update(&index, &cli::now());
@@ -254,8 +254,7 @@ impl Site {
         current.resolution = resolution;
         current.taken_ports = taken_ports;
         current.gateway_conflicts = gateway_conflicts;
-        current.validity_changes_at =
-            keyway_core::tls::next_validity_change(&current.index, &cli::now());
+        current.validity_changes_at = validity_changes_at;
         let errors = all_errors(&current);
         for e in &errors {
             if !previous_errors.contains(e) {
