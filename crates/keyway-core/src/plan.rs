@@ -33,6 +33,21 @@ pub struct Plan {
     pub held: std::collections::BTreeSet<ObjectKey>,
 }
 
+impl Plan {
+    /// Whether a listener other than `except`, or a Gateway, serves on `port`: a port the
+    /// plan gives to one of them is not held open for another that is moving away from it.
+    pub fn serves_on(&self, port: u16, except: Option<&ObjectKey>) -> bool {
+        self.listeners
+            .iter()
+            .any(|l| l.port == port && Some(&l.id) != except)
+            || self
+                .gateways
+                .gateways
+                .iter()
+                .any(|g| g.ports.iter().any(|p| p.port == port))
+    }
+}
+
 /// A RouterAccess: the inter-router port to bind, and the identity + CA for mutual TLS.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]

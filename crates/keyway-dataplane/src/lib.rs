@@ -340,19 +340,7 @@ impl DataPlane {
         // A port the new plan gives to another listener or a Gateway is not kept open for a
         // listener moving away from it (two listeners swapping ports, say): that move breaks
         // before it makes, as any move did, and the port changes hands at once.
-        let gateway_ports: std::collections::HashSet<u16> = plan
-            .gateways
-            .gateways
-            .iter()
-            .flat_map(|g| g.ports.iter().map(|p| p.port))
-            .collect();
-        let claimed_by_other = |port: u16, id: &ObjectKey| {
-            gateway_ports.contains(&port)
-                || plan
-                    .listeners
-                    .iter()
-                    .any(|other| other.port == port && other.id != *id)
-        };
+        let claimed_by_other = |port: u16, id: &ObjectKey| plan.serves_on(port, Some(id));
         for lp in &plan.listeners {
             let acceptor = match &lp.tls {
                 None => None,

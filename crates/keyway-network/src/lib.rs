@@ -24,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use keyway_core::ObjectKey;
+use keyway_core::address::host_port;
 use keyway_core::plan::{LinkPlan, Plan, RouterAccessPlan};
 use keyway_core::skupper::{LinkRecord, ServiceRecord, SiteRecord};
 use keyway_dataplane::tls;
@@ -238,6 +239,22 @@ struct State {
     access_wanted: Option<RouterAccessPlan>,
 }
 
+impl State {
+    /// Puts back `old`, the RouterAccess in force, after its move to another address failed
+    /// to bind: it accepts on until the move binds, and the status says so. Returns why.
+    fn keep_accepting(&mut self, old: RunningAccess) -> String {
+        let from = host_port(&old.plan.bind_host, old.plan.port);
+        self.access = Some(old);
+        match &mut self.access_error {
+            Some((_, why)) => {
+                why.push_str(&format!("; still accepting links on {from} until it binds"));
+                why.clone()
+            }
+            None => String::new(),
+        }
+    }
+}
+
 pub(crate) struct Inner {
     dataplane: Arc<DataPlane>,
     id: String,
@@ -380,7 +397,11 @@ impl Network {
             (Some(running), None) => !renamed && plan.held.contains(&running.plan.id),
             _ => false,
         };
-        if !same_access {
+        if same_access {
+            // (A move to another address that had not bound yet was given up.)
+            st.access_wanted = None;
+            st.access_error = None;
+        } else {
             let old = st.access.take();
             st.access_error = None;
             st.access_wanted = None;
@@ -410,10 +431,23 @@ impl Network {
                     }
                 }
                 let sessions = kept.unwrap_or_default();
-                drop(old);
+                // To another port: the old one accepts on until the new one binds (make
+                // before break), so a port that another process holds loses nothing (SPEC §7),
+                // unless the plan gives the old port to a listener. Otherwise the old task
+                // goes first (on the same port, the new one takes over its socket, or binds
+                // once it has closed).
+                let moving = old.filter(|o| {
+                    !renamed && o.plan.port != ra.port && !plan.serves_on(o.plan.port, None)
+                });
                 if let Err(e) = inner.start_access(&mut st, ra, bound, sessions) {
-                    tracing::error!(router_access = %ra.id.name, "{e}; trying again");
-                    // The old socket closes as its aborted task ends: soon.
+                    if let Some(o) = moving {
+                        let why = st.keep_accepting(o);
+                        tracing::warn!(router_access = %ra.id.name, "{why}");
+                    } else {
+                        tracing::error!(router_access = %ra.id.name, "{e}; trying again");
+                    }
+                    // The old socket closes as its aborted task ends, or the port's holder
+                    // is another object of the site that gives it up in this reload: soon.
                     let weak = Arc::downgrade(inner);
                     inner.runtime.spawn(async move {
                         tokio::time::sleep(ACCESS_RETRY_SOON).await;
@@ -981,13 +1015,26 @@ impl Inner {
         let Some(ra) = st.access_wanted.clone() else {
             return;
         };
-        if st.access.is_some() {
-            st.access_wanted = None;
-            return;
-        }
-        match self.start_access(&mut st, &ra, None, session::Sessions::default()) {
-            Ok(()) => tracing::info!(router_access = %ra.id.name, "inter-router port bound"),
-            Err(e) => tracing::debug!(router_access = %ra.id.name, "{e}"),
+        // A RouterAccess moving to another address accepts on at the old one meanwhile, and
+        // the links it accepted stay.
+        let moving = st.access.take();
+        let sessions = moving
+            .as_ref()
+            .map(|o| o.sessions.clone())
+            .unwrap_or_default();
+        match self.start_access(&mut st, &ra, None, sessions) {
+            Ok(()) => match moving {
+                Some(o) => {
+                    tracing::info!(router_access = %ra.id.name, from = %host_port(&o.plan.bind_host, o.plan.port), "inter-router port bound; the old one stops accepting")
+                }
+                None => tracing::info!(router_access = %ra.id.name, "inter-router port bound"),
+            },
+            Err(e) => {
+                tracing::debug!(router_access = %ra.id.name, "{e}");
+                if let Some(o) = moving {
+                    st.keep_accepting(o);
+                }
+            }
         }
     }
 

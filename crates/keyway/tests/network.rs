@@ -654,6 +654,65 @@ fn a_router_access_moved_to_another_bind_address_binds_again() {
     assert_eq!(access["status"], "Ready", "{access}");
 }
 
+/// A RouterAccess moved to a port another process holds keeps accepting on its old port, and
+/// the links it accepted keep their streams (bad input loses nothing already running); its
+/// status says why and where it still accepts. Once the port frees it moves, and the Link,
+/// dialling the old port, is refused there: its status says so.
+#[test]
+fn a_router_access_moved_to_a_taken_port_accepts_on_until_it_binds() {
+    let _serial = serial();
+    let pair = linked_pair();
+    let (mut w, mut r, line) = greet(pair.listen, Duration::from_secs(3));
+    assert_eq!(line.trim(), "at-b");
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let taken = holder.local_addr().expect("addr").port();
+    let moved = router_access_yaml(taken, "link-tls");
+    let config = [
+        site_yaml("b"),
+        pair.ca.secret_yaml("link-tls"),
+        moved,
+        pair.connector.clone(),
+    ];
+    write_file(&pair.b.config_dir(), "site.yaml", &config.join("---\n"));
+    let why = format!("still accepting links on 127.0.0.1:{}", pair.b_port);
+    let message = || {
+        pair.b
+            .status_of("RouterAccess", "access")
+            .and_then(|s| s["message"].as_str().map(str::to_string))
+            .unwrap_or_default()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || message().contains(&why)),
+        "status: {:?}\n{}",
+        message(),
+        pair.b.log()
+    );
+    assert!(message().contains("cannot bind"), "{}", message());
+    // The stream opened before the edit still runs, and new connections cross the link.
+    assert_eq!(echo(&mut w, &mut r, "held\n").as_deref(), Ok("held\n"));
+    assert_eq!(who(pair.listen).as_deref(), Ok("at-b"));
+    // The port frees: the RouterAccess moves there (at the next retry) and its status clears.
+    drop(holder);
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            pair.b
+                .status_of("RouterAccess", "access")
+                .is_some_and(|s| s["status"] == "Ready")
+        }),
+        "status: {:?}\n{}",
+        message(),
+        pair.b.log()
+    );
+    assert!(
+        pair.b.log().contains("the old one stops accepting"),
+        "{}",
+        pair.b.log()
+    );
+    // The link accepted on the old port stays: its streams and the link itself carry on.
+    assert_eq!(echo(&mut w, &mut r, "moved\n").as_deref(), Ok("moved\n"));
+    assert_eq!(who(pair.listen).as_deref(), Ok("at-b"));
+}
+
 /// Two sites named `west` link to `east`. The second takes the name (its advertisements are
 /// newer), and the first's status says why. When the second stops with SIGTERM it drains,
 /// says so in its last advertisement, and the first takes its name back at once: east reaches
