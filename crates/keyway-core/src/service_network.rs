@@ -814,10 +814,25 @@ fn site_status(
 /// Secret would have no valid version at all (SPEC §7: bad input loses nothing running, and
 /// says so).
 pub fn note_rejected_secrets(statuses: &mut BTreeMap<ObjectKey, Value>, index: &Index) {
+    let note = |secret: &ObjectKey, at: &crate::load::Origin| {
+        format!(
+            "Secret {}/{}: its latest edit is rejected (see the error at {at}), so its last valid version is in use until it is fixed (a restart would find none)",
+            secret.namespace, secret.name
+        )
+    };
     for (key, status) in statuses.iter_mut() {
         let Some(obj) = index.get(key) else {
             continue;
         };
+        // A Gateway's or ListenerSet's listeners say it on their ResolvedRefs condition.
+        if matches!(key.kind, Kind::Gateway | Kind::ListenerSet) {
+            for (listener, secret) in crate::gateway::listener_certificate_secrets(obj) {
+                if let Some(at) = index.rejected_edit(&secret) {
+                    crate::gateway::note_on_resolved_refs(status, &listener, &note(&secret, at));
+                }
+            }
+            continue;
+        }
         let secret = match &obj.resource {
             Resource::Listener(l) => l.spec.tls_credentials.as_deref(),
             Resource::Connector(c) => c.spec.tls_credentials.as_deref(),
@@ -829,14 +844,11 @@ pub fn note_rejected_secrets(statuses: &mut BTreeMap<ObjectKey, Value>, index: &
         let Some(secret) = secret else {
             continue;
         };
-        let Some(at) = index.rejected_edit(&ObjectKey::new(Kind::Secret, &key.namespace, secret))
-        else {
+        let secret = ObjectKey::new(Kind::Secret, &key.namespace, secret);
+        let Some(at) = index.rejected_edit(&secret) else {
             continue;
         };
         let message = status.get("message").and_then(Value::as_str).unwrap_or("");
-        status["message"] = Value::from(format!(
-            "{message}; Secret {}/{secret}: its latest edit is rejected (see the error at {at}), so its last valid version is in use until it is fixed (a restart would find none)",
-            key.namespace
-        ));
+        status["message"] = Value::from(format!("{message}; {}", note(&secret, at)));
     }
 }

@@ -921,4 +921,46 @@ fn a_rejected_secret_edit_shows_on_the_objects_using_it() {
         )),
         "{link}"
     );
+    // A Gateway listener naming the Secret as its certificate says it on ResolvedRefs, which
+    // stays True (the last valid version resolves); its other listener says nothing.
+    let gateway = "apiVersion: gateway.networking.k8s.io/v1\nkind: Gateway\nmetadata:\n  name: gw\nspec:\n  gatewayClassName: keyway\n  listeners:\n  - {name: web, port: 8080, protocol: HTTP}\n  - name: secure\n    port: 8443\n    protocol: HTTPS\n    hostname: test\n    tls: {certificateRefs: [{name: link-tls}]}\n";
+    load(
+        &mut index,
+        &mut state,
+        &LINK_SECRET.replacen("MIIBdDCC", "XXXXXXXX", 1),
+        &format!("{other}---\n{gateway}"),
+    );
+    let gw = keyway_core::gateway::resolve(&index, &now());
+    let mut st: BTreeMap<ObjectKey, Value> = gw
+        .statuses
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    service_network::note_rejected_secrets(&mut st, &index);
+    let listener = |name: &str, ty: &str| {
+        status_of(&st, Kind::Gateway, "gw")["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|l| l["name"] == name)
+            .flat_map(|l| l["conditions"].as_array().cloned().unwrap_or_default())
+            .find(|c| c["type"] == ty)
+            .unwrap_or_default()
+    };
+    let resolved = listener("secure", "ResolvedRefs");
+    assert_eq!(resolved["status"], "True", "{resolved}");
+    assert!(
+        resolved["message"].as_str().is_some_and(|m| m.contains(
+            "Secret default/link-tls: its latest edit is rejected (see the error at link.yaml:7)"
+        )),
+        "{resolved}"
+    );
+    let web = listener("web", "ResolvedRefs");
+    assert!(
+        !web["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("rejected"),
+        "{web}"
+    );
 }

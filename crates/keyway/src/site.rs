@@ -478,7 +478,6 @@ impl Site {
         let now = cli::now();
         let mut statuses =
             service_network::statuses(&current.index, &current.resolution, &reach, &now);
-        service_network::note_rejected_secrets(&mut statuses, &current.index);
         // A listener held at its last valid TLS (its Secret no longer resolves) that listens,
         // a Link so held with a connection up, or a RouterAccess so held that accepts, says
         // so, or its Error would read as down.
@@ -549,6 +548,7 @@ impl Site {
         }
         mark_taken_ports(&current.index, &mut statuses, &current.taken_ports, &now);
         mark_overlapping_tls(&gw.plan, &mut statuses, &now_value);
+        service_network::note_rejected_secrets(&mut statuses, &current.index);
         for (key, status) in statuses.iter_mut() {
             if let Some(prev) = current.last_status.get(key) {
                 carry_transition_times(prev, status, &now_value);

@@ -508,6 +508,30 @@ fn a_key_that_does_not_match_its_certificate_keeps_the_last_valid_secret() {
         assert_eq!(curl(), "302", "still served with the last valid Secret");
         std::thread::sleep(Duration::from_millis(200));
     }
+    // The listener says so: its reference resolves, to the Secret's last valid version.
+    let status: serde_json::Value =
+        serde_json::from_str(&site.get("/status").1).expect("status json");
+    let resolved = status["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|o| o["kind"] == "Gateway")
+        .flat_map(|g| {
+            g["status"]["listeners"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .flat_map(|l| l["conditions"].as_array().cloned().unwrap_or_default())
+        .find(|c| c["type"] == "ResolvedRefs")
+        .unwrap_or_default();
+    assert_eq!(resolved["status"], "True", "{resolved}");
+    assert!(
+        resolved["message"].as_str().is_some_and(|m| m
+            .contains("Secret default/tls: its latest edit is rejected (see the error at ")
+            && m.contains("gw.yaml:")),
+        "{resolved}"
+    );
 }
 
 /// An HTTPS listener whose certificate stops resolving while it serves (its Secret, untyped

@@ -57,7 +57,7 @@ use status::{C, ListenerStatus, Model, ParentStatus};
 pub use plan::GatewayPlan;
 pub use status::{
     Kept, StatusEntry, Statuses, mark_invalid_certificate, mark_kept_certificate,
-    mark_overlapping_tls, mark_port_unavailable, rederive_programmed,
+    mark_overlapping_tls, mark_port_unavailable, note_on_resolved_refs, rederive_programmed,
 };
 
 /// The controller keyway is (GatewayClass `spec.controllerName`, route status `controllerName`).
@@ -664,6 +664,39 @@ fn cached<T>(
 }
 
 /// The index of the first listener on `port` that a Gateway or ListenerSet declares.
+/// The Secrets a Gateway's or ListenerSet's listeners name as certificates: (listener name,
+/// Secret), a reference without a namespace being to the owner's.
+pub fn listener_certificate_secrets(obj: &LoadedObject) -> Vec<(String, ObjectKey)> {
+    let specs: Vec<ListenerSpec> = match &obj.resource {
+        Resource::Gateway(g) => g
+            .spec
+            .listeners
+            .iter()
+            .map(ListenerSpec::from_gateway)
+            .collect(),
+        Resource::ListenerSet(ls) => ls
+            .spec
+            .listeners
+            .iter()
+            .map(ListenerSpec::from_listener_set)
+            .collect(),
+        _ => Vec::new(),
+    };
+    specs
+        .into_iter()
+        .flat_map(|l| {
+            let refs = l.tls.map(|(_, refs)| refs).unwrap_or_default();
+            refs.into_iter()
+                .filter(|r| (r.group.is_empty() || r.group == "core") && r.kind == "Secret")
+                .map(move |r| {
+                    let ns = r.namespace.as_deref().unwrap_or(&obj.key.namespace);
+                    (l.name.clone(), ObjectKey::new(Kind::Secret, ns, &r.name))
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 pub(crate) fn listener_on_port(obj: &LoadedObject, port: u16) -> Option<usize> {
     let port = i32::from(port);
     match &obj.resource {

@@ -605,6 +605,21 @@ pub fn mark_kept_certificate(status: &mut Value, listener: &str, kept: Kept, now
     );
 }
 
+/// Adds `note` to the message of `listener`'s `ResolvedRefs` condition (a fact about what it
+/// resolved to, such as a certificate Secret in force at an earlier version).
+pub fn note_on_resolved_refs(status: &mut Value, listener: &str, note: &str) {
+    let Some(conds) = listener_conditions_mut(status, listener) else {
+        return;
+    };
+    for c in conds.iter_mut().filter(|c| c["type"] == "ResolvedRefs") {
+        let message = c["message"].as_str().unwrap_or_default();
+        c["message"] = Value::from(match message.is_empty() {
+            true => note.to_string(),
+            false => format!("{message}; {note}"),
+        });
+    }
+}
+
 /// Sets a Gateway's or ListenerSet's own `Programmed` condition to `to` when it is not so
 /// already (the transition time moves only then).
 fn set_programmed(status: &mut Value, to: bool, reason: &str, message: &str, now: &Value) {
