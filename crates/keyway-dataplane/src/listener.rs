@@ -520,7 +520,7 @@ pub(crate) async fn connect_local(shared: &Shared, key: &str) -> Result<LocalCon
 /// after 1 s and 3 s: a busy workload answers then, as it would a client connecting directly.
 /// An earlier choice gives up at its health-check timeout, so a silent target costs a short
 /// delay before the next one.
-const LAST_CHOICE_CONNECT_TIMEOUT: Duration = Duration::from_secs(4);
+pub(crate) const LAST_CHOICE_CONNECT_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// One connect attempt to one target; a failure marks a local target unhealthy at once.
 /// `last_choice`: no other target or key is left to try for this client.

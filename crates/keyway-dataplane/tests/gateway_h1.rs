@@ -1675,6 +1675,50 @@ async fn a_silent_endpoint_does_not_stall_keep_alive_clients() {
     );
 }
 
+/// A Service's only endpoint whose accept queue is full drops SYNs; the kernel sends them
+/// again after 1 s and again later (after 2 s or 3 s, by kernel). A client connecting directly gets in once the backend catches up;
+/// through the Gateway the request must not fail because the connect to its last choice gave
+/// up first (it waited 2 s, so a backend that caught up after the first retry answered 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_last_endpoint_is_waited_for() {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("addr"))
+        .expect("bind");
+    let backend = socket.listen(0).expect("listen");
+    let addr = backend.local_addr().expect("addr");
+    // Fills its accept queue: later SYNs are dropped.
+    let _filler = TcpStream::connect(addr).await.expect("filler");
+    let port = free_port();
+    let yaml = service_route_yaml(&[addr], port, "  - backendRefs: [{name: svc, port: 80}]\n");
+    let _dp = start(&yaml, port).await;
+    let mut c = client(port).await;
+    // The backend catches up after 1.5 s: after the kernel's first retry, before the next.
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        while let Ok((mut s, _)) = backend.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut head = Vec::new();
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\ncaught up")
+                    .await;
+            });
+        }
+    });
+    let o = tokio::time::timeout(Duration::from_secs(8), exchange(&mut c, get("/")))
+        .await
+        .expect("answered in time");
+    assert_eq!(o.status(), Some(200), "{o:?}");
+    assert_eq!(o.body(), b"caught up", "{o:?}");
+}
+
 /// On two worker threads, many clients at once, their requests ending every way: afterwards
 /// no request is counted in flight (idle endpoints alternate), and the counts were shared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1617,7 +1617,7 @@ async fn send_h1(
             Some(p) => {
                 let tls = super::upstream::backend_tls(backend);
                 if !ctx.pool.probe(p, tls)
-                    && let Ok(c) = Box::pin(ctx.pool.connect_endpoint(p, tls)).await
+                    && let Ok(c) = Box::pin(ctx.pool.connect_endpoint(p, tls, false)).await
                 {
                     break ctx.pool.open_h1(c);
                 }

@@ -283,7 +283,13 @@ pub enum ConnectError {
     Tls(String),
 }
 
+/// How long a connect to an endpoint may take while others are left to try.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a connect to the last endpoint left may take: as a Listener's last choice
+/// (`listener::LAST_CHOICE_CONNECT_TIMEOUT`), long enough for the kernel's SYNs sent again
+/// after 1 s and 2–3 s, so a busy backend whose accept queue overflowed answers as it would a
+/// client connecting directly.
+const LAST_CHOICE_CONNECT_TIMEOUT: Duration = crate::listener::LAST_CHOICE_CONNECT_TIMEOUT;
 /// An endpoint whose connect failed is skipped for this long while others remain.
 const PENALTY: Duration = Duration::from_secs(2);
 const MAX_IDLE_PER_KEY: usize = 128;
@@ -1338,8 +1344,9 @@ impl Pool {
                 };
                 fresh.extend(stale);
                 let mut why = None;
-                for key in fresh {
-                    match self.connect_endpoint(&key, tls).await {
+                let last = fresh.len().saturating_sub(1);
+                for (i, key) in fresh.into_iter().enumerate() {
+                    match self.connect_endpoint(&key, tls, i == last).await {
                         Ok(c) => return Ok(c),
                         Err(e) => why = e.or(why),
                     }
@@ -1394,12 +1401,18 @@ impl Pool {
 
     /// Connects to the Service endpoint `key` (an [`endpoint_key`]), over TLS when `tls`
     /// (the backend's BackendTLSPolicy) says so; a failure is remembered for [`PENALTY`]. The
-    /// error is why TLS failed, if it did.
+    /// error is why TLS failed, if it did. `last_choice`: no other endpoint is left to try,
+    /// so the connect may wait longer ([`LAST_CHOICE_CONNECT_TIMEOUT`]).
     pub async fn connect_endpoint(
         &self,
         key: &str,
         tls: Option<&BackendTls>,
+        last_choice: bool,
     ) -> Result<Connected, Option<String>> {
+        let connect_timeout = match last_choice {
+            true => LAST_CHOICE_CONNECT_TIMEOUT,
+            false => CONNECT_TIMEOUT,
+        };
         // The reason is the policy's status (and a config error at its field, logged at the
         // reload); the client is not told the names of the config's objects.
         if let Some(BackendTls {
@@ -1412,7 +1425,7 @@ impl Pool {
             ));
         }
         let addr = key.split_once('#').map_or(key, |(a, _)| a);
-        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
             Ok(Ok(s)) => {
                 let _ = s.set_nodelay(true);
                 let io: Box<dyn Io> = match tls {
@@ -1473,7 +1486,7 @@ impl Pool {
         let key = key.to_string();
         let tls = tls.cloned();
         tokio::spawn(async move {
-            if let Ok(c) = pool.connect_endpoint(&key, tls.as_ref()).await {
+            if let Ok(c) = pool.connect_endpoint(&key, tls.as_ref(), false).await {
                 let c = pool.open_h1(c);
                 pool.put_h1(c);
             }
@@ -1766,7 +1779,10 @@ impl Pool {
         // reached, another endpoint's connection with room comes before a new one.
         let mut turned = None;
         if let (Some(key), Backend::Service { endpoints, .. }) = (turn, backend) {
-            match self.connect_endpoint(key, backend_tls(backend)).await {
+            match self
+                .connect_endpoint(key, backend_tls(backend), endpoints.len() == 1)
+                .await
+            {
                 Ok(c) => turned = Some(c),
                 Err(why) => {
                     let pool = lock(&self.h2);
