@@ -95,15 +95,19 @@ pub fn config_warnings(index: &Index, now: &Time) -> Vec<ConfigError> {
     config_warnings_and_times(index, now).0
 }
 
-/// [`config_warnings`], and the next moment a certificate of the config expires or becomes
-/// valid ([`crate::tls::next_validity_change`]), from one reading of the certificates.
-pub fn config_warnings_and_times(index: &Index, now: &Time) -> (Vec<ConfigError>, Option<i64>) {
+/// [`config_warnings`], and what time does to the config's certificates (the next moment one
+/// expires or becomes valid, when each expires; its `warnings` are in the first), from one
+/// reading of the certificates.
+pub fn config_warnings_and_times(
+    index: &Index,
+    now: &Time,
+) -> (Vec<ConfigError>, crate::tls::CertificateTimes) {
     let mut out = gateway::reference_warnings(index);
     out.extend(service_network::unnamed_site_warnings(index));
     out.extend(service_network::unverified_connector_warnings(index));
-    let times = crate::tls::certificate_times(index, now);
-    out.extend(times.warnings);
-    (out, times.next_change)
+    let mut times = crate::tls::certificate_times(index, now);
+    out.append(&mut times.warnings);
+    (out, times)
 }
 
 /// Compiles `files` from scratch (no previous index), stamping times from `state` or `now`.

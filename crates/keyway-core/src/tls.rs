@@ -1,6 +1,8 @@
 //! PEM material from Secrets, parsed once in the core so that bad certificates are reported as
 //! configuration errors and the data plane receives DER it can hand to rustls directly.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::Secret;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -228,6 +230,9 @@ pub fn material_from_secret(secret: &Secret, need_key: bool) -> Result<TlsMateri
 pub struct CertificateTimes {
     pub warnings: Vec<crate::ConfigError>,
     pub next_change: Option<i64>,
+    /// When the first certificate of each Secret's `tls.crt` or `ca.crt` (a ConfigMap's
+    /// `ca.crt`) expires, in seconds since the epoch: what an operator alerts on.
+    pub expiries: BTreeMap<(crate::ObjectKey, &'static str), i64>,
 }
 
 /// See [`CertificateTimes`].
@@ -249,6 +254,11 @@ pub fn certificate_times(index: &crate::Index, now: &crate::Time) -> Certificate
             out.warnings
                 .push(obj.error_at(field, format!("{which} {why}")));
         }
+        let expiry = out
+            .expiries
+            .entry((obj.key.clone(), key))
+            .or_insert(i64::MAX);
+        *expiry = (*expiry).min(validity.not_after.timestamp());
         // Expired once `not_after` is in the past (see `validity_problem`): a second later.
         let changes = [
             validity.not_before.timestamp(),
@@ -280,7 +290,7 @@ pub fn next_validity_change(index: &crate::Index, now: &crate::Time) -> Option<i
 /// and the number of certificates in that value.
 fn for_each_config_certificate(
     index: &crate::Index,
-    mut f: impl FnMut(&crate::LoadedObject, &str, &str, usize, usize, &CertificateDer<'_>),
+    mut f: impl FnMut(&crate::LoadedObject, &'static str, &str, usize, usize, &CertificateDer<'_>),
 ) {
     let secrets = index.of_kind(crate::Kind::Secret).filter_map(|obj| {
         let crate::Resource::Secret(secret) = &obj.resource else {

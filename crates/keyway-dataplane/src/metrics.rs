@@ -10,6 +10,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::targets::Target;
+use keyway_core::ObjectKey;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -104,6 +105,9 @@ pub struct Metrics {
     /// Connections to Gateway TLS ports refused before a TLS session, by why (see
     /// [`TlsRefused`]).
     pub gateway_tls_refused: Family<Labels, Counter>,
+    /// When the first certificate of each Secret's (ConfigMap's) `tls.crt` or `ca.crt`
+    /// expires, by object and key: set at each reload.
+    certificate_expiry: Family<Labels, Gauge>,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
     /// Connection series of (listener, target) pairs that left the configuration while
@@ -137,6 +141,7 @@ impl Default for Metrics {
             link_bytes: Family::default(),
             gateway_unrouted: Family::default(),
             gateway_tls_refused: Family::default(),
+            certificate_expiry: Family::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
             forgotten: Mutex::default(),
@@ -222,6 +227,11 @@ impl Default for Metrics {
             "Connections to Gateway HTTPS/TLS ports closed before a TLS session or right after its handshake, by reason: not_tls (no ClientHello; plain HTTP gets a 400), unknown_name (no listener or TLSRoute for the SNI), no_certificate (the listener has no usable certificate), handshake (the TLS handshake failed or was given up: version, cipher, client certificate), timeout (no handshake within 10 s)",
             m.gateway_tls_refused.clone(),
         );
+        registry.register(
+            "certificate_expiry_timestamp_seconds",
+            "When the first certificate of a Secret's tls.crt or ca.crt (a ConfigMap's ca.crt) in the config expires, in seconds since the epoch, by kind, namespace, name and key: alert on it minus time()",
+            m.certificate_expiry.clone(),
+        );
         // Every reason from the start, so a rate over them starts from 0.
         for why in Unrouted::ALL {
             m.unrouted_counter(why);
@@ -233,6 +243,26 @@ impl Default for Metrics {
             *r = registry;
         }
         m
+    }
+}
+
+impl Metrics {
+    /// The config's certificate expiries (`keyway_certificate_expiry_timestamp_seconds`), replacing
+    /// those of the last reload: a Secret deleted or rid of its certificates leaves no series.
+    pub fn set_certificate_expiries(
+        &self,
+        expiries: &std::collections::BTreeMap<(ObjectKey, &'static str), i64>,
+    ) {
+        self.certificate_expiry.clear();
+        for ((object, key), at) in expiries {
+            let labels: Labels = vec![
+                ("kind", object.kind.to_string()),
+                ("namespace", object.namespace.clone()),
+                ("name", object.name.clone()),
+                ("key", (*key).to_string()),
+            ];
+            self.certificate_expiry.get_or_create(&labels).set(*at);
+        }
     }
 }
 

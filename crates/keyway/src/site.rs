@@ -210,8 +210,9 @@ impl Site {
         let mut index = current.index.clone();
         let mut objects = current.objects.clone();
         let mut reconciled = reconcile(&mut index, &mut objects, &files, &cli::now());
-        let (warnings, validity_changes_at) =
+        let (warnings, certificate_times) =
             keyway_core::offline::config_warnings_and_times(&index, &cli::now());
+        metrics.set_certificate_expiries(&certificate_times.expiries);
         reconciled.warnings.extend(warnings);
         let mut resolution = service_network::resolve_at(&index, Some(&cli::now()));
         let conflicts_before = current.gateway.resolution().listener_conflicts.clone();
@@ -254,7 +255,7 @@ impl Site {
         current.resolution = resolution;
         current.taken_ports = taken_ports;
         current.gateway_conflicts = gateway_conflicts;
-        current.validity_changes_at = validity_changes_at;
+        current.validity_changes_at = certificate_times.next_change;
         let errors = all_errors(&current);
         for e in &errors {
             if !previous_errors.contains(e) {

@@ -702,3 +702,71 @@ fn process_metrics_describe_the_site_process() {
         assert!(m.contains(&format!("# TYPE {family}")), "{family}:\n{m}");
     }
 }
+
+/// `keyway_certificate_expiry_timestamp_seconds` says when each Secret's certificates expire
+/// (the first of a chain or bundle), so an alert can fire before clients refuse them; an edit
+/// that rotates the certificate moves it, and a Secret deleted takes its series with it.
+#[test]
+fn certificate_expiries_are_exported_per_secret_and_key() {
+    let _s = serial();
+    let ca = Ca::new("metrics CA");
+    let at = |days: i64| {
+        let t = time::OffsetDateTime::now_utc() + time::Duration::days(days);
+        t.replace_nanosecond(0).expect("whole second")
+    };
+    let (first, second) = (at(30), at(90));
+    let site = SiteProc::start(
+        "certs",
+        &[
+            site_yaml("certs"),
+            ca.secret_yaml_with("serving", |p| p.not_after = first),
+        ],
+    );
+    let expiry = |key: &str| {
+        let m = site.get("/metrics").unwrap_or_default();
+        value(
+            &m,
+            "keyway_certificate_expiry_timestamp_seconds",
+            &[("kind", "Secret"), ("name", "serving"), ("key", key)],
+        ) as i64
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || expiry("tls.crt")
+            == first.unix_timestamp()),
+        "tls.crt: {} against {}",
+        expiry("tls.crt"),
+        first.unix_timestamp()
+    );
+    // The CA (rcgen's default validity) is a series of its own.
+    assert!(
+        expiry("ca.crt") > second.unix_timestamp(),
+        "{}",
+        expiry("ca.crt")
+    );
+    // Rotated to a later certificate: the series moves.
+    write_file(
+        &site.config_dir(),
+        "site.yaml",
+        &[
+            site_yaml("certs"),
+            ca.secret_yaml_with("serving", |p| p.not_after = second),
+        ]
+        .join("---\n"),
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || expiry("tls.crt")
+            == second.unix_timestamp()),
+        "after the rotation: {}",
+        expiry("tls.crt")
+    );
+    // Deleted: no series left.
+    write_file(&site.config_dir(), "site.yaml", &site_yaml("certs"));
+    assert!(
+        eventually(Duration::from_secs(5), || series_named(
+            &site.get("/metrics").unwrap_or_default(),
+            "keyway_certificate_expiry_timestamp_seconds"
+        ) == 0),
+        "{}",
+        site.get("/metrics").unwrap_or_default()
+    );
+}
