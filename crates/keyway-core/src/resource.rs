@@ -225,6 +225,14 @@ impl ObjectKey {
     }
 }
 
+impl ObjectKey {
+    /// `Kind/namespace/name`: how metrics and logs name an object, so that two objects of
+    /// different kinds with one name (a Listener and a MultiKeyListener `web`) stay apart.
+    pub fn label(&self) -> String {
+        format!("{}/{}/{}", self.kind, self.namespace, self.name)
+    }
+}
+
 impl fmt::Display for ObjectKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.namespace.is_empty() {

@@ -360,7 +360,7 @@ impl DataPlane {
                     }
                 },
             };
-            let label = format!("{}/{}", lp.id.namespace, lp.id.name);
+            let label = lp.id.label();
             self.shared.metrics.listener_live(&label);
             let runtime = ListenerRuntime {
                 plan: lp.clone(),
@@ -412,8 +412,7 @@ impl DataPlane {
         if !listeners.is_empty() {
             let targets = self.shared.registry.all();
             for gone in listeners.keys() {
-                let label = format!("{}/{}", gone.namespace, gone.name);
-                self.shared.metrics.forget_listener(&label, &targets);
+                self.shared.metrics.forget_listener(&gone.label(), &targets);
             }
         }
         retiring.extend(listeners.drain().map(|(_, h)| h));

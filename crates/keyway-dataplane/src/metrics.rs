@@ -114,8 +114,12 @@ pub struct Metrics {
     /// connections were still open on them: exported until the last of those closes, then
     /// removed (at the next scrape).
     retired: Mutex<Vec<(Labels, Gauge)>>,
-    /// Listeners deleted (`namespace/name`) and not in the plan again since.
+    /// Listeners deleted (`Kind/namespace/name`) and not in the plan again since.
     forgotten: Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    /// How many (listener, target) pairs count into each connection series: two Connectors
+    /// with one key and address (one replacing the other under a new name, say) share it,
+    /// and it is removed only when the last of them leaves.
+    pair_users: Mutex<std::collections::HashMap<Labels, usize>>,
 }
 
 impl Default for Metrics {
@@ -145,6 +149,7 @@ impl Default for Metrics {
             links: Mutex::default(),
             retired: Mutex::default(),
             forgotten: Mutex::default(),
+            pair_users: Mutex::default(),
         };
         registry.register(
             "connections_opened",
@@ -189,7 +194,7 @@ impl Default for Metrics {
         );
         registry.register(
             "config_reloads",
-            "Configuration reloads applied",
+            "Configuration directory reads applied (at a change in it, at SIGHUP), whether or not they changed anything, an edit rejected included",
             m.reloads.clone(),
         );
         registry.register(
@@ -440,6 +445,12 @@ impl Metrics {
             bytes_out,
         });
         cache.handles.insert(listener.to_string(), m.clone());
+        *self
+            .pair_users
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(labels.clone())
+            .or_default() += 1;
         // The pair is in use again (a target edited away and back): its series stay.
         self.retired
             .lock()
@@ -580,6 +591,17 @@ impl Metrics {
     /// connection is open on it, else once the last one closes (see `retired`).
     fn forget_pair(&self, listener: &str, target: &Target, handles: &ConnMetrics) {
         let labels = Self::connection_labels(listener, &target.routing_key, target);
+        {
+            let mut users = self.pair_users.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = users.get_mut(&labels) {
+                *n = n.saturating_sub(1);
+                if *n > 0 {
+                    // Another target counts into these series: they stay.
+                    return;
+                }
+                users.remove(&labels);
+            }
+        }
         if handles.active.get() > 0 {
             self.retired
                 .lock()

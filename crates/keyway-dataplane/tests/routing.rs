@@ -956,9 +956,9 @@ async fn failovers_and_refusals_are_counted_per_listener_and_leave_with_it() {
     assert_eq!(who(p_kept).await.expect("kept"), "A");
     let m = metrics.encode();
     for want in [
-        "keyway_connections_refused_total{listener=\"default/lonely\"} 1",
-        "keyway_failovers_total{listener=\"default/failover\"} 1",
-        "keyway_connections_opened_total{listener=\"default/failover\"",
+        "keyway_connections_refused_total{listener=\"Listener/default/lonely\"} 1",
+        "keyway_failovers_total{listener=\"MultiKeyListener/default/failover\"} 1",
+        "keyway_connections_opened_total{listener=\"MultiKeyListener/default/failover\"",
     ] {
         assert!(m.contains(want), "no {want}:\n{m}");
     }
@@ -976,5 +976,5 @@ async fn failovers_and_refusals_are_counted_per_listener_and_leave_with_it() {
     for gone in gone {
         assert!(!m.contains(gone), "{gone} left series behind:\n{m}");
     }
-    assert!(m.contains("listener=\"default/kept\""), "{m}");
+    assert!(m.contains("listener=\"Listener/default/kept\""), "{m}");
 }

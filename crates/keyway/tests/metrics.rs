@@ -134,7 +134,7 @@ fn linked_sites_count_remote_traffic_at_both_ends() {
     let total = (N * B + 1) as f64;
     // At a: the listener's series, the remote target named by site.
     let at_a = [
-        ("listener", "default/svc"),
+        ("listener", "Listener/default/svc"),
         ("routing_key", "svc"),
         ("target", "site/b"),
     ];
@@ -297,8 +297,13 @@ fn a_closed_listener_port_shows_in_the_metrics() {
     );
     let open = |site: &SiteProc| {
         let m = site.get("/metrics").unwrap_or_default();
-        (series_named(&m, "keyway_listener_open") == 1)
-            .then(|| value(&m, "keyway_listener_open", &[("listener", "default/l")]))
+        (series_named(&m, "keyway_listener_open") == 1).then(|| {
+            value(
+                &m,
+                "keyway_listener_open",
+                &[("listener", "Listener/default/l")],
+            )
+        })
     };
     assert!(
         eventually(Duration::from_secs(10), || open(&site) == Some(0.0)),
@@ -503,20 +508,30 @@ fn gateway_requests_are_counted_per_route_and_class() {
             &[("listener", listener), ("routing_key", key)],
         )
     };
-    assert!(key_conns("default/svc", "k") >= 1.0, "{m}");
-    assert!(key_conns("default/front", "k") >= 1.0, "{m}");
-    assert_eq!(key_conns("default/front", "kdead"), 0.0, "{m}");
-    let per_listener = |name: &str, listener: &str| value(&m, name, &[("listener", listener)]);
+    assert!(key_conns("Listener/default/svc", "k") >= 1.0, "{m}");
     assert!(
-        per_listener("keyway_failovers_total", "default/front") >= 1.0,
-        "{m}"
-    );
-    assert!(
-        per_listener("keyway_connections_refused_total", "default/nobody") >= 1.0,
+        key_conns("MultiKeyListener/default/front", "k") >= 1.0,
         "{m}"
     );
     assert_eq!(
-        per_listener("keyway_connections_refused_total", "default/svc"),
+        key_conns("MultiKeyListener/default/front", "kdead"),
+        0.0,
+        "{m}"
+    );
+    let per_listener = |name: &str, listener: &str| value(&m, name, &[("listener", listener)]);
+    assert!(
+        per_listener("keyway_failovers_total", "MultiKeyListener/default/front") >= 1.0,
+        "{m}"
+    );
+    assert!(
+        per_listener(
+            "keyway_connections_refused_total",
+            "Listener/default/nobody"
+        ) >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        per_listener("keyway_connections_refused_total", "Listener/default/svc"),
         0.0,
         "{m}"
     );
@@ -766,6 +781,114 @@ fn certificate_expiries_are_exported_per_secret_and_key() {
             &site.get("/metrics").unwrap_or_default(),
             "keyway_certificate_expiry_timestamp_seconds"
         ) == 0),
+        "{}",
+        site.get("/metrics").unwrap_or_default()
+    );
+}
+
+/// A Connector renamed the usual way (the new one added beside the old, with the same key and
+/// address, then the old one deleted) shares the old one's series while both are there; the
+/// survivor goes on counting after the old one leaves (its series were removed under it).
+#[test]
+fn a_renamed_connector_keeps_its_listener_counted() {
+    let _s = serial();
+    let echo = Echo::start();
+    let port = free_port();
+    let site = SiteProc::start(
+        "rename",
+        &[
+            site_yaml("rename"),
+            listener_yaml("web", "k", port),
+            connector_yaml("old", "k", echo.port),
+        ],
+    );
+    let opened = || {
+        value(
+            &site.get("/metrics").unwrap_or_default(),
+            "keyway_connections_opened_total",
+            &[("listener", "Listener/default/web")],
+        )
+    };
+    let config = |connectors: &[&str]| {
+        let mut docs = vec![site_yaml("rename"), listener_yaml("web", "k", port)];
+        docs.extend(connectors.iter().map(|c| connector_yaml(c, "k", echo.port)));
+        write_file(&site.config_dir(), "site.yaml", &docs.join("---\n"));
+    };
+    assert!(eventually(Duration::from_secs(10), || transfer(port, 10)
+        .is_ok_and(|n| n == 10)));
+    config(&["old", "new"]);
+    std::thread::sleep(Duration::from_millis(500));
+    for _ in 0..4 {
+        assert_eq!(transfer(port, 10).expect("transfer"), 10);
+    }
+    config(&["new"]);
+    assert!(
+        eventually(Duration::from_secs(5), || site
+            .status_of("Connector", "old")
+            .is_none()),
+        "old never left"
+    );
+    let before = opened();
+    for _ in 0..5 {
+        assert_eq!(transfer(port, 10).expect("transfer"), 10);
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || opened() == before + 5.0),
+        "5 connections after the rename counted as {} (from {before})",
+        opened() - before
+    );
+}
+
+/// A Listener and a MultiKeyListener of one name are two objects with series of their own
+/// (`Kind/namespace/name`); deleting one leaves the other counted.
+#[test]
+fn a_listener_and_a_multi_key_listener_of_one_name_are_counted_apart() {
+    let _s = serial();
+    let echo = Echo::start();
+    let (single, multi) = (free_port(), free_port());
+    let docs = |with_multi: bool| {
+        let mut docs = vec![
+            site_yaml("dup"),
+            listener_yaml("dup", "k", single),
+            connector_yaml("c", "k", echo.port),
+        ];
+        if with_multi {
+            docs.push(priority_yaml("dup", &["k"], multi));
+        }
+        docs
+    };
+    let site = SiteProc::start("dup", &docs(true));
+    let opened = |kind: &str| {
+        value(
+            &site.get("/metrics").unwrap_or_default(),
+            "keyway_connections_opened_total",
+            &[("listener", &format!("{kind}/default/dup"))],
+        )
+    };
+    assert!(eventually(Duration::from_secs(10), || transfer(single, 10)
+        .is_ok_and(|n| n == 10)));
+    assert!(eventually(Duration::from_secs(10), || transfer(multi, 10)
+        .is_ok_and(|n| n == 10)));
+    for _ in 0..2 {
+        assert_eq!(transfer(multi, 10).expect("transfer"), 10);
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || opened("Listener") == 1.0
+            && opened("MultiKeyListener") == 3.0),
+        "{}",
+        site.get("/metrics").unwrap_or_default()
+    );
+    write_file(&site.config_dir(), "site.yaml", &docs(false).join("---\n"));
+    assert!(
+        eventually(Duration::from_secs(5), || opened("MultiKeyListener") == 0.0),
+        "{}",
+        site.get("/metrics").unwrap_or_default()
+    );
+    for _ in 0..3 {
+        assert_eq!(transfer(single, 10).expect("transfer"), 10);
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || opened("Listener") == 4.0),
         "{}",
         site.get("/metrics").unwrap_or_default()
     );

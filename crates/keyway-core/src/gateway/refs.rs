@@ -12,7 +12,7 @@ use super::plan::{Backend, Endpoint, WeightedBackend};
 use crate::Time;
 use crate::index::Index;
 use crate::load::LoadedObject;
-use crate::resource::{Kind, Resource};
+use crate::resource::{Kind, ObjectKey, Resource};
 use crate::tls::{self, TlsMaterial};
 
 pub(crate) const GATEWAY_GROUP: &str = "gateway.networking.k8s.io";
@@ -394,7 +394,7 @@ impl<'a> World<'a> {
             };
             return selection
                 .map(|selection| Backend::Skupper {
-                    listener: format!("{ns}/{}", r.name),
+                    listener: ObjectKey::new(kind_of(&r.kind), ns, &r.name).label(),
                     selection,
                 })
                 .ok_or_else(|| {
