@@ -994,6 +994,9 @@ pub struct Pool {
     failed_keys: Mutex<HashMap<String, (Instant, u64)>>,
     /// Client configurations for BackendTLSPolicies.
     tls: super::backend_tls::BackendTlsConfigs,
+    /// Endpoint connect failures are logged as warnings at most every 10 s (the client's 503
+    /// names no endpoint: this says which, to whoever runs the site).
+    failure_log: Mutex<crate::Throttle>,
 }
 
 /// Requests one HTTP/2 backend connection carries at once; past that, another connection.
@@ -1441,7 +1444,7 @@ impl Pool {
                         match shaken {
                             Ok(s) => Box::new(s),
                             Err(why) => {
-                                tracing::debug!(endpoint = %addr, "{why}");
+                                self.endpoint_failed(addr, &why);
                                 lock(&self.failed).insert(key.to_string(), Instant::now());
                                 return Err(Some(why));
                             }
@@ -1461,16 +1464,30 @@ impl Pool {
                 if crate::local_exhaustion(&e) {
                     crate::warn_local_exhaustion(&format!("connect to {addr} failed: {e}"));
                 } else {
-                    tracing::debug!(endpoint = %key, "connect failed: {e}");
+                    self.endpoint_failed(addr, &format!("connect failed: {e}"));
                     lock(&self.failed).insert(key.to_string(), Instant::now());
                 }
             }
             Err(_) => {
-                tracing::debug!(endpoint = %key, "connect timed out");
+                let why = format!("connect timed out after {connect_timeout:?}");
+                self.endpoint_failed(addr, &why);
                 lock(&self.failed).insert(key.to_string(), Instant::now());
             }
         }
         Err(None)
+    }
+
+    /// Logs why a Service endpoint could not be used: a warning at most every 10 s (with how
+    /// many went unlogged), the others at debug level.
+    fn endpoint_failed(&self, endpoint: &str, why: &str) {
+        match lock(&self.failure_log).allow() {
+            Some(unlogged) => tracing::warn!(
+                %endpoint,
+                unlogged,
+                "Gateway backend endpoint {endpoint}: {why}; requests go to another endpoint of its Service, or get 503 if none is left"
+            ),
+            None => tracing::debug!(%endpoint, "{why}"),
+        }
     }
 
     /// Probes the endpoint `key` in the background if a connect to it failed before (its
