@@ -103,7 +103,10 @@ pub(crate) fn start_access(
                 return;
             }
         };
-        tracing::info!(addr = ?listener.local_addr().ok(), "accepting links");
+        match listener.local_addr() {
+            Ok(addr) => tracing::info!(%addr, "accepting links"),
+            Err(_) => tracing::info!("accepting links"),
+        }
         // Accepted sessions go to the shared set: when the RouterAccess goes away or its CA
         // changes (a rotated CA revoking a site), the set is dropped and they end too.
         let mut throttle = keyway_dataplane::Throttle::default();

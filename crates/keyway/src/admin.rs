@@ -165,14 +165,13 @@ async fn handle(
         "/metrics" => {
             // OpenMetrics to a scraper that asks for it (Prometheus does), the classic text
             // format to any other (curl, older agents), as exporters negotiate.
-            let open_metrics = req
+            let accept: Vec<&str> = req
                 .headers()
                 .get_all(hyper::header::ACCEPT)
                 .iter()
-                .any(|v| {
-                    v.to_str()
-                        .is_ok_and(|v| v.contains("application/openmetrics-text"))
-                });
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            let open_metrics = wants_open_metrics(&accept.join(","));
             site.dataplane.refresh_listener_open();
             let metrics = site.dataplane.metrics();
             let (body, content_type) = if open_metrics {
@@ -334,4 +333,57 @@ pub fn fetch(addr: &str, path: &str) -> anyhow::Result<String> {
         anyhow::bail!("{addr}{path}: {status}{hint}");
     }
     Ok(body.to_string())
+}
+
+/// Whether an `Accept` header asks for OpenMetrics over the classic text format: an
+/// `application/openmetrics-text` range with a quality above 0 and at least that of any
+/// `text/plain` one (`q=0` means "not this").
+fn wants_open_metrics(accept: &str) -> bool {
+    let best = |media: &str| {
+        accept
+            .split(',')
+            .filter_map(|range| {
+                let mut parts = range.split(';').map(str::trim);
+                let ty = parts.next()?;
+                if !ty.eq_ignore_ascii_case(media) {
+                    return None;
+                }
+                let q = parts
+                    .filter_map(|p| p.split_once('='))
+                    .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
+                    .map_or(Some(1.0), |(_, v)| v.trim().parse::<f32>().ok())?;
+                Some(q)
+            })
+            .fold(None, |best: Option<f32>, q| {
+                Some(best.map_or(q, |b| b.max(q)))
+            })
+    };
+    match (best("application/openmetrics-text"), best("text/plain")) {
+        (Some(open), plain) => open > 0.0 && plain.is_none_or(|p| open >= p),
+        (None, _) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wants_open_metrics as wants;
+
+    #[test]
+    fn open_metrics_is_served_to_whoever_prefers_it() {
+        // Prometheus's own header, then curl's and older agents'.
+        assert!(wants(
+            "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.1"
+        ));
+        assert!(wants("application/openmetrics-text"));
+        assert!(!wants("*/*"));
+        assert!(!wants(""));
+        // `q=0`: anything but this.
+        assert!(!wants(
+            "text/plain;version=0.0.4;q=1.0, application/openmetrics-text;q=0"
+        ));
+        assert!(!wants(
+            "application/openmetrics-text;q=0.2, text/plain;q=0.9"
+        ));
+        assert!(!wants("application/openmetrics-text;q=bogus"));
+    }
 }
