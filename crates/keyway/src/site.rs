@@ -368,8 +368,11 @@ impl Site {
             let token = (**token).clone();
             let table = self.tokens.clone();
             runtime.spawn(async move {
+                // A Link the token bought whose file could not be written: written again,
+                // the token not redeemed again (it is used up).
+                let mut bought = None;
                 loop {
-                    let result = redeem_token(&key, &token, &request, &path).await;
+                    let result = redeem_token(&key, &token, &request, &path, &mut bought).await;
                     {
                         let mut tokens = lock(&table);
                         // The token was deleted or edited: a newer attempt owns it.
@@ -806,15 +809,34 @@ fn conflict_errors(
     out
 }
 
-/// One redemption by a running site; the error says whether retrying can help.
+/// One redemption by a running site; the error says whether retrying can help. The Link's
+/// file is set aside first, so a directory that cannot take it costs no redemption; one that
+/// fills up meanwhile keeps the Link in `bought` (manifest, remote site), written next time.
 async fn redeem_token(
     key: &ObjectKey,
     token: &keyway_core::skupper::AccessToken,
     request: &RedeemRequest,
     path: &std::path::Path,
+    bought: &mut Option<(String, String)>,
 ) -> Result<(), (String, bool)> {
+    use crate::token::{LINK_FILE_ROOM, PrivateFile};
     use keyway_network::grant::{GrantUrl, RedeemError, redeem};
+    if let Some((manifest, remote)) = bought.as_ref() {
+        crate::token::write_private(path, manifest).map_err(|e| {
+            let why = format!(
+                "the token was redeemed but its Link cannot be written: {e:#}; trying again"
+            );
+            (why, false)
+        })?;
+        tracing::info!(token = %key, %remote, "AccessToken redeemed; Link written to {}", path.display());
+        *bought = None;
+        return Ok(());
+    }
     let url = GrantUrl::parse(&token.spec.url).map_err(|e| (e, true))?;
+    let reserved = PrivateFile::reserve(path, LINK_FILE_ROOM).map_err(|e| {
+        let why = format!("{e:#}; the token is redeemed once the Link can be written there");
+        (why, false)
+    })?;
     let creds = redeem(&token.spec.url, &token.spec.ca, request)
         .await
         .map_err(|e| {
@@ -826,7 +848,12 @@ async fn redeem_token(
             (e.to_string(), permanent)
         })?;
     let manifest = crate::token::link_manifest(&key.namespace, &key.name, token, &url.host, &creds);
-    crate::token::write_private(path, &manifest).map_err(|e| (format!("{e:#}"), false))?;
+    if let Err(e) = reserved.commit(&manifest) {
+        let why =
+            format!("the token was redeemed but its Link cannot be written: {e:#}; trying again");
+        *bought = Some((manifest, creds.site));
+        return Err((why, false));
+    }
     tracing::info!(token = %key, remote = %creds.site, "AccessToken redeemed; Link written to {}", path.display());
     Ok(())
 }

@@ -284,6 +284,19 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         // Proves it is this site, where it runs, should the granting site see its name live.
         site_id: crate::state::running_site_id(&cli::default_state_dir(config)),
     };
+    // Before the redemption, which uses the token up: a directory that cannot take the Link
+    // (read-only, full) fails here and the token can be redeemed once it can.
+    let reserved = match PrivateFile::reserve(&path, LINK_FILE_ROOM) {
+        Ok(f) => f,
+        Err(e) => {
+            return fail(
+                FAILURE,
+                format!(
+                    "{e:#}; the token is not redeemed, so it can be once the Link can be written"
+                ),
+            );
+        }
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -315,7 +328,28 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
         }
     };
     let manifest = link_manifest(namespace, &name, &token, &url.host, &creds);
-    write_private(&path, &manifest)?;
+    if let Err(e) = reserved.commit(&manifest) {
+        // The token is used up: the Link it bought must not be lost with the error.
+        let saved =
+            std::env::temp_dir().join(format!("keyway-link-{name}-{}.yaml", std::process::id()));
+        let kept = match write_private(&saved, &manifest) {
+            Ok(()) => format!(
+                "it is saved in {} (readable by you only): move it into {}",
+                saved.display(),
+                config.display()
+            ),
+            Err(_) => {
+                println!("{manifest}");
+                format!("it is printed above: save it into {}", config.display())
+            }
+        };
+        return fail(
+            FAILURE,
+            format!(
+                "the token was redeemed (it cannot be redeemed again) but the Link could not be written: {e:#}; {kept}"
+            ),
+        );
+    }
     eprintln!(
         "Link {name} to site {} written to {}; a `keyway run` on this config directory links within a second (or as it starts)",
         creds.site,
@@ -400,46 +434,110 @@ fn random_bytes(n: usize) -> Result<Vec<u8>> {
 /// Writes a file readable by its owner only (it holds a code or a private key): a dot-file
 /// first (the config watcher and loader skip those), then renamed into place.
 pub fn write_private(path: &Path, text: &str) -> Result<()> {
-    // Anything but a regular file (a symlink, `/dev/stdout`, a FIFO, a device) is written
-    // through, as a shell redirection would: a rename would replace the node itself.
-    if let Ok(meta) = std::fs::symlink_metadata(path)
-        && !meta.file_type().is_file()
-    {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .truncate(true)
-            .open(path)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        return f
-            .write_all(text.as_bytes())
-            .with_context(|| format!("cannot write {}", path.display()));
+    PrivateFile::reserve(path, 0)?.commit(text)
+}
+
+/// Room a redeemed Link's file is given before the token is redeemed: its certificates, key
+/// and CA take a few KiB.
+pub const LINK_FILE_ROOM: usize = 64 * 1024;
+
+/// A private file (see [`write_private`]) opened, with room for its content set aside, before
+/// what it will hold exists: a redemption that uses up a one-time token first makes sure its
+/// Link can be written (a read-only or full directory fails then, costing nothing).
+pub struct PrivateFile {
+    path: PathBuf,
+    file: std::fs::File,
+    /// The dot-file written then renamed into place; `None` when `path` is written through (a
+    /// symlink, `/dev/stdout`, a FIFO, a device: a rename would replace the node itself).
+    tmp: Option<PathBuf>,
+}
+
+impl PrivateFile {
+    /// Opens `path` to be written, with `room` bytes set aside on disk.
+    pub fn reserve(path: &Path, room: usize) -> Result<PrivateFile> {
+        if let Ok(meta) = std::fs::symlink_metadata(path)
+            && !meta.file_type().is_file()
+        {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            return Ok(PrivateFile {
+                path: path.to_path_buf(),
+                file,
+                tmp: None,
+            });
+        }
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = path
+            .file_name()
+            .map(|f| f.to_string_lossy().to_string())
+            .unwrap_or_else(|| "out".into());
+        let tmp = dir.join(format!(".{name}.tmp"));
+        // A leftover of an interrupted write; never followed if it is a link.
+        let _ = std::fs::remove_file(&tmp);
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        let mut file = options
+            .open(&tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        let reserved = PrivateFile {
+            path: path.to_path_buf(),
+            file: file.try_clone()?,
+            tmp: Some(tmp.clone()),
+        };
+        if room > 0 {
+            // Written, not only sized (that would be sparse): the blocks are ours.
+            file.write_all(&vec![b'\n'; room])
+                .and_then(|_| file.sync_all())
+                .with_context(|| format!("cannot write {}", tmp.display()))?;
+        }
+        Ok(reserved)
     }
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let file = path
-        .file_name()
-        .map(|f| f.to_string_lossy().to_string())
-        .unwrap_or_else(|| "out".into());
-    let tmp = dir.join(format!(".{file}.tmp"));
-    // A leftover of an interrupted write; never followed if it is a link.
-    let _ = std::fs::remove_file(&tmp);
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
+
+    /// Writes `text` over the room set aside and puts the file in place.
+    pub fn commit(mut self, text: &str) -> Result<()> {
+        use std::io::Seek;
+        let path = self.path.clone();
+        let what = || format!("cannot write {}", path.display());
+        if self.tmp.is_none() {
+            // Written through: a regular file behind a symlink is replaced whole.
+            if self.file.metadata().is_ok_and(|m| m.is_file()) {
+                self.file.set_len(0).with_context(what)?;
+            }
+            return self.file.write_all(text.as_bytes()).with_context(what);
+        }
+        self.file
+            .rewind()
+            .and_then(|_| self.file.write_all(text.as_bytes()))
+            .and_then(|_| self.file.set_len(text.len() as u64))
+            .and_then(|_| self.file.sync_all())
+            .with_context(what)?;
+        if let Some(tmp) = self.tmp.take()
+            && let Err(e) = std::fs::rename(&tmp, &self.path)
+        {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e).with_context(what);
+        }
+        Ok(())
     }
-    let mut f = options
-        .open(&tmp)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    f.write_all(text.as_bytes())
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+}
+
+impl Drop for PrivateFile {
+    /// Not committed (the redemption failed): the dot-file goes.
+    fn drop(&mut self) {
+        if let Some(tmp) = self.tmp.take() {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -899,3 +899,73 @@ fn sites_made_by_site_create_link_with_a_token() {
     );
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// A token is one-time: a redemption whose Link cannot be written (a read-only or full
+/// directory; here its file's place taken) fails before the token is used, at the command line
+/// and at a running site alike, and the token redeems once the Link can be written.
+#[test]
+fn a_link_that_cannot_be_written_costs_no_redemption() {
+    let _s = serial();
+    let ca = Ca::new("west-ca");
+    let backend = Backend::start("at-west");
+    let (west, _port) = west(&ca, &backend);
+    let redemptions = |name: &str| {
+        west.status_of("AccessGrant", name)
+            .and_then(|s| s["redemptions"].as_i64())
+            .unwrap_or(-1)
+    };
+
+    // At the command line.
+    let token = issue(&west, "blocked", &[]);
+    let dir = redeemer_dir(&west.dir, "east");
+    let blocker = dir.join(".link-blocked.yaml.tmp");
+    std::fs::create_dir(&blocker).expect("blocker");
+    let out = redeem(&token, &dir, &[]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(
+        text(&out).contains("the token is not redeemed"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(redemptions("blocked"), 0);
+    std::fs::remove_dir(&blocker).expect("unblock");
+    let out = redeem(&token, &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(dir.join("link-blocked.yaml").exists());
+    assert!(!blocker.exists(), "the reserved file was left behind");
+
+    // At a running site: it tries again and redeems once the Link can be written.
+    let listen = free_port();
+    let east = SiteProc::start(
+        "east",
+        &[site_yaml("east"), listener_yaml("db", "db", listen)],
+    );
+    let token = issue(&west, "auto", &[]);
+    let blocker = east.config_dir().join(".link-auto.yaml.tmp");
+    std::fs::create_dir(&blocker).expect("blocker");
+    write_file(
+        &east.config_dir(),
+        "token.yaml",
+        &std::fs::read_to_string(&token).expect("token"),
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || east
+            .status_of("AccessToken", "auto")
+            .and_then(|s| s["message"].as_str().map(str::to_string))
+            .is_some_and(|m| m.contains(
+                "the token is redeemed once the Link can be written"
+            ))),
+        "{:?}\n{}",
+        east.status_of("AccessToken", "auto"),
+        east.log()
+    );
+    assert_eq!(redemptions("auto"), 0);
+    std::fs::remove_dir(&blocker).expect("unblock");
+    assert!(
+        eventually(Duration::from_secs(15), || who(listen).as_deref()
+            == Ok("at-west")),
+        "no traffic after the directory could take the Link: {}",
+        east.log()
+    );
+    assert_eq!(redemptions("auto"), 1);
+}
