@@ -165,7 +165,15 @@ impl Ports {
 async fn demo(ports: Ports, keep: bool) -> Result<ExitCode> {
     let root = std::env::temp_dir().join(format!("keyway-demo-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+    // Made here, owner only (it holds the demo's keys): a directory someone else made there
+    // first is an error, not used.
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&root)
+            .with_context(|| format!("cannot create {}", root.display()))?;
+    }
     let mut net = Network {
         root,
         keep,

@@ -32,10 +32,22 @@ pub fn lock(dir: &Path) -> Result<StateLock> {
     Ok(StateLock {
         dir: dir.to_path_buf(),
         held: std::sync::Mutex::new(
-            lock_file(dir, true)?.map(|f| (identity(&dir.join(LOCK_FILE)), f)),
+            lock_file(dir, true, &|why| tracing::warn!("{why}"))?
+                .map(|f| (identity(&dir.join(LOCK_FILE)), f)),
         ),
         warned: std::sync::atomic::AtomicBool::new(false),
+        unlockable: std::sync::atomic::AtomicBool::new(false),
     })
+}
+
+/// Makes `dir` (and its parents) readable by its owner only where it creates them: a state
+/// directory holds grant redemption counts and the lock, a config directory keys.
+pub fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
 }
 
 /// The state directory's lock, as long as it lives.
@@ -44,6 +56,9 @@ pub struct StateLock {
     held: std::sync::Mutex<Option<Held>>,
     /// The lock was found taken by another process and that was logged.
     warned: std::sync::atomic::AtomicBool,
+    /// The lock file could not be opened or locked (a read-only directory, another owner's)
+    /// and that was logged: not again at every look until it can be.
+    unlockable: std::sync::atomic::AtomicBool,
 }
 
 /// The lock file held, and its (device, inode) when taken.
@@ -69,10 +84,20 @@ impl StateLock {
         }
         // Only where the state is written: a state directory removed and not yet written
         // again is not made here (nor its config directory with it) ahead of the next reload.
-        match lock_file(&self.dir, false) {
+        let warn_once = |why: String| {
+            if !self
+                .unlockable
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                tracing::warn!("{why} (not logged again until it can be locked)");
+            }
+        };
+        match lock_file(&self.dir, false, &warn_once) {
             Ok(Some(file)) => {
                 *held = Some((identity(&path), file));
                 self.warned
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                self.unlockable
                     .store(false, std::sync::atomic::Ordering::Relaxed);
             }
             Ok(None) => {}
@@ -89,10 +114,12 @@ impl StateLock {
 
 /// Opens (creating) and locks `dir/.lock`. With `make_dir`, `dir` is made first (at start);
 /// without, a directory that is not there (removed while the site runs) is left alone.
-fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
+/// Why it cannot be locked (not for want of the lock: that is an error) goes to `warn`.
+fn lock_file(dir: &Path, make_dir: bool, warn: &dyn Fn(String)) -> Result<Option<std::fs::File>> {
+    use std::os::unix::fs::OpenOptionsExt;
     let path = dir.join(LOCK_FILE);
     let made = if make_dir {
-        std::fs::create_dir_all(dir)
+        create_private_dir_all(dir)
     } else {
         Ok(())
     };
@@ -101,12 +128,16 @@ fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(&path)
     }) {
         Ok(f) => f,
         Err(e) if !make_dir && e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
-            tracing::warn!("cannot lock state directory {}: {e}", dir.display());
+            warn(format!(
+                "cannot lock state directory {}: {e}",
+                dir.display()
+            ));
             return Ok(None);
         }
     };
@@ -117,7 +148,10 @@ fn lock_file(dir: &Path, make_dir: bool) -> Result<Option<std::fs::File>> {
             dir.display()
         ),
         Err(std::fs::TryLockError::Error(e)) => {
-            tracing::warn!("cannot lock state directory {}: {e}", dir.display());
+            warn(format!(
+                "cannot lock state directory {}: {e}",
+                dir.display()
+            ));
             Ok(None)
         }
     }
@@ -158,11 +192,21 @@ pub fn write_durably(dir: &Path, file: &str, bytes: &[u8]) -> Result<()> {
     if std::fs::read(&path).is_ok_and(|old| old == bytes) {
         return Ok(());
     }
-    std::fs::create_dir_all(dir)
+    create_private_dir_all(dir)
         .with_context(|| format!("cannot create state directory {}", dir.display()))?;
     let tmp: PathBuf = dir.join(format!(".{file}.tmp"));
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    // Readable by its owner only, whatever the umask (a leftover goes first: the mode is set
+    // only when the file is made).
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?
+    };
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
         .with_context(|| format!("cannot write {}", tmp.display()))?;
@@ -195,5 +239,24 @@ mod durable_tests {
         assert_eq!(std::fs::read(dir.join("f.json")).expect("read"), b"two");
         assert!(!dir.join(".f.json.tmp").exists());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The state directory and its files are their owner's only, whatever the umask lets
+    /// through (grant redemption counts and the lock are in there).
+    #[test]
+    fn state_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("keyway-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let dir = base.join("state");
+        let lock = lock(&dir).expect("lock");
+        write_durably(&dir, "grants.json", b"{}").expect("write");
+        let mode = |p: &Path| std::fs::metadata(p).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode(&base), 0o700);
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&dir.join("grants.json")), 0o600);
+        assert_eq!(mode(&dir.join(LOCK_FILE)), 0o600);
+        drop(lock);
+        let _ = std::fs::remove_dir_all(&base);
     }
 }
