@@ -347,8 +347,7 @@ fn raise_open_file_limit() {
 /// default `.keyway-state` does): the loader and the watcher skip those. Anywhere else there,
 /// keyway would read its own state files as config, and reload on every save of them.
 fn check_state_outside_config(config: &std::path::Path, state: &std::path::Path) -> Result<()> {
-    let absolute = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-    let (config, state) = (absolute(config), absolute(state));
+    let (config, state) = (resolved(config), resolved(state));
     let Ok(inside) = state.strip_prefix(&config) else {
         return Ok(());
     };
@@ -364,6 +363,31 @@ fn check_state_outside_config(config: &std::path::Path, state: &std::path::Path)
         config.display(),
         config.join(".keyway-state").display()
     )
+}
+
+/// `path` with symlinks and `..` resolved, as far as it exists (the state directory may not
+/// yet): `cfg/../cfg/state` and a symlink into the config directory are inside it.
+fn resolved(path: &std::path::Path) -> std::path::PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    while existing.canonicalize().is_err() {
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            // `..` or the root: resolved as written.
+            _ => return absolute,
+        }
+    }
+    let mut out = existing
+        .canonicalize()
+        .unwrap_or_else(|_| existing.to_path_buf());
+    for name in rest.into_iter().rev() {
+        out.push(name);
+    }
+    out
 }
 
 /// How often `keyway run` checks that its config directory is still the one it watches.

@@ -1370,6 +1370,36 @@ fn a_state_directory_inside_the_config_is_refused() {
         "{stderr}"
     );
     assert!(!dir.join("state").exists(), "nothing was written there");
+    // However it is spelt: through `..`, or through a symlink to the config directory.
+    let name = dir
+        .file_name()
+        .expect("name")
+        .to_str()
+        .expect("utf8")
+        .to_string();
+    let roundabout = dir.join("..").join(&name).join("state");
+    let link = dir.with_extension("link");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&dir, &link).expect("symlink");
+    for state in [roundabout, link.join("state")] {
+        let out = keyway(
+            &[
+                "run",
+                "--admin",
+                "127.0.0.1:0",
+                "--state",
+                state.to_str().expect("utf8"),
+            ],
+            &dir,
+        );
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("is inside the config directory"),
+            "{}: {stderr}",
+            state.display()
+        );
+    }
+    let _ = std::fs::remove_file(&link);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
