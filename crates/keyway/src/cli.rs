@@ -195,6 +195,9 @@ enum Output {
 
 /// Exit code for invalid input.
 pub const INVALID: u8 = 1;
+/// Exit code for a command line used wrongly: flags that do not go together, a flag's value
+/// out of its range (as clap's own checks exit).
+pub const USAGE: u8 = 2;
 /// Exit code for failures other than invalid input.
 pub const FAILURE: u8 = 3;
 
@@ -500,7 +503,7 @@ fn status(
         Some(Some((k, n))) => {
             if name.is_some() || k.contains(',') || n.is_empty() {
                 eprintln!("error: `{k}/{n}` names one object: give it alone, or KIND NAME");
-                return Ok(ExitCode::from(2));
+                return Ok(ExitCode::from(USAGE));
             }
             (Some(k.to_string()), Some(n.to_string()))
         }
@@ -517,7 +520,7 @@ fn status(
             None => {
                 let all: Vec<_> = Kind::ALL.iter().map(|k| k.name()).collect();
                 eprintln!("error: unknown kind `{k}`; try one of: {}", all.join(", "));
-                return Ok(ExitCode::from(2));
+                return Ok(ExitCode::from(USAGE));
             }
         }
     }
@@ -534,10 +537,14 @@ fn status(
             let body = crate::admin::fetch(addr, "/status")?;
             let list: serde_json::Value =
                 serde_json::from_str(&body).context("the site's /status is not JSON")?;
-            let items = list["items"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
+            // What a keyway site answers: anything else there is another server.
+            let Some(items) = list["items"].as_array().filter(|_| list["kind"] == "List") else {
+                anyhow::bail!(
+                    "{addr} answered /status with JSON that is not a keyway site's (no `kind: List` with `items`): is it the admin address of a `keyway run`?"
+                );
+            };
+            let items = items
+                .clone()
                 .into_iter()
                 .filter(|item| filter.matches_value(item))
                 .collect();

@@ -12,7 +12,7 @@ use rcgen::{
     KeyUsagePurpose,
 };
 
-use crate::cli::INVALID;
+use crate::cli::{INVALID, USAGE};
 use crate::grants::set_validity;
 use crate::token::{indent, write_private, yaml_str};
 
@@ -35,23 +35,23 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
             "error: site name {:?}: lower-case letters, digits and '-', at most 63, starting and ending with a letter or digit",
             args.name
         );
-        return Ok(ExitCode::from(INVALID));
+        return Ok(ExitCode::from(USAGE));
     }
     let host = match (&args.host, args.link_access) {
         (Some(h), true) if !is_host(h) => {
             eprintln!("error: --host {h:?} is not a DNS name or an IP address");
-            return Ok(ExitCode::from(INVALID));
+            return Ok(ExitCode::from(USAGE));
         }
         (Some(h), true) => Some(h.as_str()),
         (None, true) => {
             eprintln!(
                 "error: --enable-link-access needs --host: the name or address other sites dial to reach this one"
             );
-            return Ok(ExitCode::from(INVALID));
+            return Ok(ExitCode::from(USAGE));
         }
         (Some(_), false) => {
             eprintln!("error: --host is for --enable-link-access");
-            return Ok(ExitCode::from(INVALID));
+            return Ok(ExitCode::from(USAGE));
         }
         (None, false) => None,
     };
@@ -71,9 +71,10 @@ pub fn create(args: CreateArgs) -> Result<ExitCode> {
     }
     if args.link_access && args.port == 0 {
         eprintln!("error: --port must be 1 to 65535");
-        return Ok(ExitCode::from(INVALID));
+        return Ok(ExitCode::from(USAGE));
     }
-    std::fs::create_dir_all(&args.config)
+    // Owner only where it is made: it holds keys, and what is in it runs.
+    crate::state::create_private_dir_all(&args.config)
         .with_context(|| format!("cannot create {}", args.config.display()))?;
     let site_file = args.config.join("site.yaml");
     let access_file = args.config.join("link-access.yaml");

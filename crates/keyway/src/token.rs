@@ -15,7 +15,7 @@ use keyway_core::skupper::AccessToken;
 use keyway_core::validate::parse_duration_secs;
 use keyway_network::grant::{self, GrantUrl, RedeemError, RedeemRequest};
 
-use crate::cli::{self, FAILURE, INVALID};
+use crate::cli::{self, FAILURE, INVALID, USAGE};
 use crate::grants;
 
 /// Options of `token issue`.
@@ -37,12 +37,12 @@ fn fail(code: u8, message: impl std::fmt::Display) -> Result<ExitCode> {
 
 pub fn issue(args: IssueArgs) -> Result<ExitCode> {
     if args.redemptions < 1 {
-        return fail(INVALID, "--redemptions must be at least 1");
+        return fail(USAGE, "--redemptions must be at least 1");
     }
     match parse_duration_secs(&args.expiry) {
         None => {
             return fail(
-                INVALID,
+                USAGE,
                 format!(
                     "--expiry `{}` is not a duration like 15m or 1h30m",
                     args.expiry
@@ -51,7 +51,7 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
         }
         Some(0) => {
             return fail(
-                INVALID,
+                USAGE,
                 format!(
                     "--expiry `{}` must be longer than 0s: a token has to live long enough to be redeemed",
                     args.expiry
@@ -86,10 +86,7 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
         None => format!("token-{}", hex(&random_bytes(4)?)),
     };
     if !keyway_core::validate::is_object_name(&name) {
-        return fail(
-            INVALID,
-            format!("--name `{name}` is not a valid object name"),
-        );
+        return fail(USAGE, format!("--name `{name}` is not a valid object name"));
     }
     if compiled
         .index

@@ -903,6 +903,29 @@ fn admin_endpoint_methods_and_an_admin_address_that_never_answers() {
         "{:?}",
         started.elapsed()
     );
+
+    // Another server answering JSON is not an empty site.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = other.local_addr().expect("addr").to_string();
+    thread::spawn(move || {
+        if let Ok((mut s, _)) = other.accept() {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let body = r#"{"status":"ok"}"#;
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let out = Command::new(env!("CARGO_BIN_EXE_keyway"))
+        .args(["status", "--admin", &addr])
+        .output()
+        .expect("keyway status");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("not a keyway site's"), "{err}");
 }
 
 /// A condition's `lastTransitionTime` is when it changed, whether or not anyone asked for the

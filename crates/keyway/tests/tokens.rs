@@ -546,7 +546,7 @@ fn a_failed_issue_leaves_no_grant() {
         let out = keyway(&[
             "token", "issue", "--config", config, "--name", "t", "--expiry", expiry,
         ]);
-        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
         assert!(text(&out).contains(says), "{}", text(&out));
         assert_eq!(grants(), 0);
     }
@@ -824,7 +824,7 @@ fn sites_made_by_site_create_link_with_a_token() {
     ]);
     assert!(out.status.success(), "{}", text(&out));
     let out = keyway(&["site", "create", "East_1", "--config", "/nonexistent/x"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let bad_host = base.join("bad-host");
     let out = keyway(&[
         "site",
@@ -836,7 +836,7 @@ fn sites_made_by_site_create_link_with_a_token() {
         "--host",
         "a: b",
     ]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(!bad_host.join("site.yaml").exists());
     // Names and hosts YAML would read as other types are written quoted; an IPv6 host gets an
     // IPv6 bind address.
