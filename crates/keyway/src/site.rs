@@ -126,13 +126,7 @@ impl Site {
         let grants = GrantBook::load(&state_dir)?;
         let network = Network::new(dataplane.clone());
         // For `keyway token redeem`: the id the network knows this site by while it runs.
-        if let Err(e) = state::write_durably(
-            &state_dir,
-            state::SITE_ID_FILE,
-            network.site_id().as_bytes(),
-        ) {
-            tracing::warn!("cannot record the site id in the state directory: {e:#}");
-        }
+        state_lock.record_site_id(network.site_id());
         dataplane
             .metrics()
             .register_collector(Box::new(crate::process_metrics::ProcessCollector));

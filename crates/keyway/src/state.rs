@@ -37,6 +37,7 @@ pub fn lock(dir: &Path) -> Result<StateLock> {
         ),
         warned: std::sync::atomic::AtomicBool::new(false),
         unlockable: std::sync::atomic::AtomicBool::new(false),
+        site_id: std::sync::Mutex::new(None),
     })
 }
 
@@ -59,6 +60,9 @@ pub struct StateLock {
     /// The lock file could not be opened or locked (a read-only directory, another owner's)
     /// and that was logged: not again at every look until it can be.
     unlockable: std::sync::atomic::AtomicBool,
+    /// The running site's id (see [`SITE_ID_FILE`]), written again with the lock when the
+    /// directory was made anew.
+    site_id: std::sync::Mutex<Option<String>>,
 }
 
 /// The lock file held, and its (device, inode) when taken.
@@ -70,6 +74,25 @@ fn identity(path: &Path) -> Option<(u64, u64)> {
 }
 
 impl StateLock {
+    /// Records the running site's id in the state directory, for `keyway token redeem`.
+    pub fn record_site_id(&self, id: &str) {
+        *self.site_id.lock().unwrap_or_else(|p| p.into_inner()) = Some(id.to_string());
+        self.write_site_id();
+    }
+
+    fn write_site_id(&self) {
+        let id = self
+            .site_id
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(id) = id
+            && let Err(e) = write_durably(&self.dir, SITE_ID_FILE, id.as_bytes())
+        {
+            tracing::warn!("cannot record the site id in the state directory: {e:#}");
+        }
+    }
+
     /// Takes the lock again if the state directory was removed (or its lock file replaced)
     /// while this site ran, say with the config directory it lives in: the site writes its
     /// state there again, and a second `keyway run` must still find it taken.
@@ -95,6 +118,8 @@ impl StateLock {
         match lock_file(&self.dir, false, &warn_once) {
             Ok(Some(file)) => {
                 *held = Some((identity(&path), file));
+                // The directory was made anew (or its lock file replaced): its site id too.
+                self.write_site_id();
                 self.warned
                     .store(false, std::sync::atomic::Ordering::Relaxed);
                 self.unlockable

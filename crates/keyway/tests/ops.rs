@@ -489,16 +489,25 @@ fn the_state_lock_is_taken_again_when_the_state_directory_is_recreated() {
     let state = dir.join(".keyway-state");
     let _ = serving(&dir, &a);
     let _first = Site::start(&dir, &state, &base.join("one.log"));
+    let id = std::fs::read_to_string(state.join("site-id")).expect("site-id");
     std::fs::remove_dir_all(&dir).expect("rm -rf conf");
     std::fs::create_dir(&dir).expect("mkdir");
     let _ = serving(&dir, &a);
     let start = Instant::now();
-    while !state.join(".lock").exists() && start.elapsed() < Duration::from_secs(10) {
+    while !(state.join(".lock").exists() && state.join("site-id").exists())
+        && start.elapsed() < Duration::from_secs(10)
+    {
         thread::sleep(Duration::from_millis(50));
     }
     assert!(
         state.join(".lock").exists(),
         "the state was not written again"
+    );
+    // With the site's id, which `keyway token redeem` sends to prove it is this site.
+    assert_eq!(
+        std::fs::read_to_string(state.join("site-id")).ok(),
+        Some(id),
+        "the site id was not written again"
     );
     let mut second = Site::spawn(&dir, &state, Stdio::piped());
     let status = second.exit_within(Duration::from_secs(5));
