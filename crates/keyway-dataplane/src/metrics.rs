@@ -108,6 +108,10 @@ pub struct Metrics {
     /// When the first certificate of each Secret's (ConfigMap's) `tls.crt` or `ca.crt`
     /// expires, by object and key: set at each reload.
     certificate_expiry: Family<Labels, Gauge>,
+    /// 1 while a Link of the config has a connection up, 0 while it has none (set at each
+    /// scrape): the `keyway_link_*` series are by peer site, and a Link that never came up
+    /// has none.
+    link_up: Family<Labels, Gauge>,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
     /// Connection series of (listener, target) pairs that left the configuration while
@@ -146,6 +150,7 @@ impl Default for Metrics {
             gateway_unrouted: Family::default(),
             gateway_tls_refused: Family::default(),
             certificate_expiry: Family::default(),
+            link_up: Family::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
             forgotten: Mutex::default(),
@@ -237,6 +242,11 @@ impl Default for Metrics {
             "When the first certificate of a Secret's tls.crt or ca.crt (a ConfigMap's ca.crt) in the config expires, in seconds since the epoch, by kind, namespace, name and key: alert on it minus time()",
             m.certificate_expiry.clone(),
         );
+        registry.register(
+            "link_up",
+            "1 while the Link (namespace/name) has a connection up to its peer site, 0 while it has none (refused, unreachable, not verified: its status says why)",
+            m.link_up.clone(),
+        );
         // Every reason from the start, so a rate over them starts from 0.
         for why in Unrouted::ALL {
             m.unrouted_counter(why);
@@ -252,6 +262,17 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Whether each Link of the config (`namespace/name`) is up, replacing the last: a Link
+    /// deleted leaves no series.
+    pub fn set_links_up(&self, links: &[(String, bool)]) {
+        self.link_up.clear();
+        for (link, up) in links {
+            self.link_up
+                .get_or_create(&vec![("link", link.clone())])
+                .set(i64::from(*up));
+        }
+    }
+
     /// The config's certificate expiries (`keyway_certificate_expiry_timestamp_seconds`), replacing
     /// those of the last reload: a Secret deleted or rid of its certificates leaves no series.
     pub fn set_certificate_expiries(

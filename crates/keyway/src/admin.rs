@@ -173,6 +173,7 @@ async fn handle(
                 .collect();
             let open_metrics = wants_open_metrics(&accept.join(","));
             site.dataplane.refresh_listener_open();
+            site.refresh_link_metrics();
             let metrics = site.dataplane.metrics();
             let (body, content_type) = if open_metrics {
                 (

@@ -679,6 +679,20 @@ impl Site {
         config
     }
 
+    /// Sets `keyway_link_up` for every Link of the config, from the network as it is now.
+    pub fn refresh_link_metrics(&self) {
+        let view = self.network.observe();
+        let links: Vec<(String, bool)> = lock(&self.current)
+            .index
+            .of_kind(Kind::Link)
+            .map(|o| {
+                let up = view.operational_links.contains_key(&o.key.name);
+                (format!("{}/{}", o.key.namespace, o.key.name), up)
+            })
+            .collect();
+        self.dataplane.metrics().set_links_up(&links);
+    }
+
     /// Takes the state directory's lock again if it was lost (see [`state::StateLock::keep`]);
     /// called every second, so a lock taken by another run is taken back once it is free.
     pub fn keep_state_lock(&self) {

@@ -893,3 +893,41 @@ fn a_listener_and_a_multi_key_listener_of_one_name_are_counted_apart() {
         site.get("/metrics").unwrap_or_default()
     );
 }
+
+/// `keyway_link_up` says per Link whether it has a connection up: 0 while its peer is not
+/// there (the peer-site series do not exist then), 1 once it is, and no series once the Link
+/// is deleted.
+#[test]
+fn links_say_whether_they_are_up() {
+    let _s = serial();
+    let ca = Ca::new("link-up");
+    let b_port = free_port();
+    let a = start_site("a", &ca, &[link_yaml("to-b", b_port, 1, "link-tls")]);
+    let up = || {
+        let m = a.get("/metrics").unwrap_or_default();
+        (series_named(&m, "keyway_link_up") > 0)
+            .then(|| value(&m, "keyway_link_up", &[("link", "default/to-b")]))
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || up() == Some(0.0)),
+        "{:?}",
+        up()
+    );
+    let _b = start_site("b", &ca, &[router_access_yaml(b_port, "link-tls")]);
+    assert!(
+        eventually(Duration::from_secs(15), || up() == Some(1.0)),
+        "{:?}\n{}",
+        up(),
+        a.log()
+    );
+    write_file(
+        &a.config_dir(),
+        "site.yaml",
+        &[site_yaml("a"), ca.secret_yaml("link-tls")].join("---\n"),
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || up().is_none()),
+        "{:?}",
+        up()
+    );
+}
