@@ -239,6 +239,7 @@ pub(crate) fn start_link(
     generation: u64,
     retired: Arc<AtomicBool>,
 ) -> Vec<AbortOnDrop> {
+    let log = Arc::new(Mutex::new(LinkLog::default()));
     [true, false]
         .into_iter()
         .map(|client| {
@@ -247,6 +248,7 @@ pub(crate) fn start_link(
                 cost: cost.clone(),
                 generation,
                 client,
+                log: log.clone(),
             };
             AbortOnDrop(
                 inner
@@ -263,6 +265,15 @@ struct Dial {
     cost: Arc<AtomicU64>,
     generation: u64,
     client: bool,
+    /// Shared by the Link's two loops: a failure both see (the peer gone) is logged once.
+    log: Arc<Mutex<LinkLog>>,
+}
+
+/// A Link's last failure logged, when, and how many like it were not logged since.
+#[derive(Default)]
+struct LinkLog {
+    logged: Option<(String, Instant)>,
+    unlogged: u32,
 }
 
 async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
@@ -284,8 +295,6 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
     let mut backoff = BACKOFF_MIN;
     // A peer that stays away is redialed every few seconds: its failure is logged when it
     // changes, and the same failure again at most every REPEAT_LOG_EVERY (debug meanwhile).
-    let mut logged: Option<(String, Instant)> = None;
-    let mut unlogged = 0u32;
     loop {
         let started = Instant::now();
         // Each attempt in a task of its own (aborted with this loop): a panic in it, a bug on
@@ -309,26 +318,33 @@ async fn link_loop(inner: Arc<Inner>, dial: Dial, retired: Arc<AtomicBool>) {
             return;
         }
         let endpoint = host_port(&link.host, link.port);
-        // An attempt that outlived a handshake was up for a while: its end is news.
-        if started.elapsed() > HANDSHAKE_TIMEOUT + Duration::from_secs(1) {
-            logged = None;
-            unlogged = 0;
-        }
-        let same = logged.as_ref().is_some_and(|(last, _)| *last == why);
-        let recent = logged
-            .as_ref()
-            .is_some_and(|(_, at)| at.elapsed() < REPEAT_LOG_EVERY);
-        if same && recent {
-            unlogged += 1;
-            tracing::debug!(link = %name, %endpoint, "link down: {why}");
-        } else {
-            if same && unlogged > 0 {
-                tracing::warn!(link = %name, %endpoint, "link down: {why} (failed so {unlogged} more times since last logged)");
-            } else {
-                tracing::warn!(link = %name, %endpoint, "link down: {why}");
+        {
+            let mut log = dial.log.lock().unwrap_or_else(|p| p.into_inner());
+            let LinkLog { logged, unlogged } = &mut *log;
+            // An attempt that outlived a handshake was up for a while: its end is news,
+            // unless the other loop of the Link has told it since this attempt began.
+            if started.elapsed() > HANDSHAKE_TIMEOUT + Duration::from_secs(1)
+                && logged.as_ref().is_none_or(|(_, at)| *at < started)
+            {
+                *logged = None;
+                *unlogged = 0;
             }
-            unlogged = 0;
-            logged = Some((why.clone(), Instant::now()));
+            let same = logged.as_ref().is_some_and(|(last, _)| *last == why);
+            let recent = logged
+                .as_ref()
+                .is_some_and(|(_, at)| at.elapsed() < REPEAT_LOG_EVERY);
+            if same && recent {
+                *unlogged += 1;
+                tracing::debug!(link = %name, %endpoint, "link down: {why}");
+            } else {
+                if same && *unlogged > 0 {
+                    tracing::warn!(link = %name, %endpoint, "link down: {why} (failed so {unlogged} more times since last logged)");
+                } else {
+                    tracing::warn!(link = %name, %endpoint, "link down: {why}");
+                }
+                *unlogged = 0;
+                *logged = Some((why.clone(), Instant::now()));
+            }
         }
         inner.link_failed(&name, why);
         if started.elapsed() > Duration::from_secs(10) {
