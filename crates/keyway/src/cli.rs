@@ -350,7 +350,15 @@ fn compile_dir_with(
 ) -> Result<Compiled> {
     check_config_dir(config, hint)?;
     let files = source::load_dir(config)?;
-    let mut objects = state::load(state_dir)?;
+    // Read, never written, here: a corrupt state file costs these commands the recorded
+    // creation times (as if every object were new), not their answer. `keyway run` refuses
+    // it, as it would write over it.
+    let mut objects = state::load(state_dir).unwrap_or_else(|e| {
+        eprintln!(
+            "warning: {e:#}; read as empty here (objects count as created now), and `keyway run` refuses it until it is deleted"
+        );
+        keyway_core::ObjectState::default()
+    });
     Ok(offline::compile_checking_addresses(
         &files,
         &mut objects,

@@ -1403,6 +1403,40 @@ fn a_state_directory_inside_the_config_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A corrupt state file (a truncated write by another tool, a disk error): `validate` and
+/// `status` only read it, so they answer anyway and say so; `keyway run`, which would write
+/// over the creation times it holds, refuses it and says what to do.
+#[test]
+fn a_corrupt_state_file_is_read_around_offline_and_refused_by_run() {
+    let dir = temp_dir("state-corrupt");
+    std::fs::write(dir.join("a.yaml"), GOOD).expect("write");
+    let state = dir.join(".keyway-state");
+    std::fs::create_dir_all(&state).expect("mkdir");
+    std::fs::write(state.join("objects.json"), "{\"objects\": [").expect("write");
+    for args in [&["validate"][..], &["status"][..]] {
+        let out = keyway(args, &dir);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains("is corrupt") && text(&out.stderr).contains("read as empty"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    let out = keyway(&["run", "--admin", "127.0.0.1:0"], &dir);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("delete it to start afresh"),
+        "{}",
+        text(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `--config` given a file (say the manifest itself) says it wants the directory.
 #[test]
 fn config_given_a_file_says_it_wants_the_directory() {
