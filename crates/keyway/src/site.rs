@@ -88,6 +88,9 @@ pub struct Site {
     /// Why the config directory could not be read, and when that was last logged: a directory
     /// gone for minutes is retried twice a second, and logged once per [`UNREADABLE_LOG_EVERY`].
     unreadable: Mutex<Option<(String, std::time::Instant)>>,
+    /// Why the state could not be saved, while it cannot: tried again every second, and
+    /// shown in `/status` (a restart would lose the creation times recorded since).
+    unsaved: Mutex<Option<String>>,
     /// The manifests as last parsed: a reload parses only the files whose text changed.
     parsed: Mutex<source::ParsedFiles>,
 }
@@ -146,6 +149,7 @@ impl Site {
             grants,
             tokens: Arc::default(),
             unreadable: Mutex::new(None),
+            unsaved: Mutex::new(None),
             parsed: Mutex::default(),
         })
     }
@@ -270,9 +274,7 @@ impl Site {
         if new_errors {
             metrics.reload_failures.inc();
         }
-        if let Err(e) = state::save(&self.state_dir, &current.objects) {
-            tracing::warn!("cannot save state: {e:#}");
-        }
+        self.save_state(&current.objects);
         // The state directory was made again just now if it had been removed.
         self.state_lock.keep();
         // A reload that changed nothing (an editor's temporary file, a file touched) is no
@@ -410,12 +412,15 @@ impl Site {
         if let Some((why, _)) = lock(&self.unreadable).as_ref() {
             errors.push(format!("{why} (the site keeps its running config)"));
         }
-        let warnings: Vec<String> = current
+        let mut warnings: Vec<String> = current
             .reconciled
             .warnings
             .iter()
             .map(ToString::to_string)
             .collect();
+        if let Some(why) = lock(&self.unsaved).as_ref() {
+            warnings.push(why.clone());
+        }
         report::status_list(items, &errors, &warnings)
     }
 
@@ -697,6 +702,32 @@ impl Site {
     /// called every second, so a lock taken by another run is taken back once it is free.
     pub fn keep_state_lock(&self) {
         self.state_lock.keep();
+        // A save that failed (a full or read-only disk) is tried again until it succeeds.
+        if lock(&self.unsaved).is_some() {
+            let objects = lock(&self.current).objects.clone();
+            self.save_state(&objects);
+        }
+    }
+
+    /// Saves the objects' creation times and generations; a failure is logged when it starts
+    /// and when it ends, and shown in `/status` meanwhile.
+    fn save_state(&self, objects: &ObjectState) {
+        let mut unsaved = lock(&self.unsaved);
+        match state::save(&self.state_dir, objects) {
+            Ok(()) => {
+                if unsaved.take().is_some() {
+                    tracing::info!(dir = %self.state_dir.display(), "state saved again");
+                }
+            }
+            Err(e) => {
+                if unsaved.is_none() {
+                    tracing::warn!("cannot save state: {e:#}; trying again every second");
+                }
+                *unsaved = Some(format!(
+                    "cannot save state: {e:#}: a restart now would take objects created since the last save for new ones (trying again every second)"
+                ));
+            }
+        }
     }
 
     /// Marks the site as shutting down: `/readyz` answers 503 from now on, and the network

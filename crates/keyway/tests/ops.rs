@@ -517,3 +517,39 @@ fn the_state_lock_is_taken_again_when_the_state_directory_is_recreated() {
         "a second site on the recreated state directory kept running"
     );
 }
+
+/// A state save that fails (a full or read-only disk; here its temporary file's place taken)
+/// is shown in `/status` and tried again every second, so the creation times it holds are
+/// on disk soon after the disk takes them, not only at the next config change.
+#[test]
+fn a_failed_state_save_is_shown_and_tried_again() {
+    let a = Backend::start("a");
+    let base = temp_dir("state-unsaved");
+    let dir = base.join("conf");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let state = dir.join(".keyway-state");
+    let _ = serving(&dir, &a);
+    let site = Site::start(&dir, &state, &base.join("site.log"));
+    let blocker = state.join(".objects.json.tmp");
+    std::fs::create_dir(&blocker).expect("blocker");
+    std::fs::write(dir.join("m.yaml"), connector("more", "more", a.port)).expect("write");
+    let warned = || {
+        admin::get(&site.admin, "/status")
+            .1
+            .contains("cannot save state")
+    };
+    let start = Instant::now();
+    while !warned() && start.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert!(warned(), "{}", admin::get(&site.admin, "/status").1);
+    std::fs::remove_dir(&blocker).expect("unblock");
+    let saved =
+        || std::fs::read_to_string(state.join("objects.json")).is_ok_and(|s| s.contains("more"));
+    let start = Instant::now();
+    while (!saved() || warned()) && start.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert!(saved(), "the state was not saved again");
+    assert!(!warned(), "{}", admin::get(&site.admin, "/status").1);
+}
