@@ -682,10 +682,12 @@ async fn serve(
                 Ok(Ok(s)) => Downstream::Tls(Box::new(s)),
                 Ok(Err(e)) => {
                     tracing::debug!(listener = %rt.label, %peer, "TLS handshake failed: {e}");
+                    shared.metrics.listener_tls_refused(&rt.label, "handshake");
                     return;
                 }
                 Err(_) => {
                     tracing::debug!(listener = %rt.label, %peer, "TLS handshake timed out");
+                    shared.metrics.listener_tls_refused(&rt.label, "timeout");
                     return;
                 }
             }

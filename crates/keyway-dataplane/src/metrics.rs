@@ -108,6 +108,9 @@ pub struct Metrics {
     /// When the first certificate of each Secret's (ConfigMap's) `tls.crt` or `ca.crt`
     /// expires, by object and key: set at each reload.
     certificate_expiry: Family<Labels, Gauge>,
+    /// Connections to a TLS Listener or MultiKeyListener closed before a TLS session, by
+    /// listener and reason.
+    listener_tls_refused: Family<Labels, Counter>,
     /// 1 while a Link of the config has a connection up, 0 while it has none (set at each
     /// scrape): the `keyway_link_*` series are by peer site, and a Link that never came up
     /// has none.
@@ -150,6 +153,7 @@ impl Default for Metrics {
             gateway_unrouted: Family::default(),
             gateway_tls_refused: Family::default(),
             certificate_expiry: Family::default(),
+            listener_tls_refused: Family::default(),
             link_up: Family::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
@@ -243,6 +247,11 @@ impl Default for Metrics {
             m.certificate_expiry.clone(),
         );
         registry.register(
+            "listener_tls_refused_connections",
+            "Connections to a Listener or MultiKeyListener with tlsCredentials closed before a TLS session, by listener and reason: handshake (it failed: no client certificate where one is required, one that does not verify, no common version or cipher, not TLS at all), timeout (none within 10 s)",
+            m.listener_tls_refused.clone(),
+        );
+        registry.register(
             "link_up",
             "1 while the Link (namespace/name) has a connection up to its peer site, 0 while it has none (refused, unreachable, not verified: its status says why)",
             m.link_up.clone(),
@@ -271,6 +280,20 @@ impl Metrics {
                 .get_or_create(&vec![("link", link.clone())])
                 .set(i64::from(*up));
         }
+    }
+
+    /// Counts a connection to a TLS listener closed before a TLS session (`reason`:
+    /// `handshake` or `timeout`).
+    pub fn listener_tls_refused(&self, listener: &str, reason: &'static str) {
+        if self.forgotten_listener(listener) {
+            return;
+        }
+        self.listener_tls_refused
+            .get_or_create(&vec![
+                ("listener", listener.to_string()),
+                ("reason", reason.to_string()),
+            ])
+            .inc();
     }
 
     /// The config's certificate expiries (`keyway_certificate_expiry_timestamp_seconds`), replacing
@@ -576,6 +599,11 @@ impl Metrics {
             forgotten.insert(listener.to_string(), now);
         }
         let labels = Self::listener_labels(listener);
+        for reason in ["handshake", "timeout"] {
+            let mut with_reason = labels.clone();
+            with_reason.push(("reason", reason.to_string()));
+            self.listener_tls_refused.remove(&with_reason);
+        }
         self.refused.remove(&labels);
         self.failovers.remove(&labels);
         self.listener_open.remove(&labels);

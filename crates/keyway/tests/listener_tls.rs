@@ -79,6 +79,28 @@ fn a_client_cert_listener_keeps_serving_when_its_secret_loses_ca_crt() {
         tls_who(port, &config),
         site.log()
     );
+    // Clients refused in the handshake (plain bytes, no client certificate) are counted.
+    for _ in 0..3 {
+        let mut plain = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let _ = std::io::Write::write_all(&mut plain, b"GET / HTTP/1.0\r\n\r\n");
+        let _ = std::io::Read::read_to_end(&mut plain, &mut Vec::new());
+    }
+    let refused = || {
+        let m = site.get("/metrics").unwrap_or_default();
+        m.lines()
+            .filter(|l| {
+                l.starts_with("keyway_listener_tls_refused_connections_total{")
+                    && l.contains("listener=\"Listener/default/svc\"")
+                    && l.contains("reason=\"handshake\"")
+            })
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || refused() == 3.0),
+        "{}",
+        refused()
+    );
 
     let without_ca = secret.split("  ca.crt: |\n").next().expect("cert and key");
     write_file(&site.config_dir(), "secret.yaml", without_ca);
