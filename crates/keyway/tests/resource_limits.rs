@@ -390,8 +390,12 @@ fn a_client_that_stops_reading_pins_no_bulk_buffer() {
     thread::sleep(Duration::from_secs(2));
     let per_conn = site.rss_kib().saturating_sub(before) / N as u64;
     drop(conns);
+    println!("{per_conn} KiB of RSS per stalled connection");
+    // What is held is a read buffer that grew while the client's socket still took bytes
+    // (128 or 256 KiB), the task and the allocator's pages around them: 200–260 KiB seen. A
+    // bulk read buffer pinned would be 1 MiB more.
     assert!(
-        per_conn <= 256,
+        per_conn <= 384,
         "{per_conn} KiB of RSS per connection whose client stopped reading ({N} connections)"
     );
 }
