@@ -55,6 +55,9 @@ pub struct Target {
     /// wants) is not found Ready by a bare connect over a path where every connection fails.
     tls_suspect: AtomicBool,
     retired: AtomicBool,
+    /// A health check or connection has succeeded: a target that was never healthy is not
+    /// "healthy again" when its first check passes.
+    ever_healthy: AtomicBool,
 }
 
 impl Target {
@@ -77,6 +80,7 @@ impl Target {
             last_error: Mutex::new(None),
             tls_suspect,
             retired: AtomicBool::new(false),
+            ever_healthy: AtomicBool::new(false),
         }
     }
 
@@ -502,12 +506,16 @@ impl Registry {
         let old = target.state.swap(health as u32, Ordering::AcqRel);
         self.metrics
             .target_health(target, health != Health::Unhealthy);
+        let first = health == Health::Healthy && !target.ever_healthy.swap(true, Ordering::AcqRel);
         if old != health as u32 {
+            let connector = format!("{}/{}", target.connector.namespace, target.connector.name);
             if health == Health::Unhealthy {
                 let why = target.last_error().unwrap_or_default();
-                tracing::warn!(target = %target.address(), connector = %target.connector.name, "target unhealthy: {why}");
+                tracing::warn!(target = %target.address(), %connector, "target unhealthy: {why}");
+            } else if old == Health::Unhealthy as u32 && first {
+                tracing::info!(target = %target.address(), %connector, "target healthy (its first checks failed)");
             } else if old == Health::Unhealthy as u32 {
-                tracing::info!(target = %target.address(), connector = %target.connector.name, "target healthy again");
+                tracing::info!(target = %target.address(), %connector, "target healthy again");
             }
             self.bump();
         }
