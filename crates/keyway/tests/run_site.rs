@@ -909,8 +909,16 @@ fn admin_endpoint_methods_and_an_admin_address_that_never_answers() {
     let addr = other.local_addr().expect("addr").to_string();
     thread::spawn(move || {
         if let Ok((mut s, _)) = other.accept() {
+            // The whole request head first: closing with bytes unread would reset the
+            // connection instead of answering.
+            let mut head = Vec::new();
             let mut buf = [0u8; 4096];
-            let _ = s.read(&mut buf);
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
             let body = r#"{"status":"ok"}"#;
             let _ = write!(
                 s,
