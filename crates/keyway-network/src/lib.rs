@@ -239,22 +239,6 @@ struct State {
     access_wanted: Option<RouterAccessPlan>,
 }
 
-impl State {
-    /// Puts back `old`, the RouterAccess in force, after its move to another address failed
-    /// to bind: it accepts on until the move binds, and the status says so. Returns why.
-    fn keep_accepting(&mut self, old: RunningAccess) -> String {
-        let from = host_port(&old.plan.bind_host, old.plan.port);
-        self.access = Some(old);
-        match &mut self.access_error {
-            Some((_, why)) => {
-                why.push_str(&format!("; still accepting links on {from} until it binds"));
-                why.clone()
-            }
-            None => String::new(),
-        }
-    }
-}
-
 pub(crate) struct Inner {
     dataplane: Arc<DataPlane>,
     id: String,
@@ -390,17 +374,33 @@ impl Network {
             changed = true;
         }
         // RouterAccess.
-        let same_access = match (&st.access, &plan.router_access) {
-            (Some(running), Some(wanted)) => running.plan == *wanted && !renamed,
-            (None, None) => true,
-            // Its Secret no longer resolves: the running one goes on (SPEC §7).
-            (Some(running), None) => !renamed && plan.held.contains(&running.plan.id),
-            _ => false,
-        };
+        // The same move as before, still waiting for its port: tried again at every refresh,
+        // not at every reload.
+        let pending_move = !renamed
+            && st.access.is_some()
+            && plan.router_access.is_some()
+            && st.access_wanted == plan.router_access;
+        let same_access = pending_move
+            || match (&st.access, &plan.router_access) {
+                (Some(running), Some(wanted)) => running.plan == *wanted && !renamed,
+                (None, None) => true,
+                // Its Secret no longer resolves: the running one goes on (SPEC §7).
+                (Some(running), None) => !renamed && plan.held.contains(&running.plan.id),
+                _ => false,
+            };
         if same_access {
-            // (A move to another address that had not bound yet was given up.)
-            st.access_wanted = None;
-            st.access_error = None;
+            // What was still to start stays wanted if it is that move, or a RouterAccess held
+            // at its last valid TLS (its Secret no longer resolves) that had not bound yet;
+            // a move given up (back to the running address) or a RouterAccess deleted goes.
+            let keep_wanted = pending_move
+                || st
+                    .access_wanted
+                    .as_ref()
+                    .is_some_and(|w| !renamed && plan.held.contains(&w.id));
+            if !keep_wanted {
+                st.access_wanted = None;
+                st.access_error = None;
+            }
         } else {
             let old = st.access.take();
             st.access_error = None;
@@ -441,7 +441,7 @@ impl Network {
                 });
                 if let Err(e) = inner.start_access(&mut st, ra, bound, sessions) {
                     if let Some(o) = moving {
-                        let why = st.keep_accepting(o);
+                        let why = inner.keep_accepting(&mut st, o, ra);
                         tracing::warn!(router_access = %ra.id.name, "{why}");
                     } else {
                         tracing::error!(router_access = %ra.id.name, "{e}; trying again");
@@ -680,6 +680,8 @@ impl Network {
         }
         let (links, access) = {
             let mut st = lock(&self.inner.state);
+            // (Nothing still to start is started while the site stops.)
+            st.access_wanted = None;
             (std::mem::take(&mut st.links), st.access.take())
         };
         drop(links);
@@ -1009,6 +1011,55 @@ impl Inner {
         }
     }
 
+    /// Keeps `old`, the RouterAccess in force, accepting links at its address after its move
+    /// to `wanted` failed to start, with the links it accepted; the status says so. It serves
+    /// there with `wanted`'s TLS: a CA removed in the same edit must not let the site it
+    /// revoked back in on the old port, nor an old certificate go on serving. If that TLS
+    /// cannot start either, the old one goes on only while it trusts no more than `wanted`
+    /// does. Returns why it has not moved.
+    fn keep_accepting(
+        self: &Arc<Self>,
+        st: &mut State,
+        old: RunningAccess,
+        wanted: &RouterAccessPlan,
+    ) -> String {
+        let from = host_port(&old.plan.bind_host, old.plan.port);
+        let at_old = RouterAccessPlan {
+            bind_host: old.plan.bind_host.clone(),
+            port: old.plan.port,
+            ..wanted.clone()
+        };
+        if old.plan == at_old {
+            st.access = Some(old);
+        } else {
+            let sessions = old.sessions.clone();
+            match session::start_access(self, &at_old, Some(old.socket.clone()), sessions.clone()) {
+                Ok((task, socket)) => {
+                    st.access = Some(RunningAccess {
+                        plan: at_old,
+                        _task: task,
+                        socket,
+                        sessions,
+                    });
+                    drop(old);
+                }
+                Err(_) if still_trusted(&old.plan.tls.ca, &wanted.tls.ca) => st.access = Some(old),
+                Err(_) => drop(old),
+            }
+        }
+        let still = match st.access.is_some() {
+            true => format!("still accepting links on {from} until it starts"),
+            false => format!("no longer accepting links on {from}: its CA bundle lost a CA"),
+        };
+        match &mut st.access_error {
+            Some((_, why)) => {
+                why.push_str(&format!("; {still}"));
+                why.clone()
+            }
+            None => still,
+        }
+    }
+
     /// Starts the RouterAccess that could not start before, if it still cannot run.
     fn retry_access(self: &Arc<Self>) {
         let mut st = lock(&self.state);
@@ -1032,7 +1083,7 @@ impl Inner {
             Err(e) => {
                 tracing::debug!(router_access = %ra.id.name, "{e}");
                 if let Some(o) = moving {
-                    st.keep_accepting(o);
+                    self.keep_accepting(&mut st, o, &ra);
                 }
             }
         }

@@ -656,8 +656,8 @@ fn a_router_access_moved_to_another_bind_address_binds_again() {
 
 /// A RouterAccess moved to a port another process holds keeps accepting on its old port, and
 /// the links it accepted keep their streams (bad input loses nothing already running); its
-/// status says why and where it still accepts. Once the port frees it moves, and the Link,
-/// dialling the old port, is refused there: its status says so.
+/// status says why and where it still accepts. Once the port frees it moves there, and the
+/// link it accepted on the old port carries on, its streams with it.
 #[test]
 fn a_router_access_moved_to_a_taken_port_accepts_on_until_it_binds() {
     let _serial = serial();

@@ -429,6 +429,39 @@ fn a_router_access_ca_change_after_a_rotation_revokes() {
     assert_revoked(&b, listen, &mut w, &mut r);
 }
 
+/// A RouterAccess moved to a port another process holds keeps accepting on its old one; a CA
+/// change in the same edit revokes the links it verified there too: the old port serves with
+/// the new TLS, so the revoked site cannot come back in through it.
+#[test]
+fn a_ca_change_with_a_move_that_cannot_bind_revokes_on_the_old_port() {
+    let _serial = serial();
+    let ca = Ca::new("net");
+    let other = Ca::new("other");
+    let backend = Backend::start("at-b");
+    let (_a, b, _b_port, listen) = pair(&ca, &backend);
+    let (mut w, mut r, _) = greet(listen, Duration::from_secs(3));
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let taken = holder.local_addr().expect("addr").port();
+    rewrite(&b, |d| {
+        if d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n") {
+            Some(other.secret_yaml("link-tls"))
+        } else if d.contains("kind: RouterAccess") {
+            Some(router_access_yaml(taken, "link-tls"))
+        } else {
+            None
+        }
+    });
+    assert!(
+        eventually(Duration::from_secs(5), || b
+            .log()
+            .contains("still accepting links on")),
+        "{}",
+        tail(&b.log())
+    );
+    assert_revoked(&b, listen, &mut w, &mut r);
+    drop(holder);
+}
+
 /// 3 s after `site`'s CA changed, neither a new connection to `listen` nor the live one
 /// (`w`, `r`) gets through: a changed CA revokes.
 fn assert_revoked(site: &SiteProc, listen: u16, w: &mut TcpStream, r: &mut BufReader<TcpStream>) {
