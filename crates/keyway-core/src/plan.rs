@@ -34,8 +34,9 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Whether a listener other than `except`, or a Gateway, serves on `port`: a port the
-    /// plan gives to one of them is not held open for another that is moving away from it.
+    /// Whether a listener other than `except`, a Gateway or the RouterAccess serves on
+    /// `port`: a port the plan gives to one of them is not held open for another that is
+    /// moving away from it.
     pub fn serves_on(&self, port: u16, except: Option<&ObjectKey>) -> bool {
         self.listeners
             .iter()
@@ -45,6 +46,10 @@ impl Plan {
                 .gateways
                 .iter()
                 .any(|g| g.ports.iter().any(|p| p.port == port))
+            || self
+                .router_access
+                .as_ref()
+                .is_some_and(|r| r.port == port && Some(&r.id) != except)
     }
 }
 

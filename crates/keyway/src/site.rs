@@ -363,16 +363,21 @@ impl Site {
             };
             let token = (**token).clone();
             let table = self.tokens.clone();
+            let state_dir = self.state_dir.clone();
             runtime.spawn(async move {
                 // A Link the token bought whose file could not be written: written again,
                 // the token not redeemed again (it is used up).
                 let mut bought = None;
                 loop {
-                    let result = redeem_token(&key, &token, &request, &path, &mut bought).await;
+                    let result =
+                        redeem_token(&key, &token, &request, &path, &state_dir, &mut bought).await;
                     {
                         let mut tokens = lock(&table);
                         // The token was deleted or edited: a newer attempt owns it.
                         let Some(attempt) = tokens.get_mut(&key).filter(|a| a.code == code) else {
+                            if bought.is_some() {
+                                tracing::error!(token = %key, "the AccessToken was deleted or edited before the Link it redeemed could be written: it is in {} (move it into the config directory); the token itself is used up", state_dir.join(bought_file(&key)).display());
+                            }
                             return;
                         };
                         match result {
@@ -702,10 +707,11 @@ impl Site {
     /// called every second, so a lock taken by another run is taken back once it is free.
     pub fn keep_state_lock(&self) {
         self.state_lock.keep();
-        // A save that failed (a full or read-only disk) is tried again until it succeeds.
+        // A save that failed (a full or read-only disk) is tried again until it succeeds,
+        // under `current`, so a reload cannot save newer objects in between.
+        let current = lock(&self.current);
         if lock(&self.unsaved).is_some() {
-            let objects = lock(&self.current).objects.clone();
-            self.save_state(&objects);
+            self.save_state(&current.objects);
         }
     }
 
@@ -848,6 +854,12 @@ fn conflict_errors(
     out
 }
 
+/// Where a running site keeps the Link an AccessToken bought while it cannot write it into
+/// the config directory: `redeemed-NAMESPACE-NAME.yaml` in the state directory.
+fn bought_file(token: &ObjectKey) -> String {
+    format!("redeemed-{}-{}.yaml", token.namespace, token.name)
+}
+
 /// One redemption by a running site; the error says whether retrying can help. The Link's
 /// file is set aside first, so a directory that cannot take it costs no redemption; one that
 /// fills up meanwhile keeps the Link in `bought` (manifest, remote site), written next time.
@@ -856,6 +868,7 @@ async fn redeem_token(
     token: &keyway_core::skupper::AccessToken,
     request: &RedeemRequest,
     path: &std::path::Path,
+    state_dir: &std::path::Path,
     bought: &mut Option<(String, String)>,
 ) -> Result<(), (String, bool)> {
     use crate::token::{LINK_FILE_ROOM, PrivateFile};
@@ -888,8 +901,19 @@ async fn redeem_token(
         })?;
     let manifest = crate::token::link_manifest(&key.namespace, &key.name, token, &url.host, &creds);
     if let Err(e) = reserved.commit(&manifest) {
-        let why =
-            format!("the token was redeemed but its Link cannot be written: {e:#}; trying again");
+        // Kept in the state directory too (owner only), so that neither a restart nor the
+        // token's deletion loses the Link the used-up token bought.
+        let file = bought_file(key);
+        let kept = match state::write_durably(state_dir, &file, manifest.as_bytes()) {
+            Ok(()) => format!(
+                "; it is kept in {} meanwhile",
+                state_dir.join(&file).display()
+            ),
+            Err(_) => String::new(),
+        };
+        let why = format!(
+            "the token was redeemed but its Link cannot be written: {e:#}; trying again{kept}"
+        );
         *bought = Some((manifest, creds.site));
         return Err((why, false));
     }

@@ -326,10 +326,18 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
     };
     let manifest = link_manifest(namespace, &name, &token, &url.host, &creds);
     if let Err(e) = reserved.commit(&manifest) {
-        // The token is used up: the Link it bought must not be lost with the error.
-        let saved =
-            std::env::temp_dir().join(format!("keyway-link-{name}-{}.yaml", std::process::id()));
-        let kept = match write_private(&saved, &manifest) {
+        // The token is used up: the Link it bought must not be lost with the error. Saved
+        // under a name nobody can have made first, never through a node someone else made.
+        let saved = std::env::temp_dir().join(format!(
+            "keyway-link-{name}-{}.yaml",
+            hex(&random_bytes(8).unwrap_or_default())
+        ));
+        let written = create_private(&saved).and_then(|mut f| {
+            f.write_all(manifest.as_bytes())
+                .and_then(|_| f.sync_all())
+                .with_context(|| format!("cannot write {}", saved.display()))
+        });
+        let kept = match written {
             Ok(()) => format!(
                 "it is saved in {} (readable by you only): move it into {}",
                 saved.display(),
@@ -473,28 +481,22 @@ impl PrivateFile {
             .file_name()
             .map(|f| f.to_string_lossy().to_string())
             .unwrap_or_else(|| "out".into());
-        let tmp = dir.join(format!(".{name}.tmp"));
-        // A leftover of an interrupted write; never followed if it is a link.
-        let _ = std::fs::remove_file(&tmp);
-        let mut options = std::fs::OpenOptions::new();
-        options.write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            options.mode(0o600);
-        }
-        let mut file = options
-            .open(&tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        let reserved = PrivateFile {
+        // A name of its own: two writers of one file (the command line and a running site
+        // redeeming one token name) never take over each other's reservation.
+        let tmp = dir.join(format!(".{name}.{}.tmp", hex(&random_bytes(6)?)));
+        let file = create_private(&tmp)?;
+        let mut reserved = PrivateFile {
             path: path.to_path_buf(),
-            file: file.try_clone()?,
+            file,
             tmp: Some(tmp.clone()),
         };
         if room > 0 {
-            // Written, not only sized (that would be sparse): the blocks are ours.
-            file.write_all(&vec![b'\n'; room])
-                .and_then(|_| file.sync_all())
+            // Written, not only sized (that would be sparse): the blocks are ours (on a
+            // copy-on-write filesystem, such as btrfs, even that promises nothing).
+            reserved
+                .file
+                .write_all(&vec![b'\n'; room])
+                .and_then(|_| reserved.file.sync_all())
                 .with_context(|| format!("cannot write {}", tmp.display()))?;
         }
         Ok(reserved)
@@ -518,14 +520,32 @@ impl PrivateFile {
             .and_then(|_| self.file.set_len(text.len() as u64))
             .and_then(|_| self.file.sync_all())
             .with_context(what)?;
-        if let Some(tmp) = self.tmp.take()
-            && let Err(e) = std::fs::rename(&tmp, &self.path)
-        {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e).with_context(what);
+        if let Some(tmp) = self.tmp.take() {
+            if let Err(e) = std::fs::rename(&tmp, &self.path) {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e).with_context(what);
+            }
+            // The rename itself is durable once the directory is.
+            if let Some(dir) = self.path.parent().filter(|p| !p.as_os_str().is_empty())
+                && let Ok(d) = std::fs::File::open(dir)
+            {
+                let _ = d.sync_all();
+            }
         }
         Ok(())
     }
+}
+
+/// Creates `path`, which must not exist (no symlink or FIFO made there first is followed),
+/// readable and writable by its owner only.
+fn create_private(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 impl Drop for PrivateFile {

@@ -900,9 +900,37 @@ fn sites_made_by_site_create_link_with_a_token() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
-/// A token is one-time: a redemption whose Link cannot be written (a read-only or full
-/// directory; here its file's place taken) fails before the token is used, at the command line
-/// and at a running site alike, and the token redeems once the Link can be written.
+/// A directory made read-only by a bind mount for as long as this lives (needs root, as CI
+/// runs; `None` where mounts are not allowed).
+struct ReadOnly(PathBuf);
+
+impl ReadOnly {
+    fn mount(dir: &Path) -> Option<ReadOnly> {
+        let mount = |args: &[&str]| {
+            Command::new("mount")
+                .args(args)
+                .arg(dir)
+                .arg(dir)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !mount(&["--bind"]) {
+            return None;
+        }
+        let guard = ReadOnly(dir.to_path_buf());
+        mount(&["-o", "remount,bind,ro"]).then_some(guard)
+    }
+}
+
+impl Drop for ReadOnly {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A token is one-time: a redemption whose Link cannot be written (a read-only directory, as a
+/// ConfigMap mount is, or a full one) fails before the token is used, at the command line and
+/// at a running site alike, and the token redeems once the Link can be written.
 #[test]
 fn a_link_that_cannot_be_written_costs_no_redemption() {
     let _s = serial();
@@ -918,8 +946,10 @@ fn a_link_that_cannot_be_written_costs_no_redemption() {
     // At the command line.
     let token = issue(&west, "blocked", &[]);
     let dir = redeemer_dir(&west.dir, "east");
-    let blocker = dir.join(".link-blocked.yaml.tmp");
-    std::fs::create_dir(&blocker).expect("blocker");
+    let Some(read_only) = ReadOnly::mount(&dir) else {
+        eprintln!("skipped: cannot bind-mount a directory read-only here (needs root)");
+        return;
+    };
     let out = redeem(&token, &dir, &[]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));
     assert!(
@@ -928,26 +958,36 @@ fn a_link_that_cannot_be_written_costs_no_redemption() {
         text(&out)
     );
     assert_eq!(redemptions("blocked"), 0);
-    std::fs::remove_dir(&blocker).expect("unblock");
+    drop(read_only);
     let out = redeem(&token, &dir, &[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(dir.join("link-blocked.yaml").exists());
-    assert!(!blocker.exists(), "the reserved file was left behind");
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .expect("list")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
 
-    // At a running site: it tries again and redeems once the Link can be written.
+    // At a running site whose config directory is read-only from the start, as a ConfigMap
+    // mount is: it tries again, and redeems once the Link can be written.
     let listen = free_port();
-    let east = SiteProc::start(
-        "east",
-        &[site_yaml("east"), listener_yaml("db", "db", listen)],
-    );
     let token = issue(&west, "auto", &[]);
-    let blocker = east.config_dir().join(".link-auto.yaml.tmp");
-    std::fs::create_dir(&blocker).expect("blocker");
+    let site_dir = west.dir.join("east-site");
+    let config = site_dir.join("config");
+    std::fs::create_dir_all(&config).expect("mkdir");
     write_file(
-        &east.config_dir(),
+        &config,
+        "site.yaml",
+        &[site_yaml("east"), listener_yaml("db", "db", listen)].join("---\n"),
+    );
+    write_file(
+        &config,
         "token.yaml",
         &std::fs::read_to_string(&token).expect("token"),
     );
+    let read_only = ReadOnly::mount(&config).expect("mounted once already");
+    let east = SiteProc::start_in("east", &site_dir);
     assert!(
         eventually(Duration::from_secs(5), || east
             .status_of("AccessToken", "auto")
@@ -960,7 +1000,7 @@ fn a_link_that_cannot_be_written_costs_no_redemption() {
         east.log()
     );
     assert_eq!(redemptions("auto"), 0);
-    std::fs::remove_dir(&blocker).expect("unblock");
+    drop(read_only);
     assert!(
         eventually(Duration::from_secs(15), || who(listen).as_deref()
             == Ok("at-west")),
