@@ -361,7 +361,9 @@ impl DataPlane {
                 },
             };
             let label = lp.id.label();
-            self.shared.metrics.listener_live(&label);
+            self.shared
+                .metrics
+                .listener_live(&label, acceptor.is_some());
             let runtime = ListenerRuntime {
                 plan: lp.clone(),
                 tls: acceptor,

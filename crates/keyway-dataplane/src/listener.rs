@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::copy;
-use crate::metrics::{ConnMetrics, Metrics};
+use crate::metrics::{ConnMetrics, Metrics, TlsRefusedAt};
 use crate::targets::{OpenGuard, Registry, Target};
 use crate::tunnel::{self, BoxTunnel};
 use crate::workers::{self, AcceptGroup, Workers};
@@ -678,16 +678,29 @@ async fn serve(
     let client = match &rt.tls {
         None => Downstream::Plain(client),
         Some(acceptor) => {
-            match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(client)).await {
-                Ok(Ok(s)) => Downstream::Tls(Box::new(s)),
+            let handshake = async move {
+                // A connection closed before its first byte (a load balancer's TCP check, a
+                // port probe) is not a refused handshake.
+                if matches!(client.peek(&mut [0u8; 1]).await, Ok(0) | Err(_)) {
+                    return Ok(None);
+                }
+                acceptor.accept(client).await.map(Some)
+            };
+            match tokio::time::timeout(Duration::from_secs(10), handshake).await {
+                Ok(Ok(Some(s))) => Downstream::Tls(Box::new(s)),
+                Ok(Ok(None)) => return,
                 Ok(Err(e)) => {
                     tracing::debug!(listener = %rt.label, %peer, "TLS handshake failed: {e}");
-                    shared.metrics.listener_tls_refused(&rt.label, "handshake");
+                    shared
+                        .metrics
+                        .listener_tls_refused(&rt.label, TlsRefusedAt::Handshake);
                     return;
                 }
                 Err(_) => {
                     tracing::debug!(listener = %rt.label, %peer, "TLS handshake timed out");
-                    shared.metrics.listener_tls_refused(&rt.label, "timeout");
+                    shared
+                        .metrics
+                        .listener_tls_refused(&rt.label, TlsRefusedAt::Timeout);
                     return;
                 }
             }

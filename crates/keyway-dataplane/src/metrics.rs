@@ -282,18 +282,21 @@ impl Metrics {
         }
     }
 
-    /// Counts a connection to a TLS listener closed before a TLS session (`reason`:
-    /// `handshake` or `timeout`).
-    pub fn listener_tls_refused(&self, listener: &str, reason: &'static str) {
+    /// Counts a connection to a TLS listener closed before a TLS session.
+    pub fn listener_tls_refused(&self, listener: &str, why: TlsRefusedAt) {
         if self.forgotten_listener(listener) {
             return;
         }
         self.listener_tls_refused
-            .get_or_create(&vec![
-                ("listener", listener.to_string()),
-                ("reason", reason.to_string()),
-            ])
+            .get_or_create(&Self::listener_tls_labels(listener, why))
             .inc();
+    }
+
+    fn listener_tls_labels(listener: &str, why: TlsRefusedAt) -> Labels {
+        vec![
+            ("listener", listener.to_string()),
+            ("reason", why.label().to_string()),
+        ]
     }
 
     /// The config's certificate expiries (`keyway_certificate_expiry_timestamp_seconds`), replacing
@@ -311,6 +314,27 @@ impl Metrics {
                 ("key", (*key).to_string()),
             ];
             self.certificate_expiry.get_or_create(&labels).set(*at);
+        }
+    }
+}
+
+/// Why a connection to a TLS Listener or MultiKeyListener ended before a TLS session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsRefusedAt {
+    /// The handshake failed: no client certificate where one is required, one that does not
+    /// verify, no common version or cipher, not TLS at all.
+    Handshake,
+    /// No handshake within 10 s.
+    Timeout,
+}
+
+impl TlsRefusedAt {
+    pub const ALL: [TlsRefusedAt; 2] = [TlsRefusedAt::Handshake, TlsRefusedAt::Timeout];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            TlsRefusedAt::Handshake => "handshake",
+            TlsRefusedAt::Timeout => "timeout",
         }
     }
 }
@@ -599,10 +623,9 @@ impl Metrics {
             forgotten.insert(listener.to_string(), now);
         }
         let labels = Self::listener_labels(listener);
-        for reason in ["handshake", "timeout"] {
-            let mut with_reason = labels.clone();
-            with_reason.push(("reason", reason.to_string()));
-            self.listener_tls_refused.remove(&with_reason);
+        for why in TlsRefusedAt::ALL {
+            self.listener_tls_refused
+                .remove(&Self::listener_tls_labels(listener, why));
         }
         self.refused.remove(&labels);
         self.failovers.remove(&labels);
@@ -621,11 +644,21 @@ impl Metrics {
     }
 
     /// A listener of the plan (again): its connections get series (one of that name deleted
-    /// before no longer stands in the way).
-    pub fn listener_live(&self, listener: &str) {
-        let mut forgotten = self.forgotten.lock().unwrap_or_else(|p| p.into_inner());
-        if !forgotten.is_empty() {
-            forgotten.remove(listener);
+    /// before no longer stands in the way). With `tls`, its refused handshakes are counted
+    /// from 0, so that a rate over them starts there.
+    pub fn listener_live(&self, listener: &str, tls: bool) {
+        {
+            let mut forgotten = self.forgotten.lock().unwrap_or_else(|p| p.into_inner());
+            if !forgotten.is_empty() {
+                forgotten.remove(listener);
+            }
+        }
+        if tls {
+            for why in TlsRefusedAt::ALL {
+                let _ = self
+                    .listener_tls_refused
+                    .get_or_create(&Self::listener_tls_labels(listener, why));
+            }
         }
     }
 

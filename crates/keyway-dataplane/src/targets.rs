@@ -695,7 +695,7 @@ mod tests {
         let late = metrics.connection("default/gone", &target);
         late.opened.inc();
         assert!(!series(&metrics), "{}", metrics.encode_classic());
-        metrics.listener_live("default/gone");
+        metrics.listener_live("default/gone", false);
         metrics.connection("default/gone", &target).opened.inc();
         assert!(series(&metrics));
     }

@@ -79,7 +79,11 @@ fn a_client_cert_listener_keeps_serving_when_its_secret_loses_ca_crt() {
         tls_who(port, &config),
         site.log()
     );
-    // Clients refused in the handshake (plain bytes, no client certificate) are counted.
+    // Clients refused in the handshake (plain bytes) are counted; a connection closed before
+    // its first byte (a TCP health check) is not.
+    for _ in 0..2 {
+        drop(TcpStream::connect(("127.0.0.1", port)).expect("connect"));
+    }
     for _ in 0..3 {
         let mut plain = TcpStream::connect(("127.0.0.1", port)).expect("connect");
         let _ = std::io::Write::write_all(&mut plain, b"GET / HTTP/1.0\r\n\r\n");
@@ -101,6 +105,8 @@ fn a_client_cert_listener_keeps_serving_when_its_secret_loses_ca_crt() {
         "{}",
         refused()
     );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(refused(), 3.0);
 
     let without_ca = secret.split("  ca.crt: |\n").next().expect("cert and key");
     write_file(&site.config_dir(), "secret.yaml", without_ca);
