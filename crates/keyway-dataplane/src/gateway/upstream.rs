@@ -994,9 +994,9 @@ pub struct Pool {
     failed_keys: Mutex<HashMap<String, (Instant, u64)>>,
     /// Client configurations for BackendTLSPolicies.
     tls: super::backend_tls::BackendTlsConfigs,
-    /// Endpoint connect failures are logged as warnings at most every 10 s (the client's 503
-    /// names no endpoint: this says which, to whoever runs the site).
-    failure_log: Mutex<crate::Throttle>,
+    /// Endpoint connect failures are logged as warnings at most every 10 s per endpoint (the
+    /// client's 503 names no endpoint: this says which, to whoever runs the site).
+    failure_log: Mutex<HashMap<String, crate::Throttle>>,
 }
 
 /// Requests one HTTP/2 backend connection carries at once; past that, another connection.
@@ -1345,9 +1345,15 @@ impl Pool {
                             .is_none_or(|t| now.duration_since(*t) > PENALTY)
                     })
                 };
+                // The long wait goes to the last endpoint not failed lately (one that failed a
+                // moment ago, often for this very request, gets the short one), or to the
+                // last of all when every one has.
+                let last = match fresh.len() {
+                    0 => stale.len().saturating_sub(1),
+                    n => n - 1,
+                };
                 fresh.extend(stale);
                 let mut why = None;
-                let last = fresh.len().saturating_sub(1);
                 for (i, key) in fresh.into_iter().enumerate() {
                     match self.connect_endpoint(&key, tls, i == last).await {
                         Ok(c) => return Ok(c),
@@ -1477,10 +1483,18 @@ impl Pool {
         Err(None)
     }
 
-    /// Logs why a Service endpoint could not be used: a warning at most every 10 s (with how
-    /// many went unlogged), the others at debug level.
+    /// Logs why a Service endpoint could not be used: a warning at most every 10 s per
+    /// endpoint (with how many went unlogged), the others at debug level.
     fn endpoint_failed(&self, endpoint: &str, why: &str) {
-        match lock(&self.failure_log).allow() {
+        let allowed = {
+            let mut log = lock(&self.failure_log);
+            // Endpoints come and go with their Services: keep at most a few thousand.
+            if log.len() > 4096 {
+                log.clear();
+            }
+            log.entry(endpoint.to_string()).or_default().allow()
+        };
+        match allowed {
             Some(unlogged) => tracing::warn!(
                 %endpoint,
                 unlogged,
