@@ -365,29 +365,31 @@ fn check_state_outside_config(config: &std::path::Path, state: &std::path::Path)
     )
 }
 
-/// `path` with symlinks and `..` resolved, as far as it exists (the state directory may not
-/// yet): `cfg/../cfg/state` and a symlink into the config directory are inside it.
+/// `path` with symlinks and `..` resolved: its longest part that exists through
+/// `canonicalize`, the rest (which has no symlinks, not existing) as written with `..` taken
+/// away. So `cfg/../cfg/state`, `cfg/new/../state` and a symlink into the config directory are
+/// all inside it.
 fn resolved(path: &std::path::Path) -> std::path::PathBuf {
+    use std::path::Component;
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let mut existing = absolute.as_path();
-    let mut rest = Vec::new();
-    while existing.canonicalize().is_err() {
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_os_string());
-                existing = parent;
+    let components: Vec<Component> = absolute.components().collect();
+    for exists in (1..=components.len()).rev() {
+        let prefix: std::path::PathBuf = components[..exists].iter().collect();
+        let Ok(mut out) = prefix.canonicalize() else {
+            continue;
+        };
+        for c in &components[exists..] {
+            match c {
+                Component::ParentDir => {
+                    out.pop();
+                }
+                Component::Normal(name) => out.push(name),
+                _ => {}
             }
-            // `..` or the root: resolved as written.
-            _ => return absolute,
         }
+        return out;
     }
-    let mut out = existing
-        .canonicalize()
-        .unwrap_or_else(|_| existing.to_path_buf());
-    for name in rest.into_iter().rev() {
-        out.push(name);
-    }
-    out
+    absolute
 }
 
 /// How often `keyway run` checks that its config directory is still the one it watches.

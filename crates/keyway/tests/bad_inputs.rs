@@ -1381,7 +1381,8 @@ fn a_state_directory_inside_the_config_is_refused() {
     let link = dir.with_extension("link");
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&dir, &link).expect("symlink");
-    for state in [roundabout, link.join("state")] {
+    let detour = dir.join("new").join("..").join("state");
+    for state in [roundabout, detour, link.join("state")] {
         let out = keyway(
             &[
                 "run",
