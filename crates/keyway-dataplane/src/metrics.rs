@@ -115,6 +115,9 @@ pub struct Metrics {
     /// scrape): the `keyway_link_*` series are by peer site, and a Link that never came up
     /// has none.
     link_up: Family<Labels, Gauge>,
+    /// The label sets `link_up` and `certificate_expiry` hold (see [`replace_gauges`]).
+    link_up_set: Mutex<std::collections::HashSet<Labels>>,
+    certificate_expiry_set: Mutex<std::collections::HashSet<Labels>>,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
     /// Connection series of (listener, target) pairs that left the configuration while
@@ -155,6 +158,8 @@ impl Default for Metrics {
             certificate_expiry: Family::default(),
             listener_tls_refused: Family::default(),
             link_up: Family::default(),
+            link_up_set: Mutex::default(),
+            certificate_expiry_set: Mutex::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
             forgotten: Mutex::default(),
@@ -274,12 +279,10 @@ impl Metrics {
     /// Whether each Link of the config (`namespace/name`) is up, replacing the last: a Link
     /// deleted leaves no series.
     pub fn set_links_up(&self, links: &[(String, bool)]) {
-        self.link_up.clear();
-        for (link, up) in links {
-            self.link_up
-                .get_or_create(&vec![("link", link.clone())])
-                .set(i64::from(*up));
-        }
+        let series = links
+            .iter()
+            .map(|(link, up)| (vec![("link", link.clone())], i64::from(*up)));
+        replace_gauges(&self.link_up, &self.link_up_set, series);
     }
 
     /// Counts a connection to a TLS listener closed before a TLS session.
@@ -305,17 +308,41 @@ impl Metrics {
         &self,
         expiries: &std::collections::BTreeMap<(ObjectKey, &'static str), i64>,
     ) {
-        self.certificate_expiry.clear();
-        for ((object, key), at) in expiries {
+        let series = expiries.iter().map(|((object, key), at)| {
             let labels: Labels = vec![
                 ("kind", object.kind.to_string()),
                 ("namespace", object.namespace.clone()),
                 ("name", object.name.clone()),
                 ("key", (*key).to_string()),
             ];
-            self.certificate_expiry.get_or_create(&labels).set(*at);
-        }
+            (labels, *at)
+        });
+        replace_gauges(
+            &self.certificate_expiry,
+            &self.certificate_expiry_set,
+            series,
+        );
     }
+}
+
+/// Sets `family` to exactly `series`: those it had that are not among them are removed one
+/// by one (`set` remembers which it holds), never the whole family cleared, so a scrape
+/// encoding meanwhile sees every series still there.
+fn replace_gauges(
+    family: &Family<Labels, Gauge>,
+    set: &Mutex<std::collections::HashSet<Labels>>,
+    series: impl Iterator<Item = (Labels, i64)>,
+) {
+    let mut held = set.lock().unwrap_or_else(|p| p.into_inner());
+    let mut now = std::collections::HashSet::new();
+    for (labels, value) in series {
+        family.get_or_create(&labels).set(value);
+        now.insert(labels);
+    }
+    for gone in held.difference(&now) {
+        family.remove(gone);
+    }
+    *held = now;
 }
 
 /// Why a connection to a TLS Listener or MultiKeyListener ended before a TLS session.
