@@ -226,8 +226,9 @@ impl ObjectKey {
 }
 
 impl ObjectKey {
-    /// `Kind/namespace/name`: how metrics and logs name an object, so that two objects of
-    /// different kinds with one name (a Listener and a MultiKeyListener `web`) stay apart.
+    /// `Kind/namespace/name`: how listener and route series (and the logs of listeners) name
+    /// an object, so that two of different kinds with one name (a Listener and a
+    /// MultiKeyListener `web`) stay apart.
     pub fn label(&self) -> String {
         format!("{}/{}/{}", self.kind, self.namespace, self.name)
     }

@@ -31,7 +31,7 @@ use crate::{ConnectionTracker, Shared};
 pub struct ListenerRuntime {
     pub plan: ListenerPlan,
     pub tls: Option<TlsAcceptor>,
-    /// `namespace/name`, the metrics label.
+    /// `Kind/namespace/name`, the metrics label (see `ObjectKey::label`).
     pub label: String,
 }
 
@@ -517,7 +517,7 @@ pub(crate) async fn connect_local(shared: &Shared, key: &str) -> Result<LocalCon
 
 /// How long a connect to a client's last choice may take (unless its health-check timeout is
 /// longer). A target whose accept queue overflows drops SYNs, and the kernel sends them again
-/// after 1 s and 3 s: a busy workload answers then, as it would a client connecting directly.
+/// after 1 s and again 1–2 s later (by kernel): a busy workload answers then, as it would a client connecting directly.
 /// An earlier choice gives up at its health-check timeout, so a silent target costs a short
 /// delay before the next one.
 pub(crate) const LAST_CHOICE_CONNECT_TIMEOUT: Duration = Duration::from_secs(4);

@@ -354,9 +354,7 @@ fn compile_dir_with(
     // creation times (as if every object were new), not their answer. `keyway run` refuses
     // it, as it would write over it.
     let mut objects = state::load(state_dir).unwrap_or_else(|e| {
-        eprintln!(
-            "warning: {e:#}; read as empty here (objects count as created now), and `keyway run` refuses it until it is deleted"
-        );
+        eprintln!("warning: {e:#}; read as empty here (objects count as created now)");
         keyway_core::ObjectState::default()
     });
     Ok(offline::compile_checking_addresses(

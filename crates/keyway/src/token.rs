@@ -251,6 +251,8 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
             ),
         );
     }
+    // A bad name given with --name is a usage error; one the token carries, bad input.
+    let name_code = if link_name.is_some() { USAGE } else { INVALID };
     let name = match link_name.or_else(|| token.metadata.name.clone()) {
         Some(n) => n,
         None => {
@@ -262,7 +264,7 @@ pub fn redeem(file: &Path, config: &Path, link_name: Option<String>) -> Result<E
     };
     if !keyway_core::validate::is_object_name(&name) {
         return fail(
-            INVALID,
+            name_code,
             format!("link name `{name}` is not a valid object name"),
         );
     }

@@ -663,7 +663,6 @@ fn cached<T>(
     Some((*next_version, value))
 }
 
-/// The index of the first listener on `port` that a Gateway or ListenerSet declares.
 /// The Secrets a Gateway's or ListenerSet's listeners name as certificates: (listener name,
 /// Secret), a reference without a namespace being to the owner's.
 pub fn listener_certificate_secrets(obj: &LoadedObject) -> Vec<(String, ObjectKey)> {
@@ -697,6 +696,7 @@ pub fn listener_certificate_secrets(obj: &LoadedObject) -> Vec<(String, ObjectKe
         .collect()
 }
 
+/// The index of the first listener on `port` that a Gateway or ListenerSet declares.
 pub(crate) fn listener_on_port(obj: &LoadedObject, port: u16) -> Option<usize> {
     let port = i32::from(port);
     match &obj.resource {

@@ -605,13 +605,17 @@ pub fn mark_kept_certificate(status: &mut Value, listener: &str, kept: Kept, now
     );
 }
 
-/// Adds `note` to the message of `listener`'s `ResolvedRefs` condition (a fact about what it
-/// resolved to, such as a certificate Secret in force at an earlier version).
+/// Adds `note` to the message of `listener`'s `ResolvedRefs` condition while it is True (a
+/// fact about what it resolved to, such as a certificate Secret in force at an earlier
+/// version; a reference that does not resolve, not permitted say, has its own message).
 pub fn note_on_resolved_refs(status: &mut Value, listener: &str, note: &str) {
     let Some(conds) = listener_conditions_mut(status, listener) else {
         return;
     };
-    for c in conds.iter_mut().filter(|c| c["type"] == "ResolvedRefs") {
+    for c in conds
+        .iter_mut()
+        .filter(|c| c["type"] == "ResolvedRefs" && c["status"] == "True")
+    {
         let message = c["message"].as_str().unwrap_or_default();
         c["message"] = Value::from(match message.is_empty() {
             true => note.to_string(),

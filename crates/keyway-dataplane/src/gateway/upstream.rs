@@ -287,7 +287,7 @@ pub enum ConnectError {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a connect to the last endpoint left may take: as a Listener's last choice
 /// (`listener::LAST_CHOICE_CONNECT_TIMEOUT`), long enough for the kernel's SYNs sent again
-/// after 1 s and 2–3 s, so a busy backend whose accept queue overflowed answers as it would a
+/// after 1 s and again 1–2 s later, so a busy backend whose accept queue overflowed answers as it would a
 /// client connecting directly.
 const LAST_CHOICE_CONNECT_TIMEOUT: Duration = crate::listener::LAST_CHOICE_CONNECT_TIMEOUT;
 /// An endpoint whose connect failed is skipped for this long while others remain.
