@@ -666,22 +666,7 @@ fn cached<T>(
 /// The Secrets a Gateway's or ListenerSet's listeners name as certificates: (listener name,
 /// Secret), a reference without a namespace being to the owner's.
 pub fn listener_certificate_secrets(obj: &LoadedObject) -> Vec<(String, ObjectKey)> {
-    let specs: Vec<ListenerSpec> = match &obj.resource {
-        Resource::Gateway(g) => g
-            .spec
-            .listeners
-            .iter()
-            .map(ListenerSpec::from_gateway)
-            .collect(),
-        Resource::ListenerSet(ls) => ls
-            .spec
-            .listeners
-            .iter()
-            .map(ListenerSpec::from_listener_set)
-            .collect(),
-        _ => Vec::new(),
-    };
-    specs
+    listener_specs(obj)
         .into_iter()
         .flat_map(|l| {
             let refs = l.tls.map(|(_, refs)| refs).unwrap_or_default();
@@ -710,8 +695,9 @@ pub(crate) fn listener_on_port(obj: &LoadedObject, port: u16) -> Option<usize> {
     }
 }
 
-fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
-    let specs: Vec<ListenerSpec> = match &obj.resource {
+/// A Gateway's or ListenerSet's listeners as written, normalized.
+fn listener_specs(obj: &LoadedObject) -> Vec<ListenerSpec> {
+    match &obj.resource {
         Resource::Gateway(g) => g
             .spec
             .listeners
@@ -725,8 +711,11 @@ fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
             .map(ListenerSpec::from_listener_set)
             .collect(),
         _ => Vec::new(),
-    };
-    specs
+    }
+}
+
+fn owner_listeners(world: &World<'_>, obj: &LoadedObject) -> Vec<ListenerIn> {
+    listener_specs(obj)
         .into_iter()
         .map(|s| listeners::check(world, &obj.key, s))
         .collect()
