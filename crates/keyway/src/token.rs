@@ -445,8 +445,9 @@ pub fn write_private(path: &Path, text: &str) -> Result<()> {
 }
 
 /// Room a redeemed Link's file is given before the token is redeemed: its certificates, key
-/// and CA take a few KiB.
-pub const LINK_FILE_ROOM: usize = 64 * 1024;
+/// and CA take 2–3 KiB (ECDSA), twice that with RSA keys; a nearly full disk that could take
+/// the Link is not refused for a reservation far larger than it.
+pub const LINK_FILE_ROOM: usize = 16 * 1024;
 
 /// A private file (see [`write_private`]) opened, with room for its content set aside, before
 /// what it will hold exists: a redemption that uses up a one-time token first makes sure its
