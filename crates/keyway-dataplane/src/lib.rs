@@ -64,13 +64,16 @@ pub fn out_of_descriptors(e: &std::io::Error) -> bool {
     Errno::from_io_error(e).is_some_and(|n| matches!(n, Errno::MFILE | Errno::NFILE))
 }
 
-/// What to do about a bind refused for want of privilege: ports below
-/// `net.ipv4.ip_unprivileged_port_start` (1024 by default) need `CAP_NET_BIND_SERVICE`.
-pub fn bind_hint(e: &std::io::Error, port: u16) -> &'static str {
-    if e.kind() == std::io::ErrorKind::PermissionDenied && port < 1024 {
-        " (a port below 1024 needs CAP_NET_BIND_SERVICE, e.g. `setcap cap_net_bind_service=+ep` on the binary or AmbientCapabilities= in its systemd unit, or a lower net.ipv4.ip_unprivileged_port_start)"
-    } else {
-        ""
+/// What to do about a bind refused: for want of privilege (ports below
+/// `net.ipv4.ip_unprivileged_port_start`, 1024 by default, need `CAP_NET_BIND_SERVICE`), or
+/// because another process holds the port (which one, and that keyway keeps trying).
+pub fn bind_hint(e: &std::io::Error, port: u16) -> String {
+    match e.kind() {
+        std::io::ErrorKind::PermissionDenied if port < 1024 => " (a port below 1024 needs CAP_NET_BIND_SERVICE, e.g. `setcap cap_net_bind_service=+ep` on the binary or AmbientCapabilities= in its systemd unit, or a lower net.ipv4.ip_unprivileged_port_start)".into(),
+        std::io::ErrorKind::AddrInUse => format!(
+            " (another process holds it: `ss -ltnp 'sport = :{port}'` shows which; it is bound as soon as it is free)"
+        ),
+        _ => String::new(),
     }
 }
 
@@ -565,13 +568,14 @@ impl DataPlane {
 mod tests {
     use super::*;
 
-    /// A privileged port refused says how to allow it; other failures get no hint.
+    /// A privileged port refused says how to allow it, a port in use how to find its holder;
+    /// other failures get no hint.
     #[test]
     fn a_refused_low_port_says_what_to_grant() {
         let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
         assert!(bind_hint(&denied, 80).contains("CAP_NET_BIND_SERVICE"));
         assert_eq!(bind_hint(&denied, 8080), "");
         let busy = std::io::Error::from(std::io::ErrorKind::AddrInUse);
-        assert_eq!(bind_hint(&busy, 80), "");
+        assert!(bind_hint(&busy, 80).contains("ss -ltnp 'sport = :80'"));
     }
 }

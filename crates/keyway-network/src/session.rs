@@ -82,8 +82,9 @@ pub(crate) fn start_access(
             let socket =
                 keyway_dataplane::workers::bind_std(&ra.bind_host, ra.port).map_err(|e| {
                     NetError::Peer(format!(
-                        "cannot bind the inter-router port {}: {e}",
-                        host_port(&ra.bind_host, ra.port)
+                        "cannot bind the inter-router port {}: {e}{}",
+                        host_port(&ra.bind_host, ra.port),
+                        keyway_dataplane::bind_hint(&e, ra.port)
                     ))
                 })?;
             socket.set_nonblocking(true)?;
@@ -378,8 +379,14 @@ async fn dial_once(
     .await
     .map_err(|_| NetError::Timeout("connect"))?
     .map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::ConnectionRefused => {
+                " (nothing listens there: is the peer site running, with its RouterAccess on this port? it is dialled again)"
+            }
+            _ => "",
+        };
         NetError::Peer(format!(
-            "connect to {} failed: {e}",
+            "connect to {} failed: {e}{hint}",
             host_port(&link.host, link.port)
         ))
     })?;

@@ -913,6 +913,17 @@ fn links_say_whether_they_are_up() {
         "{:?}",
         up()
     );
+    // Its status says what a refused dial means.
+    assert!(
+        eventually(Duration::from_secs(5), || a
+            .status_of("Link", "to-b")
+            .and_then(|s| s["message"].as_str().map(str::to_string))
+            .is_some_and(
+                |m| m.contains("nothing listens there: is the peer site running")
+            )),
+        "{:?}",
+        a.status_of("Link", "to-b")
+    );
     let _b = start_site("b", &ca, &[router_access_yaml(b_port, "link-tls")]);
     assert!(
         eventually(Duration::from_secs(15), || up() == Some(1.0)),

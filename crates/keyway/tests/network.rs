@@ -688,6 +688,11 @@ fn a_router_access_moved_to_a_taken_port_accepts_on_until_it_binds() {
         pair.b.log()
     );
     assert!(message().contains("cannot bind"), "{}", message());
+    assert!(
+        message().contains(&format!("`ss -ltnp 'sport = :{taken}'` shows which")),
+        "{}",
+        message()
+    );
     // The stream opened before the edit still runs, and new connections cross the link.
     assert_eq!(echo(&mut w, &mut r, "held\n").as_deref(), Ok("held\n"));
     assert_eq!(who(pair.listen).as_deref(), Ok("at-b"));

@@ -1229,7 +1229,7 @@ async fn accept_loop(
                 } else {
                     format!("cannot bind {addr}: {e}")
                 };
-                msg.push_str(crate::bind_hint(&e, addr.port()));
+                msg.push_str(&crate::bind_hint(&e, addr.port()));
                 let old: Vec<String> = lock(&state.moved_from)
                     .1
                     .iter()
