@@ -507,6 +507,11 @@ impl DataPlane {
     /// Sets `keyway_listener_open` of every listener from whether its port accepts now (or,
     /// while it moves, the port it moves from): read at each scrape, so it is never stale.
     pub fn refresh_listener_open(&self) {
+        // Draining, the listeners are closed: their series read 0 (set as the drain began)
+        // until the process ends, rather than going.
+        if self.is_draining() {
+            return;
+        }
         let Ok(listeners) = self.listeners.lock() else {
             return;
         };
@@ -515,15 +520,9 @@ impl DataPlane {
             .map(|h| (h.runtime.load().label.clone(), h.accepting()))
             .collect();
         drop(listeners);
-        // Rebuilt whole: a listener dropped on any path (deleted, or refused on an edit) has
+        // Exactly these: a listener dropped on any path (deleted, or refused on an edit) has
         // no series left.
-        let family = &self.shared.metrics.listener_open;
-        family.clear();
-        for (label, open) in now {
-            family
-                .get_or_create(&Metrics::listener_labels(&label))
-                .set(i64::from(open));
-        }
+        self.shared.metrics.set_listeners_open(&now);
     }
 
     /// Counts a connection this data plane does not accept itself (a stream from another
@@ -544,6 +543,11 @@ impl DataPlane {
     pub async fn shutdown(&self, drain: Duration) -> usize {
         self.shared.registry.drain();
         if let Ok(mut listeners) = self.listeners.lock() {
+            let closed: Vec<(String, bool)> = listeners
+                .values()
+                .map(|h| (h.runtime.load().label.clone(), false))
+                .collect();
+            self.shared.metrics.set_listeners_open(&closed);
             listeners.clear();
         }
         self.gateways.stop();

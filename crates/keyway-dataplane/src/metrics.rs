@@ -115,8 +115,10 @@ pub struct Metrics {
     /// scrape): the `keyway_link_*` series are by peer site, and a Link that never came up
     /// has none.
     link_up: Family<Labels, Gauge>,
-    /// The label sets `link_up` and `certificate_expiry` hold (see [`replace_gauges`]).
+    /// The label sets `link_up`, `listener_open` and `certificate_expiry` hold (see
+    /// [`replace_gauges`]).
     link_up_set: Mutex<std::collections::HashSet<Labels>>,
+    listener_open_set: Mutex<std::collections::HashSet<Labels>>,
     certificate_expiry_set: Mutex<std::collections::HashSet<Labels>>,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
@@ -159,6 +161,7 @@ impl Default for Metrics {
             listener_tls_refused: Family::default(),
             link_up: Family::default(),
             link_up_set: Mutex::default(),
+            listener_open_set: Mutex::default(),
             certificate_expiry_set: Mutex::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
@@ -276,6 +279,14 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Whether each listener's port accepts (`keyway_listener_open`), replacing the last.
+    pub fn set_listeners_open(&self, listeners: &[(String, bool)]) {
+        let series = listeners
+            .iter()
+            .map(|(label, open)| (Self::listener_labels(label), i64::from(*open)));
+        replace_gauges(&self.listener_open, &self.listener_open_set, series);
+    }
+
     /// Whether each Link of the config (`namespace/name`) is up, replacing the last: a Link
     /// deleted leaves no series.
     pub fn set_links_up(&self, links: &[(String, bool)]) {

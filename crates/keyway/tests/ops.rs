@@ -324,6 +324,12 @@ fn readyz_is_not_ready_while_draining() {
     .expect("the port closes on SIGTERM");
     let (code, body) = admin::get(&site.admin, "/readyz");
     assert_eq!(code, 503, "/readyz while draining: {code} {body}");
+    // The listener's port is closed, and its series says so rather than going.
+    let metrics = admin::get(&site.admin, "/metrics").1;
+    assert!(
+        metrics.contains("keyway_listener_open{listener=\"Listener/default/web\"} 0"),
+        "{metrics}"
+    );
 }
 
 /// A 1 GiB file ending in `.yaml` in the config directory (a log or a dump written there by
