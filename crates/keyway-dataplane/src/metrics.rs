@@ -89,7 +89,7 @@ pub struct Metrics {
     pub target_healthy: Family<Labels, Gauge>,
     /// 1 while a Listener's or MultiKeyListener's port accepts (set at each scrape, see
     /// `DataPlane::refresh_listener_open`).
-    pub listener_open: Family<Labels, Gauge>,
+    listener_open: ReplacedGauges,
     pub config_errors: Gauge,
     /// Of those, documents rejected (an edit not applied): what an alert on a bad edit wants,
     /// apart from references that do not resolve yet (status, not a rejected document).
@@ -107,19 +107,14 @@ pub struct Metrics {
     pub gateway_tls_refused: Family<Labels, Counter>,
     /// When the first certificate of each Secret's (ConfigMap's) `tls.crt` or `ca.crt`
     /// expires, by object and key: set at each reload.
-    certificate_expiry: Family<Labels, Gauge>,
+    certificate_expiry: ReplacedGauges,
     /// Connections to a TLS Listener or MultiKeyListener closed before a TLS session, by
     /// listener and reason.
     listener_tls_refused: Family<Labels, Counter>,
     /// 1 while a Link of the config has a connection up, 0 while it has none (set at each
     /// scrape): the `keyway_link_*` series are by peer site, and a Link that never came up
     /// has none.
-    link_up: Family<Labels, Gauge>,
-    /// The label sets `link_up`, `listener_open` and `certificate_expiry` hold (see
-    /// [`replace_gauges`]).
-    link_up_set: Mutex<std::collections::HashSet<Labels>>,
-    listener_open_set: Mutex<std::collections::HashSet<Labels>>,
-    certificate_expiry_set: Mutex<std::collections::HashSet<Labels>>,
+    link_up: ReplacedGauges,
     /// Link handles by peer site, so a stream's path does no label building.
     links: Mutex<std::collections::HashMap<String, Arc<LinkMetrics>>>,
     /// Connection series of (listener, target) pairs that left the configuration while
@@ -144,7 +139,7 @@ impl Default for Metrics {
             connections_active: Family::default(),
             bytes: Family::default(),
             failovers: Family::default(),
-            listener_open: Family::default(),
+            listener_open: ReplacedGauges::default(),
             refused: Family::default(),
             target_healthy: Family::default(),
             config_errors: Gauge::default(),
@@ -157,12 +152,9 @@ impl Default for Metrics {
             link_bytes: Family::default(),
             gateway_unrouted: Family::default(),
             gateway_tls_refused: Family::default(),
-            certificate_expiry: Family::default(),
+            certificate_expiry: ReplacedGauges::default(),
             listener_tls_refused: Family::default(),
-            link_up: Family::default(),
-            link_up_set: Mutex::default(),
-            listener_open_set: Mutex::default(),
-            certificate_expiry_set: Mutex::default(),
+            link_up: ReplacedGauges::default(),
             links: Mutex::default(),
             retired: Mutex::default(),
             forgotten: Mutex::default(),
@@ -192,7 +184,7 @@ impl Default for Metrics {
         registry.register(
             "listener_open",
             "1 while the listener's port accepts connections; 0 while it is closed (no routing key reachable: connections are refused by the kernel and counted nowhere else) or cannot be bound",
-            m.listener_open.clone(),
+            m.listener_open.family.clone(),
         );
         registry.register(
             "target_healthy",
@@ -252,7 +244,7 @@ impl Default for Metrics {
         registry.register(
             "certificate_expiry_timestamp_seconds",
             "When the first certificate of a Secret's tls.crt or ca.crt (a ConfigMap's ca.crt) in the config expires, in seconds since the epoch, by kind, namespace, name and key: alert on it minus time()",
-            m.certificate_expiry.clone(),
+            m.certificate_expiry.family.clone(),
         );
         registry.register(
             "listener_tls_refused_connections",
@@ -262,7 +254,7 @@ impl Default for Metrics {
         registry.register(
             "link_up",
             "1 while the Link (namespace/name) has a connection up to its peer site, 0 while it has none (refused, unreachable, not verified: its status says why)",
-            m.link_up.clone(),
+            m.link_up.family.clone(),
         );
         // Every reason from the start, so a rate over them starts from 0.
         for why in Unrouted::ALL {
@@ -284,7 +276,7 @@ impl Metrics {
         let series = listeners
             .iter()
             .map(|(label, open)| (Self::listener_labels(label), i64::from(*open)));
-        replace_gauges(&self.listener_open, &self.listener_open_set, series);
+        self.listener_open.replace(series);
     }
 
     /// Whether each Link of the config (`namespace/name`) is up, replacing the last: a Link
@@ -293,7 +285,7 @@ impl Metrics {
         let series = links
             .iter()
             .map(|(link, up)| (vec![("link", link.clone())], i64::from(*up)));
-        replace_gauges(&self.link_up, &self.link_up_set, series);
+        self.link_up.replace(series);
     }
 
     /// Counts a connection to a TLS listener closed before a TLS session.
@@ -328,32 +320,42 @@ impl Metrics {
             ];
             (labels, *at)
         });
-        replace_gauges(
-            &self.certificate_expiry,
-            &self.certificate_expiry_set,
-            series,
-        );
+        self.certificate_expiry.replace(series);
     }
 }
 
-/// Sets `family` to exactly `series`: those it had that are not among them are removed one
-/// by one (`set` remembers which it holds), never the whole family cleared, so a scrape
-/// encoding meanwhile sees every series still there.
-fn replace_gauges(
-    family: &Family<Labels, Gauge>,
-    set: &Mutex<std::collections::HashSet<Labels>>,
-    series: impl Iterator<Item = (Labels, i64)>,
-) {
-    let mut held = set.lock().unwrap_or_else(|p| p.into_inner());
-    let mut now = std::collections::HashSet::new();
-    for (labels, value) in series {
-        family.get_or_create(&labels).set(value);
-        now.insert(labels);
+/// A gauge family set whole from time to time (at a reload, at a scrape): series not in the
+/// new set are removed one by one, never the family cleared, so a scrape encoding meanwhile
+/// sees every series still there.
+#[derive(Default)]
+struct ReplacedGauges {
+    family: Family<Labels, Gauge>,
+    /// The label sets `family` holds.
+    held: Mutex<std::collections::HashSet<Labels>>,
+}
+
+impl ReplacedGauges {
+    /// Sets the family to exactly `series`.
+    fn replace(&self, series: impl Iterator<Item = (Labels, i64)>) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut now = std::collections::HashSet::new();
+        for (labels, value) in series {
+            self.family.get_or_create(&labels).set(value);
+            now.insert(labels);
+        }
+        for gone in held.difference(&now) {
+            self.family.remove(gone);
+        }
+        *held = now;
     }
-    for gone in held.difference(&now) {
-        family.remove(gone);
+
+    fn remove(&self, labels: &Labels) {
+        self.family.remove(labels);
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(labels);
     }
-    *held = now;
 }
 
 /// Why a connection to a TLS Listener or MultiKeyListener ended before a TLS session.
