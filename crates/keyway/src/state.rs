@@ -220,27 +220,34 @@ pub fn write_durably(dir: &Path, file: &str, bytes: &[u8]) -> Result<()> {
     create_private_dir_all(dir)
         .with_context(|| format!("cannot create state directory {}", dir.display()))?;
     let tmp: PathBuf = dir.join(format!(".{file}.tmp"));
-    // Readable by its owner only, whatever the umask (a leftover goes first: the mode is set
-    // only when the file is made).
+    // A leftover goes first: the file is made new, owner-only.
     let _ = std::fs::remove_file(&tmp);
-    let mut f = {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))?
-    };
+    let mut f = create_private(&tmp)?;
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
         .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
-    // The rename itself is durable once the directory is.
+    sync_dir(dir);
+    Ok(())
+}
+
+/// Creates `path`, which must not exist (no symlink or FIFO made there first is followed),
+/// readable and writable by its owner only, whatever the umask.
+pub fn create_private(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Flushes `dir` itself: a rename into it is durable once the directory is.
+pub fn sync_dir(dir: &Path) {
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
-    Ok(())
 }
 
 #[cfg(test)]

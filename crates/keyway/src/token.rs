@@ -17,6 +17,7 @@ use keyway_network::grant::{self, GrantUrl, RedeemError, RedeemRequest};
 
 use crate::cli::{self, FAILURE, INVALID, USAGE};
 use crate::grants;
+use crate::state::create_private;
 
 /// Options of `token issue`.
 pub struct IssueArgs {
@@ -528,27 +529,12 @@ impl PrivateFile {
                 let _ = std::fs::remove_file(&tmp);
                 return Err(e).with_context(what);
             }
-            // The rename itself is durable once the directory is.
-            if let Some(dir) = self.path.parent().filter(|p| !p.as_os_str().is_empty())
-                && let Ok(d) = std::fs::File::open(dir)
-            {
-                let _ = d.sync_all();
+            if let Some(dir) = self.path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                crate::state::sync_dir(dir);
             }
         }
         Ok(())
     }
-}
-
-/// Creates `path`, which must not exist (no symlink or FIFO made there first is followed),
-/// readable and writable by its owner only.
-fn create_private(path: &Path) -> Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 impl Drop for PrivateFile {
