@@ -873,13 +873,16 @@ async fn redeem_token(
 ) -> Result<(), (String, bool)> {
     use crate::token::{LINK_FILE_ROOM, PrivateFile};
     use keyway_network::grant::{GrantUrl, RedeemError, redeem};
+    let unwritten = |e: anyhow::Error, kept: &str| {
+        let why = format!(
+            "the token was redeemed but its Link cannot be written: {e:#}; trying again{kept}"
+        );
+        (why, false)
+    };
     if let Some((manifest, remote)) = bought.as_ref() {
-        crate::token::write_private(path, manifest).map_err(|e| {
-            let why = format!(
-                "the token was redeemed but its Link cannot be written: {e:#}; trying again"
-            );
-            (why, false)
-        })?;
+        crate::token::write_private(path, manifest).map_err(|e| unwritten(e, ""))?;
+        // In place now: the copy kept meanwhile (a private key) goes.
+        let _ = std::fs::remove_file(state_dir.join(bought_file(key)));
         tracing::info!(token = %key, %remote, "AccessToken redeemed; Link written to {}", path.display());
         *bought = None;
         return Ok(());
@@ -911,11 +914,8 @@ async fn redeem_token(
             ),
             Err(_) => String::new(),
         };
-        let why = format!(
-            "the token was redeemed but its Link cannot be written: {e:#}; trying again{kept}"
-        );
         *bought = Some((manifest, creds.site));
-        return Err((why, false));
+        return Err(unwritten(e, &kept));
     }
     tracing::info!(token = %key, remote = %creds.site, "AccessToken redeemed; Link written to {}", path.display());
     Ok(())
