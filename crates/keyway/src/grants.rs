@@ -60,7 +60,8 @@ pub fn code_digest(code: &str) -> [u8; 32] {
     Sha256::digest(code.as_bytes()).into()
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// Lower-case hexadecimal, for digests and random names.
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -16,7 +16,7 @@ use keyway_core::validate::parse_duration_secs;
 use keyway_network::grant::{self, GrantUrl, RedeemError, RedeemRequest};
 
 use crate::cli::{self, FAILURE, INVALID, USAGE};
-use crate::grants;
+use crate::grants::{self, hex};
 use crate::state::create_private;
 
 /// Options of `token issue`.
@@ -423,10 +423,6 @@ pub(crate) fn yaml_str(s: &str) -> String {
 
 pub(crate) fn indent(pem: &str) -> String {
     pem.lines().map(|l| format!("    {l}\n")).collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Bytes from the operating system's CSPRNG.
