@@ -35,14 +35,21 @@ impl BackendTlsConfigs {
         &self,
         tls: &BackendTls,
         tcp: TcpStream,
-    ) -> Result<TlsStream<TcpStream>, String> {
-        let (config, name) = self.config(tls)?;
+    ) -> Result<TlsStream<TcpStream>, HandshakeFailed> {
+        let (config, name) = self.config(tls).map_err(|summary| HandshakeFailed {
+            detail: summary.clone(),
+            summary,
+        })?;
         tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
-            // What the client reads names no object of the config (the policy, its
-            // ConfigMaps): the handshake's own reason only. The status says the rest.
-            .map_err(|e| format!("TLS to the backend: {}", describe(&e)))
+            .map_err(|e| {
+                let (detail, summary) = describe(&e);
+                HandshakeFailed {
+                    detail: format!("TLS to the backend: {detail}"),
+                    summary: format!("TLS to the backend: {summary}"),
+                }
+            })
     }
 
     fn config(&self, tls: &BackendTls) -> Built {
@@ -219,30 +226,71 @@ impl ServerCertVerifier for PolicyVerifier {
 #[error("{0}")]
 struct NoSubjectAltName(String);
 
-/// A handshake's failure as a person reads it: rustls' own text, except where that is a
-/// debug dump (checks of ours, a CA certificate served as a server's).
-fn describe(e: &std::io::Error) -> String {
+/// Why a handshake with a backend failed, told twice: in full for the site's log, and as a
+/// summary without names for the client's 502 (SPEC §4: answers reveal no object of the
+/// config; a certificate's names and the policy's hostname and subjectAltNames are the
+/// backend's internals).
+#[derive(Debug)]
+pub struct HandshakeFailed {
+    /// rustls' own reason, the names it gives included.
+    pub detail: String,
+    /// The kind of failure only.
+    pub summary: String,
+}
+
+/// A handshake's failure as a person reads it: in full (rustls' own text, except where that
+/// is a debug dump: checks of ours, a CA certificate served as a server's), and its kind
+/// without any name in it.
+fn describe(e: &std::io::Error) -> (String, String) {
     use rustls::CertificateError;
+    const CERT: &str = "invalid peer certificate";
     let Some(rustls::Error::InvalidCertificate(c)) =
         e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
     else {
-        return e.to_string();
-    };
-    match c {
-        CertificateError::Other(o) => match o.0.downcast_ref::<NoSubjectAltName>() {
-            Some(n) => format!("invalid peer certificate: {n}"),
-            None if format!("{o:?}").contains("CaUsedAsEndEntity") => {
-                "invalid peer certificate: it is a CA certificate, not a server's (CaUsedAsEndEntity)"
-                    .to_string()
+        let summary = match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+            Some(rustls::Error::AlertReceived(alert)) => {
+                format!("the backend refused the handshake ({alert:?})")
             }
-            None => e.to_string(),
+            Some(_) => "the handshake failed (the site's log says why)".to_string(),
+            None => match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => {
+                    "the backend closed the connection during the handshake".to_string()
+                }
+                _ => "the handshake failed (the site's log says why)".to_string(),
+            },
+        };
+        return (e.to_string(), summary);
+    };
+    let (detail, summary) = match c {
+        CertificateError::Other(o) => match o.0.downcast_ref::<NoSubjectAltName>() {
+            Some(n) => (
+                n.to_string(),
+                "the certificate carries none of the policy's subjectAltNames".to_string(),
+            ),
+            None if format!("{o:?}").contains("CaUsedAsEndEntity") => {
+                let why = "it is a CA certificate, not a server's (CaUsedAsEndEntity)";
+                (why.to_string(), why.to_string())
+            }
+            None => (c.to_string(), "it could not be verified".to_string()),
         },
         CertificateError::UnknownIssuer => {
-            "invalid peer certificate: it does not chain to the policy's CA certificates (UnknownIssuer)"
-                .to_string()
+            let why = "it does not chain to the policy's CA certificates (UnknownIssuer)";
+            (why.to_string(), why.to_string())
         }
-        _ => e.to_string(),
-    }
+        CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => (
+            c.to_string(),
+            "it is not valid for the policy's hostname (NotValidForName)".to_string(),
+        ),
+        CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
+            (c.to_string(), "it has expired (Expired)".to_string())
+        }
+        CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => (
+            c.to_string(),
+            "it is not valid yet (NotValidYet)".to_string(),
+        ),
+        _ => (c.to_string(), "it could not be verified".to_string()),
+    };
+    (format!("{CERT}: {detail}"), format!("{CERT}: {summary}"))
 }
 
 /// Whether the certificate carries `name`: a hostname as TLS matches one (the certificate's

@@ -1410,7 +1410,7 @@ impl Pool {
 
     /// Connects to the Service endpoint `key` (an [`endpoint_key`]), over TLS when `tls`
     /// (the backend's BackendTLSPolicy) says so; a failure is remembered for [`PENALTY`]. The
-    /// error is why TLS failed, if it did. `last_choice`: no other endpoint is left to try,
+    /// error is why TLS failed, if it did, in words for the client (the log has the detail). `last_choice`: no other endpoint is left to try,
     /// so the connect may wait longer ([`LAST_CHOICE_CONNECT_TIMEOUT`]).
     pub async fn connect_endpoint(
         &self,
@@ -1443,16 +1443,22 @@ impl Pool {
                         let shake = self.tls.handshake(tls, s);
                         let shaken = match tokio::time::timeout(CONNECT_TIMEOUT, shake).await {
                             Ok(shaken) => shaken,
-                            Err(_) => Err(format!(
-                                "TLS to the backend: no handshake within {CONNECT_TIMEOUT:?}"
-                            )),
+                            Err(_) => {
+                                let why = format!(
+                                    "TLS to the backend: no handshake within {CONNECT_TIMEOUT:?}"
+                                );
+                                Err(super::backend_tls::HandshakeFailed {
+                                    detail: why.clone(),
+                                    summary: why,
+                                })
+                            }
                         };
                         match shaken {
                             Ok(s) => Box::new(s),
-                            Err(why) => {
-                                self.endpoint_failed(addr, &why);
+                            Err(failed) => {
+                                self.endpoint_failed(addr, &failed.detail);
                                 lock(&self.failed).insert(key.to_string(), Instant::now());
-                                return Err(Some(why));
+                                return Err(Some(failed.summary));
                             }
                         }
                     }
