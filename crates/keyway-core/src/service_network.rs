@@ -531,22 +531,33 @@ pub fn parse_duration_ms(text: &str) -> Option<u64> {
 
 /// Why a listener of `keys` has no destination: Skupper's "No matching connectors", and when
 /// Connectors for those keys exist here but fail their health checks, which and why (the
-/// Connector rows say Error while the listener would otherwise seem to have none).
-fn no_destination(index: &Index, reach: &Reachability, keys: &[&str]) -> String {
-    let unhealthy: Vec<(&ObjectKey, &String)> = index
+/// Connector rows say Error while the listener would otherwise seem to have none). Only the
+/// listener's own namespace's Connectors are named (SPEC §4: messages never reveal other
+/// namespaces' objects); those of other namespaces are counted.
+fn no_destination(index: &Index, reach: &Reachability, namespace: &str, keys: &[&str]) -> String {
+    let (own, others): (Vec<(&ObjectKey, &String)>, Vec<_>) = index
         .of_kind(Kind::Connector)
         .filter(|o| {
             matches!(&o.resource, Resource::Connector(c) if keys.contains(&c.spec.routing_key.as_str()))
         })
         .filter_map(|o| reach.unhealthy_connectors.get_key_value(&o.key))
-        .collect();
-    match unhealthy.as_slice() {
-        [] => "No matching connectors".into(),
-        [(key, why)] => format!("No matching connectors ({key} is not healthy: {why})"),
-        [(key, why), rest @ ..] => format!(
-            "No matching connectors ({key} and {} more are not healthy; {key}: {why})",
-            rest.len()
-        ),
+        .partition(|(key, _)| key.namespace == namespace);
+    let elsewhere = match others.len() {
+        0 => String::new(),
+        1 => "1 Connector in another namespace is not healthy".to_string(),
+        n => format!("{n} Connectors in other namespaces are not healthy"),
+    };
+    match (own.as_slice(), elsewhere.is_empty()) {
+        ([], true) => "No matching connectors".into(),
+        ([], false) => format!("No matching connectors ({elsewhere})"),
+        ([(key, why)], true) => format!("No matching connectors ({key} is not healthy: {why})"),
+        ([(key, why)], false) => {
+            format!("No matching connectors ({key} is not healthy: {why}; {elsewhere})")
+        }
+        ([(key, why), rest @ ..], _) => {
+            let more = rest.len() + others.len();
+            format!("No matching connectors ({key} and {more} more are not healthy; {key}: {why})")
+        }
     }
 }
 
@@ -587,7 +598,12 @@ pub fn statuses(
                 let matched = if has {
                     Cond::ready("Matched")
                 } else {
-                    let why = no_destination(index, reach, &[l.spec.routing_key.as_str()]);
+                    let why = no_destination(
+                        index,
+                        reach,
+                        &key.namespace,
+                        &[l.spec.routing_key.as_str()],
+                    );
                     Cond::pending("Matched", &why)
                 };
                 let conds = vec![configured(key), matched];
@@ -635,7 +651,10 @@ pub fn statuses(
                 let operational = if has {
                     Cond::ready("Operational")
                 } else {
-                    Cond::pending("Operational", &no_destination(index, reach, &keys))
+                    Cond::pending(
+                        "Operational",
+                        &no_destination(index, reach, &key.namespace, &keys),
+                    )
                 };
                 let conds = vec![configured(key), operational];
                 let mut v = ready_from(conds, generation, now);

@@ -393,6 +393,44 @@ fn no_destination_names_the_unhealthy_connectors() {
     );
 }
 
+/// A Connector of another namespace that fails its health checks is counted in a listener's
+/// message, never named, nor its target (SPEC §4: messages never reveal other namespaces'
+/// objects; routing keys are shared by the whole network).
+#[test]
+fn no_destination_names_no_connector_of_another_namespace() {
+    let other = connector("secret-backend", "db", 17002, "").replace(
+        "  name: secret-backend\n",
+        "  name: secret-backend\n  namespace: team-b\n",
+    );
+    let yaml = format!(
+        "{}{other}{}",
+        listener("l", "db", 17001, ""),
+        connector("c", "db", 17003, ""),
+    );
+    let index = index_of(&yaml);
+    let mut reach = live(&[]);
+    reach.unhealthy_connectors.insert(
+        ObjectKey::new(Kind::Connector, "team-b", "secret-backend"),
+        "health check: connect to 127.0.0.1:17002: connection refused".into(),
+    );
+    let (_, st) = statuses(&index, Some(reach.clone()));
+    assert_eq!(
+        status_of(&st, Kind::Listener, "l")["message"],
+        "No matching connectors (1 Connector in another namespace is not healthy)"
+    );
+    reach.unhealthy_connectors.insert(
+        ObjectKey::new(Kind::Connector, "default", "c"),
+        "health check: timed out".into(),
+    );
+    let (_, st) = statuses(&index, Some(reach));
+    let message = status_of(&st, Kind::Listener, "l")["message"].to_string();
+    assert_eq!(
+        message,
+        "\"No matching connectors (Connector default/c is not healthy: health check: timed out; 1 Connector in another namespace is not healthy)\""
+    );
+    assert!(!message.contains("secret-backend") && !message.contains("17002"));
+}
+
 #[test]
 fn missing_tls_secret_is_configured_false() {
     let yaml = format!(
