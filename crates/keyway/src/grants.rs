@@ -104,7 +104,11 @@ impl GrantBook {
         grant.check(given_code, now, used)?;
         let out = issue().map_err(|e| {
             tracing::error!(grant = %grant_key(&grant.namespace, &grant.name), "cannot issue a certificate: {e}");
-            Refusal::new(500, format!("the granting site cannot issue certificates: {e}"))
+            // The redeeming site is told no names of the granting site's config.
+            Refusal::new(
+                500,
+                "the granting site cannot issue certificates (its log and the AccessGrant's status say why)",
+            )
         })?;
         let mut next = counts.clone();
         next.grants.insert(
@@ -251,19 +255,27 @@ pub fn issuer_of<'a>(index: &'a Index, ns: &str, grant_issuer: Option<&'a str>) 
     })
 }
 
-/// Finds the issuing CA: the grant's `spec.issuer` Secret (`tls.crt` + `tls.key`), else `ca.crt`
-/// + `ca.key` of the RouterAccess `tlsCredentials` Secret. The error says how to fix it.
+/// Finds the issuing CA: the grant's `spec.issuer` Secret (`tls.crt` and `tls.key`), else
+/// `ca.crt` and `ca.key` of the RouterAccess `tlsCredentials` Secret. The error says how to fix
+/// it, naming the Secrets and the RouterAccess only to a `reader` of their namespace (SPEC §4: a
+/// grant's status in another namespace reveals no other namespace's objects).
 pub fn issuing_ca(
     index: &Index,
     router_access: &ObjectKey,
     issuer: Option<&str>,
+    reader: &str,
 ) -> Result<CaPem, String> {
     let ns = router_access.namespace.as_str();
+    let visible = reader == ns;
     let text = |v: Vec<u8>| String::from_utf8(v).ok();
     if let Some(name) = issuer {
+        let secret = match visible {
+            true => format!("issuer Secret {ns}/{name}"),
+            false => "the issuer Secret (in the RouterAccess's namespace)".to_string(),
+        };
         let Some(Resource::Secret(s)) = index.resource(Kind::Secret, ns, name) else {
             return Err(format!(
-                "issuer Secret {ns}/{name} does not exist; it must hold the CA as tls.crt and tls.key"
+                "{secret} does not exist; it must hold the CA as tls.crt and tls.key"
             ));
         };
         let cert = secret_value(s, "tls.crt").and_then(text);
@@ -272,21 +284,28 @@ pub fn issuing_ca(
             (Some(cert), Some(key)) => Ok(CaPem {
                 cert,
                 key,
-                source: format!("Secret {ns}/{name}"),
+                source: secret,
             }),
             _ => Err(format!(
-                "issuer Secret {ns}/{name} must hold the CA certificate as tls.crt and its key as tls.key"
+                "{secret} must hold the CA certificate as tls.crt and its key as tls.key"
             )),
         };
     }
     let Some(Resource::RouterAccess(ra)) =
         index.resource(Kind::RouterAccess, ns, &router_access.name)
     else {
-        return Err(format!("RouterAccess {router_access} is gone"));
+        return Err(match visible {
+            true => format!("RouterAccess {router_access} is gone"),
+            false => "the site's RouterAccess is gone".to_string(),
+        });
     };
-    let secret = &ra.spec.tls_credentials;
-    let Some(Resource::Secret(s)) = index.resource(Kind::Secret, ns, secret) else {
-        return Err(format!("Secret {ns}/{secret} does not exist"));
+    let name = &ra.spec.tls_credentials;
+    let secret = match visible {
+        true => format!("Secret {ns}/{name} (the RouterAccess tlsCredentials)"),
+        false => "the RouterAccess's tlsCredentials Secret".to_string(),
+    };
+    let Some(Resource::Secret(s)) = index.resource(Kind::Secret, ns, name) else {
+        return Err(format!("{secret} does not exist"));
     };
     let cert = secret_value(s, "ca.crt").and_then(text);
     let key = secret_value(s, "ca.key").and_then(text);
@@ -294,11 +313,11 @@ pub fn issuing_ca(
         (Some(cert), Some(key)) => Ok(CaPem {
             cert,
             key,
-            source: format!("Secret {ns}/{secret}"),
+            source: secret,
         }),
-        (None, _) => Err(format!("Secret {ns}/{secret} has no ca.crt")),
+        (None, _) => Err(format!("{secret} has no ca.crt")),
         (Some(_), None) => Err(format!(
-            "Secret {ns}/{secret} (the RouterAccess tlsCredentials) has no ca.key: issuing tokens needs the CA's private key to sign linking sites' certificates; add the PEM key of its ca.crt as `ca.key` to that Secret, or name a CA Secret (tls.crt + tls.key) with --issuer"
+            "{secret} has no ca.key: issuing tokens needs the CA's private key to sign linking sites' certificates; add the PEM key of its ca.crt as `ca.key` to that Secret, or name a CA Secret (tls.crt + tls.key) with --issuer"
         )),
     }
 }
@@ -457,6 +476,7 @@ pub fn grant_status(
                 ctx.index,
                 &ra.id,
                 issuer_of(ctx.index, &ra.id.namespace, grant.spec.issuer.as_deref()),
+                &key.namespace,
             );
             // The host its token names (`token issue --host`), else the RouterAccess's own.
             let recorded = grant
@@ -697,6 +717,57 @@ mod tests {
         };
         let e = issue_client_cert(&wrong, "east", Timestamp::now()).expect_err("mismatch");
         assert!(e.contains("does the CA key belong"), "{e}");
+    }
+
+    /// Why no CA can issue names the RouterAccess's Secrets to a reader of its namespace (the
+    /// operator), and to a grant in another namespace says what is wrong without the names
+    /// (SPEC §4).
+    #[test]
+    fn issuing_ca_names_secrets_only_within_their_namespace() {
+        let key = KeyPair::generate().expect("key");
+        let cert = CertificateParams::new(vec!["ra".to_string()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("cert")
+            .pem();
+        let (cert, key) = (format!("{cert:?}"), format!("{:?}", key.serialize_pem()));
+        let yaml = format!(
+            "apiVersion: skupper.io/v2alpha1\nkind: RouterAccess\nmetadata: {{name: ra, namespace: platform}}\nspec: {{tlsCredentials: ra-tls, roles: [{{name: inter-router, port: 9090}}]}}\n---\napiVersion: v1\nkind: Secret\nmetadata: {{name: ra-tls, namespace: platform}}\nstringData:\n  tls.crt: {cert}\n  tls.key: {key}\n  ca.crt: {cert}\n"
+        );
+        let compiled = keyway_core::offline::compile(
+            &[keyway_core::load_file("a.yaml", &yaml)],
+            &mut keyway_core::ObjectState::default(),
+            &crate::cli::now(),
+        );
+        let ra = ObjectKey::new(Kind::RouterAccess, "platform", "ra");
+        let error = |issuer, reader| {
+            issuing_ca(&compiled.index, &ra, issuer, reader)
+                .err()
+                .unwrap_or_default()
+        };
+        let own = error(None, "platform");
+        assert!(
+            own.starts_with(
+                "Secret platform/ra-tls (the RouterAccess tlsCredentials) has no ca.key"
+            ),
+            "{own}"
+        );
+        let other = error(None, "team-a");
+        assert!(
+            other.starts_with("the RouterAccess's tlsCredentials Secret has no ca.key"),
+            "{other}"
+        );
+        let other = error(Some("team-ca"), "team-a");
+        assert!(
+            other.starts_with("the issuer Secret (in the RouterAccess's namespace) does not exist"),
+            "{other}"
+        );
+        let gone = ObjectKey::new(Kind::RouterAccess, "platform", "gone");
+        let other = issuing_ca(&compiled.index, &gone, None, "team-a").err();
+        assert_eq!(other.as_deref(), Some("the site's RouterAccess is gone"));
+        for e in [error(None, "team-a"), error(Some("team-ca"), "team-a")] {
+            assert!(!e.contains("platform") && !e.contains("ra-tls"), "{e}");
+        }
     }
 }
 

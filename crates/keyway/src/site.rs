@@ -607,7 +607,8 @@ impl Site {
                 &ra.id.namespace,
                 grant.spec.issuer.as_deref(),
             );
-            let ca = grants::issuing_ca(&current.index, &ra.id, issuer);
+            // Its error goes to this site's log (the redeemer gets none of it): every name.
+            let ca = grants::issuing_ca(&current.index, &ra.id, issuer, &ra.id.namespace);
             let ra_ca = grants::router_access_ca(&current.index, &ra.id);
             (
                 facts,

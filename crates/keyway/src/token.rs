@@ -101,7 +101,8 @@ pub fn issue(args: IssueArgs) -> Result<ExitCode> {
     }
     // Prove now that the site can sign certificates, rather than at redemption time.
     let issuer = grants::issuer_of(&compiled.index, &ra.id.namespace, args.issuer.as_deref());
-    let ca = match grants::issuing_ca(&compiled.index, &ra.id, issuer) {
+    // The operator issuing a token reads every name.
+    let ca = match grants::issuing_ca(&compiled.index, &ra.id, issuer, &ra.id.namespace) {
         Ok(ca) => ca,
         Err(e) => return fail(INVALID, e),
     };
