@@ -18,9 +18,12 @@ pub const MAX_MESSAGE: usize = 16 * 1024 * 1024;
 pub const MAX_NAME: usize = 253;
 /// Most keys or links one advertisement may carry.
 pub const MAX_ITEMS: usize = 65_536;
+/// Largest first message (a `hello`, a few hundred bytes): nothing bigger is read before the
+/// peer has said who it is.
+pub const MAX_HELLO: usize = 4 * 1024;
 
-/// One control message.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One control message. Written as serde's internally tagged enum; read by [`Message::parse`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "type", rename_all = "camelCase")]
 pub enum Message {
     /// First message each way: who the site is, and the cost of this link (the dialer's Link
@@ -51,13 +54,13 @@ pub struct Advertisement {
     pub id: String,
     pub seq: u64,
     /// Routing keys with a healthy target at the origin.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "at_most_max_items")]
     pub keys: Vec<String>,
     /// Routing keys some listener at the origin uses.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "at_most_max_items")]
     pub listening: Vec<String>,
     /// Sites the origin can open streams to, with the link cost.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "at_most_max_items")]
     pub links: Vec<Adjacency>,
     /// The origin is shutting down (it advertises no keys and no links meanwhile). A site of
     /// the same name that it kept out takes its name back at once, rather than after its wait;
@@ -89,7 +92,93 @@ pub enum ProtocolError {
     Invalid { what: &'static str, why: String },
 }
 
+/// A list of at most [`MAX_ITEMS`], refused as soon as it grows past that rather than once read
+/// whole: a peer's line of 16 MiB could otherwise hold millions of entries.
+fn at_most_max_items<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Bounded<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Bounded<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a list of at most {MAX_ITEMS} entries")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(item) = seq.next_element()? {
+                if out.len() == MAX_ITEMS {
+                    return Err(serde::de::Error::custom(format_args!(
+                        "more than {MAX_ITEMS} entries"
+                    )));
+                }
+                out.push(item);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded(std::marker::PhantomData))
+}
+
+/// A message's `type`, read first: the message is then read as that type's fields straight
+/// from the line. (serde's internally tagged enums copy the whole line into a tree of values
+/// first, unknown fields included: ~20 bytes of memory for each byte of a list of small
+/// values.)
+#[derive(Deserialize)]
+struct Tag<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: std::borrow::Cow<'a, str>,
+}
+
+#[derive(Deserialize)]
+struct HelloFields {
+    version: u32,
+    site: String,
+    id: String,
+    cost: u64,
+}
+
+#[derive(Deserialize)]
+struct CostFields {
+    cost: u64,
+}
+
 impl Message {
+    /// One line of JSON as a message (fields of other types are ignored, as an internally
+    /// tagged enum would).
+    pub fn parse(line: &[u8]) -> Result<Message, serde_json::Error> {
+        let tag: Tag = serde_json::from_slice(line)?;
+        Ok(match tag.kind.as_ref() {
+            "hello" => {
+                let HelloFields {
+                    version,
+                    site,
+                    id,
+                    cost,
+                } = serde_json::from_slice(line)?;
+                Message::Hello {
+                    version,
+                    site,
+                    id,
+                    cost,
+                }
+            }
+            "keepalive" => Message::Keepalive,
+            "cost" => Message::Cost {
+                cost: serde_json::from_slice::<CostFields>(line)?.cost,
+            },
+            "retire" => Message::Retire,
+            "advertisement" => Message::Advertisement(serde_json::from_slice(line)?),
+            other => {
+                return Err(serde::de::Error::unknown_variant(
+                    other,
+                    &["hello", "keepalive", "cost", "retire", "advertisement"],
+                ));
+            }
+        })
+    }
+
     /// The message as one line of JSON.
     pub fn encode(&self) -> Bytes {
         let mut v = serde_json::to_vec(self).unwrap_or_default();
@@ -163,8 +252,17 @@ pub fn header_encode(name: &str) -> String {
     out
 }
 
-/// The name a [`header_encode`]d value stands for; `None` if it is not one.
+/// The name a [`header_encode`]d value stands for; `None` if it is not one: only the encoding
+/// [`header_encode`] writes (`%` and two uppercase hex digits) is read, and the name must be
+/// one a peer may send (see [`check_name`]).
 pub fn header_decode(value: &str) -> Option<String> {
+    fn hex(d: u8) -> Option<u8> {
+        match d {
+            b'0'..=b'9' => Some(d - b'0'),
+            b'A'..=b'F' => Some(d - b'A' + 10),
+            _ => None,
+        }
+    }
     let mut bytes = Vec::with_capacity(value.len());
     let mut rest = value.as_bytes();
     while let [b, tail @ ..] = rest {
@@ -172,15 +270,16 @@ pub fn header_decode(value: &str) -> Option<String> {
             let [h, l, tail @ ..] = tail else {
                 return None;
             };
-            let hex = std::str::from_utf8(&[*h, *l]).ok()?.to_string();
-            bytes.push(u8::from_str_radix(&hex, 16).ok()?);
+            bytes.push(hex(*h)? << 4 | hex(*l)?);
             rest = tail;
         } else {
             bytes.push(*b);
             rest = tail;
         }
     }
-    String::from_utf8(bytes).ok()
+    let name = String::from_utf8(bytes).ok()?;
+    check_name("name", &name).ok()?;
+    Some(name)
 }
 
 /// Splits a byte stream into messages and enforces their order.
@@ -198,10 +297,18 @@ impl Decoder {
     /// Adds received bytes; fails at once when a line grows past the limit.
     pub fn push(&mut self, data: &[u8]) -> Result<(), ProtocolError> {
         self.buf.extend_from_slice(data);
-        if self.newline().is_none() && self.buf.len() > MAX_MESSAGE {
+        if self.newline().is_none() && self.buf.len() > self.limit() {
             return Err(ProtocolError::Oversized);
         }
         Ok(())
+    }
+
+    /// The longest line allowed now: [`MAX_HELLO`] until the peer's `hello`.
+    fn limit(&self) -> usize {
+        match self.hello_seen {
+            true => MAX_MESSAGE,
+            false => MAX_HELLO,
+        }
     }
 
     /// Where the first newline in `buf` is, scanning only bytes not scanned before.
@@ -223,11 +330,10 @@ impl Decoder {
         self.scanned = 0;
         let line = self.buf.split_to(end + 1);
         let line = &line[..end];
-        if line.len() > MAX_MESSAGE {
+        if line.len() > self.limit() {
             return Err(ProtocolError::Oversized);
         }
-        let msg: Message =
-            serde_json::from_slice(line).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+        let msg = Message::parse(line).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
         validate(&msg)?;
         match (&msg, self.hello_seen) {
             (Message::Hello { version, .. }, false) => {
@@ -306,7 +412,7 @@ mod tests {
     #[test]
     fn the_draining_flag_is_optional() {
         let line = br#"{"type":"advertisement","origin":"west","id":"9f","seq":7,"keys":["db"]}"#;
-        let Ok(Message::Advertisement(adv)) = serde_json::from_slice::<Message>(line) else {
+        let Ok(Message::Advertisement(adv)) = Message::parse(line) else {
             panic!("an advertisement without the flag");
         };
         assert!(!adv.draining);
@@ -318,7 +424,7 @@ mod tests {
         };
         let encoded = Message::Advertisement(draining.clone()).encode();
         assert!(String::from_utf8_lossy(&encoded).contains(r#""draining":true"#));
-        let back: Message = serde_json::from_slice(&encoded).expect("decodes");
+        let back = Message::parse(&encoded[..encoded.len() - 1]).expect("decodes");
         assert_eq!(back, Message::Advertisement(draining));
     }
 
@@ -330,9 +436,65 @@ mod tests {
             assert_eq!(header_decode(&v).as_deref(), Some(name));
         }
         assert_eq!(header_encode("café"), "caf%C3%A9");
-        for bad in ["%", "%4", "%zz", "%FF"] {
+        // Only what header_encode writes: uppercase hex, no sign, and a name a peer may send.
+        for bad in [
+            "%",
+            "%4",
+            "%zz",
+            "%FF",
+            "%+1",
+            "caf%c3%a9",
+            "",
+            "%0A",
+            "a%00b",
+        ] {
             assert_eq!(header_decode(bad), None, "{bad}");
         }
+    }
+
+    /// A line costs memory in proportion to what it carries, however it is made up: unknown
+    /// fields are skipped, not copied into a tree of values, and a list is refused once it has
+    /// more than MAX_ITEMS entries (each entry a String would cost ~40 bytes for its 4).
+    #[test]
+    fn big_lines_are_refused_as_they_are_read() {
+        let mut d = Decoder::default();
+        d.push(&hello().encode()).unwrap();
+        assert_eq!(d.next_message().unwrap(), Some(hello()));
+        let mut line =
+            br#"{"type":"advertisement","origin":"w","id":"1","seq":1,"keys":["#.to_vec();
+        line.extend(std::iter::repeat_n(&b"\"a\","[..], MAX_ITEMS + 1).flatten());
+        line.extend_from_slice(b"\"a\"]}\n");
+        d.push(&line).unwrap();
+        let Err(ProtocolError::Malformed(why)) = d.next_message() else {
+            panic!("a list past MAX_ITEMS is refused");
+        };
+        assert!(why.contains("more than 65536 entries"), "{why}");
+        // Fields of no message are skipped whatever they hold; the message is read.
+        let mut d = Decoder::default();
+        d.push(&hello().encode()).unwrap();
+        d.next_message().unwrap();
+        let junk = format!(
+            "{{\"type\":\"cost\",\"junk\":[{}0],\"cost\":4}}\n",
+            "[0,{}],".repeat(1000)
+        );
+        d.push(junk.as_bytes()).unwrap();
+        assert_eq!(d.next_message(), Ok(Some(Message::Cost { cost: 4 })));
+    }
+
+    /// Before the peer's hello, a line longer than a hello can be is refused at once.
+    #[test]
+    fn the_first_line_is_short() {
+        let mut d = Decoder::default();
+        assert_eq!(
+            d.push(&vec![b' '; MAX_HELLO + 1]),
+            Err(ProtocolError::Oversized)
+        );
+        let mut d = Decoder::default();
+        let mut keepalive = br#"{"type":"keepalive","junk":""#.to_vec();
+        keepalive.extend(std::iter::repeat_n(b'x', MAX_HELLO));
+        keepalive.extend_from_slice(b"\"}\n");
+        d.push(&keepalive).unwrap();
+        assert_eq!(d.next_message(), Err(ProtocolError::Oversized));
     }
 
     #[test]
@@ -355,10 +517,19 @@ mod tests {
         assert_eq!(d.next_message(), Err(ProtocolError::Version(99)));
 
         let mut d = Decoder::default();
+        d.push(&hello().encode()).unwrap();
+        d.next_message().unwrap();
         assert_eq!(
             d.push(&vec![b'x'; MAX_MESSAGE + 1]),
             Err(ProtocolError::Oversized)
         );
+
+        let mut d = Decoder::default();
+        d.push(b"{\"type\":\"nonsense\"}\n").unwrap();
+        let Err(ProtocolError::Malformed(why)) = d.next_message() else {
+            panic!("an unknown type is refused");
+        };
+        assert!(why.contains("unknown variant `nonsense`"), "{why}");
 
         let mut d = Decoder::default();
         d.push(br#"{"type":"hello","version":1,"site":"","id":"1","cost":1}"#)
