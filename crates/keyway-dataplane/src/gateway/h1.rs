@@ -442,7 +442,8 @@ pub fn parse_head(
         })?;
         // Both framings at once is what request smuggling looks like (RFC 9112 §6.3): the
         // connection is not used again, in case anything behind the backend framed by length.
-        let both_framings = facts.transfer_encoding && facts.content_length.is_some();
+        let both_framings = facts.transfer_encoding
+            && (facts.content_length.is_some() || facts.content_length_invalid);
         let keep_alive = (version == Version::HTTP_11 || facts.keep_alive)
             && !facts.close
             && !both_framings
@@ -457,11 +458,12 @@ pub fn parse_head(
         }
         let mut raw_headers = None;
         if raw && status != StatusCode::SWITCHING_PROTOCOLS {
-            let lines = raw_lines(
-                res.headers,
-                kinds,
-                head_request || status == StatusCode::NOT_MODIFIED,
-            );
+            // A response without a body (HEAD, 304) keeps the length it describes, when that
+            // is a valid one and no Transfer-Encoding overrides it (as in a map, below).
+            let keep_length = (head_request || status == StatusCode::NOT_MODIFIED)
+                && !facts.transfer_encoding
+                && !facts.content_length_invalid;
+            let lines = raw_lines(res.headers, kinds, keep_length);
             buf.advance(len);
             raw_headers = Some(lines);
         } else {
@@ -469,9 +471,10 @@ pub fn parse_head(
             let bytes = buf.split_to(len).freeze();
             let map = response.headers_mut();
             *map = spans.map(&bytes, 0)?;
-            if facts.transfer_encoding {
+            if facts.transfer_encoding || facts.content_length_invalid {
                 // Transfer-Encoding overrides Content-Length, which a proxy must then drop
                 // (RFC 9112 §6.3): forwarded, it would frame the client's response wrongly.
+                // An invalid one (left on a response without a body) is dropped too.
                 map.remove(header::CONTENT_LENGTH);
             }
         }
@@ -587,15 +590,18 @@ pub fn is_head(method: &Method) -> bool {
     method == Method::HEAD
 }
 
-/// A Content-Length value: digits, or a list of equal ones (RFC 9110 §8.6).
+/// A Content-Length value: digits (leading zeros allowed, as RFC 9110 §8.6 reads `1*DIGIT`),
+/// or a list of equal ones; `None` past `u64::MAX`.
 pub fn content_length(v: &[u8]) -> Option<u64> {
     let mut found = None;
     for part in v.split(|&b| b == b',') {
         let part = part.trim_ascii();
-        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
             return None;
         }
-        let n = part.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+        let n = part.iter().try_fold(0u64, |n, d| {
+            n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+        })?;
         if found.is_some_and(|f| f != n) {
             return None;
         }
@@ -742,11 +748,14 @@ impl Chunked {
 fn chunk_size(line: &[u8]) -> Option<u64> {
     let line = line.strip_suffix(b"\r\n")?;
     let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    if digits == 0 || digits > 16 || !chunk_extensions(&line[digits..]) {
+    if digits == 0 || !chunk_extensions(&line[digits..]) {
         return None;
     }
-    let s = std::str::from_utf8(&line[..digits]).ok()?;
-    u64::from_str_radix(s, 16).ok()
+    // Leading zeros are allowed (`1*HEXDIG`); the line's length bounds them.
+    line[..digits].iter().try_fold(0u64, |n, &d| {
+        let d = char::from(d).to_digit(16)?;
+        n.checked_mul(16)?.checked_add(u64::from(d))
+    })
 }
 
 /// `*( BWS ";" BWS ext-name [ BWS "=" BWS ext-val ] )` (RFC 9112 §7.1.1).
@@ -1008,13 +1017,36 @@ mod tests {
                 Chunked,
                 true,
             ),
-            // Both framings: chunked wins, and the connection is not reused.
+            // Both framings: chunked wins, and the connection is not reused, whether the
+            // length is valid or not.
             (
                 "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n",
                 false,
                 200,
                 Chunked,
                 false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: x\r\n\r\n",
+                false,
+                200,
+                Chunked,
+                false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 1, 2\r\n\r\n",
+                false,
+                200,
+                Chunked,
+                false,
+            ),
+            // Leading zeros are digits like any others.
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 00000000000000000005\r\n\r\n",
+                false,
+                200,
+                Length(5),
+                true,
             ),
             (
                 "HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n",
@@ -1159,6 +1191,28 @@ mod tests {
                 "etag: \"a\"\r\ncontent-length: 10\r\n",
                 false,
                 true,
+            ),
+            // ... unless it is not a length, or Transfer-Encoding overrides it.
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n",
+                true,
+                "",
+                false,
+                false,
+            ),
+            (
+                "HTTP/1.1 304 Not Modified\r\nContent-Length: 1, 2\r\n\r\n",
+                false,
+                "",
+                false,
+                false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n",
+                true,
+                "",
+                false,
+                false,
             ),
         ];
         for (raw, head_request, lines, date, length) in cases {
@@ -1331,6 +1385,8 @@ mod tests {
                 true,
             ),
             ("0\r\n\r\n", "", true),
+            // Leading zeros (`1*HEXDIG`), more than a u64's 16 digits of them included.
+            ("00000000000000005\r\nhello\r\n000\r\n\r\n", "hello", true),
             ("3\r\nabc\r\n", "abc", false),
             ("3\r\nab", "ab", false),
         ];
@@ -1358,6 +1414,7 @@ mod tests {
             b"\r\n",
             b"5 x\r\nhello\r\n",
             b"11111111111111111\r\n",
+            b"0000010000000000000000\r\n",
             b"5\r\nhelloXX",
             b"5\r\nhello\rX",
             b"-1\r\n",
