@@ -320,6 +320,10 @@ impl<IO> RecordStream<IO> {
             let (ciphertext, tag) =
                 self.input[start..start + sealed_len].split_at(sealed_len - tag_len);
             let opened_len = ciphertext.len();
+            // TLSInnerPlaintext, padding included, is at most 2^14 + 1 bytes (RFC 8446 §5.4).
+            if opened_len > MAX_PLAIN + 1 {
+                return Err(invalid("record_overflow"));
+            }
             let nonce = self.rx.next_nonce()?;
             let direct = buf.remaining() >= opened_len;
             let opened: &mut [u8] = if direct {
@@ -874,7 +878,31 @@ mod tests {
     async fn content_types_after_the_handshake() {
         use super::{ALERT, APPLICATION_DATA, HANDSHAKE};
         type Records = &'static [(u8, &'static [u8])];
-        let cases: [(&str, Records, &[u8], Option<&str>); 12] = [
+        /// "x" as data, padded with zeros to `N` bytes; sealed as type 0, the inner plaintext
+        /// is `N + 1` bytes, its last byte padding too.
+        const fn padded<const N: usize>() -> [u8; N] {
+            let mut p = [0u8; N];
+            p[0] = b'x';
+            p[1] = APPLICATION_DATA;
+            p
+        }
+        static LONGEST: [u8; super::MAX_PLAIN] = padded();
+        static TOO_LONG: [u8; super::MAX_PLAIN + 1] = padded();
+        static PADDED_OK: [(u8, &[u8]); 2] = [(0, &LONGEST), (ALERT, &[1, 0])];
+        static PADDED_TOO_LONG: [(u8, &[u8]); 1] = [(0, &TOO_LONG)];
+        let cases: [(&str, Records, &[u8], Option<&str>); 14] = [
+            (
+                "padding up to 2^14 + 1 bytes of inner plaintext",
+                &PADDED_OK,
+                b"x",
+                None,
+            ),
+            (
+                "padding past 2^14 + 1 bytes of inner plaintext",
+                &PADDED_TOO_LONG,
+                b"",
+                Some("record_overflow"),
+            ),
             (
                 "data, then close_notify: the rest is ignored",
                 &[
