@@ -147,13 +147,20 @@ fn rewrite(site: &SiteProc, f: impl Fn(&str) -> Option<String>) {
     replace_file(&site.config_dir(), "site.yaml", &new);
 }
 
+/// Whether a document of a site's config is its link Secret `link-tls`.
+fn is_link_secret(doc: &str) -> bool {
+    doc.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
+}
+
+/// Replaces a site's link Secret `link-tls` by `yaml` (an empty string deletes it).
+fn set_link_secret(site: &SiteProc, yaml: &str) {
+    rewrite(site, |d| is_link_secret(d).then(|| yaml.to_string()));
+}
+
 /// Replaces a site's link Secret `link-tls` by a fresh leaf certificate and key from `ca`: the
 /// same CA is a rotation (as cert-manager does it), another one a CA change.
 fn rotate_link_secret(site: &SiteProc, ca: &Ca) {
-    rewrite(site, |d| {
-        d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
-            .then(|| ca.secret_yaml("link-tls"))
-    });
+    set_link_secret(site, &ca.secret_yaml("link-tls"));
 }
 
 fn connections_up(site: &SiteProc) -> usize {
@@ -252,10 +259,7 @@ fn adding_a_ca_to_the_bundles_keeps_live_connections() {
     assert_eq!(line, "at-b\n");
     let bundle: String = next.pem().lines().map(|l| format!("    {l}\n")).collect();
     for site in [&b, &a] {
-        rewrite(site, |d| {
-            d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
-                .then(|| format!("{}{bundle}", ca.secret_yaml("link-tls")))
-        });
+        set_link_secret(site, &format!("{}{bundle}", ca.secret_yaml("link-tls")));
         std::thread::sleep(Duration::from_secs(2));
         assert_eq!(
             echo(&mut w, &mut r, "still there?\n").as_deref(),
@@ -287,10 +291,7 @@ fn removing_the_old_ca_keeps_connections_the_new_one_verified() {
             .map(|c| c.pem().lines().map(|l| format!("    {l}\n")).collect())
             .unwrap_or_default();
         let yaml = format!("{}{extra}", leaf.secret_yaml("link-tls"));
-        rewrite(site, |d| {
-            d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
-                .then(|| yaml.clone())
-        });
+        set_link_secret(site, &yaml);
         std::thread::sleep(Duration::from_secs(1));
     };
     for site in [&b, &a] {
@@ -345,10 +346,7 @@ fn a_link_held_at_its_last_tls_says_it_serves_on() {
     let backend = Backend::start("at-b");
     let (a, b, _b_port, listen) = pair(&ca, &backend);
     assert_eq!(who(listen).as_deref(), Ok("at-b"));
-    rewrite(&a, |d| {
-        d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
-            .then(String::new)
-    });
+    set_link_secret(&a, "");
     let mut status = String::new();
     let said = eventually(Duration::from_secs(10), || {
         status = a.get("/status").unwrap_or_default();
@@ -356,10 +354,7 @@ fn a_link_held_at_its_last_tls_says_it_serves_on() {
     });
     assert!(said, "a's status:\n{status}");
     assert_eq!(who(listen).as_deref(), Ok("at-b"), "a's log:\n{}", a.log());
-    rewrite(&b, |d| {
-        d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n")
-            .then(String::new)
-    });
+    set_link_secret(&b, "");
     let said = eventually(Duration::from_secs(10), || {
         status = b.get("/status").unwrap_or_default();
         status.contains("not found; it serves on with its last valid TLS")
@@ -443,7 +438,7 @@ fn a_ca_change_with_a_move_that_cannot_bind_revokes_on_the_old_port() {
     let holder = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let taken = holder.local_addr().expect("addr").port();
     rewrite(&b, |d| {
-        if d.starts_with("apiVersion: v1\nkind: Secret\nmetadata:\n  name: link-tls\n") {
+        if is_link_secret(d) {
             Some(other.secret_yaml("link-tls"))
         } else if d.contains("kind: RouterAccess") {
             Some(router_access_yaml(taken, "link-tls"))
