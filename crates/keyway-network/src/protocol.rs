@@ -218,15 +218,7 @@ pub fn validate(msg: &Message) -> Result<(), ProtocolError> {
         Message::Advertisement(a) => {
             check_name("site name", &a.origin)?;
             check_name("site id", &a.id)?;
-            if a.keys.len() > MAX_ITEMS
-                || a.listening.len() > MAX_ITEMS
-                || a.links.len() > MAX_ITEMS
-            {
-                return Err(ProtocolError::Invalid {
-                    what: "advertisement",
-                    why: "too many entries".into(),
-                });
-            }
+            // (The lists' lengths were bounded as they were read: `at_most_max_items`.)
             for k in a.keys.iter().chain(&a.listening) {
                 check_name("routing key", k)?;
             }

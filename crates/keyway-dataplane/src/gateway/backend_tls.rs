@@ -36,10 +36,7 @@ impl BackendTlsConfigs {
         tls: &BackendTls,
         tcp: TcpStream,
     ) -> Result<TlsStream<TcpStream>, HandshakeFailed> {
-        let (config, name) = self.config(tls).map_err(|summary| HandshakeFailed {
-            detail: summary.clone(),
-            summary,
-        })?;
+        let (config, name) = self.config(tls).map_err(HandshakeFailed::told_alike)?;
         tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
@@ -238,28 +235,36 @@ pub struct HandshakeFailed {
     pub summary: String,
 }
 
+impl HandshakeFailed {
+    /// A failure whose reason names nothing: the log and the client read the same.
+    pub fn told_alike(why: String) -> HandshakeFailed {
+        HandshakeFailed {
+            detail: why.clone(),
+            summary: why,
+        }
+    }
+}
+
 /// A handshake's failure as a person reads it: in full (rustls' own text, except where that
 /// is a debug dump: checks of ours, a CA certificate served as a server's), and its kind
 /// without any name in it.
 fn describe(e: &std::io::Error) -> (String, String) {
     use rustls::CertificateError;
     const CERT: &str = "invalid peer certificate";
-    let Some(rustls::Error::InvalidCertificate(c)) =
-        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
-    else {
-        let summary = match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
-            Some(rustls::Error::AlertReceived(alert)) => {
-                format!("the backend refused the handshake ({alert:?})")
-            }
-            Some(_) => "the handshake failed (the site's log says why)".to_string(),
-            None => match e.kind() {
-                std::io::ErrorKind::UnexpectedEof => {
-                    "the backend closed the connection during the handshake".to_string()
-                }
-                _ => "the handshake failed (the site's log says why)".to_string(),
-            },
-        };
-        return (e.to_string(), summary);
+    let c = match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+        Some(rustls::Error::InvalidCertificate(c)) => c,
+        Some(rustls::Error::AlertReceived(alert)) => {
+            let summary = format!("the backend refused the handshake ({alert:?})");
+            return (e.to_string(), summary);
+        }
+        None if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            let summary = "the backend closed the connection during the handshake";
+            return (e.to_string(), summary.to_string());
+        }
+        _ => {
+            let summary = "the handshake failed (the site's log says why)";
+            return (e.to_string(), summary.to_string());
+        }
     };
     let (detail, summary) = match c {
         CertificateError::Other(o) => match o.0.downcast_ref::<NoSubjectAltName>() {

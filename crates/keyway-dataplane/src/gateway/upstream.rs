@@ -1410,8 +1410,9 @@ impl Pool {
 
     /// Connects to the Service endpoint `key` (an [`endpoint_key`]), over TLS when `tls`
     /// (the backend's BackendTLSPolicy) says so; a failure is remembered for [`PENALTY`]. The
-    /// error is why TLS failed, if it did, in words for the client (the log has the detail). `last_choice`: no other endpoint is left to try,
-    /// so the connect may wait longer ([`LAST_CHOICE_CONNECT_TIMEOUT`]).
+    /// error is why TLS failed, if it did, in words for the client (the log has the detail).
+    /// `last_choice`: no other endpoint is left to try, so the connect may wait longer
+    /// ([`LAST_CHOICE_CONNECT_TIMEOUT`]).
     pub async fn connect_endpoint(
         &self,
         key: &str,
@@ -1444,13 +1445,9 @@ impl Pool {
                         let shaken = match tokio::time::timeout(CONNECT_TIMEOUT, shake).await {
                             Ok(shaken) => shaken,
                             Err(_) => {
-                                let why = format!(
+                                Err(super::backend_tls::HandshakeFailed::told_alike(format!(
                                     "TLS to the backend: no handshake within {CONNECT_TIMEOUT:?}"
-                                );
-                                Err(super::backend_tls::HandshakeFailed {
-                                    detail: why.clone(),
-                                    summary: why,
-                                })
+                                )))
                             }
                         };
                         match shaken {
